@@ -1,0 +1,139 @@
+"""The task contract: prompts, rewards, verifier blocks, leave-one-out contexts, metrics.
+
+A task is everything the trainer needs to know about one setting (text-to-SQL, instruction
+following, tool calling, the synthetic test bed). The trainer never looks inside
+``Example.data``; it only calls the methods below.
+
+Rewards are pure functions of (example, response). ``None`` means "does not apply to this
+sample" and becomes NaN in the reward tensor. A verifier block is the text its verifier
+scores against (a reference query, an error message, a format requirement); replay appends
+blocks to the prompt to build ``P_all`` and ``P_\\k``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Example:
+    """One prompt of a task."""
+
+    id: str
+    messages: Messages  # the sampling context P0, as chat messages
+    data: dict[str, Any] = field(default_factory=dict)  # task-private: references, db, constraints
+    reference: str | None = None  # a reference response, for SFT warm starts (None if none)
+
+
+@dataclass
+class Score:
+    """What a task says about one (example, response) pair."""
+
+    rewards: dict[str, float | None]  # one entry per reward name; None = does not apply
+    blocks: dict[str, str | None] = field(default_factory=dict)  # verifier info Z_k; None = no block
+    reasons: dict[str, str] = field(default_factory=dict)  # why a reward is 0 / None (logged)
+    checks: dict[str, Any] = field(default_factory=dict)  # evaluation-only extras (loose acc, ...)
+    error: str | None = None  # set when scoring itself raised (all rewards None)
+
+
+@dataclass
+class Contexts:
+    """The leave-one-out replay contexts of one scored sample (method.md §1)."""
+
+    all: Messages  # P_all
+    without: dict[str, Messages]  # reward name -> P_\k (only for rewards that have information)
+    none: Messages  # every block (or every in-prompt item) removed; used by the joint ablation
+
+
+def append_to_last_user(messages: Messages, text: str) -> Messages:
+    """Copy of ``messages`` with ``text`` appended to the last user message (blank-line separated)."""
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m.get("role") == "user":
+            m["content"] = f"{m['content']}\n\n{text}" if text else m["content"]
+            return out
+    raise ValueError("cannot append verifier information: the prompt has no user message")
+
+
+class Task(ABC):
+    """Base class of every task. Subclasses set ``name`` and ``reward_names``."""
+
+    name: str = "task"
+    #: Reward slots, in the order of the reward tensor's K axis.
+    reward_names: tuple[str, ...] = ()
+    #: Order in which verifier blocks are appended (defaults to ``reward_names``).
+    block_order: tuple[str, ...] | None = None
+    #: True when each prompt has its own reward set (instruction constraints): SAW refuses it.
+    rewards_vary_per_prompt: bool = False
+
+    # ---- data -------------------------------------------------------------------------
+    @abstractmethod
+    def examples(self, split: str) -> Sequence[Example]:
+        """The examples of a split (``train``, ``val`` or an evaluation split name)."""
+
+    def eval_examples(self, split: str, options: dict[str, Any]) -> Sequence[Example]:
+        """Examples for ``src/eval.py``. ``options`` is the ``eval`` config section (e.g.
+        ``categories``); tasks with extra selectors override this."""
+        return self.examples(split)
+
+    # ---- rewards ------------------------------------------------------------------------
+    @abstractmethod
+    def score(self, example: Example, response: str) -> Score:
+        """Rewards, verifier blocks and reasons for one response. Must not raise on bad text."""
+
+    def score_many(self, examples: Sequence[Example], responses: Sequence[str]) -> list[Score]:
+        """Score many pairs. Tasks with expensive verifiers override this (process pools)."""
+        return [self.safe_score(e, r) for e, r in zip(examples, responses, strict=True)]
+
+    def safe_score(self, example: Example, response: str) -> Score:
+        """``score`` with fault isolation: an exception gives every reward ``None``."""
+        try:
+            return self.score(example, response)
+        except Exception as exc:  # a verifier bug must not kill a long run
+            msg = f"{type(exc).__name__}: {exc}"
+            log.warning("scoring failed for example %s: %s", example.id, msg)
+            return Score(rewards=dict.fromkeys(self.reward_names), error=msg)
+
+    # ---- replay contexts ----------------------------------------------------------------
+    def contexts(self, example: Example, score: Score) -> Contexts:
+        """Leave-one-out contexts. Default: append the sample's verifier blocks to P0."""
+        order = self.block_order or self.reward_names
+        blocks = {k: score.blocks.get(k) for k in order if score.blocks.get(k)}
+
+        def join(keys: Sequence[str]) -> Messages:
+            text = "\n\n".join(blocks[k] for k in keys)
+            return append_to_last_user(example.messages, text)
+
+        keys = list(blocks)
+        return Contexts(
+            all=join(keys),
+            without={k: join([j for j in keys if j != k]) for k in keys},
+            none=[dict(m) for m in example.messages],
+        )
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
+        """Aggregate metrics of scored responses (evaluation). Default: mean of each reward."""
+        out: dict[str, float] = {}
+        for name in self.reward_names:
+            vals = [s.rewards.get(name) for s in scores]
+            vals = [v for v in vals if v is not None]
+            if vals:
+                out[f"reward/{name}"] = sum(vals) / len(vals)
+        return out
+
+
+def timed(fn, *args, **kwargs) -> tuple[Any, float]:
+    """Call ``fn`` and return (result, seconds)."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
