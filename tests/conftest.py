@@ -17,3 +17,47 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"public benchmark files not found at {SHARED_DATA} (set MRTPO_DATA_DIR)")
     return SHARED_DATA
+
+
+CONFIG_DIR = ROOT / "configs"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A cache folder shared by the session: the tiny model is built here once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def compose_config(name: str, overrides: list[str]):
+    """The real Hydra config, composed as the entry points compose it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+@pytest.fixture
+def train_cfg(tmp_path, cache_dir):
+    """``train_cfg(*overrides)``: the train config shrunk for a CPU smoke run in tmp_path."""
+
+    def make(*overrides: str):
+        base = [
+            f"paths.output_dir={tmp_path}",
+            f"paths.log_dir={tmp_path}/logs",
+            f"paths.cache_dir={cache_dir}",
+            f"paths.data_dir={SHARED_DATA}",
+            "print_config=false",
+            "trainer.max_steps=2",
+            "rl.prompts_per_step=2",
+            "rl.group_size=2",
+            "rollout.sampling.max_new_tokens=8",
+            "callbacks.progress=null",
+        ]
+        return compose_config("train.yaml", base + list(overrides))
+
+    return make

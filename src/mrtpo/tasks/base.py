@@ -39,7 +39,9 @@ class Score:
     """What a task says about one (example, response) pair."""
 
     rewards: dict[str, float | None]  # one entry per reward name; None = does not apply
-    blocks: dict[str, str | None] = field(default_factory=dict)  # verifier info Z_k; None = no block
+    blocks: dict[str, str | None] = field(
+        default_factory=dict
+    )  # verifier info Z_k; None = no block
     reasons: dict[str, str] = field(default_factory=dict)  # why a reward is 0 / None (logged)
     checks: dict[str, Any] = field(default_factory=dict)  # evaluation-only extras (loose acc, ...)
     error: str | None = None  # set when scoring itself raised (all rewards None)

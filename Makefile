@@ -1,0 +1,54 @@
+# Two commands do everything on a fresh machine:
+#   make train   builds .venv if missing, then trains on the embedded default (tiny model, CPU)
+#   make test    builds .venv if missing, then runs the test suite (no `slow`, no `gpu` tests)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first so the project's range is already met. The default is the CPU
+# build; on a GPU machine keep the torch you have (it is detected) or set TORCH_SPEC.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.mrtpo-installed
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: env train test test-all lint format bench replicate clean help
+
+help:
+	@echo "make train | test | test-all | lint | format | bench | replicate | clean"
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[dev]"
+	# BFCL's data and official AST checker, without its pinned numpy and API clients
+	$(PY) -m pip install -q --no-deps "bfcl-eval==2026.3.23"
+	@touch $(STAMP)
+
+env: $(STAMP)
+
+train: $(STAMP)
+	$(PY) src/train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu" $(ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff format --check src tests scripts
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests scripts
+	$(VENV)/bin/ruff check --fix src tests scripts
+
+bench: $(STAMP)
+	$(PY) scripts/bench.py $(ARGS)
+
+replicate: $(STAMP)
+	$(PY) scripts/replicate.py $(ARGS)
+
+clean:
+	rm -rf .pytest_cache .ruff_cache .hypothesis

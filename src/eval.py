@@ -1,0 +1,18 @@
+"""Evaluate a model on a task, or score existing responses. See configs/eval.yaml.
+
+python src/eval.py task=text2sql eval.split=spider_dev eval.responses=preds.jsonl eval.output=out
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
+def main(cfg: DictConfig) -> None:
+    from mrtpo.evaluate_cli import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

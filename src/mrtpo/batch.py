@@ -1,0 +1,82 @@
+"""Typed batches that flow through one training step. Shapes in comments.
+
+N = B * G responses (B prompts, G samples each, prompt-major), K rewards, P prompt tokens
+(left-padded), T response tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mrtpo.tasks.base import Example, Score
+
+
+@dataclass
+class PromptBatch:
+    """What the DataModule yields; the rollout callback fills ``rollout``."""
+
+    examples: list[Example]  # B examples
+    index: int = 0  # position of this batch in the data stream (for resume checks)
+    rollout: RolloutBatch | None = None
+
+
+@dataclass
+class RolloutBatch:
+    examples: list[Example]  # N, example of each response (each repeated G times)
+    group: Tensor  # [N] long, prompt index within the batch
+    prompt_ids: Tensor  # [N, P] long, left-padded sampling prompt P0
+    prompt_mask: Tensor  # [N, P] bool
+    response_ids: Tensor  # [N, T] long, right-padded sampled tokens
+    response_mask: Tensor  # [N, T] bool, valid response tokens (EOS included)
+    texts: list[str]  # N decoded responses (special tokens removed)
+    finished: Tensor  # [N] bool, stopped at EOS
+
+    @property
+    def n(self) -> int:
+        return self.response_ids.shape[0]
+
+    def select(self, idx: Tensor) -> RolloutBatch:
+        """Sub-batch of responses ``idx`` (a 1-D long tensor)."""
+        il = idx.tolist()
+        return RolloutBatch(
+            examples=[self.examples[i] for i in il],
+            group=self.group[idx],
+            prompt_ids=self.prompt_ids[idx],
+            prompt_mask=self.prompt_mask[idx],
+            response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx],
+            texts=[self.texts[i] for i in il],
+            finished=self.finished[idx],
+        )
+
+
+@dataclass
+class ScoredBatch:
+    rollout: RolloutBatch
+    scores: list[Score]  # N
+    reward_names: tuple[str, ...]  # K
+    rewards: Tensor  # [N, K] float32, NaN = does not apply
+    old_logp: Tensor | None = None  # [N, T] log pi_old(y_t | P0, y_<t)
+    ref_logp: Tensor | None = None  # [N, T] frozen reference, when kl_coef > 0
+    q: Tensor | None = None  # [N, K, T] or [N, 1, T] relevance from replay
+    replayed: Tensor | None = None  # [N, K] / [N, 1] bool
+    advantages: Tensor | None = None  # [N, T] token advantages
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mask(self) -> Tensor:
+        return self.rollout.response_mask
+
+
+def rewards_tensor(scores: list[Score], names: tuple[str, ...]) -> Tensor:
+    """[N, K] float32 from scores; ``None`` (and missing names) become NaN."""
+    out = torch.full((len(scores), len(names)), float("nan"))
+    for i, s in enumerate(scores):
+        for k, name in enumerate(names):
+            v = s.rewards.get(name)
+            if v is not None:
+                out[i, k] = float(v)
+    return out

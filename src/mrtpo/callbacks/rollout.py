@@ -1,0 +1,76 @@
+"""The rollout callback: sample before each step, sync weights into the engine after it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import lightning as L
+
+from mrtpo.batch import PromptBatch
+from mrtpo.models import eos_token_ids
+from mrtpo.rollout.base import RolloutEngine, SamplingConfig
+from mrtpo.rollout.build import build_rollout
+
+
+class RolloutCallback(L.Callback):
+    """Fills ``batch.rollout`` with G samples per prompt (greedy, 1 sample for validation)."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        sampling: Mapping | None = None,
+        group_size: int = 4,
+        val_max_new_tokens: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.sampling = SamplingConfig(**dict(sampling or {}))
+        self.group_size = group_size
+        self.val_sampling = SamplingConfig(
+            max_new_tokens=val_max_new_tokens or self.sampling.max_new_tokens, greedy=True
+        )
+        self.eos_ids: list[int] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.eos_ids = eos_token_ids(pl_module.tokenizer, pl_module.policy)
+        if hasattr(self.engine, "bind"):
+            self.engine.bind(pl_module.policy, pl_module.tokenizer, self.eos_ids)
+
+    def _seed(self, trainer, pl_module, salt: int) -> int:
+        # Depends on (seed, step, rank) only: a resumed run samples what the original would.
+        return (pl_module.seed * 1_000_003 + pl_module.iteration * 101 + salt) * 31 + (
+            trainer.global_rank
+        )
+
+    def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        if hasattr(self.engine, "wake_up"):
+            self.engine.wake_up()
+        batch.rollout = build_rollout(
+            self.engine,
+            pl_module.tokenizer,
+            batch.examples,
+            self.group_size,
+            self.sampling,
+            self._seed(trainer, pl_module, 0),
+            self.eos_ids,
+        )
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()
+        pl_module.timings["rollout"] = time.perf_counter() - t0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if hasattr(self.engine, "wake_up"):
+            self.engine.wake_up()
+        self.engine.sync_weights(pl_module.policy)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        batch.rollout = build_rollout(
+            self.engine,
+            pl_module.tokenizer,
+            batch.examples,
+            1,
+            self.val_sampling,
+            self._seed(trainer, pl_module, 1 + batch_idx),
+            self.eos_ids,
+        )

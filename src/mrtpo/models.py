@@ -1,0 +1,321 @@
+"""Loading policies, and the tiny offline model used by tests, CI and `make train`.
+
+Every model — the tiny one included — is loaded through the same ``from_pretrained`` path,
+so the code that trains a 7B model is the code the tests run. The tiny model is built once
+(random weights, a byte-level BPE tokenizer trained in-process, a Qwen-style chat
+template) and saved into the cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen-style template: the assistant turn ends with <|im_end|>, which is the EOS token.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Text the tokenizer's merges are learned from: the vocabulary of the built-in tasks, so the
+# tiny model sees words as few tokens. Any byte sequence still tokenizes (byte-level BPE).
+_CORPUS_WORDS = [
+    "the",
+    "a",
+    "an",
+    "and",
+    "or",
+    "of",
+    "to",
+    "in",
+    "on",
+    "for",
+    "with",
+    "is",
+    "are",
+    "was",
+    "be",
+    "as",
+    "by",
+    "it",
+    "this",
+    "that",
+    "at",
+    "from",
+    "you",
+    "your",
+    "write",
+    "answer",
+    "response",
+    "reply",
+    "question",
+    "sentence",
+    "word",
+    "words",
+    "first",
+    "last",
+    "must",
+    "not",
+    "include",
+    "end",
+    "start",
+    "begin",
+    "exactly",
+    "contain",
+    "containing",
+    "use",
+    "using",
+    "only",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "music",
+    "garden",
+    "light",
+    "forest",
+    "ocean",
+    "winter",
+    "summer",
+    "bright",
+    "quiet",
+    "happy",
+    "green",
+    "blue",
+    "red",
+    "yellow",
+    "small",
+    "large",
+    "fast",
+    "slow",
+    "warm",
+    "cold",
+    "old",
+    "new",
+    "good",
+    "think",
+    "answer",
+    "tool_call",
+    "response",
+    "select",
+    "from",
+    "where",
+    "group",
+    "by",
+    "order",
+    "limit",
+    "join",
+    "count",
+    "sum",
+    "avg",
+    "max",
+    "min",
+    "distinct",
+    "as",
+    "on",
+    "inner",
+    "left",
+    "union",
+    "intersect",
+    "except",
+    "having",
+    "desc",
+    "asc",
+    "like",
+    "between",
+    "null",
+    "name",
+    "parameters",
+    "true",
+    "false",
+    "json",
+    "sql",
+    "table",
+    "column",
+    "value",
+    "values",
+    "id",
+    "user",
+    "assistant",
+    "system",
+]
+_CORPUS_LINES = [
+    "<think> reasoning </think> <answer> ```sql SELECT name FROM singer ; ``` </answer>",
+    '<tool_call> {"name": "search", "parameters": {"query": "weather"}} </tool_call>',
+    "<response> Here is the answer. </response>",
+    "Write a short reply. Start with the word apple. End with the word river.",
+]
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the tiny offline policy (a Qwen2 causal LM with random weights)."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 8192
+    seed: int = 0
+    extra_corpus: list[str] = field(default_factory=list)
+
+    def fingerprint(self) -> str:
+        d = dict(self.__dict__)
+        d["extra_corpus"] = len(self.extra_corpus)
+        return json.dumps(d, sort_keys=True)
+
+
+def build_tokenizer(vocab_size: int = 1024, extra_corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer with a Qwen-style chat template, trained in-process."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [" ".join(_CORPUS_WORDS)] * 4 + _CORPUS_LINES + list(extra_corpus or [])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(path: str | Path, config: TinyModelConfig | None = None) -> Path:
+    """Build the tiny model and tokenizer into ``path`` (skipped if already built alike)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = config or TinyModelConfig()
+    path = Path(path)
+    stamp = path / "mrtpo_tiny.json"
+    if stamp.exists() and stamp.read_text() == cfg.fingerprint():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(cfg.vocab_size, cfg.extra_corpus)
+    torch.manual_seed(cfg.seed)
+    model_cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(model_cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # Write to a temporary folder and rename, so a crash never leaves a half-built model.
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "mrtpo_tiny.json").write_text(cfg.fingerprint())
+    for f in tmp.iterdir():
+        f.replace(path / f.name)
+    tmp.rmdir()
+    log.info("built tiny model at %s", path)
+    return path
+
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"model.dtype={name!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_policy(
+    name_or_path: str,
+    dtype: str = "fp32",
+    gradient_checkpointing: bool = False,
+    tiny: dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+):
+    """Load (model, tokenizer) by hub id or local path; ``tiny`` builds the tiny model first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if tiny is not None:
+        build_tiny_model(name_or_path, TinyModelConfig(**tiny))
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as exc:
+        raise OSError(
+            f"could not load model '{name_or_path}': {exc}\n"
+            "Without network, set model.name_or_path to a local folder holding the weights "
+            "(e.g. `model.name_or_path=/models/Qwen2.5-7B-Instruct`), or use model=tiny."
+        ) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode
+    return model, tokenizer
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """Every token id that ends a response (tokenizer EOS and the generation config's)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(int(i) for i in extra)
+    return sorted(ids)

@@ -1,0 +1,58 @@
+"""Turn examples into a ``RolloutBatch``: apply the chat template once, sample, pad."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mrtpo.batch import RolloutBatch
+from mrtpo.forward import pad_left, pad_right
+from mrtpo.rollout.base import RolloutEngine, SamplingConfig
+from mrtpo.tasks.base import Example
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    """Token ids of chat ``messages`` followed by the assistant-turn header."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
+def prompt_ids(tokenizer, example: Example) -> list[int]:
+    return chat_ids(tokenizer, example.messages)
+
+
+def build_rollout(
+    engine: RolloutEngine,
+    tokenizer,
+    examples: Sequence[Example],
+    n: int,
+    sampling: SamplingConfig,
+    seed: int,
+    eos_ids: Sequence[int] = (),
+) -> RolloutBatch:
+    """Sample ``n`` responses for each example (prompt-major order)."""
+    prompts = [prompt_ids(tokenizer, e) for e in examples]
+    gens = engine.generate(prompts, n, sampling, seed)
+    if len(gens) != len(prompts) * n:
+        raise RuntimeError(f"engine returned {len(gens)} samples for {len(prompts)} x {n}")
+    pad = tokenizer.pad_token_id
+    p_ids, p_mask = pad_left([p for p in prompts for _ in range(n)], pad)
+    r_ids, r_mask = pad_right([g.token_ids for g in gens], pad)
+    eos = set(eos_ids)
+    texts = [
+        tokenizer.decode([t for t in g.token_ids if t not in eos], skip_special_tokens=True)
+        for g in gens
+    ]
+    return RolloutBatch(
+        examples=[e for e in examples for _ in range(n)],
+        group=torch.arange(len(examples)).repeat_interleave(n),
+        prompt_ids=p_ids,
+        prompt_mask=p_mask,
+        response_ids=r_ids,
+        response_mask=r_mask,
+        texts=texts,
+        finished=torch.tensor([g.finished for g in gens], dtype=torch.bool),
+    )

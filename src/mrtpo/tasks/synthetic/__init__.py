@@ -1,0 +1,3 @@
+from mrtpo.tasks.synthetic.task import SyntheticTask
+
+__all__ = ["SyntheticTask"]
