@@ -61,3 +61,12 @@ def train_cfg(tmp_path, cache_dir):
         return compose_config("train.yaml", base + list(overrides))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny(cache_dir):
+    """(model, tokenizer) of the tiny offline model, built once and loaded from disk."""
+    from mrtpo.models import load_policy
+
+    model, tok = load_policy(str(cache_dir / "models" / "tiny-qwen2"), tiny={})
+    return model, tok

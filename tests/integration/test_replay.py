@@ -1,0 +1,216 @@
+"""Self-replay: contexts differ only in Z_k, batching does not change q, old parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from mrtpo.batch import ScoredBatch, rewards_tensor
+from mrtpo.credit import js_distance
+from mrtpo.forward import response_logits
+from mrtpo.replay import ALL, Replayer, mass_share
+from mrtpo.rollout.base import SamplingConfig
+from mrtpo.rollout.build import build_rollout, chat_ids
+from mrtpo.rollout.hf import HFEngine
+from mrtpo.tasks.base import Example, Score, Task
+
+BLOCKS = {
+    "format": "Answer inside <answer> tags.",
+    "error": "When this query was executed on this database, SQLite raised: no such table.",
+    "reference": "The reference query for this question is: SELECT 1.",
+}
+
+
+class BlockTask(Task):
+    """Three rewards, each with a block; rewards depend on response length (they vary)."""
+
+    name = "blocks"
+    reward_names = ("format", "error", "reference")
+
+    def __init__(self, blocks=None):
+        self.blocks = blocks or BLOCKS
+
+    def examples(self, split):
+        return [
+            Example(id=f"{split}{i}", messages=[{"role": "user", "content": f"Q{i}: say hi"}])
+            for i in range(4)
+        ]
+
+    def score(self, example, response):
+        n = len(response)
+        rewards = {"format": float(n % 2), "error": float(n % 3 == 0), "reference": float(n > 10)}
+        return Score(rewards=rewards, blocks=dict(self.blocks))
+
+
+def _scored(task, tiny, n=3, seed=0, max_new_tokens=12) -> ScoredBatch:
+    model, tok = tiny
+    engine = HFEngine()
+    eos = [tok.eos_token_id]
+    engine.bind(model, tok, eos)
+    roll = build_rollout(
+        engine,
+        tok,
+        task.examples("train")[:2],
+        n,
+        SamplingConfig(max_new_tokens=max_new_tokens),
+        seed,
+        eos,
+    )
+    scores = task.score_many(roll.examples, roll.texts)
+    return ScoredBatch(
+        rollout=roll,
+        scores=scores,
+        reward_names=task.reward_names,
+        rewards=rewards_tensor(scores, task.reward_names),
+    )
+
+
+def test_contexts_differ_exactly_by_the_left_out_block(tiny):
+    _, tok = tiny
+    task = BlockTask()
+    ex = task.examples("train")[0]
+    ctx = task.contexts(ex, task.score(ex, "whatever"))
+    full = tok.decode(chat_ids(tok, ctx.all))
+    assert ctx.all[-1]["content"].endswith("\n\n".join(BLOCKS.values()))
+    for k, block in BLOCKS.items():
+        without = tok.decode(chat_ids(tok, ctx.without[k]))
+        # removing the block (and its blank-line separator) from P_all gives P_\k exactly
+        assert full.replace("\n\n" + block, "", 1) == without
+        assert block not in without
+        for other, text in BLOCKS.items():
+            if other != k:
+                assert text in without
+    assert tok.decode(chat_ids(tok, ctx.none)) == tok.decode(chat_ids(tok, ex.messages))
+
+
+def _naive_q(model, tok, prompt_msgs, other_msgs, response_ids):
+    """One unpadded forward per context, the slow obvious way."""
+
+    def logp(msgs):
+        ids = torch.tensor([chat_ids(tok, msgs) + response_ids])
+        with torch.no_grad():
+            out = model(input_ids=ids).logits[0].float()
+        p = len(ids[0]) - len(response_ids)
+        return torch.log_softmax(out[p - 1 : p - 1 + len(response_ids)], -1)
+
+    return js_distance(logp(prompt_msgs), logp(other_msgs))
+
+
+@pytest.mark.parametrize("budget", [64, 100_000])
+def test_batched_replay_matches_unbatched_forwards(tiny, budget):
+    model, tok = tiny
+    model.eval()
+    task = BlockTask()
+    scored = _scored(task, tiny)
+    pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
+    res = Replayer(tok, token_budget=budget, jsd_chunk=3).run(
+        model, task, scored, pairs, "per_reward"
+    )
+    roll = scored.rollout
+    assert res.replayed.all()
+    assert res.forwards == roll.n * 4  # P_all once per response + 3 leave-one-out contexts
+    for j in range(roll.n):
+        t = int(roll.response_mask[j].sum())
+        ctx = task.contexts(roll.examples[j], scored.scores[j])
+        for k, name in enumerate(task.reward_names):
+            ref = _naive_q(
+                model, tok, ctx.all, ctx.without[name], roll.response_ids[j, :t].tolist()
+            )
+            torch.testing.assert_close(res.q[j, k, :t], ref, atol=2e-5, rtol=1e-4)
+        assert (res.q[j, :, t:] == 0).all()
+
+
+def test_identical_contexts_give_zero_relevance(tiny):
+    model, tok = tiny
+    task = BlockTask({"format": "", "error": "", "reference": ""})
+    scored = _scored(task, tiny)
+    # empty blocks are no information: replay has nothing to compare
+    pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
+    res = Replayer(tok).run(model, task, scored, pairs, "per_reward")
+    assert not res.replayed.any() and (res.q == 0).all()
+
+    # the same block text in both contexts: replay runs, and q is 0 everywhere
+    class Same(BlockTask):
+        def contexts(self, example, score):
+            ctx = super().contexts(example, score)
+            ctx.without = {k: ctx.all for k in ctx.without}
+            return ctx
+
+    same = Same()
+    scored = _scored(same, tiny)
+    res = Replayer(tok).run(model, same, scored, pairs, "per_reward")
+    assert res.replayed.all()
+    assert float(res.q.abs().max()) < 1e-3  # float32 noise of two identical forwards
+
+
+def test_different_blocks_give_bounded_nonzero_relevance(tiny):
+    model, tok = tiny
+    task = BlockTask()
+    scored = _scored(task, tiny)
+    pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
+    res = Replayer(tok).run(model, task, scored, pairs, "per_reward")
+    valid = res.q[scored.rollout.response_mask[:, None, :].expand_as(res.q)]
+    assert (valid >= 0).all() and (valid <= 1).all()
+    assert float(valid.max()) > 1e-3
+    shares = mass_share(res.q, scored.rollout.response_mask, res.replayed, 0.8)
+    assert all(0 < s <= 1 for s in shares)
+
+
+def test_joint_replays_all_versus_none(tiny):
+    model, tok = tiny
+    task = BlockTask()
+    scored = _scored(task, tiny)
+    pairs = torch.ones((scored.rollout.n, 1), dtype=torch.bool)
+    res = Replayer(tok).run(model, task, scored, pairs, "joint")
+    assert res.q.shape[1] == 1 and res.replayed.all()
+    assert res.forwards == 2 * scored.rollout.n
+
+
+def test_replay_inside_a_step_uses_the_sampling_parameters(train_cfg):
+    from mrtpo.pipeline import build
+
+    class Snapshot(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, idx):
+            self.before = copy.deepcopy(module.policy)
+
+    cfg = train_cfg(
+        "method=mrtpo",
+        "trainer.max_steps=1",
+        "optim.lr=0.05",
+        "rl.group_size=4",
+        "rollout.sampling.max_new_tokens=12",
+    )
+    trainer, module, dm = build(cfg)
+    snap = Snapshot()
+    trainer.callbacks.append(snap)
+    trainer.fit(module, datamodule=dm)
+    scored = module.last
+    assert scored.replayed.any(), "no pair replayed: the test would prove nothing"
+    pairs = scored.replayed
+    again = module.replayer.run(snap.before, module.task, scored, pairs, "per_reward")
+    torch.testing.assert_close(again.q, scored.q, atol=1e-6, rtol=0)
+    # the update changed the parameters, and replay with them would give other numbers
+    after = module.replayer.run(module.policy, module.task, scored, pairs, "per_reward")
+    assert not torch.allclose(after.q, scored.q, atol=1e-6)
+
+
+def test_forward_alignment_with_mixed_padding(tiny):
+    """Left-padded contexts + right-padded responses score like unpadded sequences."""
+    model, tok = tiny
+    model.eval()
+    a = chat_ids(tok, [{"role": "user", "content": "a much longer prompt here"}])
+    b = chat_ids(tok, [{"role": "user", "content": "hi"}])
+    ra, rb = [5, 6, 7, 8], [9, 10]
+    from mrtpo.forward import pad_left, pad_right
+
+    p_ids, p_mask = pad_left([a, b], tok.pad_token_id)
+    r_ids, r_mask = pad_right([ra, rb], tok.pad_token_id)
+    with torch.no_grad():
+        got = response_logits(model, p_ids, p_mask, r_ids, r_mask).float()
+        for i, (p, r) in enumerate([(a, ra), (b, rb)]):
+            ref = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)]
+            torch.testing.assert_close(got[i, : len(r)], ref.float(), atol=2e-5, rtol=1e-4)
+    assert ALL == "__all__"
