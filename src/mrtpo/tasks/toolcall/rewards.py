@@ -1,0 +1,155 @@
+"""ToolRL's two rewards: format (0/1) and tool-call correctness (-3..3).
+
+Both follow the reward module of ToolRL's verl fork (``verl/utils/reward_score/rlla.py``,
+default settings: no reward scheduling, fine-grained matching). Where this file departs from
+it, the comment says so and why.
+
+Correctness, for a reference with calls ``G`` and a response with calls ``P``:
+
+- ``-3`` when the response has no ``<tool_call>`` block, a line of it is not JSON, or the
+  calls are malformed where the comparison needs them;
+- ``+3`` when ``P == G`` (same calls, same order, same arguments);
+- otherwise ``6 * S / S_max - 3``, where ``S`` adds the name overlap of the two call lists
+  and, for each reference call (greedily, in order), the best unused predicted call of the
+  same name: its parameter-name overlap plus one per reference argument it reproduces
+  exactly; ``S_max = 1 + sum over G of (1 + number of its arguments)``. "Overlap" of two
+  lists is 1 when they are equal, else ``|A ∩ B| / (|A| + |B| - |A ∩ B|)`` on multisets;
+- ``0`` when the reference makes no tool call (ToolRL gives no correctness signal there).
+
+Argument values written as numeric or boolean strings are converted to the declared types of
+the tool schema on both sides before any comparison (``parsing.coerce_calls``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from mrtpo.tasks.toolcall.parsing import ParseError, coerce_calls, response_calls
+
+CORRECTNESS_MAX = 3.0
+CORRECTNESS_MIN = -3.0
+
+# ToolRL's patterns, one per set of answer tags the reference implies. re.DOTALL: reasoning
+# and responses span lines; the anchors make the tags the whole answer, in this order.
+_FORMAT_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {
+    ("tool_call",): re.compile(r"^<think>.*?</think>\n<tool_call>\n.*?\n</tool_call>$", re.S),
+    ("response",): re.compile(r"^<think>.*?</think>\n<response>.*?</response>$", re.S),
+    ("tool_call", "response"): re.compile(
+        r"^<think>.*?</think>\n<tool_call>\n.*?\n</tool_call>\n<response>.*?</response>$", re.S
+    ),
+    (): re.compile(r"^<think>.*?</think>$", re.S),
+}
+
+
+def format_reward(response: str, tags: Sequence[str]) -> tuple[float, str | None]:
+    """1 if ``response`` is exactly ``<think>`` + the implied tags, each once, in order.
+
+    ``tags`` is what the reference implies (``parsing.reference_tags``). ToolRL counts only
+    the answer tags; the ``<think>`` pair is counted here too, so that every required tag
+    appears exactly once. Returns (reward, reason for a 0).
+    """
+    key = tuple(t for t in ("tool_call", "response") if t in tags)
+    for tag in ("think", *key):
+        for mark in (f"<{tag}>", f"</{tag}>"):
+            n = response.count(mark)
+            if n != 1:
+                return 0.0, f"{mark} appears {n} times (expected once)"
+    if not _FORMAT_PATTERNS[key].search(response):
+        layout = " then ".join(f"<{t}>" for t in ("think", *key))
+        return 0.0, f"tags are not laid out as {layout}, separated by newlines, nothing outside"
+    return 1.0, None
+
+
+def match_score(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
+    """ToolRL's list overlap: 1 for equal lists, else multiset intersection over union."""
+    a, b = list(a), list(b)
+    if a == b:
+        return 1.0
+    if not a or not b:
+        return 0.0
+    ca, cb = Counter(a), Counter(b)
+    inter = sum(min(ca[k], cb[k]) for k in ca.keys() & cb.keys())
+    union = len(a) + len(b) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def _names(pred: list[Any]) -> list[Hashable]:
+    names = []
+    for i, call in enumerate(pred, 1):
+        if not isinstance(call, dict) or "name" not in call:
+            raise ParseError(f"predicted call {i} is not a JSON object with a 'name'")
+        if not isinstance(call["name"], Hashable):
+            raise ParseError(f"predicted call {i} has a non-scalar name")
+        names.append(call["name"])
+    return names
+
+
+def tool_call_score(gold: list[dict[str, Any]], pred: list[Any]) -> float:
+    """Correctness in [-3, 3] of predicted calls against reference calls (both coerced).
+
+    Raises ``ParseError`` where ToolRL's comparison would fail on a malformed prediction (a
+    call that is not an object with a name; a same-named call whose parameters are not an
+    object); the caller turns that into -3.
+    """
+    if gold == pred:
+        return CORRECTNESS_MAX
+    score = match_score([g["name"] for g in gold], _names(pred))
+    s_max = 1.0
+    used: set[int] = set()
+    for g in gold:
+        g_params = g["parameters"]
+        s_max += 1.0 + len(g_params)
+        best, best_i = 0.0, -1
+        for i, p in enumerate(pred):
+            if i in used or p["name"] != g["name"]:
+                continue
+            p_params = p.get("parameters")
+            if not isinstance(p_params, dict):
+                raise ParseError(f"predicted call {i + 1} ({p['name']!r}) has no parameter object")
+            total = match_score(list(g_params), list(p_params))
+            total += sum(1.0 for k, v in g_params.items() if k in p_params and p_params[k] == v)
+            if total > best:  # strict: a same-named call that matches nothing stays unused
+                best, best_i = total, i
+        if best_i >= 0:
+            used.add(best_i)
+            score += best
+    return (CORRECTNESS_MAX - CORRECTNESS_MIN) * score / s_max + CORRECTNESS_MIN
+
+
+def correctness_reward(
+    gold_calls: list[dict[str, Any]] | None,
+    response: str,
+    tools: dict[str, dict[str, Any]],
+) -> tuple[float, str | None]:
+    """ToolRL correctness of ``response`` (already cleaned) against the reference calls.
+
+    ``gold_calls`` is ``parsing.reference_calls(reference)`` (``None``: no tool call, reward 0).
+    ``tools`` maps tool names to parameter schemas (``parsing.tools_by_name``), for coercion. Never raises on model output.
+    Returns (reward, reason when not a perfect 3).
+    """
+    if gold_calls is None:
+        return 0.0, "the reference makes no tool call (ToolRL gives 0)"
+    try:
+        pred = response_calls(response)
+    except ParseError as exc:
+        return CORRECTNESS_MIN, str(exc)
+    gold = coerce_calls(gold_calls, tools)
+    pred = coerce_calls(pred, tools)
+    try:
+        value = tool_call_score(gold, pred)
+    except ParseError as exc:
+        return CORRECTNESS_MIN, str(exc)
+    if value == CORRECTNESS_MAX:
+        return value, None
+    return value, _mismatch_reason(gold, pred)
+
+
+def _mismatch_reason(gold: list[dict[str, Any]], pred: list[Any]) -> str:
+    g_names = sorted(str(g["name"]) for g in gold)
+    p_names = sorted(str(p.get("name")) for p in pred if isinstance(p, dict))
+    if g_names != p_names:
+        return f"called {p_names}, reference calls {g_names}"
+    return "tool names match; parameter names or values differ from the reference"
