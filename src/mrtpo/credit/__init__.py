@@ -1,0 +1,63 @@
+"""Credit assignment: from rewards (and replay relevance) to token advantages ``[N, T]``.
+
+Pure tensor math — no Lightning, Hydra or model code, no I/O — so every method can be tested
+exactly on hand-made batches and reused outside the trainer.
+"""
+
+from mrtpo.credit.advantages import (
+    batch_moments,
+    gdpo_advantages,
+    group_advantages,
+    grpo_advantages,
+    replay_mask,
+    saw_weights,
+)
+from mrtpo.credit.methods import (
+    GDPO,
+    GDPOSAW,
+    GRPO,
+    METHODS,
+    MRTPO,
+    MRTPOSAW,
+    AdvantageMethod,
+    CreditInputs,
+    CreditOutput,
+    MRTPOJoint,
+    MRTPOShuffle,
+)
+from mrtpo.credit.relevance import (
+    beta_schedule,
+    js_distance,
+    js_distance_chunked,
+    mrtpo_advantages,
+    mrtpo_advantages_from_weights,
+    relevance_weights,
+    shuffle_weights,
+)
+
+__all__ = [
+    "GDPO",
+    "GDPOSAW",
+    "GRPO",
+    "METHODS",
+    "MRTPO",
+    "MRTPOSAW",
+    "AdvantageMethod",
+    "CreditInputs",
+    "CreditOutput",
+    "MRTPOJoint",
+    "MRTPOShuffle",
+    "batch_moments",
+    "beta_schedule",
+    "gdpo_advantages",
+    "group_advantages",
+    "grpo_advantages",
+    "js_distance",
+    "js_distance_chunked",
+    "mrtpo_advantages",
+    "mrtpo_advantages_from_weights",
+    "relevance_weights",
+    "replay_mask",
+    "saw_weights",
+    "shuffle_weights",
+]

@@ -9,11 +9,26 @@ to replay (``replay_pairs``), and hands over whatever replay produced.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+
+from mrtpo.credit.advantages import (
+    compute_dtype,
+    gdpo_advantages,
+    grpo_advantages,
+    replay_mask,
+    saw_weights,
+)
+from mrtpo.credit.relevance import (
+    beta_schedule,
+    mrtpo_advantages_from_weights,
+    relevance_weights,
+    shuffle_weights,
+)
 
 
 @dataclass
@@ -54,3 +69,257 @@ class AdvantageMethod(ABC):
 
     @abstractmethod
     def __call__(self, inputs: CreditInputs) -> CreditOutput: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Concrete methods. Each is selected by ``method=<config_name>`` (configs/method/<name>.yaml).
+# --------------------------------------------------------------------------------------------
+
+
+def _broadcast(adv: Tensor, mask: Tensor) -> Tensor:
+    """Response advantages ``[N]`` -> token advantages ``[N, T]`` (0 on pads)."""
+    valid = mask.to(device=adv.device, dtype=torch.bool)
+    return torch.where(
+        valid, adv[:, None].expand(valid.shape), torch.zeros((), dtype=adv.dtype, device=adv.device)
+    )
+
+
+def _adv_stats(tok: Tensor, mask: Tensor) -> dict[str, float]:
+    vals = tok[mask.to(torch.bool)]
+    if vals.numel() == 0:
+        return {"mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
+    std = float(vals.std(unbiased=False)) if vals.numel() > 1 else 0.0
+    return {
+        "mean": float(vals.mean()),
+        "std": std,
+        "min": float(vals.min()),
+        "max": float(vals.max()),
+    }
+
+
+class _RewardWeighted(AdvantageMethod):
+    """Shared knobs: ``eps`` and ``reward_weights`` ({reward name: c_k}, missing names get 1)."""
+
+    config_name: ClassVar[str] = ""
+    #: Multiply the reward coefficients by SAW's batch weights (``*_saw`` methods).
+    saw: ClassVar[bool] = False
+
+    def __init__(self, eps: float = 1e-4, reward_weights: Mapping[str, float] | None = None):
+        if eps < 0:
+            raise ValueError(f"method.eps must be >= 0, got {eps}")
+        self.eps = float(eps)
+        self.reward_weights = dict(reward_weights.items()) if reward_weights else None
+        self.reward_names: tuple[str, ...] | None = None
+        self._c: list[float] | None = None
+
+    def setup(self, reward_names: tuple[str, ...], rewards_vary_per_prompt: bool) -> None:
+        super().setup(tuple(reward_names), rewards_vary_per_prompt)
+        if self.saw and rewards_vary_per_prompt:
+            uniform = self.config_name.removesuffix("_saw")
+            raise ValueError(
+                f"method={self.config_name} needs the same reward set for every prompt (SAW "
+                f"weights each reward by its spread over the batch), but this task gives each "
+                f"prompt its own constraints (rewards_vary_per_prompt=True); use "
+                f"method={uniform} or method=mrtpo instead"
+            )
+        if self.reward_weights:
+            unknown = sorted(set(self.reward_weights) - set(self.reward_names))
+            if unknown:
+                raise ValueError(
+                    f"method.reward_weights names unknown reward(s) {unknown}; this task's "
+                    f"rewards are {list(self.reward_names)}"
+                )
+            self._c = [float(self.reward_weights.get(n, 1.0)) for n in self.reward_names]
+
+    def _coefficients(self, inputs: CreditInputs) -> tuple[Tensor, dict[str, float]]:
+        """``c_k [K]``: configured weights, times SAW's batch weights for ``*_saw`` methods."""
+        rewards = inputs.rewards
+        k = rewards.shape[1]
+        dtype = compute_dtype(rewards)
+        if self.reward_weights and self._c is None:
+            raise RuntimeError("method.reward_weights is set but setup() was never called")
+        if self._c is not None and len(self._c) != k:
+            raise ValueError(f"setup() saw {len(self._c)} rewards but the batch has {k}")
+        c = torch.ones(k, dtype=dtype, device=rewards.device)
+        if self._c is not None:
+            c = torch.tensor(self._c, dtype=dtype, device=rewards.device)
+        stats: dict[str, float] = {}
+        if self.saw:
+            sw = saw_weights(rewards, inputs.process_group)
+            c = c * sw
+            names = self.reward_names or tuple(str(i) for i in range(k))
+            stats = {f"saw_weight/{n}": float(v) for n, v in zip(names, sw.tolist())}
+        return c, stats
+
+
+class GRPO(_RewardWeighted):
+    """GRPO: one scalar reward ``sum_k c_k r_k`` (NaN as 0), normalized within its group.
+
+    Relative to GDPO it skips the per-reward normalization and the batch normalization, so a
+    reward with a large spread drowns the others. No ablation knobs.
+    """
+
+    config_name = "grpo"
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        c, stats = self._coefficients(inputs)
+        adv = grpo_advantages(inputs.rewards, inputs.group, c, self.eps)
+        tok = _broadcast(adv, inputs.mask)
+        return CreditOutput(tok, {**stats, **_adv_stats(tok, inputs.mask)})
+
+
+class GDPO(_RewardWeighted):
+    """GDPO: normalize each reward in its group, sum with ``c_k``, normalize over the batch.
+
+    The reference point for every other method; one advantage per response. SAW reweighting
+    is ``method=gdpo_saw``.
+    """
+
+    config_name = "gdpo"
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        c, stats = self._coefficients(inputs)
+        adv = gdpo_advantages(inputs.rewards, inputs.group, c, self.eps, inputs.process_group)
+        tok = _broadcast(adv, inputs.mask)
+        return CreditOutput(tok, {**stats, **_adv_stats(tok, inputs.mask)})
+
+
+class GDPOSAW(GDPO):
+    """GDPO with SAW: each ``A_k`` is scaled by its reward's coefficient of variation weight.
+
+    The weights are recomputed on every (global) batch and treated as constants. Refused for
+    tasks whose reward set changes from prompt to prompt.
+    """
+
+    config_name = "gdpo_saw"
+    saw = True
+
+
+class MRTPO(_RewardWeighted):
+    """MRTPO: GDPO's response credit, each reward's share placed on the tokens relevant to it.
+
+    Relative to GDPO: self-replay scores every token's relevance to reward ``k`` (how much the
+    next-token distribution moves when ``k``'s verifier block is removed), and ``c_k A_k`` is
+    spread over the response with weights ``(1 - β) + β q_kt / mean q_k``, under a global cap,
+    with GDPO's batch normalization. The per-response mean advantage is GDPO's; β = 0 *is*
+    GDPO.
+
+    Knobs: ``beta`` (0.5 in the paper), ``beta_warmup_steps`` (smooth ramp from 0), ``eps``,
+    ``reward_weights``. Ablations are separate methods: ``method=mrtpo_saw`` (SAW weights),
+    ``method=mrtpo_shuffle`` (weights permuted within each response),
+    ``method=mrtpo_joint`` (one all-blocks-vs-none relevance profile for the summed credit).
+    """
+
+    config_name = "mrtpo"
+    relevance: ClassVar[str | None] = "per_reward"
+    #: Permute each pair's weights over its valid tokens (the shuffle ablation).
+    shuffle: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        beta_warmup_steps: int = 0,
+        eps: float = 1e-4,
+        reward_weights: Mapping[str, float] | None = None,
+    ):
+        super().__init__(eps=eps, reward_weights=reward_weights)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"method.beta must be in [0, 1], got {beta}")
+        if beta_warmup_steps < 0:
+            raise ValueError(f"method.beta_warmup_steps must be >= 0, got {beta_warmup_steps}")
+        self.beta_max = float(beta)
+        self.beta_warmup_steps = int(beta_warmup_steps)
+
+    def beta(self, step: int) -> float:
+        return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
+
+    def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
+        pairs = replay_mask(rewards, group, has_block)
+        if self.relevance == "joint":
+            return pairs.any(-1, keepdim=True)
+        return pairs
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        joint = self.relevance == "joint"
+        beta = self.beta(inputs.step)
+        c, stats = self._coefficients(inputs)
+        n, k = inputs.rewards.shape
+        q, replayed = inputs.q, inputs.replayed
+        w = None
+        if q is not None:
+            width = 1 if joint else k
+            if q.dim() != 3 or q.shape[:2] != (n, width):
+                raise ValueError(
+                    f"{self.config_name} expects relevance q of shape [N={n}, {width}, T], "
+                    f"got {tuple(q.shape)}"
+                )
+            w = relevance_weights(q, inputs.mask, replayed, beta)
+            if self.shuffle:
+                w = shuffle_weights(w, inputs.mask, replayed, inputs.generator)
+        tok, cap_stats = mrtpo_advantages_from_weights(
+            inputs.rewards,
+            inputs.group,
+            w,
+            inputs.mask,
+            c,
+            self.eps,
+            inputs.process_group,
+            joint=joint,
+            return_stats=True,
+        )
+        stats.update(_adv_stats(tok, inputs.mask))
+        stats["beta"] = beta
+        stats["cap_s"] = cap_stats["cap_s"]
+        stats["replayed_share"] = self._replayed_share(inputs, joint)
+        if q is not None and replayed is not None:
+            sel = inputs.mask.to(torch.bool)[:, None, :] & replayed.to(torch.bool)[:, :, None]
+            if bool(sel.any()):
+                stats["relevance_mean"] = float(q.to(torch.float32)[sel].mean())
+        return CreditOutput(tok, stats)
+
+    @staticmethod
+    def _replayed_share(inputs: CreditInputs, joint: bool) -> float:
+        """Share of candidate pairs replayed: present (response, reward) pairs, or responses."""
+        if inputs.replayed is None or inputs.q is None:
+            return 0.0
+        done = float(inputs.replayed.to(torch.bool).sum())
+        total = inputs.rewards.shape[0] if joint else int((~torch.isnan(inputs.rewards)).sum())
+        return done / total if total else 0.0
+
+
+class MRTPOSAW(MRTPO):
+    """MRTPO with SAW: ``c_k`` includes SAW's batch weights before the token weighting.
+
+    Refused for tasks whose reward set changes from prompt to prompt.
+    """
+
+    config_name = "mrtpo_saw"
+    saw = True
+
+
+class MRTPOShuffle(MRTPO):
+    """Shuffle ablation: MRTPO's weights, randomly permuted within each response.
+
+    Keeps each response's multiset of weights (hence the cap and the per-response mean) but
+    destroys which token is relevant; randomness comes from ``CreditInputs.generator``.
+    """
+
+    config_name = "mrtpo_shuffle"
+    shuffle = True
+
+
+class MRTPOJoint(MRTPO):
+    """Joint ablation: one relevance profile (all blocks vs. none) for the summed credit.
+
+    Replay compares two contexts per response instead of one per reward; the weights from
+    ``q [N, 1, T]`` multiply GDPO's ``S(j)``. A response is replayed when any of its rewards
+    would be. Same cap and normalization as MRTPO.
+    """
+
+    config_name = "mrtpo_joint"
+    relevance: ClassVar[str | None] = "joint"
+
+
+METHODS: dict[str, type[AdvantageMethod]] = {
+    cls.config_name: cls for cls in (GRPO, GDPO, GDPOSAW, MRTPO, MRTPOSAW, MRTPOShuffle, MRTPOJoint)
+}

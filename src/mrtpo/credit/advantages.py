@@ -1,0 +1,238 @@
+"""Response-level advantages: group normalization, GRPO, GDPO and SAW reward weights.
+
+Everything here is pure tensor math on ``rewards [N, K]`` (NaN = the reward does not apply)
+and ``group [N]`` (same id = sampled from the same prompt). Two rules hold throughout:
+
+* Group statistics are computed on the rank that holds the group (a group is never split
+  across ranks), with fixed-order reductions so results do not depend on atomics.
+* Batch statistics (GDPO's mean/std, SAW's coefficients of variation, MRTPO's cap) are over
+  the *global* batch: when ``torch.distributed`` is initialized and a ``process_group`` is
+  given, the sums are all-reduced. Moments are taken in two passes (mean first, then the
+  centred sum of squares) and accumulated in float64, so splitting a batch over ranks
+  changes the result by float64 rounding only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "batch_moments",
+    "compute_dtype",
+    "gdpo_advantages",
+    "group_advantages",
+    "grpo_advantages",
+    "replay_mask",
+    "reward_weight_vector",
+    "saw_weights",
+]
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half-precision inputs are upcast)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def all_reduce_sum(t: Tensor, process_group: Any = None) -> Tensor:
+    """Sum ``t`` over the ranks of ``process_group`` in place; a no-op outside DDP."""
+    if process_group is None:
+        return t
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=process_group)
+    return t
+
+
+def batch_moments(
+    x: Tensor, valid: Tensor | None = None, process_group: Any = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Global count, mean and unbiased std of ``x`` over dim 0, in float64.
+
+    ``valid`` (same shape as ``x``, bool) selects the entries that count. The std is 0
+    where fewer than two entries are present; the mean is 0 where none are. Two passes
+    (mean, then centred squares) avoid the cancellation of the one-pass formula.
+    """
+    x64 = x.to(torch.float64)
+    if valid is None:
+        valid = torch.ones_like(x, dtype=torch.bool)
+    x64 = torch.where(valid, x64, torch.zeros_like(x64))
+    first = torch.stack([valid.sum(0).to(torch.float64), x64.sum(0)])
+    first = all_reduce_sum(first, process_group)
+    count, total = first[0], first[1]
+    mean = total / count.clamp(min=1.0)
+    centred = torch.where(valid, x64 - mean, torch.zeros_like(x64))
+    ss = all_reduce_sum(centred.square().sum(0), process_group)
+    var = ss / (count - 1.0).clamp(min=1.0)
+    std = torch.where(count >= 2, var.sqrt(), torch.zeros_like(var))
+    return count, mean, std
+
+
+def _pad_groups(group: Tensor) -> tuple[Tensor, Tensor, int, int]:
+    """Index of each response's group and its position inside it (order of appearance)."""
+    _, inv, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    n = group.shape[0]
+    order = torch.argsort(inv, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(inv)
+    pos[order] = torch.arange(n, device=group.device) - starts[inv[order]]
+    return inv, pos, int(counts.numel()), int(counts.max().item()) if n else 0
+
+
+def group_advantages(
+    rewards: Tensor, group: Tensor, eps: float = 1e-4, process_group: Any = None
+) -> Tensor:
+    """Per-reward group normalization ``[N, K] -> [N, K]`` (GDPO's first step).
+
+    Each reward is standardized over the present (non-NaN) members of its group with the
+    unbiased std. A NaN reward gets 0; a group with fewer than two present values of a
+    reward, or whose values are all equal, gets 0 for that reward (the equality test is
+    exact, so rounding in the mean cannot leak a tiny non-zero advantage).
+
+    ``process_group`` is accepted for a uniform signature and ignored: a group is always
+    whole on one rank, so there is nothing to reduce.
+    """
+    del process_group
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
+    n, k = rewards.shape
+    dtype = compute_dtype(rewards)
+    r = rewards.to(dtype)
+    if n == 0:
+        return torch.zeros_like(r)
+    inv, pos, n_groups, max_size = _pad_groups(group.to(rewards.device))
+    # Dense [groups, size, K] layout: reductions over dim 1 have a fixed order (deterministic
+    # on GPU too, unlike scatter-add) and follow the responses' order inside each group.
+    padded = torch.full((n_groups, max_size, k), float("nan"), dtype=dtype, device=r.device)
+    padded[inv, pos] = r
+    present = ~torch.isnan(padded)
+    zero = torch.zeros((), dtype=dtype, device=r.device)
+    vals = torch.where(present, padded, zero)
+    count = present.sum(1, keepdim=True)
+    mean = vals.sum(1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(present, padded - mean, zero)
+    var = centred.square().sum(1, keepdim=True) / (count - 1).clamp(min=1)
+    hi = torch.where(present, padded, torch.full_like(padded, -float("inf"))).amax(1, True)
+    lo = torch.where(present, padded, torch.full_like(padded, float("inf"))).amin(1, True)
+    varies = (count >= 2) & (hi > lo)
+    adv = centred / (var.sqrt() + eps)
+    adv = torch.where(present & varies, adv, zero)
+    return adv[inv, pos]
+
+
+def reward_weight_vector(
+    weights: Tensor | Sequence[float] | None, k: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Reward coefficients ``c_k`` as a ``[K]`` tensor (ones when not given)."""
+    if weights is None:
+        return torch.ones(k, dtype=dtype, device=device)
+    c = torch.as_tensor(weights, dtype=dtype, device=device)
+    if c.shape != (k,):
+        raise ValueError(f"reward weights must have shape ({k},), got {tuple(c.shape)}")
+    return c
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    group: Tensor,
+    weights: Tensor | Sequence[float] | None = None,
+    eps: float = 1e-4,
+) -> Tensor:
+    """GRPO: normalize the weighted reward sum (NaN counts as 0) within each group -> ``[N]``."""
+    dtype = compute_dtype(rewards)
+    r = torch.nan_to_num(rewards.to(dtype), nan=0.0)
+    c = reward_weight_vector(weights, r.shape[1], dtype, r.device)
+    total = (r * c).sum(-1, keepdim=True)
+    return group_advantages(total, group, eps)[:, 0]
+
+
+def gdpo_parts(
+    rewards: Tensor,
+    group: Tensor,
+    weights: Tensor | Sequence[float] | None = None,
+    eps: float = 1e-4,
+    process_group: Any = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """GDPO's pieces: ``A_k [N, K]``, ``S [N]``, global ``mu``, ``sigma + eps`` and ``A [N]``.
+
+    MRTPO reuses exactly these tensors, which is what makes β = 0 reproduce GDPO bit for bit.
+    """
+    a_k = group_advantages(rewards, group, eps)
+    c = reward_weight_vector(weights, a_k.shape[1], a_k.dtype, a_k.device)
+    s = (a_k * c).sum(-1)
+    _, mu, sigma = batch_moments(s, None, process_group)
+    mu = mu.to(s.dtype)
+    denom = sigma.to(s.dtype) + eps
+    # Only reachable with eps = 0 and a constant S, where S - mu = 0 anyway.
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    adv = (s - mu) / denom
+    return a_k, s, mu, denom, adv
+
+
+def gdpo_advantages(
+    rewards: Tensor,
+    group: Tensor,
+    weights: Tensor | Sequence[float] | None = None,
+    eps: float = 1e-4,
+    process_group: Any = None,
+) -> Tensor:
+    """GDPO: per-reward group normalization, weighted sum, global batch normalization -> ``[N]``.
+
+    The batch std is unbiased over the global number of responses (0 when there is only one).
+    """
+    return gdpo_parts(rewards, group, weights, eps, process_group)[4]
+
+
+def saw_weights(rewards: Tensor, process_group: Any = None) -> Tensor:
+    """SAW reward weights ``[K]`` from each reward's coefficient of variation over the batch.
+
+    ``CV_k = std_k / (|mean_k| + 1e-8)`` over the present values of the global batch; a
+    reward with fewer than two present values has no CV and gets weight 0. The others get
+    ``K' * CV_k / sum CV`` (summing to ``K'``, the number with a CV); if every CV is 0 the
+    batch carries no signal to rebalance and each of them gets 1.
+    """
+    dtype = compute_dtype(rewards)
+    present = ~torch.isnan(rewards)
+    count, mean, std = batch_moments(rewards, present, process_group)
+    defined = count >= 2
+    cv = torch.where(defined, std / (mean.abs() + 1e-8), torch.zeros_like(std))
+    k_eff = defined.sum().to(torch.float64)
+    total = cv.sum()
+    w = torch.where(
+        total > 0,
+        k_eff * cv / torch.where(total > 0, total, torch.ones_like(total)),
+        defined.to(torch.float64),
+    )
+    return w.to(dtype)
+
+
+def replay_mask(rewards: Tensor, group: Tensor, has_block: Tensor | None = None) -> Tensor:
+    """bool ``[N, K]``: pairs whose group advantage can be non-zero and that have a block.
+
+    A pair is replayed when the reward is present, its values are not all equal among the
+    present members of the group, and (if ``has_block`` is given) the verifier produced an
+    information block for it. Every other pair keeps weight 1, so replaying it is wasted.
+    """
+    n, k = rewards.shape
+    present = ~torch.isnan(rewards)
+    if n == 0:
+        return present
+    inv, pos, n_groups, max_size = _pad_groups(group.to(rewards.device))
+    padded = torch.full(
+        (n_groups, max_size, k), float("nan"), dtype=rewards.dtype, device=rewards.device
+    )
+    padded[inv, pos] = rewards
+    ok = ~torch.isnan(padded)
+    hi = torch.where(ok, padded, torch.full_like(padded, -float("inf"))).amax(1)
+    lo = torch.where(ok, padded, torch.full_like(padded, float("inf"))).amin(1)
+    varies = (hi > lo)[inv]
+    out = present & varies
+    if has_block is not None:
+        out = out & has_block.to(device=out.device, dtype=torch.bool)
+    return out

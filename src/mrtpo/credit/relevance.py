@@ -1,0 +1,238 @@
+"""MRTPO's token-level credit: relevance scores, token weights, the cap and the β schedule.
+
+Replay gives, at every response position, the next-token distribution with all verifier
+blocks in the prompt and with block ``k`` left out. How far apart the two are (the
+Jensen–Shannon *distance*, in [0, 1]) says how much that token depended on reward ``k``'s
+information. Each reward's response-level GDPO advantage is then spread over the response
+in proportion to that relevance, keeping the per-response total unchanged:
+
+* ``w_kt = (1 - β) + β q_kt / mean_t q_kt`` averages 1 over the response and never drops
+  below ``1 - β``;
+* the reallocated part ``R_t = Σ_k c_k A_k (w_kt - 1)`` sums to zero over each response and
+  is scaled by one global factor ``s ≤ 1`` so it never carries more energy than the uniform
+  part (the token advantage's second moment stays within 2x GDPO's);
+* GDPO's own response-level mean and std normalize the result, so with β = 0 the output *is*
+  GDPO's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mrtpo.credit.advantages import all_reduce_sum, compute_dtype, gdpo_parts, reward_weight_vector
+
+__all__ = [
+    "beta_schedule",
+    "js_distance",
+    "js_distance_chunked",
+    "mrtpo_advantages",
+    "mrtpo_advantages_from_weights",
+    "relevance_weights",
+    "shuffle_weights",
+]
+
+LN2 = math.log(2.0)
+
+
+def _log_ratio_to_mixture(d: Tensor) -> Tensor:
+    """``log(p / m)`` with ``m = (p + q) / 2`` given ``d = log q - log p``.
+
+    Equals ``-log((1 + e^d) / 2)``. Near ``d = 0`` the ``log1p(expm1)`` form keeps full
+    relative precision (it is exactly 0 at ``d = 0``); far from it the softplus form cannot
+    overflow.
+    """
+    near = -torch.log1p(0.5 * torch.expm1(d.clamp(max=1.0)))
+    far = LN2 - F.softplus(d)
+    return torch.where(d.abs() < 1.0, near, far)
+
+
+def js_distance(logp_a: Tensor, logp_b: Tensor) -> Tensor:
+    """Jensen–Shannon distance ``sqrt(JSD / ln 2)`` between two log-prob tensors ``[..., V]``.
+
+    Works on any leading shape (call it on chunks of positions to bound memory). Computed in
+    float32, or float64 when an input is float64; equals
+    ``scipy.spatial.distance.jensenshannon(p, q, base=2)``. Identical inputs give exactly 0,
+    disjoint supports give 1, and ``-inf`` log-probs (zero probability) are handled.
+    """
+    dtype = compute_dtype(logp_a, logp_b)
+    a = logp_a.to(dtype)
+    b = logp_b.to(dtype)
+    p = a.exp()
+    q = b.exp()
+    d = b - a
+    zero = torch.zeros((), dtype=dtype, device=a.device)
+    # p * log(p/m) + q * log(q/m), each term dropped where its probability is 0.
+    terms = torch.where(p > 0, p * _log_ratio_to_mixture(d), zero)
+    terms = terms + torch.where(q > 0, q * _log_ratio_to_mixture(-d), zero)
+    jsd = 0.5 * terms.sum(-1)
+    return (jsd / LN2).clamp(0.0, 1.0).sqrt()
+
+
+def js_distance_chunked(
+    logits_a: Tensor, logits_b: Tensor, chunk: int = 128, temperature: float = 1.0
+) -> Tensor:
+    """Jensen–Shannon distance between two logit tensors ``[T, V]`` -> ``[T]`` (float32).
+
+    ``log_softmax`` is applied in float32 one chunk of positions at a time, so peak extra
+    memory is a few ``[chunk, V]`` float32 buffers whatever the model's dtype and ``T``.
+    ``temperature`` divides the logits first (use the sampling temperature if relevance
+    should be measured on the sampling distribution).
+    """
+    if logits_a.shape != logits_b.shape:
+        raise ValueError(f"shape mismatch {tuple(logits_a.shape)} vs {tuple(logits_b.shape)}")
+    dtype = compute_dtype(logits_a, logits_b)
+    lead = logits_a.shape[:-1]
+    flat_a = logits_a.reshape(-1, logits_a.shape[-1])
+    flat_b = logits_b.reshape(-1, logits_b.shape[-1])
+    out = torch.empty(flat_a.shape[0], dtype=dtype, device=logits_a.device)
+    for start in range(0, flat_a.shape[0], max(int(chunk), 1)):
+        sl = slice(start, start + max(int(chunk), 1))
+        la = torch.log_softmax(flat_a[sl].to(dtype) / temperature, dim=-1)
+        lb = torch.log_softmax(flat_b[sl].to(dtype) / temperature, dim=-1)
+        out[sl] = js_distance(la, lb)
+    return out.reshape(lead)
+
+
+def relevance_weights(q: Tensor, mask: Tensor, replayed: Tensor | None, beta: float) -> Tensor:
+    """Token weights ``[N, K, T]``: ``(1 - β) + β q / qbar`` on replayed pairs' valid tokens.
+
+    ``qbar`` is the mean relevance over the response's valid tokens. The weight is 1 on pads,
+    on pairs that were not replayed, and where ``qbar <= 1e-8`` (no token depended on the
+    block, so there is nothing to reallocate).
+    """
+    dtype = compute_dtype(q)
+    qd = q.to(dtype)
+    valid = mask.to(torch.bool)[:, None, :].expand_as(qd)
+    zero = torch.zeros((), dtype=dtype, device=qd.device)
+    qv = torch.where(valid, qd, zero)
+    n_tok = valid.sum(-1, keepdim=True).clamp(min=1).to(dtype)
+    qbar = qv.sum(-1, keepdim=True) / n_tok
+    ok = valid & (qbar > 1e-8)
+    if replayed is not None:
+        ok = ok & replayed.to(device=qd.device, dtype=torch.bool)[:, :, None]
+    safe_qbar = torch.where(qbar > 1e-8, qbar, torch.ones_like(qbar))
+    w = (1.0 - beta) + beta * (qv / safe_qbar)
+    return torch.where(ok, w, torch.ones_like(w))
+
+
+def shuffle_weights(
+    w: Tensor,
+    mask: Tensor,
+    replayed: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Shuffle ablation: permute each (response, reward)'s weights over its valid tokens.
+
+    The multiset of weights of every pair is kept; only which token gets which weight is
+    lost. Pads (and pairs not replayed, whose weights are all 1) are left as they are.
+    """
+    n, k, t = w.shape
+    valid = mask.to(torch.bool)[:, None, :].expand(n, k, t)
+    if replayed is not None:
+        valid = valid & replayed.to(device=w.device, dtype=torch.bool)[:, :, None]
+    gen_device = generator.device if generator is not None else w.device
+    keys = torch.rand((n, k, t), generator=generator, device=gen_device).to(w.device)
+    # Valid positions first, in random order (source) / in position order (destination).
+    src = torch.argsort(torch.where(valid, keys, torch.full_like(keys, 2.0)), dim=-1)
+    dst = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)
+    moved = torch.empty_like(w).scatter_(-1, dst, torch.gather(w, -1, src))
+    return torch.where(valid, moved, w)
+
+
+def beta_schedule(beta: float, step: int, warmup_steps: int) -> float:
+    """``β · (3u² − 2u³)`` with ``u = min(step / warmup, 1)``: a smooth ramp from 0 to β."""
+    if warmup_steps <= 0:
+        return float(beta)
+    u = min(max(step, 0) / warmup_steps, 1.0)
+    return float(beta) * (3.0 * u * u - 2.0 * u * u * u)
+
+
+def mrtpo_advantages_from_weights(
+    rewards: Tensor,
+    group: Tensor,
+    w: Tensor | None,
+    mask: Tensor,
+    weights: Tensor | Sequence[float] | None = None,
+    eps: float = 1e-4,
+    process_group: Any = None,
+    joint: bool | None = None,
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, float]]:
+    """Token advantages ``[N, T]`` from token weights ``w`` (``[N, K, T]`` or joint ``[N, 1, T]``).
+
+    ``joint`` (default: ``w.shape[1] == 1`` while K > 1) applies one weight profile to the
+    summed ``S``; otherwise each reward's ``c_k A_k`` follows its own profile. ``w=None``
+    means uniform weights (GDPO). Pads get 0.
+    """
+    a_k, s_resp, _, denom, adv = gdpo_parts(rewards, group, weights, eps, process_group)
+    dtype = adv.dtype
+    valid = mask.to(device=adv.device, dtype=torch.bool)
+    zero = torch.zeros((), dtype=dtype, device=adv.device)
+    if w is None:
+        realloc = torch.zeros(valid.shape, dtype=dtype, device=adv.device)
+    else:
+        wd = w.to(device=adv.device, dtype=dtype)
+        if joint is None:
+            joint = wd.shape[1] == 1 and a_k.shape[1] != 1
+        if joint:
+            if wd.shape[1] != 1:
+                raise ValueError(f"joint weights must be [N, 1, T], got {tuple(wd.shape)}")
+            realloc = s_resp[:, None] * (wd[:, 0, :] - 1.0)
+        else:
+            if wd.shape[1] != a_k.shape[1]:
+                raise ValueError(
+                    f"per-reward weights must be [N, {a_k.shape[1]}, T], got {tuple(wd.shape)}"
+                )
+            c = reward_weight_vector(weights, a_k.shape[1], dtype, adv.device)
+            realloc = ((a_k * c)[:, :, None] * (wd - 1.0)).sum(1)
+    realloc = torch.where(valid, realloc, zero)
+
+    # Cap: the reallocated part may carry at most the uniform part's energy (global sums).
+    n_tok = valid.sum(-1).to(torch.float64)
+    sums = torch.stack(
+        [
+            (s_resp.to(torch.float64).square() * n_tok).sum(),
+            realloc.to(torch.float64).square().sum(),
+        ]
+    )
+    sums = all_reduce_sum(sums, process_group)
+    sum_s2, sum_r2 = float(sums[0]), float(sums[1])
+    cap = min(1.0, math.sqrt(sum_s2 / sum_r2)) if sum_r2 > 0 else 1.0
+
+    # (S + s R - mu) / (sigma + eps), written as GDPO's A plus the scaled reallocation so
+    # that R = 0 (β = 0, no replay) leaves GDPO's advantages untouched to the last bit.
+    tok = adv[:, None] + (cap * realloc) / denom
+    tok = torch.where(valid, tok, zero)
+    if not return_stats:
+        return tok
+    return tok, {"cap_s": cap, "sum_S2": sum_s2, "sum_R2": sum_r2, "norm_denom": float(denom)}
+
+
+def mrtpo_advantages(
+    rewards: Tensor,
+    group: Tensor,
+    q: Tensor | None,
+    mask: Tensor,
+    replayed: Tensor | None,
+    beta: float,
+    weights: Tensor | Sequence[float] | None = None,
+    eps: float = 1e-4,
+    process_group: Any = None,
+    return_stats: bool = False,
+    joint: bool | None = None,
+) -> Tensor | tuple[Tensor, dict[str, float]]:
+    """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``[N, K, T]`` or joint ``[N, 1, T]``).
+
+    ``q=None`` (nothing replayed) gives GDPO broadcast to tokens. With ``return_stats`` also
+    returns ``{"cap_s", "sum_S2", "sum_R2", "norm_denom"}`` (``norm_denom = sigma + eps``).
+    """
+    w = None if q is None else relevance_weights(q, mask, replayed, beta)
+    return mrtpo_advantages_from_weights(
+        rewards, group, w, mask, weights, eps, process_group, joint, return_stats
+    )
