@@ -34,7 +34,9 @@ def test_generate_and_score_synthetic(tmp_path, cache_dir):
     )
     metrics = run(cfg)
     assert metrics["n_responses"] == 12
-    rows = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl")]
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 12 and {r["sample"] for r in rows} == {0, 1}
     saved = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert saved["n_responses"] == 12 and 0.0 <= saved["success"] <= 1.0
@@ -54,7 +56,9 @@ def test_responses_mode_scores_given_text(tmp_path, cache_dir):
         _eval_cfg(tmp_path, cache_dir, f"eval.responses={path}", f"eval.output={tmp_path}/out")
     )
     assert metrics["success"] == 0.5
-    rows = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl")]
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    ]
     assert rows[0]["check/success"] is True and rows[1]["check/success"] is False
     assert rows[1]["reasons"]  # each failed reward says why
 
