@@ -1,0 +1,135 @@
+"""AdvancedIF: rubric verdicts from an LLM judge at an OpenAI-compatible endpoint (optional).
+
+AdvancedIF has no programmatic checkers: experts wrote a rubric list per conversation and
+a judge model decides each item. This client sends one request per response (the
+conversation, the response, the numbered rubrics) and expects a JSON list of booleans
+back. Only the standard library is used; nothing runs unless ``eval.split=advancedif`` and
+``eval.judge_url`` are set. Data rows (the public CSV or a JSONL export) carry
+``conversation_history`` (chat messages, or their JSON text) and ``prompt_metadata``
+holding ``rubrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mrtpo.tasks.base import Messages
+from mrtpo.tasks.instructions.data import Constraint, Record, read_rows
+
+JUDGE_SYSTEM = (
+    "You grade whether an assistant's final reply satisfies each item of a rubric. Judge "
+    "every item on its own, strictly, from the reply's text only. Answer with JSON only: "
+    '{"verdicts": [true, false, ...]} with one boolean per rubric item, in order.'
+)
+
+
+class JudgeError(RuntimeError):
+    """The judge could not be reached or gave an unusable answer (not the policy's fault)."""
+
+
+@dataclass
+class RubricJudge:
+    url: str  # OpenAI-compatible base URL (".../v1") or the full ".../chat/completions"
+    model: str
+    api_key_env: str | None = "OPENAI_API_KEY"  # environment variable holding the key, if any
+    timeout_s: float = 120.0
+
+    @property
+    def endpoint(self) -> str:
+        url = self.url.rstrip("/")
+        return url if url.endswith("/chat/completions") else f"{url}/chat/completions"
+
+    def request_body(self, conversation: Messages, response: str, rubrics: Sequence[str]) -> dict:
+        convo = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in conversation)
+        items = "\n".join(f"{i + 1}. {r}" for i, r in enumerate(rubrics))
+        user = (
+            f"Conversation so far:\n{convo}\n\nAssistant's final reply:\n{response}\n\n"
+            f"Rubric ({len(rubrics)} items):\n{items}"
+        )
+        return {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": JUDGE_SYSTEM},
+                {"role": "user", "content": user},
+            ],
+        }
+
+    def verdicts(self, conversation: Messages, response: str, rubrics: Sequence[str]) -> list[bool]:
+        body = json.dumps(self.request_body(conversation, response, rubrics)).encode()
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                payload = json.loads(r.read().decode("utf-8"))
+            text = payload["choices"][0]["message"]["content"]
+        except (urllib.error.URLError, TimeoutError, KeyError, IndexError, ValueError) as exc:
+            raise JudgeError(f"judge request to {self.endpoint} failed: {exc}") from exc
+        return parse_verdicts(text, len(rubrics))
+
+
+def parse_verdicts(text: str, n: int) -> list[bool]:
+    """The booleans of a judge reply: ``{"verdicts": [...]}`` or a bare JSON list."""
+    for candidate in (text, *re.findall(r"\{.*\}|\[.*\]", text, flags=re.DOTALL)):
+        try:
+            obj = json.loads(candidate)
+        except (json.JSONDecodeError, TypeError):
+            continue
+        if isinstance(obj, Mapping):
+            obj = obj.get("verdicts")
+        if isinstance(obj, list) and len(obj) == n and all(isinstance(v, bool) for v in obj):
+            return list(obj)
+    raise JudgeError(f"judge reply is not a list of {n} booleans: {text[:200]!r}")
+
+
+def judge_from_options(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> RubricJudge:
+    """The judge for ``eval.split=advancedif``; a clear error when no URL is configured."""
+    url = options.get("judge_url") or defaults.get("url")
+    if not url:
+        raise ValueError(
+            "AdvancedIF is scored by an LLM judge: set eval.judge_url=http://HOST:PORT/v1 "
+            "(an OpenAI-compatible endpoint) and optionally eval.judge_model=NAME"
+        )
+    model = options.get("judge_model") or defaults.get("model")
+    if not model:
+        raise ValueError("AdvancedIF judge: set eval.judge_model (or task.judge.model)")
+    return RubricJudge(
+        url=str(url),
+        model=str(model),
+        api_key_env=defaults.get("api_key_env", "OPENAI_API_KEY"),
+        timeout_s=float(defaults.get("timeout_s", 120.0)),
+    )
+
+
+def load_advancedif(path: str | Path) -> list[Record]:
+    """AdvancedIF rows -> records whose constraints are rubric items (checked by the judge)."""
+    out = []
+    for i, row in enumerate(read_rows(path)):
+        convo = row.get("conversation_history")
+        meta = row.get("prompt_metadata")
+        convo = json.loads(convo) if isinstance(convo, str) else convo
+        meta = json.loads(meta) if isinstance(meta, str) else (meta or {})
+        rubrics = meta.get("rubrics") if isinstance(meta, Mapping) else None
+        rubrics = json.loads(rubrics) if isinstance(rubrics, str) else rubrics
+        if not isinstance(convo, list) or not convo or not rubrics:
+            raise ValueError(
+                f"{path}: row {i} needs conversation_history and prompt_metadata.rubrics"
+            )
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in convo]
+        cons = [Constraint("rubric", {}, str(r)) for r in rubrics]
+        uid = str(row.get("id") or row.get("prompt_id") or i)
+        last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        rec = Record(uid, last_user, cons, registry="judge", source="advancedif")
+        rec.meta = {"messages": messages, "task": row.get("benchmark_name") or row.get("task")}
+        out.append(rec)
+    return out

@@ -1,0 +1,334 @@
+"""Instruction following: one binary reward per constraint, checked by the benchmarks' code.
+
+Each prompt carries its own 5–13 constraints, so the reward slots are positional
+(``c0 .. c{max_constraints-1}``) and a prompt's unused slots are ``None`` (NaN in the
+reward tensor); the reward set varies per prompt, which SAW refuses. The information a
+reward depends on is in the prompt itself: ``P_all`` is the sampling prompt and ``P_\\k``
+is the same template rebuilt without constraint ``k`` (no verifier blocks are appended).
+
+Splits: ``train`` (HIR-16K from ``task.data.path``, else the offline generated set),
+``val`` (``task.val_split``, IFEval by default), and the evaluation sets ``ifeval``,
+``ifbench``, ``advancedif`` (LLM judge, needs ``eval.judge_url``) and ``generated``/``hir``.
+MulDimIF is not supported: no maintained implementation of its checkers exists.
+
+Scoring is the official strict check per constraint (the reward) and, for benchmark
+prompts, the loose check as well (reported by ``summarize``, not used as a reward).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task
+from mrtpo.tasks.instructions import checkers
+from mrtpo.tasks.instructions.data import Record, load_benchmark, load_hir, render_prompt
+from mrtpo.tasks.instructions.generator import generate_records
+from mrtpo.tasks.instructions.judge import (
+    JudgeError,
+    RubricJudge,
+    judge_from_options,
+    load_advancedif,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EVAL_FILES = {
+    "ifeval": "../shared/data/ifeval/input_data.jsonl",
+    "ifbench": "../shared/data/ifbench/IFBench_test.jsonl",
+    "advancedif": "../shared/data/advancedif/if_oss_full_data.csv",
+}
+UNSUPPORTED = {
+    "muldimif": (
+        "MulDimIF is not supported: its constraints are checked by scripts in the authors' "
+        "repository, and no maintained, installable implementation of them exists"
+    ),
+}
+
+
+class InstructionTask(Task):
+    name = "ifeval"
+    rewards_vary_per_prompt = True
+
+    def __init__(
+        self,
+        max_constraints: int = 13,
+        data: Mapping[str, Any] | None = None,
+        generator: Mapping[str, Any] | None = None,
+        eval_files: Mapping[str, str] | None = None,
+        val_split: str = "ifeval",
+        nltk_data_dir: str = ".cache/nltk_data",
+        unavailable_checkers: str = "error",
+        loose_in_training: bool = False,
+        judge: Mapping[str, Any] | None = None,
+    ) -> None:
+        if max_constraints < 1:
+            raise ValueError("task.max_constraints must be >= 1")
+        if unavailable_checkers not in ("error", "skip"):
+            raise ValueError("task.unavailable_checkers must be 'error' or 'skip'")
+        self.max_constraints = int(max_constraints)
+        self.reward_names = tuple(f"c{i}" for i in range(self.max_constraints))
+        self.data_cfg = {"path": None, "subsets": ["ifeval", "ifbench"], **dict(data or {})}
+        self.gen_cfg = {
+            "num_prompts": 2048,
+            "seed": 0,
+            "min_constraints": 5,
+            "max_constraints": 13,
+            **dict(generator or {}),
+        }
+        if int(self.gen_cfg["max_constraints"]) > self.max_constraints:
+            raise ValueError(
+                f"task.generator.max_constraints ({self.gen_cfg['max_constraints']}) exceeds "
+                f"task.max_constraints ({self.max_constraints})"
+            )
+        self.eval_files = {**DEFAULT_EVAL_FILES, **dict(eval_files or {})}
+        self.val_split = val_split
+        self.nltk_data_dir = str(nltk_data_dir)
+        self.unavailable_checkers = unavailable_checkers
+        self.loose_in_training = bool(loose_in_training)
+        self.judge_cfg = dict(judge or {})
+        self._judge: RubricJudge | None = None
+        self._cache: dict[str, list[Example]] = {}
+        self.skipped: dict[str, int] = {}  # split -> prompts left out (unavailable checkers)
+
+    # ---- data ---------------------------------------------------------------------------
+    def examples(self, split: str) -> Sequence[Example]:
+        if split == "val":
+            if self.val_split in ("val", "train"):
+                raise ValueError("task.val_split must name an evaluation split (e.g. ifeval)")
+            return self.examples(self.val_split)
+        if split in UNSUPPORTED:
+            raise ValueError(UNSUPPORTED[split])
+        if split not in self._cache:
+            self._cache[split] = self._load(split)
+        return self._cache[split]
+
+    def eval_examples(self, split: str, options: Mapping[str, Any]) -> Sequence[Example]:
+        if split == "advancedif":
+            self._judge = judge_from_options(options, self.judge_cfg)
+        return self.examples(split)
+
+    def _load(self, split: str) -> list[Example]:
+        if split == "train":
+            split_from = "hir" if self.data_cfg.get("path") else "generated"
+            return self._load(split_from)
+        if split == "generated":
+            reg = self._registry("ifeval")
+            g = self.gen_cfg
+            recs = generate_records(
+                reg,
+                int(g["num_prompts"]),
+                seed=int(g["seed"]),
+                min_constraints=int(g["min_constraints"]),
+                max_constraints=int(g["max_constraints"]),
+            )
+            return self._examples(split, recs, is_eval=False)
+        if split == "hir":
+            path = self.data_cfg.get("path")
+            if not path:
+                raise ValueError("split 'hir' needs task.data.path (a HIR-16K parquet/jsonl file)")
+            subsets = list(self.data_cfg.get("subsets") or [])
+            for s in subsets:
+                if s in UNSUPPORTED:
+                    raise ValueError(f"task.data.subsets: {UNSUPPORTED[s]}")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"HIR-16K file not found: {path} (task.data.path)")
+            recs, skipped = load_hir(path, subsets)
+            recs = self._known_and_fitting(recs, skipped)
+            if skipped:
+                log.info("HIR-16K %s: kept %d prompts; skipped %s", path, len(recs), dict(skipped))
+            if not recs:
+                raise ValueError(f"no usable HIR-16K prompts in {path} (skipped: {dict(skipped)})")
+            return self._examples(split, recs, is_eval=False)
+        if split in ("ifeval", "ifbench"):
+            recs = load_benchmark(self._eval_file(split), split)
+            unknown = Counter(
+                c.id for r in recs for c in r.constraints if c.id not in self._registry(split)
+            )
+            if unknown:
+                raise ValueError(
+                    f"{split}: instruction ids unknown to its checkers: {dict(unknown)}"
+                )
+            return self._examples(split, recs, is_eval=True)
+        if split == "advancedif":
+            return self._examples(split, load_advancedif(self._eval_file(split)), is_eval=True)
+        raise ValueError(
+            f"unknown split {split!r} for task ifeval: use train, val, generated, hir, ifeval, "
+            "ifbench or advancedif"
+        )
+
+    def _eval_file(self, split: str) -> str:
+        path = self.eval_files.get(split)
+        if not path:
+            raise ValueError(f"no file for split {split!r}: set task.eval_files.{split}")
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"{split} data not found at {path}: set task.eval_files.{split}"
+            )
+        return str(path)
+
+    def _registry(self, name: str) -> checkers.Registry:
+        return checkers.registry(name, self.nltk_data_dir)
+
+    def _known_and_fitting(self, recs: list[Record], skipped: Counter) -> list[Record]:
+        keep, unknown = [], Counter()
+        for r in recs:
+            missing = [c.id for c in r.constraints if c.id not in self._registry(r.registry)]
+            if len(r.constraints) > self.max_constraints:
+                skipped[f"more than task.max_constraints={self.max_constraints}"] += 1
+            elif missing:
+                skipped[f"instruction id unknown to the {r.registry} checkers"] += 1
+                unknown.update(f"{r.registry}/{m}" for m in missing)
+            else:
+                keep.append(r)
+        if unknown:
+            log.warning(
+                "HIR-16K: %d prompts use instructions no installed checker knows (most common: "
+                "%s); they are left out",
+                sum(v for k, v in skipped.items() if "unknown" in k),
+                dict(unknown.most_common(10)),
+            )
+        return keep
+
+    def _examples(self, split: str, recs: list[Record], is_eval: bool) -> list[Example]:
+        recs = self._drop_unavailable(split, recs)
+        out = []
+        for r in recs:
+            messages = r.meta.get("messages") or [{"role": "user", "content": r.prompt}]
+            data = {
+                "split": split,
+                "source": r.source,
+                "registry": r.registry,
+                "base": r.base,
+                "template": r.template,
+                "prompt": r.prompt,
+                "constraints": [
+                    {"id": c.id, "kwargs": dict(c.kwargs), "text": c.text} for c in r.constraints
+                ],
+                "eval": is_eval,
+            }
+            out.append(Example(id=r.uid, messages=messages, data=data))
+        return out
+
+    def _drop_unavailable(self, split: str, recs: list[Record]) -> list[Record]:
+        """Fail (or, if asked, skip those prompts) when a checker cannot run on this machine."""
+        cases: dict[str, dict[str, tuple[Any, str]]] = defaultdict(dict)
+        for r in recs:
+            if r.registry in ("ifeval", "ifbench"):
+                for c in r.constraints:
+                    cases[r.registry].setdefault(c.id, (c.kwargs, r.prompt))
+        bad: dict[str, str] = {}
+        for name, reg_cases in cases.items():
+            bad.update(checkers.unavailable_instructions(self._registry(name), reg_cases))
+        if not bad:
+            return recs
+        hit = [r for r in recs if any(c.id in bad for c in r.constraints)]
+        msg = (
+            f"split {split}: {len(hit)} of {len(recs)} prompts use instructions whose checkers "
+            f"cannot run here ({sorted(bad)}): {next(iter(bad.values()))}"
+        )
+        if self.unavailable_checkers == "error":
+            raise checkers.CheckerUnavailable(
+                msg + ". Or set task.unavailable_checkers=skip to leave those prompts out "
+                "(reported as n_prompts_skipped)"
+            )
+        log.warning("%s; leaving them out (task.unavailable_checkers=skip)", msg)
+        self.skipped[split] = len(hit)
+        return [r for r in recs if r not in hit]
+
+    # ---- rewards ------------------------------------------------------------------------
+    def score(self, example: Example, response: str) -> Score:
+        d = example.data
+        cons = d["constraints"]
+        if d["registry"] == "judge":
+            strict, loose, reasons = self._judge_verdicts(example, response)
+        else:
+            reg = self._registry(d["registry"])
+            want_loose = bool(d.get("eval")) or self.loose_in_training
+            strict, loose, reasons = [], [], {}
+            for i, c in enumerate(cons):
+                res = checkers.check(reg, c["id"], c["kwargs"], d["prompt"], response, want_loose)
+                strict.append(res.strict)
+                loose.append(res.loose)
+                if not res.strict:
+                    reasons[f"c{i}"] = f"{c['id']}: {res.reason}"
+            if not want_loose:
+                loose = None
+        rewards: dict[str, float | None] = dict.fromkeys(self.reward_names)
+        for i, ok in enumerate(strict[: self.max_constraints]):
+            rewards[f"c{i}"] = 1.0 if ok else 0.0
+        result: dict[str, Any] = {
+            "instruction_ids": [c["id"] for c in cons],
+            "strict": strict,
+            "prompt_strict": all(strict),
+        }
+        if loose is not None:
+            result["loose"] = loose
+            result["prompt_loose"] = all(loose)
+        return Score(rewards=rewards, blocks={}, reasons=reasons, checks=result)
+
+    def _judge_verdicts(
+        self, example: Example, response: str
+    ) -> tuple[list[bool], list[bool], dict[str, str]]:
+        rubrics = [c["text"] for c in example.data["constraints"]]
+        if not response.strip():
+            verdicts = [False] * len(rubrics)
+        else:
+            if self._judge is None:
+                raise JudgeError("AdvancedIF needs a judge: set eval.judge_url")
+            verdicts = self._judge.verdicts(example.messages, response, rubrics)
+        reasons = {
+            f"c{i}": f"rubric not met: {r[:80]}"
+            for i, (r, ok) in enumerate(zip(rubrics, verdicts))
+            if not ok
+        }
+        return verdicts, list(verdicts), reasons
+
+    # ---- replay contexts ----------------------------------------------------------------
+    def contexts(self, example: Example, score: Score) -> Contexts:
+        """``P_all`` = the prompt; ``P_\\k`` = the template without constraint k's sentence."""
+        d = example.data
+        messages = [dict(m) for m in example.messages]
+        if d.get("base") is None:  # benchmark prose: no sentence to leave out
+            return Contexts(all=messages, without={}, none=[dict(m) for m in messages])
+        texts = [c["text"] for c in d["constraints"]]
+
+        def prompt(keep: list[str]) -> Messages:
+            return [{"role": "user", "content": render_prompt(d["base"], keep, d["template"])}]
+
+        n = min(len(texts), self.max_constraints)
+        without = {f"c{k}": prompt(texts[:k] + texts[k + 1 :]) for k in range(n)}
+        return Contexts(all=messages, without=without, none=prompt([]))
+
+    # ---- evaluation ---------------------------------------------------------------------
+    def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
+        """Strict / loose accuracy at prompt and instruction level, over every scored line
+        (n samples of a prompt count n times, as the benchmarks average them)."""
+        rows = [
+            (e, s) for e, s in zip(examples, scores) if s.error is None and "strict" in s.checks
+        ]
+        out: dict[str, float] = {"n_scored": float(len(rows))}
+        splits = {e.data.get("split") for e in examples}
+        skipped = sum(self.skipped.get(s, 0) for s in splits if s)
+        if skipped:
+            out["n_prompts_skipped"] = float(skipped)
+        if not rows:
+            return out
+        out["n_prompts"] = float(len({e.id for e, _ in rows}))
+        out["constraints_per_prompt"] = sum(len(s.checks["strict"]) for _, s in rows) / len(rows)
+        modes = ["strict"] + (["loose"] if all("loose" in s.checks for _, s in rows) else [])
+        per_id: dict[str, list[bool]] = defaultdict(list)
+        for mode in modes:
+            flat = [ok for _, s in rows for ok in s.checks[mode]]
+            out[f"prompt_level_{mode}_acc"] = sum(all(s.checks[mode]) for _, s in rows) / len(rows)
+            out[f"inst_level_{mode}_acc"] = sum(flat) / max(len(flat), 1)
+        for _, s in rows:
+            for iid, ok in zip(s.checks["instruction_ids"], s.checks["strict"]):
+                if iid != "rubric":
+                    per_id[iid].append(ok)
+        for iid, oks in sorted(per_id.items()):
+            out[f"inst_strict/{iid}"] = sum(oks) / len(oks)
+        return out
