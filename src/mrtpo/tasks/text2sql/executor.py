@@ -1,0 +1,718 @@
+"""Safe, parallel execution of model-written SQL against SQLite files.
+
+A policy under RL will eventually write every kind of query: ones that try to change the
+database, attach new files, load extensions, or never finish. Scoring must stay correct
+and the training process must survive all of them. The defences, from the outside in:
+
+1. **Parent-side checks** (no process hop): empty queries, queries longer than
+   ``max_query_chars`` and statements that do not start with ``SELECT``/``WITH``/``VALUES``
+   fail at once with a reason.
+2. **Worker processes.** Queries run in a small pool of separate Python processes started
+   with ``python executor.py`` (standard library only: nothing of the trainer -- torch, CUDA,
+   the model -- is imported or forked). Each worker limits its own address space
+   (``memory_mb``), may not write any file (``RLIMIT_FSIZE = 0``) and, on Linux, dies with
+   its parent (``PR_SET_PDEATHSIG``).
+3. **Read-only connection**: ``file:<path>?mode=ro&immutable=1`` opened with ``uri=True``;
+   SQLite never writes to the file and creates no journal, WAL or lock file.
+4. **Authorizer**: only ``SELECT``, reads, recursive CTEs and ordinary functions are
+   allowed; every write, DDL, ``ATTACH``/``DETACH``, ``PRAGMA``, transaction, ``VACUUM``
+   and the functions ``load_extension`` (and similar) are denied.
+5. **SQLite limits**: ``SQLITE_LIMIT_ATTACHED = 0`` (no attached databases at all),
+   ``SQLITE_LIMIT_LENGTH = max_value_bytes`` (``randomblob(1e9)`` fails immediately),
+   ``SQLITE_LIMIT_SQL_LENGTH``.
+6. **Time budget**: a progress handler interrupts a statement after ``timeout_s``
+   (checked every ``progress_steps`` virtual-machine steps). Some single steps cannot be
+   interrupted (``printf('%.*c', 1e9, 'x')`` loops inside one step for seconds, and so does
+   sorting a huge intermediate result), so the parent also enforces a **hard deadline** of
+   ``timeout_s + hard_margin_s`` per statement: it kills the worker and starts a fresh one.
+   A crashed worker is replaced the same way (its job is retried once).
+7. **Result caps**: at most ``max_rows`` rows and ``max_result_bytes`` bytes are fetched.
+
+Results never travel back to the trainer: a worker executes the reference and the
+prediction, compares them itself (``match.results_match``) and returns a small summary.
+Each worker keeps an LRU cache of reference results, so the ``G`` samples of one prompt
+execute the reference once per worker.
+
+Unix only (``poll`` on pipes, ``resource`` limits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pickle
+import re
+import select
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+if __package__:
+    from .match import results_match
+else:  # started as a script inside a worker process: only this folder is on sys.path
+    from match import results_match  # type: ignore[no-redef]
+
+# ---------------------------------------------------------------------------------------
+# Shared settings and data types
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one executor (all of them configurable from the task config)."""
+
+    timeout_s: float = 5.0  # per statement (soft: progress handler)
+    hard_margin_s: float = 0.5  # the worker is killed this long after the soft budget
+    max_rows: int = 100_000
+    max_result_bytes: int = 64 * 2**20
+    max_value_bytes: int = 16 * 2**20  # SQLITE_LIMIT_LENGTH: longest string/blob/row
+    max_query_chars: int = 100_000
+    memory_mb: int = 2048  # address-space limit of a worker process (0: none)
+    progress_steps: int = 10_000  # VM steps between deadline checks (0: no soft budget)
+    gold_cache_size: int = 4096  # reference results kept per worker
+    gold_cache_max_rows: int = 20_000  # larger reference results are not cached
+
+
+@dataclass(frozen=True)
+class ExecJob:
+    """One unit of work: run ``pred`` (and/or ``gold``) on ``db`` and compare them.
+
+    ``pred`` is checked for executability as written (after the evaluator's clean-up);
+    ``pred_match`` / ``gold`` are the texts compared for execution match (DISTINCT removed
+    unless the task keeps it). ``pred_match`` defaults to ``pred``.
+    """
+
+    db: str
+    pred: str | None = None
+    gold: str | None = None
+    pred_match: str | None = None
+    ordered: bool = False
+    mode: str = "spider"
+
+
+@dataclass
+class ExecOutcome:
+    """What happened to one job. ``None`` fields were not attempted."""
+
+    pred_ok: bool | None = None
+    pred_error: str | None = None
+    pred_rows: int | None = None
+    gold_ok: bool | None = None
+    gold_error: str | None = None
+    gold_rows: int | None = None
+    match: bool | None = None
+    match_error: str | None = None  # the DISTINCT-free variant failed while the query ran
+    seconds: float = 0.0
+    killed: bool = False  # the worker had to be killed (hard deadline) or crashed
+
+
+# ---------------------------------------------------------------------------------------
+# Worker side (runs in the child process)
+# ---------------------------------------------------------------------------------------
+
+_ALLOWED_ACTIONS = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    getattr(sqlite3, "SQLITE_RECURSIVE", 33),
+}
+_FUNCTION_ACTION = sqlite3.SQLITE_FUNCTION
+_DENIED_FUNCTIONS = frozenset(
+    {"load_extension", "fts3_tokenizer", "readfile", "writefile", "edit", "sqlite_dbpage"}
+)
+
+
+def _authorize(action: int, arg1: Any, arg2: Any, db_name: Any, trigger: Any) -> int:
+    """Allow reading queries only; everything else is denied."""
+    if action == _FUNCTION_ACTION:
+        name = (arg2 or "").lower()
+        return sqlite3.SQLITE_DENY if name in _DENIED_FUNCTIONS else sqlite3.SQLITE_OK
+    if action in _ALLOWED_ACTIONS:
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def readonly_uri(path: str) -> str:
+    """``file:`` URI that opens ``path`` read-only and immutable (no locks, no journal)."""
+    quoted = urllib.parse.quote(os.path.abspath(path))
+    return f"file:{quoted}?mode=ro&immutable=1"
+
+
+def _setlimit(con: sqlite3.Connection, name: str, value: int) -> None:
+    if hasattr(con, "setlimit") and hasattr(sqlite3, name):  # Python >= 3.11
+        con.setlimit(getattr(sqlite3, name), value)
+
+
+def open_guarded(path: str, limits: Limits) -> tuple[sqlite3.Connection, list[float]]:
+    """A read-only connection with the authorizer, limits and a deadline progress handler.
+
+    Returns the connection and a one-element list holding the current deadline
+    (``time.monotonic()`` value); set it before each statement.
+    """
+    con = sqlite3.connect(readonly_uri(path), uri=True, isolation_level=None)
+    # The official evaluator decodes text leniently; so do we (also avoids decode errors).
+    con.text_factory = lambda b: b.decode(errors="ignore")
+    _setlimit(con, "SQLITE_LIMIT_ATTACHED", 0)
+    _setlimit(con, "SQLITE_LIMIT_LENGTH", limits.max_value_bytes)
+    _setlimit(con, "SQLITE_LIMIT_SQL_LENGTH", max(limits.max_query_chars * 4, 1000))
+    if hasattr(con, "enable_load_extension"):
+        con.enable_load_extension(False)
+    con.execute("PRAGMA temp_store = MEMORY")  # sorts spill to memory, never to temp files
+    con.set_authorizer(_authorize)
+    deadline = [math.inf]
+    if limits.progress_steps > 0:
+        con.set_progress_handler(lambda: time.monotonic() > deadline[0], limits.progress_steps)
+    return con, deadline
+
+
+def _value_size(v: Any) -> int:
+    return len(v) if isinstance(v, (str, bytes)) else 8
+
+
+def _friendly_error(exc: BaseException, limits: Limits) -> str:
+    msg = str(exc).strip() or type(exc).__name__
+    if msg == "interrupted":
+        return f"interrupted: the query ran longer than the {limits.timeout_s:g} s time limit"
+    if msg in ("not authorized", "authorization denied") or msg.startswith("not authorized"):
+        return f"{msg} (only read-only SELECT queries may run here)"
+    if isinstance(exc, MemoryError):
+        return f"out of memory (the executor allows {limits.memory_mb} MB)"
+    return msg
+
+
+def execute_guarded(
+    con: sqlite3.Connection, deadline: list[float], sql: str, limits: Limits
+) -> tuple[list[tuple] | None, str | None]:
+    """Run one statement under the time budget and result caps: (rows, None) or (None, error)."""
+    deadline[0] = time.monotonic() + limits.timeout_s
+    cur = None
+    try:
+        cur = con.execute(sql)
+        rows: list[tuple] = []
+        size = 0
+        while True:
+            chunk = cur.fetchmany(1024)
+            if not chunk:
+                break
+            rows.extend(chunk)
+            if len(rows) > limits.max_rows:
+                return None, f"the result has more than {limits.max_rows} rows (limit)"
+            size += sum(_value_size(v) for row in chunk for v in row)
+            if size > limits.max_result_bytes:
+                return None, f"the result is larger than {limits.max_result_bytes} bytes (limit)"
+        return rows, None
+    except (sqlite3.Error, MemoryError, OverflowError, ValueError, RecursionError) as exc:
+        return None, _friendly_error(exc, limits)
+    finally:
+        deadline[0] = math.inf
+        if cur is not None:
+            with contextlib.suppress(sqlite3.Error):
+                cur.close()
+
+
+class _WorkerState:
+    """Connections (by file identity) and the reference-result cache of one worker."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.connections: OrderedDict[tuple, tuple[sqlite3.Connection, list[float]]] = OrderedDict()
+        self.gold_cache: OrderedDict[tuple, tuple[list[tuple] | None, str | None]] = OrderedDict()
+
+    def connection(self, path: str) -> tuple[sqlite3.Connection, list[float]] | str:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return f"database file not found: {path}"
+        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+        if key in self.connections:
+            self.connections.move_to_end(key)
+            return self.connections[key]
+        try:
+            pair = open_guarded(path, self.limits)
+        except sqlite3.Error as exc:
+            return f"cannot open database {path}: {exc}"
+        self.connections[key] = pair
+        while len(self.connections) > 64:
+            _, (old, _) = self.connections.popitem(last=False)
+            old.close()
+        return pair
+
+    def run(self, db: str, sql: str) -> tuple[list[tuple] | None, str | None]:
+        got = self.connection(db)
+        if isinstance(got, str):
+            return None, got
+        con, deadline = got
+        return execute_guarded(con, deadline, sql, self.limits)
+
+    def gold(self, db: str, sql: str, tick) -> tuple[list[tuple] | None, str | None]:
+        try:
+            st = os.stat(db)
+        except OSError:
+            return None, f"database file not found: {db}"
+        key = (os.path.abspath(db), st.st_mtime_ns, st.st_size, sql)  # a replaced file: miss
+        if key in self.gold_cache:
+            self.gold_cache.move_to_end(key)
+            return self.gold_cache[key]
+        tick("gold")
+        result = self.run(db, sql)
+        rows = result[0]
+        if rows is None or len(rows) <= self.limits.gold_cache_max_rows:
+            self.gold_cache[key] = result
+            while len(self.gold_cache) > self.limits.gold_cache_size:
+                self.gold_cache.popitem(last=False)
+        return result
+
+    def handle(self, job: ExecJob, tick) -> ExecOutcome:
+        t0 = time.perf_counter()
+        out = ExecOutcome()
+        gold_rows = None
+        if job.gold is not None:
+            gold_rows, out.gold_error = self.gold(job.db, job.gold, tick)
+            out.gold_ok = gold_rows is not None
+            out.gold_rows = None if gold_rows is None else len(gold_rows)
+        if job.pred is not None:
+            tick("pred")
+            rows, out.pred_error = self.run(job.db, job.pred)
+            out.pred_ok = rows is not None
+            out.pred_rows = None if rows is None else len(rows)
+            if rows is not None and job.pred_match is not None and job.pred_match != job.pred:
+                tick("pred")
+                rows, out.match_error = self.run(job.db, job.pred_match)
+            if job.gold is not None:
+                if rows is None or gold_rows is None:
+                    out.match = False
+                else:
+                    out.match = results_match(gold_rows, rows, job.ordered, job.mode)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+
+def _read_exact(stream, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent goes away, even in the middle of a long step.
+
+    (Without it, a worker stuck in an uninterruptible step would outlive a killed trainer
+    until the step ends; on other systems it exits at the next read of its closed pipe.)
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _apply_process_limits(limits: Limits) -> None:
+    try:
+        import resource
+    except ImportError:  # not on Unix: the other defences still hold
+        return
+    if limits.memory_mb > 0:
+        cap = limits.memory_mb * 2**20
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    # No file may be written by this process; writes fail with EFBIG instead of a signal.
+    try:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    except (ValueError, OSError, AttributeError):
+        pass
+
+
+def serve(limits: Limits) -> None:
+    """Worker main loop: length-prefixed pickled jobs on stdin, replies on stdout."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
+    _die_with_parent()
+    out_fd = os.dup(1)
+    os.dup2(2, 1)  # anything printed by mistake goes to stderr, not into the protocol
+    out = os.fdopen(out_fd, "wb", buffering=0)
+    inp = sys.stdin.buffer
+    _apply_process_limits(limits)
+    state = _WorkerState(limits)
+
+    def send(obj: Any) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(struct.pack(">I", len(data)) + data)
+
+    def tick(stage: str) -> None:
+        send(("tick", stage))
+
+    while True:
+        header = _read_exact(inp, 4)
+        if header is None:
+            return  # the parent closed the pipe (or died)
+        payload = _read_exact(inp, struct.unpack(">I", header)[0])
+        if payload is None:
+            return
+        try:
+            outcome = state.handle(ExecJob(**pickle.loads(payload)), tick)
+        except Exception as exc:  # a bug here must not kill the worker
+            outcome = ExecOutcome(pred_ok=False, pred_error=f"executor error: {exc!r}")
+        # Only built-in types cross the pipe: the two sides name these classes differently.
+        send(("done", asdict(outcome)))
+
+
+# ---------------------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------------------
+
+_FIRST_WORD = re.compile(r"[A-Za-z]+")
+_LEADING_NOISE = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/|\()*", re.DOTALL)
+# Statements that can only change something. The authorizer denies them anyway; refusing
+# them here saves a process round trip and gives a clearer reason. Anything else (a
+# typo such as "SELEC" included) goes to SQLite, whose own error message is more useful.
+_WRITING_STATEMENTS = frozenset(
+    [
+        "insert",
+        "update",
+        "delete",
+        "replace",
+        "upsert",
+        "merge",
+        "drop",
+        "create",
+        "alter",
+        "attach",
+        "detach",
+        "pragma",
+        "vacuum",
+        "reindex",
+        "analyze",
+        "begin",
+        "commit",
+        "end",
+        "rollback",
+        "savepoint",
+        "release",
+    ]
+)
+
+
+def precheck(sql: str, limits: Limits) -> str | None:
+    """Reasons to refuse a query without running it (None: go ahead)."""
+    if len(sql) > limits.max_query_chars:
+        return (
+            f"the query is {len(sql)} characters long, over the {limits.max_query_chars}-"
+            "character limit"
+        )
+    if not sql.strip():
+        return "the query is empty"
+    rest = sql[_LEADING_NOISE.match(sql).end() :]
+    m = _FIRST_WORD.match(rest)
+    word = m.group(0).lower() if m else ""
+    if word in _WRITING_STATEMENTS:
+        return f"not authorized: only read-only SELECT queries may run here, not {word.upper()}"
+    return None
+
+
+class _Worker:
+    """One child process and its read buffer."""
+
+    def __init__(self, limits: Limits) -> None:
+        # -S -E: no site-packages, no PYTHON* variables; the worker needs only the standard
+        # library and match.py (found next to this file, the script's folder).
+        script = os.path.abspath(__file__)
+        cmd = [sys.executable, "-S", "-E", script, json.dumps(asdict(limits))]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=os.path.sep,  # relative paths in a query point nowhere writable
+            close_fds=True,
+        )
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+        self.started = time.monotonic()
+
+    @staticmethod
+    def encode(job: ExecJob) -> bytes:
+        data = pickle.dumps(asdict(job), protocol=pickle.HIGHEST_PROTOCOL)
+        return struct.pack(">I", len(data)) + data
+
+    def send(self, frame: bytes) -> None:
+        self.proc.stdin.write(frame)
+        self.proc.stdin.flush()
+
+    def read_messages(self) -> list[tuple[str, Any]] | None:
+        """Messages available now; None at end of file (the worker died)."""
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            return None
+        self.buf += chunk
+        msgs = []
+        while len(self.buf) >= 4:
+            n = struct.unpack(">I", self.buf[:4])[0]
+            if len(self.buf) < 4 + n:
+                break
+            msgs.append(pickle.loads(self.buf[4 : 4 + n]))
+            self.buf = self.buf[4 + n :]
+        return msgs
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # EOF: the worker exits on its own
+            self.proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+        else:
+            self.proc.stdout.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    while workers:
+        workers.pop().close()
+
+
+class SQLExecutor:
+    """Runs :class:`ExecJob` batches in parallel through a self-healing worker pool.
+
+    Thread-safe (one batch at a time); picklable (the pool is not copied: a copy starts
+    its own workers when first used). Workers start on the first batch and stay up until
+    :meth:`close`, garbage collection or interpreter exit.
+    """
+
+    #: Jobs queued in one worker at a time (hides the parent's round-trip latency). Only
+    #: small jobs are queued behind a running one, so that the queued bytes always fit in
+    #: the pipe's buffer (64 KiB on Linux) and writing never blocks.
+    PIPELINE = 4
+    PIPELINE_MAX_BYTES = 8192
+
+    def __init__(self, workers: int | None = None, **limits: Any) -> None:
+        self.limits = Limits(**limits)
+        self.n_workers = max(1, int(workers or min(4, os.cpu_count() or 1)))
+        self.stats = {"jobs": 0, "killed": 0, "crashed": 0, "restarts": 0}
+        self._init_pool()
+
+    def _init_pool(self) -> None:
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        weakref.finalize(self, _shutdown, self._workers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_workers", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_pool()
+
+    def close(self) -> None:
+        """Stop the worker processes (new ones start with the next batch)."""
+        with self._lock:
+            _shutdown(self._workers)
+
+    # -- public API --------------------------------------------------------------------
+    def run(self, jobs: Sequence[ExecJob]) -> list[ExecOutcome]:
+        """Execute ``jobs`` in parallel; outcomes come back in the same order.
+
+        Nothing a query does makes this raise: refused, failing, hanging and crashing
+        queries all come back as failed outcomes with a reason.
+        """
+        results: list[ExecOutcome | None] = [None] * len(jobs)
+        partial: dict[int, ExecOutcome] = {}  # outcomes decided before running (merged)
+        work: dict[int, ExecJob] = {}
+        for i, job in enumerate(jobs):
+            # Workers run in "/": relative database paths are resolved here.
+            job = dataclasses.replace(job, db=os.path.abspath(job.db))
+            pred_reason = None if job.pred is None else precheck(job.pred, self.limits)
+            gold_reason = None if job.gold is None else precheck(job.gold, self.limits)
+            if pred_reason is None and gold_reason is None:
+                work[i] = job
+                continue
+            out = ExecOutcome()
+            if gold_reason is not None:
+                out.gold_ok, out.gold_error = False, gold_reason
+            if pred_reason is not None:
+                out.pred_ok, out.pred_error = False, pred_reason
+            if job.pred is not None and job.gold is not None:
+                out.match = False
+            if job.pred is not None and pred_reason is None:
+                # The reference is refused but the prediction may run: report executability.
+                partial[i] = out
+                work[i] = dataclasses.replace(job, gold=None, pred_match=None)
+            else:
+                results[i] = out
+        if work:
+            with self._lock:
+                self._run_pool(work, results, partial)
+        for i, out in partial.items():
+            got = results[i]
+            if got is not None:
+                out.pred_ok, out.pred_error, out.pred_rows = (
+                    got.pred_ok,
+                    got.pred_error,
+                    got.pred_rows,
+                )
+                out.seconds, out.killed = got.seconds, got.killed
+            results[i] = out
+        return [
+            r if r is not None else ExecOutcome(pred_ok=False, pred_error="lost") for r in results
+        ]
+
+    def check(self, db: str, sql: str) -> ExecOutcome:
+        """Executability of one query."""
+        return self.run([ExecJob(db=db, pred=sql)])[0]
+
+    # -- internals ---------------------------------------------------------------------
+    def _run_pool(
+        self,
+        work: dict[int, ExecJob],
+        results: list[ExecOutcome | None],
+        partial: dict[int, ExecOutcome],
+    ) -> None:
+        lim = self.limits
+        stage_s = lim.timeout_s + lim.hard_margin_s
+        while len(self._workers) < min(self.n_workers, len(work)):
+            self._workers.append(_Worker(lim))
+        by_fd = {w.fd: w for w in self._workers}
+        pending = deque((i, 0) for i in work)  # (job index, attempt)
+        frames: dict[int, bytes] = {}  # encoded jobs
+        # Each worker holds up to PIPELINE jobs (FIFO) so that it never waits for the parent.
+        # The head job is the one running; its stage and hard deadline are tracked.
+        queue: dict[int, deque[tuple[int, int]]] = {w.fd: deque() for w in self._workers}
+        head: dict[int, list[Any]] = {}  # fd -> [deadline, start time, stage]
+
+        def replace(w: _Worker) -> None:
+            w.kill()
+            self._workers.remove(w)
+            by_fd.pop(w.fd, None)
+            for i, attempt in reversed(queue.pop(w.fd, deque())):
+                pending.appendleft((i, attempt))  # not started: no attempt used
+            head.pop(w.fd, None)
+            nw = _Worker(lim)
+            self._workers.append(nw)
+            by_fd[nw.fd] = nw
+            queue[nw.fd] = deque()
+            self.stats["restarts"] += 1
+
+        def fail_or_retry(i: int, attempt: int, reason: str, t0: float) -> None:
+            if attempt < 1:
+                pending.appendleft((i, attempt + 1))
+            else:
+                results[i] = _failed(work[i], reason, t0)
+
+        while pending or any(queue.values()):
+            for w in list(self._workers):
+                q = queue[w.fd]
+                while pending and len(q) < self.PIPELINE:
+                    i, attempt = pending[0]
+                    frame = frames.get(i) or frames.setdefault(i, _Worker.encode(work[i]))
+                    if q and len(frame) > self.PIPELINE_MAX_BYTES:
+                        # A busy worker does not read its pipe: a large write would block
+                        # the parent (and its deadlines) until the running query ends.
+                        break
+                    pending.popleft()
+                    try:
+                        w.send(frame)
+                    except OSError:  # the worker is gone already
+                        pending.appendleft((i, attempt))
+                        self.stats["crashed"] += 1
+                        replace(w)
+                        break
+                    q.append((i, attempt))
+                    if w.fd not in head:
+                        # A fresh interpreter needs a moment to start before its first tick.
+                        grace = 5.0 if time.monotonic() - w.started < 5.0 else 0.0
+                        now = time.monotonic()
+                        head[w.fd] = [now + stage_s + grace, now, "start"]
+            if not head:
+                continue
+            timeout = max(0.0, min(h[0] for h in head.values()) - time.monotonic())
+            # poll, not select: a trainer may hold more than FD_SETSIZE (1024) descriptors
+            poller = select.poll()
+            for fd in head:
+                poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+            ready = [fd for fd, _ in poller.poll(math.ceil(timeout * 1000))]
+            for fd in ready:
+                w = by_fd[fd]
+                try:
+                    msgs = w.read_messages()
+                except OSError:
+                    msgs = None
+                if msgs is None:  # the worker died under its head job
+                    i, attempt = queue[fd].popleft()
+                    t0 = head[fd][1]
+                    self.stats["crashed"] += 1
+                    replace(w)
+                    fail_or_retry(i, attempt, "the executor process crashed", t0)
+                    continue
+                for kind, payload in msgs:
+                    now = time.monotonic()
+                    if kind == "tick":
+                        head[fd][0], head[fd][2] = now + stage_s, payload
+                    elif kind == "done":
+                        i, _attempt = queue[fd].popleft()
+                        results[i] = ExecOutcome(**payload)
+                        self.stats["jobs"] += 1
+                        if queue[fd]:
+                            head[fd] = [now + stage_s, now, "start"]
+                        else:
+                            del head[fd]
+            now = time.monotonic()
+            for fd, (deadline, t0, stage) in list(head.items()):
+                if now < deadline:
+                    continue
+                i, attempt = queue[fd].popleft()
+                self.stats["killed"] += 1
+                replace(by_fd[fd])
+                reason = (
+                    f"the query ran longer than the {lim.timeout_s:g} s time limit and its "
+                    "process was stopped"
+                )
+                job = work[i]
+                if stage == "gold" and job.pred is not None:
+                    # The reference hung: record that, then still check the prediction.
+                    partial[i] = ExecOutcome(gold_ok=False, gold_error=reason, match=False)
+                    work[i] = dataclasses.replace(job, gold=None, pred_match=None)
+                    frames.pop(i, None)
+                    pending.append((i, attempt))
+                else:
+                    results[i] = _failed(job, reason, t0)
+
+
+def _failed(job: ExecJob, reason: str, t0: float) -> ExecOutcome:
+    out = ExecOutcome(seconds=time.monotonic() - t0, killed=True)
+    if job.pred is not None:
+        out.pred_ok, out.pred_error = False, reason
+        if job.gold is not None:
+            out.match = False
+    else:
+        out.gold_ok, out.gold_error = False, reason
+    return out
+
+
+if __name__ == "__main__":
+    serve(Limits(**json.loads(sys.argv[1])))

@@ -1,0 +1,455 @@
+"""Text-to-SQL (Spider family, BIRD): prompts, three binary rewards, verifier blocks.
+
+The model reads a question and its database's schema, reasons in ``<think>`` and writes one
+SQLite query in ``<answer>`` (SQL-R1's format). Rewards: format, executability, execution
+match (``rewards.py``, ``match.py``); queries run in the sandboxed worker pool of
+``executor.py``.
+
+Verifier blocks, appended in this order by the default ``Task.contexts`` (method.md):
+
+1. format -- always: the format requirement.
+2. executability -- the SQLite error of this response's own query, or the "no SQL code
+   block" sentence when there is none; no block when the query runs.
+3. execution -- always: the reference query.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mrtpo.tasks.base import Example, Score, Task
+
+from .data import Question, SplitConfig, find_database, read_questions
+from .executor import ExecJob, ExecOutcome, SQLExecutor
+from .match import clean_query, order_matters, prepare_for_match
+from .rewards import (
+    FORMAT_BLOCK,
+    NO_SQL_BLOCK,
+    ParsedResponse,
+    error_block,
+    parse_response,
+    reference_block,
+    reference_response,
+)
+from .schema import render_schema, table_names
+
+log = logging.getLogger(__name__)
+
+_GOLD_CHECK_VERSION = 1  # bump when the executor's notion of "runs" changes
+
+SYSTEM_PROMPT = (
+    "You are an expert in SQLite. Given a database schema and a question, you write one "
+    "SQLite query that answers the question."
+)
+
+USER_TEMPLATE = """Database schema:
+{schema}
+
+Question: {question}{evidence}
+
+Think through the question step by step inside <think> </think>. Then write the final SQLite \
+query inside <answer> </answer> as one ```sql code block, like this:
+<think>
+...
+</think>
+<answer>
+```sql
+SELECT ...
+```
+</answer>"""
+
+
+@functools.lru_cache(maxsize=65_536)
+def _prepared(query: str, keep_distinct: bool) -> str:
+    """Reference queries are prepared once (each is scored G times per step)."""
+    return prepare_for_match(query, keep_distinct)
+
+
+def _plain(obj: Any) -> Any:
+    """Hydra DictConfig/ListConfig (or plain containers) as plain dicts and lists."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) or type(obj).__name__ == "ListConfig":
+        return [_plain(v) for v in obj]
+    return obj
+
+
+class Text2SQLTask(Task):
+    """Text-to-SQL task. See ``docs/tasks/text2sql.md`` and ``configs/task/text2sql.yaml``.
+
+    Args:
+        splits: split name -> settings (:class:`~.data.SplitConfig` fields: ``file``,
+            ``db_dir``, ``question_field``, ``format``, ``match``, ``hub``, ``hub_split``,
+            ``drop_failing_gold``). ``train`` is the training split.
+        val_split: the split behind ``examples("val")``.
+        schema_max_chars: character budget of the schema block.
+        sample_values: sample values shown per column (0: none).
+        max_examples: keep only the first N usable questions of every split (tests, smoke).
+        keep_distinct: compare results with DISTINCT kept (official default: removed).
+        executor: :class:`~.executor.SQLExecutor` settings (``workers``, ``timeout_s``, ...).
+        system_prompt: replaces the default system message (None: default; "": none).
+        cache_dir: where the list of failing training references is remembered between
+            runs (None: check them at every start, ~10 s for Spider train).
+    """
+
+    name = "text2sql"
+    reward_names = ("format", "executability", "execution")
+
+    def __init__(
+        self,
+        splits: Mapping[str, Mapping[str, Any]],
+        val_split: str = "spider_dev",
+        schema_max_chars: int = 8000,
+        sample_values: int = 3,
+        max_examples: int | None = None,
+        keep_distinct: bool = False,
+        executor: Mapping[str, Any] | None = None,
+        system_prompt: str | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.splits = {
+            name: SplitConfig.from_mapping(name, cfg or {}) for name, cfg in _plain(splits).items()
+        }
+        self.val_split = val_split
+        self.schema_max_chars = int(schema_max_chars)
+        self.sample_values = int(sample_values)
+        self.max_examples = None if max_examples in (None, 0) else int(max_examples)
+        self.keep_distinct = bool(keep_distinct)
+        self.executor_options = _plain(executor or {})
+        self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self._executor: SQLExecutor | None = None
+        self._cache: dict[str, list[Example]] = {}
+        #: Per split: how many questions were read, kept and dropped, and why.
+        self.load_stats: dict[str, dict[str, Any]] = {}
+
+    # ---- pickling: the worker pool stays behind -----------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_executor"] = None
+        return state
+
+    @property
+    def executor(self) -> SQLExecutor:
+        if self._executor is None:
+            self._executor = SQLExecutor(**self.executor_options)
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the executor's worker processes."""
+        if self._executor is not None:
+            self._executor.close()
+
+    # ---- data ---------------------------------------------------------------------------
+    def _split_config(self, split: str) -> SplitConfig:
+        name = self.val_split if split == "val" else split
+        if name not in self.splits:
+            valid = sorted({*self.splits, "val"})
+            raise ValueError(
+                f"unknown text2sql split {split!r}"
+                + (f" (task.val_split={self.val_split!r})" if split == "val" else "")
+                + f"; valid splits: {valid}. Add it under task.splits or choose another."
+            )
+        return self.splits[name]
+
+    def examples(self, split: str) -> Sequence[Example]:
+        cfg = self._split_config(split)
+        if cfg.name not in self._cache:
+            self._cache[cfg.name] = self._load(cfg)
+        return self._cache[cfg.name]
+
+    def eval_examples(self, split: str, options: Mapping[str, Any]) -> Sequence[Example]:
+        """``eval.categories``: database ids to keep; ``eval.limit``: first N examples."""
+        examples = list(self.examples(split))
+        options = options or {}
+        categories = options.get("categories")
+        if categories:
+            wanted = {str(c) for c in ([categories] if isinstance(categories, str) else categories)}
+            examples = [e for e in examples if e.data["db_id"] in wanted]
+            if not examples:
+                raise ValueError(
+                    f"eval.categories={sorted(wanted)} selects no {split!r} example; for "
+                    "text2sql the categories are database ids (db_id)"
+                )
+        limit = options.get("limit") or options.get("max_examples")
+        return examples[: int(limit)] if limit else examples
+
+    def _load(self, cfg: SplitConfig) -> list[Example]:
+        questions = read_questions(cfg)
+        stats: dict[str, Any] = {"read": len(questions)}
+        missing: Counter[str] = Counter()
+        usable: list[tuple[Question, Path]] = []
+        for q in questions:
+            path = find_database(cfg.db_dir, q.db_id)
+            if path is None:
+                missing[q.db_id] += 1
+            else:
+                usable.append((q, path))
+        if not usable:
+            raise FileNotFoundError(
+                f"text2sql split '{cfg.name}': none of the {len(questions)} questions has its "
+                f"database under {cfg.db_dir}; set task.splits.{cfg.name}.db_dir"
+            )
+        stats["missing_database"] = sum(missing.values())
+        stats["missing_databases"] = dict(missing)
+        failed: list[tuple[str, str]] = []
+        if cfg.drop_failing_gold:
+            usable, failed = self._drop_failing_cached(cfg, usable)
+        elif self.max_examples is not None:
+            usable = usable[: self.max_examples]
+        stats["gold_fails"] = len(failed)
+        stats["gold_failures"] = failed
+        examples = [self._example(cfg, q, path) for q, path in usable]
+        stats["kept"] = len(examples)
+        self.load_stats[cfg.name] = stats
+        log.info(
+            "text2sql %s: kept %d of %d questions%s; dropped %d whose database is missing %s "
+            "and %d whose reference query fails to execute %s",
+            cfg.name,
+            len(examples),
+            len(questions),
+            f" (task.max_examples={self.max_examples})" if self.max_examples else "",
+            stats["missing_database"],
+            dict(missing) or "",
+            len(failed),
+            [f"{qid}: {why}" for qid, why in failed][:10] or "",
+        )
+        return examples
+
+    def _gold_cache_file(
+        self, cfg: SplitConfig, usable: list[tuple[Question, Path]]
+    ) -> Path | None:
+        """Cache file named by the question file and every database used (path, size, mtime)."""
+        if self.cache_dir is None or self.max_examples is not None or not cfg.file:
+            return None
+        try:
+            st = Path(cfg.file).stat()
+            dbs = sorted({str(p.resolve()) for _, p in usable})
+            db_ids = [[d, os.stat(d).st_size, os.stat(d).st_mtime_ns] for d in dbs]
+        except OSError:
+            return None
+        key = json.dumps(
+            [
+                str(Path(cfg.file).resolve()),
+                st.st_size,
+                st.st_mtime_ns,
+                db_ids,
+                cfg.question_field,
+                self.keep_distinct,
+                _GOLD_CHECK_VERSION,
+            ]
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return self.cache_dir / "text2sql" / f"gold_check_{cfg.name}_{digest}.json"
+
+    def _drop_failing_cached(
+        self, cfg: SplitConfig, usable: list[tuple[Question, Path]]
+    ) -> tuple[list[tuple[Question, Path]], list[tuple[str, str]]]:
+        """:meth:`_drop_failing`, remembered in ``cache_dir`` for the same question file."""
+        cache = self._gold_cache_file(cfg, usable)
+        if cache is not None and cache.is_file():
+            try:
+                failed = [tuple(x) for x in json.loads(cache.read_text())["failed"]]
+                bad = {qid for qid, _ in failed}
+                log.info("text2sql %s: reference checks read from %s", cfg.name, cache)
+                return [(q, p) for q, p in usable if q.id not in bad], failed  # type: ignore[misc]
+            except (ValueError, KeyError, TypeError):
+                log.warning("text2sql: ignoring unreadable cache %s", cache)
+        kept, failed = self._drop_failing(usable)
+        if cache is not None:
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text(json.dumps({"failed": failed}))
+            except OSError as exc:
+                log.warning("text2sql: cannot write %s (%s)", cache, exc)
+        return kept, failed
+
+    def _drop_failing(
+        self, usable: list[tuple[Question, Path]]
+    ) -> tuple[list[tuple[Question, Path]], list[tuple[str, str]]]:
+        """Run every reference query (and its DISTINCT-free form); keep those that run.
+
+        With ``max_examples`` only as many chunks are checked as needed to fill it.
+        """
+        kept: list[tuple[Question, Path]] = []
+        failed: list[tuple[str, str]] = []
+        want = self.max_examples
+        chunk = len(usable) if want is None else max(4 * want, 64)
+        for start in range(0, len(usable), chunk):
+            part = usable[start : start + chunk]
+            jobs = [
+                ExecJob(
+                    db=str(path),
+                    pred=clean_query(q.query),
+                    pred_match=prepare_for_match(q.query, self.keep_distinct),
+                )
+                for q, path in part
+            ]
+            for (q, path), out in zip(part, self.executor.run(jobs), strict=True):
+                if out.pred_ok and not out.match_error:
+                    kept.append((q, path))
+                else:
+                    failed.append((q.id, out.pred_error or out.match_error or "unknown"))
+            if want is not None and len(kept) >= want:
+                return kept[:want], failed
+        return kept, failed
+
+    def _example(self, cfg: SplitConfig, q: Question, db_path: Path) -> Example:
+        schema = render_schema(str(db_path), self.schema_max_chars, self.sample_values)
+        evidence = f"\nExternal knowledge: {q.evidence.strip()}" if q.evidence.strip() else ""
+        user = USER_TEMPLATE.format(schema=schema, question=q.question.strip(), evidence=evidence)
+        messages = [{"role": "user", "content": user}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        tables = [
+            t
+            for t in table_names(str(db_path))
+            if re.search(rf"(?<![\w\"`]){re.escape(t)}(?![\w\"`])", q.query, re.IGNORECASE)
+        ]
+        data = {
+            "db_id": q.db_id,
+            "db_path": str(db_path.resolve()),
+            "query": q.query,
+            "question": q.question,
+            "split": cfg.name,
+            "match": cfg.match_mode,
+        }
+        if q.evidence:
+            data["evidence"] = q.evidence
+        if q.difficulty is not None:
+            data["difficulty"] = str(q.difficulty)
+        return Example(
+            id=q.id,
+            messages=messages,
+            data=data,
+            reference=reference_response(q.question, q.query, tables),
+        )
+
+    # ---- rewards -----------------------------------------------------------------------
+    def score(self, example: Example, response: str) -> Score:
+        return self.score_many([example], [response])[0]
+
+    def score_many(self, examples: Sequence[Example], responses: Sequence[str]) -> list[Score]:
+        """Parse every response here, execute all queries in parallel in the worker pool."""
+        if len(examples) != len(responses):
+            raise ValueError(f"{len(examples)} examples but {len(responses)} responses")
+        parsed: list[ParsedResponse | None] = []
+        for r in responses:
+            try:
+                parsed.append(parse_response(r))
+            except Exception as exc:  # defensive: parsing is pure string work
+                log.warning("text2sql: could not parse a response: %r", exc)
+                parsed.append(None)
+        jobs: list[ExecJob] = []
+        job_index: dict[int, int] = {}
+        max_chars = self.executor.limits.max_query_chars
+        for i, (ex, p) in enumerate(zip(examples, parsed, strict=True)):
+            if p is None or p.sql is None:
+                continue
+            gold = _prepared(ex.data["query"], self.keep_distinct)
+            job_index[i] = len(jobs)
+            if len(p.sql) > max_chars:  # refused unread by the executor: skip the clean-up
+                pred, pred_match = p.sql, None
+            else:
+                pred, pred_match = clean_query(p.sql), prepare_for_match(p.sql, self.keep_distinct)
+            jobs.append(
+                ExecJob(
+                    db=ex.data["db_path"],
+                    pred=pred,
+                    pred_match=pred_match,
+                    gold=gold,
+                    ordered=order_matters(gold),
+                    mode=ex.data.get("match", "spider"),
+                )
+            )
+        try:
+            outcomes = self.executor.run(jobs) if jobs else []
+        except Exception as exc:  # the pool itself failed: no reward can be trusted
+            msg = f"executor failure: {type(exc).__name__}: {exc}"
+            log.error("text2sql: %s", msg)
+            return [Score(rewards=dict.fromkeys(self.reward_names), error=msg) for _ in examples]
+        scores = []
+        for i, (ex, p) in enumerate(zip(examples, parsed, strict=True)):
+            try:
+                if p is None:
+                    raise ValueError("response could not be parsed")
+                out = outcomes[job_index[i]] if i in job_index else None
+                scores.append(self._assemble(ex, p, out))
+            except Exception as exc:
+                msg = f"{type(exc).__name__}: {exc}"
+                log.warning("text2sql: scoring failed for example %s: %s", ex.id, msg)
+                scores.append(Score(rewards=dict.fromkeys(self.reward_names), error=msg))
+        return scores
+
+    def _assemble(self, ex: Example, p: ParsedResponse, out: ExecOutcome | None) -> Score:
+        rewards: dict[str, float | None] = {"format": 1.0 if p.format_ok else 0.0}
+        reasons: dict[str, str] = {}
+        blocks: dict[str, str | None] = {
+            "format": FORMAT_BLOCK,
+            "executability": None,
+            "execution": reference_block(ex.data["query"]),
+        }
+        checks: dict[str, Any] = {"db": ex.data["db_id"]}
+        if p.format_reason:
+            reasons["format"] = p.format_reason
+        if out is None:  # no query in the answer
+            rewards["executability"] = 0.0
+            rewards["execution"] = 0.0
+            reasons["executability"] = p.sql_reason or "no SQL code block inside <answer>"
+            reasons["execution"] = "no query to execute"
+            blocks["executability"] = NO_SQL_BLOCK
+            return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks)
+        checks["exec_seconds"] = round(out.seconds, 4)
+        if out.gold_error:
+            checks["gold_error"] = out.gold_error
+        if not out.pred_ok:
+            error = out.pred_error or "unknown error"
+            rewards["executability"] = 0.0
+            rewards["execution"] = 0.0
+            reasons["executability"] = error
+            reasons["execution"] = "the query did not run"
+            blocks["executability"] = error_block(error)
+        else:
+            rewards["executability"] = 1.0
+            rewards["execution"] = 1.0 if out.match else 0.0
+            checks["rows"] = out.pred_rows
+            if not out.match:
+                if out.gold_error:
+                    reasons["execution"] = f"the reference query failed: {out.gold_error}"
+                elif out.match_error:
+                    reasons["execution"] = f"the query without DISTINCT failed: {out.match_error}"
+                else:
+                    reasons["execution"] = (
+                        f"the result differs from the reference's ({out.pred_rows} rows vs "
+                        f"{out.gold_rows})"
+                    )
+        return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks)
+
+    # ---- evaluation --------------------------------------------------------------------
+    def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
+        """``exec_acc`` overall and per database (and per BIRD difficulty), reward means.
+
+        A response whose scoring failed counts as wrong in ``exec_acc``.
+        """
+        out = super().summarize(examples, scores)
+        if not scores:
+            return out
+        groups: dict[str, list[float]] = defaultdict(list)
+        for ex, s in zip(examples, scores, strict=True):
+            hit = 1.0 if s.rewards.get("execution") == 1.0 else 0.0
+            groups["exec_acc"].append(hit)
+            groups[f"exec_acc/{ex.data.get('db_id')}"].append(hit)
+            if ex.data.get("difficulty"):
+                groups[f"exec_acc_difficulty/{ex.data['difficulty']}"].append(hit)
+        out.update({k: sum(v) / len(v) for k, v in sorted(groups.items())})
+        out["n_databases"] = float(len({ex.data.get("db_id") for ex in examples}))
+        return out
