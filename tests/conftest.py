@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Tests never reach the network: any hub access must fail at once, not wait for a timeout.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MRTPO_DATA_DIR", ROOT.parent / "shared" / "data"))
 
