@@ -1,0 +1,407 @@
+"""Rollouts with an in-process ``vllm.LLM`` sharing the training GPU (``rollout=vllm``).
+
+The engine loads the policy checkpoint once, samples from token ids (no re-tokenisation),
+and after every optimizer step receives the trainer's weights through
+:class:`mrtpo.rollout.weight_sync.WeightSync`, which picks whichever weight-update API the
+installed vLLM supports. With ``enable_sleep_mode`` the KV cache and a copy of the weights
+are released while the trainer updates (``sleep``) and restored before the next rollout
+(``wake_up``). A sync always wakes the engine first: loading weights into a sleeping engine
+and waking it afterwards would restore the stale copy it saved when it fell asleep — the
+"weights not synced after sleep mode" failure reported for other colocated trainers.
+
+vLLM is imported lazily, so CPU installs never need it; asking for this engine without
+vLLM or without a CUDA GPU fails at construction with the install hint below.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mrtpo.rollout.base import Generation, SamplingConfig
+from mrtpo.rollout.weight_sync import (
+    SyncStats,
+    WeightSync,
+    has_weight_transfer_api,
+    reload_weights_params,
+)
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "rollout=vllm needs `pip install 'mrtpo[vllm]'` and a CUDA GPU; use rollout=hf on CPU"
+)
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+_SEED_MOD = 1 << 62
+
+
+class VLLMUnavailableError(RuntimeError):
+    """vLLM is not installed, or there is no CUDA device to run it on."""
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailableError(f"{INSTALL_HINT} (import vllm failed: {exc})") from exc
+    return vllm
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """A per-prompt request seed. vLLM gives the ``n`` samples of a request the seeds
+    ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), so prompts get well-separated
+    base seeds and no two samples of one call share a random stream."""
+    return _splitmix64(_splitmix64(seed & 0xFFFFFFFFFFFFFFFF) ^ index) % _SEED_MOD
+
+
+def plan_weight_sync(
+    vllm_module: Any,
+    requested: str = "auto",
+    tensor_parallel_size: int = 1,
+    reload_params: frozenset[str] | None = None,
+) -> str:
+    """Choose the sync path before the engine exists (it decides engine arguments and
+    environment variables); the adapter re-checks on the live ``LLM`` object."""
+    if requested != "auto":
+        return requested
+    llm_cls = getattr(vllm_module, "LLM", None)
+    # CUDA IPC cannot open a handle in the process that exported it, so the IPC transfer
+    # needs vLLM's engine core in its own process (the V1 default).
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    transfer = (
+        not in_process
+        and has_weight_transfer_api(llm_cls)
+        and _weight_transfer_config_cls() is not None
+    )
+    reload = reload_params is not None
+    if tensor_parallel_size > 1 and reload:
+        return "reload_weights"
+    if transfer:
+        return "weight_transfer"
+    if reload:
+        return "reload_weights"
+    return "load_weights"
+
+
+def _weight_transfer_config_cls():
+    try:
+        from vllm.config import WeightTransferConfig
+    except Exception:
+        return None
+    return WeightTransferConfig
+
+
+class VLLMEngine:
+    """Colocated vLLM generation behind the ``RolloutEngine`` protocol.
+
+    Args:
+        model: checkpoint path or hub id (``${model.name_or_path}``); vLLM loads it itself.
+        gpu_memory_utilization: share of the GPU's memory vLLM may take (weights + KV
+            cache); the trainer needs the rest, hence 0.3 by default.
+        tensor_parallel_size: GPUs per engine.
+        max_model_len: longest prompt + response; None uses the model's limit (which sizes
+            the KV cache, so set it for long-context models).
+        dtype: ``auto``, ``bfloat16``, ``float16``, ``float32`` (``bf16``/``fp32`` accepted).
+        seed: the engine's global seed; requests also get per-prompt seeds.
+        enable_sleep_mode: free KV cache and offload weights between rollouts.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes (reset on sync).
+        enforce_eager: skip CUDA-graph capture (faster start, slower decoding).
+        weight_sync: ``auto`` or a path from ``mrtpo.rollout.weight_sync.MODES``.
+        sync_bucket_mb: weight-transfer path: megabytes per ``update_weights`` call.
+        sync_on_bind: push the trainer's weights before the first rollout, so a resumed
+            run never samples from the checkpoint vLLM loaded from disk.
+        stop_token_ids: extra stop tokens (the EOS ids from ``bind`` are always added).
+        per_request_seed: seed each request (reproducible samples; slightly slower).
+        engine_kwargs: any further ``vllm.LLM`` arguments, passed through unchanged.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        enable_sleep_mode: bool = False,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        weight_sync: str = "auto",
+        sync_bucket_mb: int = 1024,
+        sync_on_bind: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
+        per_request_seed: bool = True,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self._vllm = _import_vllm()
+        if not _cuda_available():
+            raise VLLMUnavailableError(f"{INSTALL_HINT} (torch.cuda.is_available() is False)")
+        self.model = str(model)
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.max_model_len = max_model_len
+        self.dtype = _DTYPE_NAMES.get(str(dtype), str(dtype))
+        self.seed = int(seed)
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.enforce_eager = bool(enforce_eager)
+        self.weight_sync_mode = weight_sync
+        self.sync_bucket_bytes = int(sync_bucket_mb) << 20
+        self.sync_on_bind = bool(sync_on_bind)
+        self.stop_token_ids = [int(t) for t in (stop_token_ids or [])]
+        self.per_request_seed = bool(per_request_seed)
+        self.engine_kwargs = dict(engine_kwargs or {})
+
+        self.eos_ids: list[int] = []
+        self.llm: Any = None
+        self.weight_sync: WeightSync | None = None
+        self.last_sync: SyncStats | None = None
+        self.startup_seconds: float | None = None
+        self.finished_without_eos = 0  # diagnostics: "stop" whose last token is not an EOS id
+        self._policy: torch.nn.Module | None = None
+        self._needs_sync = False
+        self._asleep = False
+        self._detokenize_kwarg = True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def bind(self, model: torch.nn.Module, tokenizer: Any, eos_ids: Sequence[int]) -> None:
+        """Called by the rollout callback at setup: remember the policy and its EOS ids, and
+        start the engine (after the policy exists, so a freshly built checkpoint is there)."""
+        self._policy = model
+        self.eos_ids = [int(t) for t in eos_ids]
+        self._needs_sync = self.sync_on_bind
+        self.start()
+
+    def start(self) -> Any:
+        """Build the ``vllm.LLM`` (once); returns it."""
+        if self.llm is not None:
+            return self.llm
+        # Inspecting the worker means importing vLLM's GPU runner in this process: only do
+        # it when the weight-transfer path will not be used anyway.
+        requested, tp = self.weight_sync_mode, self.tensor_parallel_size
+        reload_params = None
+        if requested == "reload_weights" or (
+            requested == "auto"
+            and (tp > 1 or plan_weight_sync(self._vllm, "auto", tp, None) != "weight_transfer")
+        ):
+            reload_params = reload_weights_params()
+        mode = plan_weight_sync(
+            self._vllm, self.weight_sync_mode, self.tensor_parallel_size, reload_params
+        )
+        kwargs: dict[str, Any] = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "enable_sleep_mode": self.enable_sleep_mode,
+            "enforce_eager": self.enforce_eager,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = int(self.max_model_len)
+        transfer = mode == "weight_transfer"
+        if transfer:
+            config_cls = _weight_transfer_config_cls()
+            if config_cls is None:
+                raise RuntimeError(
+                    "rollout.engine.weight_sync=weight_transfer needs vllm.config."
+                    "WeightTransferConfig (a newer vLLM); set rollout.engine.weight_sync=auto"
+                )
+            kwargs["weight_transfer_config"] = config_cls(backend="ipc")
+            # CUDA IPC handles carry a rebuild function; vLLM's engine-core messages accept
+            # them only with pickle allowed (local ZMQ sockets between our own processes).
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        elif mode == "load_weights":
+            # The legacy path reaches into the model, so the engine must run in this process.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs.update(self.engine_kwargs)
+        log.info("starting vLLM for %s (weight sync: %s)", self.model, mode)
+        t0 = time.perf_counter()
+        self.llm = self._vllm.LLM(model=self.model, **kwargs)
+        self.startup_seconds = time.perf_counter() - t0
+        self.weight_sync = WeightSync(
+            self.llm,
+            self.weight_sync_mode,
+            dtype=self._engine_torch_dtype(),
+            bucket_bytes=self.sync_bucket_bytes,
+            transfer_configured=transfer,
+            prefer_reload=self.tensor_parallel_size > 1,
+            reload_params=reload_params,
+        )
+        return self.llm
+
+    def _engine_torch_dtype(self) -> torch.dtype | None:
+        for holder in (
+            getattr(self.llm, "model_config", None),
+            getattr(getattr(self.llm, "llm_engine", None), "model_config", None),
+        ):
+            dt = getattr(holder, "dtype", None)
+            if isinstance(dt, torch.dtype):
+                return dt
+        return _TORCH_DTYPES.get(self.dtype)
+
+    def sleep(self) -> None:
+        """Free the KV cache and offload weights (level 1) while the trainer updates; a no-op
+        unless ``enable_sleep_mode``."""
+        if not self.enable_sleep_mode or self.llm is None or self._asleep:
+            return
+        self.llm.sleep(level=1)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`; a no-op when awake or sleep mode is off."""
+        if not self._asleep:
+            return
+        self.llm.wake_up()
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        """Drop the engine and release its GPU memory (best effort)."""
+        import gc
+
+        self.weight_sync = None
+        self.llm = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- protocol ----------------------------------------------------------------------------
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self._policy = model
+        self.start()
+        self.wake_up()  # never load into a sleeping engine (wake_up would restore old weights)
+        assert self.weight_sync is not None
+        self.last_sync = self.weight_sync.sync(model)
+        self._needs_sync = False
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        gens, _ = self._generate(prompts, n, sampling, seed, logprobs=False)
+        return gens
+
+    def generate_with_logprobs(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
+    ) -> tuple[list[Generation], list[list[float]]]:
+        """Like :meth:`generate`, plus vLLM's log-probability of each sampled token (under
+        the unmodified model distribution), for checking engine/trainer agreement."""
+        gens, lps = self._generate(prompts, n, sampling, seed, logprobs=True)
+        assert lps is not None
+        return gens, lps
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _ready(self) -> Any:
+        llm = self.start()
+        self.wake_up()
+        if self._needs_sync and self._policy is not None:
+            self.sync_weights(self._policy)
+        return llm
+
+    def sampling_params(
+        self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
+    ) -> Any:
+        """The ``vllm.SamplingParams`` for one request (greedy means temperature 0)."""
+        kwargs: dict[str, Any] = {
+            "n": int(n),
+            "temperature": 0.0 if sampling.greedy else float(sampling.temperature),
+            "top_p": 1.0 if sampling.greedy else float(sampling.top_p),
+            "max_tokens": int(sampling.max_new_tokens),
+            "detokenize": False,  # the protocol returns token ids only
+        }
+        stops = sorted(set(self.eos_ids) | set(self.stop_token_ids))
+        if stops:
+            kwargs["stop_token_ids"] = stops
+        if seed is not None:
+            kwargs["seed"] = int(seed)
+        if logprobs:
+            kwargs["logprobs"] = 0  # the sampled token's own log-prob only
+        if not self._detokenize_kwarg:
+            kwargs.pop("detokenize")
+        try:
+            return self._vllm.SamplingParams(**kwargs)
+        except TypeError as exc:
+            if "detokenize" not in str(exc) or not self._detokenize_kwarg:
+                raise
+            self._detokenize_kwarg = False  # a release without the switch: decode, then
+            kwargs.pop("detokenize")
+            return self._vllm.SamplingParams(**kwargs)
+
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        seed: int,
+        logprobs: bool,
+    ) -> tuple[list[Generation], list[list[float]] | None]:
+        if not prompts:
+            return [], ([] if logprobs else None)
+        llm = self._ready()
+        # vllm.inputs.TokensPrompt is a TypedDict: the plain dict is the same object
+        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        if self.per_request_seed:
+            params: Any = [
+                self.sampling_params(sampling, n, prompt_seed(seed, i), logprobs)
+                for i in range(len(prompts))
+            ]
+        else:
+            params = self.sampling_params(sampling, n, None, logprobs)
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        gens: list[Generation] = []
+        lps: list[list[float]] = []
+        for out in outputs:
+            completions = sorted(out.outputs, key=lambda c: getattr(c, "index", 0))
+            if len(completions) != n:
+                raise RuntimeError(f"vLLM returned {len(completions)} samples, expected n={n}")
+            for c in completions:
+                gen = self._to_generation(c)
+                gens.append(gen)
+                if logprobs:
+                    lps.append(_sampled_logprobs(c, gen.token_ids))
+        return gens, (lps if logprobs else None)
+
+    def _to_generation(self, completion: Any) -> Generation:
+        # vLLM keeps the token that stopped a request (EOS or a stop_token_id) in token_ids;
+        # finish_reason is "stop" for those and "length" at max_tokens.
+        token_ids = [int(t) for t in completion.token_ids]
+        finished = completion.finish_reason == "stop"
+        if finished and self.eos_ids and (not token_ids or token_ids[-1] not in self.eos_ids):
+            self.finished_without_eos += 1
+        return Generation(token_ids=token_ids, finished=finished)
+
+
+def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
+    """Per position, the log-prob vLLM recorded for the token it sampled there."""
+    table = completion.logprobs
+    if table is None:
+        raise RuntimeError("vLLM returned no logprobs although SamplingParams.logprobs=0")
+    return [float(table[pos][tok].logprob) for pos, tok in enumerate(token_ids)]

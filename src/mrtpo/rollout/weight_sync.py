@@ -1,0 +1,419 @@
+"""Copy the trainer's weights into a running ``vllm.LLM``, whatever vLLM release is installed.
+
+vLLM has changed how an RL trainer pushes new weights into a live engine several times, so
+the adapter picks a path by looking at what the installed ``LLM`` object offers, in this
+order (each signature below was read from the vLLM sources, vllm-project/vllm on GitHub):
+
+1. ``weight_transfer`` — the RL weight-transfer API (``vllm/entrypoints/llm.py``; later
+   releases keep the same methods in an offline RL mixin). The engine must be built with
+   ``weight_transfer_config=WeightTransferConfig(backend="ipc")`` (``vllm.config``); then
+   ``LLM.init_weight_transfer_engine({"init_info": {}})`` once (a no-op for IPC), and per
+   sync ``LLM.start_weight_update()`` -> ``LLM.update_weights({"update_info": ...})`` (any
+   number of times) -> ``LLM.finish_weight_update(weight_version=None)``. Releases that
+   predate start/finish only have init/update; a few intermediate ones take
+   ``start_weight_update(is_checkpoint_format=True)``. The IPC ``update_info``
+   (``vllm/distributed/weight_transfer/ipc_engine.py``, ``IPCWeightTransferUpdateInfo``)
+   holds ``names``, ``dtype_names``, ``shapes`` and either ``ipc_handles`` (one
+   ``{gpu_uuid: torch.multiprocessing.reductions.reduce_tensor(t)}`` per tensor) or, in
+   newer releases, ``ipc_handles_pickled`` (base64 of the pickled list). Both reach the
+   engine-core process only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+2. ``reload_weights`` — ``LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)``
+   calling the worker's ``reload_weights``; in recent releases ``Worker.reload_weights(*args,
+   **kwargs)`` forwards to ``GPUModelRunner.reload_weights(weights_iterator=...,
+   weights_path=..., is_checkpoint_format=True)`` (``vllm/v1/worker/gpu_worker.py``,
+   ``gpu_model_runner.py``); older workers take no arguments and only re-read the disk, so
+   the runner's signature is inspected before this path is trusted. The weights cross a
+   process boundary here, so they are sent as one list of CPU tensors.
+3. ``load_weights`` — the legacy in-process handle
+   ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(iter)``;
+   V1 engines expose ``model_executor`` only when ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+   (``vllm/v1/engine/llm_engine.py``: "for v0 compatibility").
+
+After every sync the prefix cache is reset (``LLM.reset_prefix_cache()``): cached KV blocks
+were computed with the old weights and would otherwise be reused for matching prompts.
+
+Weights leave the trainer in Hugging Face checkpoint naming (``model.state_dict()``). A PEFT
+model is merged first (``merge_adapter``), exported under the base model's names, and
+unmerged afterwards so training continues on the adapter.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import logging
+import pickle
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("weight_transfer", "reload_weights", "load_weights")
+
+_PEFT_PREFIX = "base_model.model."
+_COMPILE_PREFIX = "_orig_mod."
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
+
+
+@dataclass
+class SyncStats:
+    mode: str
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+
+
+# --------------------------------------------------------------------------------------------
+# Exporting the trainer's weights
+# --------------------------------------------------------------------------------------------
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """PEFT models merge/unmerge their adapters in place; those are the ones we merge."""
+    return callable(getattr(model, "merge_adapter", None)) and callable(
+        getattr(model, "unmerge_adapter", None)
+    )
+
+
+def hf_name(key: str, peft: bool) -> str | None:
+    """Map a state-dict key to the base model's checkpoint name; None drops the tensor.
+
+    PEFT keys look like ``base_model.model.<name>``; adapted layers keep their frozen
+    weight under ``.base_layer.`` (after ``merge_adapter`` it holds the merged weight), the
+    adapter matrices themselves are not part of the base checkpoint, and
+    ``modules_to_save`` keeps a trained copy next to the ``original_module``.
+    """
+    while key.startswith(_COMPILE_PREFIX):
+        key = key[len(_COMPILE_PREFIX) :]
+    key = key.replace("." + _COMPILE_PREFIX, ".")
+    if not peft:
+        return key
+    if ".lora_" in key or key.startswith("lora_") or ".original_module." in key:
+        return None
+    if key.startswith(_PEFT_PREFIX):
+        key = key[len(_PEFT_PREFIX) :]
+    key = key.replace(".base_layer.", ".")
+    return _MODULES_TO_SAVE.sub(".", key)
+
+
+@contextmanager
+def exported_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(name, tensor)`` pairs in checkpoint naming, valid inside the ``with`` block.
+
+    For a PEFT model the adapters are merged into the base weights for the duration of the
+    block and unmerged on exit (also on error), so the exported tensors are the merged
+    ones and training resumes on the unmerged adapter.
+    """
+    peft = is_peft_model(model)
+    if peft:
+        model.merge_adapter()
+    try:
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for key, tensor in model.state_dict().items():
+            name = hf_name(key, peft)
+            if name is not None:
+                pairs.append((name, tensor.detach()))
+        yield pairs
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def buckets(
+    pairs: Sequence[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Split the weights into groups of at most ``max_bytes`` (a larger tensor goes alone)."""
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in pairs:
+        nbytes = t.numel() * t.element_size()
+        if group and size + nbytes > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += nbytes
+    if group:
+        yield group
+
+
+# --------------------------------------------------------------------------------------------
+# Feature detection
+# --------------------------------------------------------------------------------------------
+
+
+def has_weight_transfer_api(llm_or_cls: Any) -> bool:
+    return callable(getattr(llm_or_cls, "init_weight_transfer_engine", None)) and callable(
+        getattr(llm_or_cls, "update_weights", None)
+    )
+
+
+def reload_weights_params() -> frozenset[str] | None:
+    """Keyword names the installed worker's ``reload_weights`` accepts, or None when it
+    cannot take weights from memory (vLLM missing, or a release that only re-reads disk)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:
+        return None
+    try:
+        runner = inspect.signature(GPUModelRunner.reload_weights).parameters
+        worker = inspect.signature(Worker.reload_weights).parameters
+    except (AttributeError, TypeError, ValueError):
+        return None
+    forwards = "weights_iterator" in worker or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in worker.values()
+    )
+    if "weights_iterator" not in runner or not forwards:
+        return None
+    return frozenset(runner)
+
+
+def ipc_supports_pickled_handles() -> bool:
+    """Newer ``IPCWeightTransferUpdateInfo`` accepts the handles as one pickled string."""
+    try:
+        import dataclasses
+
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    except Exception:
+        return False
+    try:
+        return "ipc_handles_pickled" in {
+            f.name for f in dataclasses.fields(IPCWeightTransferUpdateInfo)
+        }
+    except TypeError:
+        return False
+
+
+def driver_model(llm: Any) -> Any:
+    """The in-process vLLM ``nn.Module`` (legacy path), or raise saying how to expose it."""
+    try:
+        worker = llm.llm_engine.model_executor.driver_worker
+    except AttributeError as exc:
+        raise RuntimeError(
+            "vLLM's model is not reachable in this process (llm.llm_engine.model_executor is "
+            "missing): the legacy load_weights sync needs VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "set before the engine starts, or a vLLM release with the weight-transfer API "
+            "(set rollout.engine.weight_sync=auto)."
+        ) from exc
+    for holder in (worker, getattr(worker, "worker", None)):
+        runner = getattr(holder, "model_runner", None)
+        model = getattr(runner, "model", None)
+        if model is not None and callable(getattr(model, "load_weights", None)):
+            return model
+    raise RuntimeError("vLLM driver worker has no model_runner.model.load_weights")
+
+
+def _current_gpu_uuid() -> str:
+    index = torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _cuda_ipc_handle(t: torch.Tensor) -> tuple[Callable, tuple]:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(t)
+
+
+# --------------------------------------------------------------------------------------------
+# The adapter
+# --------------------------------------------------------------------------------------------
+
+
+class _Detect:
+    """Sentinel: inspect the installed vLLM."""
+
+
+_DETECT = _Detect()
+
+
+class WeightSync:
+    """Pushes a ``torch.nn.Module``'s weights into ``llm`` through one supported path.
+
+    Args:
+        llm: a started ``vllm.LLM``.
+        mode: ``auto`` (detect) or one of ``MODES`` to force a path.
+        dtype: cast floating tensors to the engine's dtype before sending (halves the
+            transfer for an fp32 trainer and a bf16 engine); None keeps them as they are.
+        bucket_bytes: weight-transfer path only: tensors per ``update_weights`` call are
+            capped at this many bytes, bounding the extra GPU memory of the cast copies.
+        transfer_configured: whether the engine was built with a ``weight_transfer_config``
+            (the API exists on ``LLM`` either way but only works when configured); None
+            reads it from the engine's config when reachable.
+        prefer_reload: try ``reload_weights`` before ``weight_transfer`` (tensor-parallel
+            engines: IPC handles only name the trainer's GPU, the CPU copy reaches every
+            worker).
+        reload_params: keyword names the worker's ``reload_weights`` accepts, None when it
+            cannot take weights from memory; by default the installed vLLM is inspected.
+        pickled_handles: send IPC handles pickled (newer vLLM); None inspects vLLM.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        mode: str = "auto",
+        *,
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int = 1 << 30,
+        transfer_configured: bool | None = None,
+        prefer_reload: bool = False,
+        reload_params: frozenset[str] | _Detect | None = _DETECT,
+        pickled_handles: bool | None = None,
+    ) -> None:
+        if mode != "auto" and mode not in MODES:
+            raise ValueError(
+                f"rollout.engine.weight_sync={mode!r} is not a sync path; use auto or one of {MODES}"
+            )
+        self.llm = llm
+        self.dtype = dtype
+        self.bucket_bytes = int(bucket_bytes)
+        self._reload_params = (
+            reload_weights_params() if isinstance(reload_params, _Detect) else reload_params
+        )
+        self._pickled = (
+            ipc_supports_pickled_handles() if pickled_handles is None else pickled_handles
+        )
+        self._transfer_configured = (
+            self._read_transfer_configured(llm)
+            if transfer_configured is None
+            else transfer_configured
+        )
+        self._transfer_ready = False
+        self.mode = self._choose(mode, prefer_reload)
+        self.num_syncs = 0
+        log.info("vLLM weight sync path: %s", self.mode)
+
+    # -- detection ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _read_transfer_configured(llm: Any) -> bool:
+        try:
+            return llm.llm_engine.vllm_config.weight_transfer_config is not None
+        except AttributeError:
+            return True  # cannot tell: trust the API's presence
+
+    def available(self) -> dict[str, bool]:
+        """Which paths this engine supports (what ``auto`` chooses from)."""
+        legacy = True
+        try:
+            driver_model(self.llm)
+        except RuntimeError:
+            legacy = False
+        return {
+            "weight_transfer": has_weight_transfer_api(self.llm) and self._transfer_configured,
+            "reload_weights": callable(getattr(self.llm, "collective_rpc", None))
+            and self._reload_params is not None,
+            "load_weights": legacy,
+        }
+
+    def _choose(self, mode: str, prefer_reload: bool) -> str:
+        avail = self.available()
+        if mode != "auto":
+            if not avail[mode]:
+                raise RuntimeError(
+                    f"rollout.engine.weight_sync={mode} is not supported by the installed vLLM "
+                    f"for this engine (supported here: {[m for m, ok in avail.items() if ok]}); "
+                    "set rollout.engine.weight_sync=auto"
+                )
+            return mode
+        order = list(MODES)
+        if prefer_reload:
+            order = ["reload_weights", "weight_transfer", "load_weights"]
+        for m in order:
+            if avail[m]:
+                return m
+        raise RuntimeError(
+            "no way to update weights in this vLLM engine: it has neither the weight-transfer "
+            "API (init_weight_transfer_engine/update_weights with weight_transfer_config), nor "
+            "a worker reload_weights that accepts weights_iterator, nor an in-process model "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0). Install a newer vLLM (`pip install 'mrtpo[vllm]'`)."
+        )
+
+    # -- sync --------------------------------------------------------------------------------
+
+    def sync(self, model: torch.nn.Module) -> SyncStats:
+        """Copy ``model``'s current weights into the engine, then reset its prefix cache."""
+        t0 = time.perf_counter()
+        with exported_weights(model) as pairs:
+            num_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
+            if self.mode == "weight_transfer":
+                self._sync_weight_transfer(pairs)
+            elif self.mode == "reload_weights":
+                self._sync_reload(pairs)
+            else:
+                self._sync_load_weights(pairs)
+        ok = self.llm.reset_prefix_cache()
+        if ok is False:
+            log.warning("vLLM refused to reset its prefix cache after a weight sync")
+        self.num_syncs += 1
+        return SyncStats(self.mode, len(pairs), num_bytes, time.perf_counter() - t0)
+
+    def _sync_weight_transfer(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        llm = self.llm
+        if not self._transfer_ready:
+            llm.init_weight_transfer_engine({"init_info": {}})  # IPC needs no init info
+            self._transfer_ready = True
+        start = getattr(llm, "start_weight_update", None)
+        finish = getattr(llm, "finish_weight_update", None)
+        if callable(start):
+            params = inspect.signature(start).parameters
+            if "is_checkpoint_format" in params:
+                start(is_checkpoint_format=True)
+            else:
+                start()
+        cuda = torch.cuda.is_available()
+        for group in buckets(pairs, self.bucket_bytes):
+            # IPC shares device memory, so every tensor must live on this GPU, contiguous; the
+            # copies must stay referenced until update_weights has returned.
+            staged = []
+            for name, t in group:
+                t = _cast(t, self.dtype)
+                if cuda and not t.is_cuda:
+                    t = t.to("cuda", non_blocking=True)
+                staged.append((name, t.contiguous()))
+            if cuda:
+                torch.cuda.synchronize()  # the engine process reads on its own stream
+            llm.update_weights({"update_info": self._ipc_update_info(staged)})
+            del staged
+        if callable(finish):
+            finish()
+        if cuda:
+            torch.cuda.ipc_collect()  # free the shared copies once the engine let go of them
+
+    def _ipc_update_info(self, staged: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        uuid = _current_gpu_uuid()
+        handles = [{uuid: _cuda_ipc_handle(t)} for _, t in staged]
+        info: dict[str, Any] = {
+            "names": [n for n, _ in staged],
+            "dtype_names": [str(t.dtype).split(".")[-1] for _, t in staged],
+            "shapes": [list(t.shape) for _, t in staged],
+        }
+        if self._pickled:
+            info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+        else:
+            info["ipc_handles"] = handles
+        return info
+
+    def _sync_reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        # One call with every tensor: a reload restarts the model's layer-wise loading, so a
+        # partial set would leave layers without weights.
+        weights = [(n, _cast(t, self.dtype).to("cpu").contiguous()) for n, t in pairs]
+        kwargs: dict[str, Any] = {"weights_iterator": weights}
+        if self._reload_params and "is_checkpoint_format" in self._reload_params:
+            kwargs["is_checkpoint_format"] = True
+        self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+
+    def _sync_load_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        # Same process: the vLLM weight loaders copy (and cast) from our tensors directly.
+        driver_model(self.llm).load_weights(iter(pairs))
