@@ -10,15 +10,23 @@
 
 The module never looks at a method's or task's name: methods say what relevance they need,
 tasks build their own contexts.
+
+Faults are contained rather than fatal: a reward function that raises costs that sample its
+rewards (counted, with its id logged), a non-finite reward, advantage or loss skips the step
+(counted), an out-of-memory error in replay retries with a smaller token budget, and only
+repeated failures (``rl.max_consecutive_score_failures``, ``rl.max_nonfinite_steps``) stop
+the run. Under DDP every such decision is taken jointly by all ranks, so no rank is left
+waiting in a collective that another rank skipped.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -30,7 +38,7 @@ from mrtpo.credit.methods import AdvantageMethod, CreditInputs
 from mrtpo.forward import response_logprobs
 from mrtpo.loss import AGGREGATIONS, policy_loss
 from mrtpo.replay import Replayer, mass_share
-from mrtpo.tasks.base import Task
+from mrtpo.tasks.base import Score, Task
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,7 @@ RL_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 1.0,
     "max_nonfinite_steps": 3,  # stop after this many skipped non-finite steps
     "max_consecutive_score_failures": 3,  # stop after this many steps where all scoring failed
+    "replay_oom_retries": 6,  # halve replay.token_budget and retry this often on out-of-memory
 }
 OPTIM_DEFAULTS: dict[str, Any] = {
     "lr": 1e-6,
@@ -56,12 +65,54 @@ OPTIM_DEFAULTS: dict[str, Any] = {
 }
 
 
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+
+
+def _free_accelerator_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _clean_score(score: Score, names: Sequence[str]) -> Score:
+    """A task's ``Score`` with every reward a finite/infinite float or ``None``.
+
+    NaN becomes ``None`` ("does not apply", as the reward tensor encodes it); a value that is
+    not a number (a string, a list) makes the sample a scoring error rather than crash the
+    step. Infinite values are kept: the step is skipped as non-finite.
+    """
+    bad = []
+    for k in names:
+        v = score.rewards.get(k)
+        if v is None:
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            bad.append(k)
+            continue
+        if math.isnan(f):
+            score.rewards[k] = None
+    if bad:
+        for k in bad:
+            score.rewards[k] = None
+        msg = f"reward(s) {bad} are not numbers"
+        score.error = f"{score.error}; {msg}" if score.error else msg
+    return score
+
+
 def _merge(defaults: dict, given: Mapping | None, section: str) -> dict:
     given = dict(given or {})
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in '{section}'; valid keys: {sorted(defaults)}")
     return {**defaults, **given}
+
+
+# Step metrics that add up over ranks (the others are averaged, or min/max-reduced).
+_SUM_METRICS = frozenset({"replay/forwards", "replay/tokens", "tokens_per_s"})
+# Step metrics that are already global (reduced before logging, or equal on every rank).
+_GLOBAL_METRICS = frozenset({"iteration", "nonfinite_skips", "beta", "scoring_errors"})
 
 
 class PolicyModule(L.LightningModule):
@@ -92,9 +143,15 @@ class PolicyModule(L.LightningModule):
         self.ref_policy = None
         if self.rl["kl_coef"] > 0:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.iteration = 0  # completed RL steps (one per prompt batch)
+        self.iteration = 0  # completed RL steps (one per prompt batch, skipped ones included)
         self.nonfinite_steps = 0
         self.score_failure_streak = 0
+        # cumulative fault counters (global over ranks), saved in checkpoints
+        self.faults: dict[str, float] = {
+            "scoring_errors_total": 0.0,
+            "score_many_fallbacks": 0.0,
+            "replay_oom_retries": 0.0,
+        }
         self.last: ScoredBatch | None = None  # for callbacks (sample tables, relevance dumps)
         self.timings: dict[str, float] = {}
         self._val_rows: list = []
@@ -121,11 +178,27 @@ class PolicyModule(L.LightningModule):
     def process_group(self):
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
+    @property
+    def world_size(self) -> int:
+        pg = self.process_group
+        return dist.get_world_size(pg) if pg is not None else 1
+
     def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.process_group is not None:
             x = x.clone()
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.process_group)
         return x
+
+    def _sum_ranks(self, *values: float) -> list[float]:
+        """Element-wise sums of ``values`` over ranks (one collective; local outside DDP)."""
+        if self.process_group is None:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return [float(v) for v in self._all_reduce_sum(t).cpu()]
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank: joint skip decisions."""
+        return self._sum_ranks(float(flag))[0] > 0
 
     @torch.no_grad()
     def _logprobs(self, model, roll, micro: int) -> torch.Tensor:
@@ -144,11 +217,35 @@ class PolicyModule(L.LightningModule):
         roll = batch.rollout
         if roll is None:
             raise RuntimeError("no rollout on the batch: is the RolloutCallback in callbacks?")
-        scores = self.task.score_many(roll.examples, roll.texts)
+        scores = self._score_many(roll.examples, roll.texts)
         names = tuple(self.task.reward_names)
         return ScoredBatch(
             rollout=roll, scores=scores, reward_names=names, rewards=rewards_tensor(scores, names)
         )
+
+    def _score_many(self, examples, texts) -> list[Score]:
+        """``task.score_many`` with the fault isolation of ``Task.safe_score``.
+
+        A task's own ``score_many`` (a process pool, a batched verifier) may raise or return
+        the wrong number of scores; the batch is then scored one response at a time with
+        ``safe_score``, so one bad response costs only its own rewards. Reward values that are
+        not numbers make that sample an error; NaN means "does not apply" (like ``None``).
+        """
+        try:
+            scores = list(self.task.score_many(examples, texts))
+            if len(scores) != len(texts):
+                raise RuntimeError(f"returned {len(scores)} scores for {len(texts)} responses")
+        except Exception as exc:
+            self.faults["score_many_fallbacks"] += 1
+            log.warning(
+                "task %s: score_many failed (%s: %s); scoring the %d responses one at a time",
+                self.task.name,
+                type(exc).__name__,
+                exc,
+                len(texts),
+            )
+            scores = [self.task.safe_score(e, t) for e, t in zip(examples, texts, strict=True)]
+        return [_clean_score(s, self.task.reward_names) for s in scores]
 
     def has_block(self, scored: ScoredBatch) -> torch.Tensor:
         """[N, K] bool: a reward has information for replay (a block, or in-prompt info)."""
@@ -171,6 +268,9 @@ class PolicyModule(L.LightningModule):
         times["reward"] = time.perf_counter() - t0
         self._check_scoring(scored)
         roll = scored.rollout
+        # NaN means "does not apply"; +-inf is a broken reward: skip rather than train on it.
+        if self._any_rank(bool(torch.isinf(scored.rewards).any())):
+            return self._skip_nonfinite("rewards", scored)
 
         # 3. old-policy (and reference) log-probs under P0
         t0 = time.perf_counter()
@@ -184,9 +284,11 @@ class PolicyModule(L.LightningModule):
         # 4. replay, before any parameter update of this step
         t0 = time.perf_counter()
         replay_stats: dict[str, float] = {}
-        if self.method.relevance is not None:
+        # At beta = 0 (e.g. the first step of a warm-up) relevance cannot change the
+        # advantages, so the replay is skipped.
+        if self.method.relevance is not None and self.method.beta(self.iteration) > 0:
             pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_block(scored))
-            res = self.replayer.run(self.policy, self.task, scored, pairs, self.method.relevance)
+            res = self._replay(scored, pairs)
             scored.q, scored.replayed = res.q, res.replayed
             present = (~scored.rewards.isnan()).sum().clamp_min(1)
             denom = present if self.method.relevance == "per_reward" else max(roll.n, 1)
@@ -202,36 +304,78 @@ class PolicyModule(L.LightningModule):
                         replay_stats[f"replay/top80_token_share/{name}"] = shares[k]
         times["replay"] = time.perf_counter() - t0
 
-        # 5. token advantages
+        # 5. token advantages. Group ids are local to this rank (0..B-1): a group never spans
+        # ranks. Under DDP the inputs go to this rank's device, which the collective backend
+        # needs (NCCL reduces CUDA tensors only); batch statistics are then global.
+        dev = self.device if self.process_group is not None else torch.device("cpu")
+
+        def on_dev(x):
+            return x.to(dev) if x is not None else None
+
         gen = torch.Generator().manual_seed(self.seed * 7919 + self.iteration)
         out = self.method(
             CreditInputs(
-                rewards=scored.rewards,
-                group=roll.group,
-                mask=roll.response_mask,
+                rewards=on_dev(scored.rewards),
+                group=on_dev(roll.group),
+                mask=on_dev(roll.response_mask),
                 step=self.iteration,
-                q=scored.q,
-                replayed=scored.replayed,
+                q=on_dev(scored.q),
+                replayed=on_dev(scored.replayed),
                 process_group=self.process_group,
                 generator=gen,
             )
         )
-        scored.advantages, scored.stats = out.advantages, dict(out.stats)
-        if not torch.isfinite(scored.advantages).all():
-            return self._skip_nonfinite("advantages")
+        scored.advantages, scored.stats = out.advantages.cpu(), dict(out.stats)
+        if self._any_rank(not bool(torch.isfinite(scored.advantages).all())):
+            return self._skip_nonfinite("advantages", scored)
 
         # 6. updates
         t0 = time.perf_counter()
         upd = self._update(scored)
         times["update"] = time.perf_counter() - t0
         if upd is None:
-            return self._skip_nonfinite("loss")
+            return self._skip_nonfinite("loss", scored)
 
         self.iteration += 1
         self.last = scored
         times["step"] = time.perf_counter() - t_step + times.get("rollout", 0.0)
         self._log_step(scored, upd, replay_stats)
         return None
+
+    def _replay(self, scored: ScoredBatch, pairs: torch.Tensor):
+        """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
+
+        The smaller budget is kept for the rest of the run (the next batch would fail the
+        same way). Replay runs no collectives, so a retry on one rank alone is safe.
+        """
+        retries = int(self.rl["replay_oom_retries"])
+        for attempt in range(retries + 1):
+            failed = None
+            try:
+                return self.replayer.run(
+                    self.policy, self.task, scored, pairs, self.method.relevance
+                )
+            except OOM_ERRORS as exc:
+                failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+            # Outside the except block, so the failed forward's tensors can be freed.
+            _free_accelerator_memory()
+            old = int(self.replayer.token_budget)
+            if attempt == retries or old <= 1:
+                raise RuntimeError(
+                    f"replay ran out of memory {attempt + 1} time(s), down to "
+                    f"replay.token_budget={old} ({failed}); lower rollout.sampling."
+                    "max_new_tokens or rl.prompts_per_step, or raise rl.replay_oom_retries"
+                )
+            self.replayer.token_budget = max(1, old // 2)
+            self.faults["replay_oom_retries"] += 1
+            log.warning(
+                "replay ran out of memory at step %d (%s); retrying with replay.token_budget=%d "
+                "(set it in the config to avoid the retry)",
+                self.iteration,
+                failed,
+                self.replayer.token_budget,
+            )
+        raise AssertionError("unreachable")
 
     def _update(self, scored: ScoredBatch) -> dict[str, float] | None:
         rl, roll = self.rl, scored.rollout
@@ -280,7 +424,9 @@ class PolicyModule(L.LightningModule):
                         scored.ref_logp[idx].to(dev) if scored.ref_logp is not None else None,
                         rl["kl_coef"],
                     )
-                    if not torch.isfinite(loss):
+                    # Decided jointly: a rank that skipped backward would leave the others
+                    # waiting in DDP's gradient all-reduce.
+                    if self._any_rank(not bool(torch.isfinite(loss))):
                         opt.zero_grad(set_to_none=True)
                         return None
                     self.manual_backward(loss)
@@ -314,40 +460,79 @@ class PolicyModule(L.LightningModule):
 
     # ---- faults ------------------------------------------------------------------------
     def _check_scoring(self, scored: ScoredBatch) -> None:
+        """Count scoring errors over all ranks; stop after too many all-failed steps."""
         errors = [
             (s, e.id)
             for s, e in zip(scored.scores, scored.rollout.examples, strict=True)
             if s.error
         ]
-        self.timings["scoring_errors"] = float(len(errors))
         for s, eid in errors[:3]:
-            log.warning("reward function failed on example %s: %s", eid, s.error)
-        if errors and len(errors) == len(scored.scores):
+            log.warning(
+                "reward function failed on example %s at step %d: %s", eid, self.iteration, s.error
+            )
+        if len(errors) > 3:
+            log.warning("... and %d more scoring errors at this step", len(errors) - 3)
+        n_err, n_all = self._sum_ranks(len(errors), len(scored.scores))
+        self.timings["scoring_errors"] = n_err
+        self.faults["scoring_errors_total"] += n_err
+        if n_err > 0 and n_err == n_all:
             self.score_failure_streak += 1
             if self.score_failure_streak >= self.rl["max_consecutive_score_failures"]:
+                last = errors[0][0].error if errors else "on another rank"
                 raise RuntimeError(
                     f"scoring failed on every response for {self.score_failure_streak} steps in a "
-                    f"row (last error: {errors[0][0].error}); fix the task's reward function or "
-                    "raise rl.max_consecutive_score_failures"
+                    f"row (last error: {last}); fix the task's reward function or raise "
+                    "rl.max_consecutive_score_failures"
                 )
         else:
             self.score_failure_streak = 0
 
-    def _skip_nonfinite(self, what: str):
+    def _skip_nonfinite(self, what: str, scored: ScoredBatch | None = None):
+        """Skip this step's update (every rank does, the decision being joint).
+
+        The step still counts: ``iteration`` and ``global_step`` advance, so the data stream,
+        the β schedule, ``trainer.max_steps`` and the metrics' step column stay aligned.
+        """
         self.nonfinite_steps += 1
+        ids = []
+        if scored is not None:
+            bad = ~torch.isfinite(scored.rewards).all(-1)
+            if what != "rewards" and scored.advantages is not None:
+                bad = bad | ~torch.isfinite(scored.advantages).all(-1)
+            ids = [scored.rollout.examples[i].id for i in bad.nonzero().flatten().tolist()[:5]]
         log.warning(
-            "non-finite %s at step %d: update skipped (%d so far)",
+            "non-finite %s at step %d: update skipped (%d so far; limit "
+            "rl.max_nonfinite_steps=%d)%s",
             what,
             self.iteration,
             self.nonfinite_steps,
+            self.rl["max_nonfinite_steps"],
+            f"; examples {ids}" if ids else "",
         )
-        self.log("train/nonfinite_skips", float(self.nonfinite_steps))
         if self.nonfinite_steps >= self.rl["max_nonfinite_steps"]:
             raise RuntimeError(
-                f"{self.nonfinite_steps} steps had non-finite {what}; stopping. Lower optim.lr "
-                "or raise rl.max_nonfinite_steps"
+                f"{self.nonfinite_steps} steps had non-finite values (last: {what}); stopping. "
+                "Check the task's rewards, lower optim.lr, or raise rl.max_nonfinite_steps"
             )
+        opt = self.optimizers()
+        opt.zero_grad(set_to_none=True)
+        # Count the step without an optimizer update (Lightning's manual-optimization hooks).
+        opt._on_before_step()
+        opt._on_after_step()
         self.iteration += 1
+        self.last = None
+        self.log_dict(
+            {
+                "train/nonfinite_skips": float(self.nonfinite_steps),
+                "train/skipped": 1.0,
+                "train/iteration": float(self.iteration),
+                "train/beta": float(self.method.beta(self.iteration - 1)),
+                "train/scoring_errors": float(self.timings.get("scoring_errors", 0.0)),
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
         return None
 
     # ---- logging -----------------------------------------------------------------------
@@ -393,12 +578,27 @@ class PolicyModule(L.LightningModule):
             m["time/replay_share"] = self.timings.get("replay", 0.0) / step_t
             m["tokens_per_s"] = float(lengths.sum()) / step_t
         m["iteration"] = float(self.iteration)
-        sync = self.process_group is not None
+        for k, v in self.faults.items():
+            m[k] = v
+        m["nonfinite_skips"] = float(self.nonfinite_steps)
+        weights = {
+            f"reward/{name}/mean": float((~r[:, k].isnan()).sum())
+            for k, name in enumerate(scored.reward_names)
+        }
+        weights.update(
+            {
+                "success": float(len(succ)),
+                "adv/mean": float(a.numel()),
+                "adv/abs_mean": float(a.numel()),
+            }
+        )
+        m = self._global_metrics(m, weights)
+        # Every rank logs the same (already global) values: no sync_dist collectives, whose
+        # order would have to match across ranks key by key.
         self.log_dict(
             {f"train/{k}": v for k, v in m.items()},
             on_step=True,
             on_epoch=False,
-            sync_dist=sync,
             batch_size=roll.n,
         )
         prog = {"reward": m["reward/total/mean"]}
@@ -406,36 +606,107 @@ class PolicyModule(L.LightningModule):
             prog["success"] = m["success"]
         self.log_dict(prog, prog_bar=True, logger=False, on_step=True, batch_size=roll.n)
 
+    def _global_metrics(self, m: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+        """Combine each rank's step metrics into the global batch's (identity outside DDP).
+
+        Means are weighted by each rank's count (``weights``, default 1); counts and
+        throughput are summed; minima, maxima and stage times (the slowest rank) reduced
+        accordingly. A key some rank lacks (a reward absent from its samples) is combined over
+        the ranks that have it, so every rank ends with the same keys.
+        """
+        if self.process_group is None:
+            return m
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, (m, weights), group=self.process_group)
+        keys = sorted(set().union(*(p[0] for p in parts)))
+        out: dict[str, float] = {}
+        for k in keys:
+            vals = [(p[0][k], p[1].get(k, 1.0)) for p in parts if k in p[0]]
+            xs = [v for v, _ in vals]
+            if k in _SUM_METRICS:
+                out[k] = float(sum(xs))
+            elif k.endswith("/min"):
+                out[k] = float(min(xs))
+            elif k.endswith("/max") or k.startswith("time/"):
+                out[k] = float(max(xs))
+            elif k in _GLOBAL_METRICS or k in self.faults:
+                out[k] = float(xs[0])  # already global (or identical on every rank)
+            else:
+                total = sum(w for _, w in vals)
+                out[k] = float(sum(v * w for v, w in vals) / total) if total > 0 else float(xs[0])
+        return out
+
     # ---- validation --------------------------------------------------------------------
     def validation_step(self, batch: PromptBatch, batch_idx: int):
         # Scored once per epoch, with the same scorer as `src/eval.py`.
-        self._val_rows.append((batch.rollout.examples, batch.rollout.texts))
+        self._val_rows.append((batch.index, batch.rollout.examples, batch.rollout.texts))
 
     def on_validation_epoch_start(self) -> None:
         self._val_rows = []
 
     def on_validation_epoch_end(self) -> None:
-        if not self._val_rows:
-            return
-        from mrtpo.evaluation import evaluate_examples
+        rows = self._val_rows
+        pg = self.process_group
+        if pg is not None:
+            # Each rank generated for its shard; the sampler pads shards by repeating batches,
+            # so gather, keep one copy per batch, score once (rank 0) and share the metrics.
+            parts: list = [None] * self.world_size
+            dist.all_gather_object(parts, rows, group=pg)
+            unique = {idx: (ex, tx) for part in parts for idx, ex, tx in part}
+            rows = [(i, *unique[i]) for i in sorted(unique)]
+        metrics: dict[str, float] = {}
+        if rows and (pg is None or dist.get_rank(pg) == 0):
+            from mrtpo.evaluation import evaluate_examples
 
-        exs = [e for ex, _ in self._val_rows for e in ex]
-        texts = [t for _, ts in self._val_rows for t in ts]
-        metrics, _ = evaluate_examples(self.task, exs, texts)
-        self.log_dict(
-            {
+            exs = [e for _, ex, _ in rows for e in ex]
+            texts = [t for _, _, ts in rows for t in ts]
+            raw, _ = evaluate_examples(self.task, exs, texts)
+            metrics = {
                 f"val/{self.task.name}/{k}": float(v)
-                for k, v in metrics.items()
+                for k, v in raw.items()
                 if isinstance(v, (int, float)) and not math.isnan(float(v))
-            },
-            sync_dist=self.process_group is not None,
-        )
+            }
+        if pg is not None:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=0, group=pg)
+            metrics = box[0]
+        if metrics:
+            # identical on every rank (broadcast above): the sync only keeps Lightning quiet
+            self.log_dict(metrics, sync_dist=pg is not None)
 
     # ---- checkpoints -------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "task": self.task.name,
+            "method": getattr(self.method, "config_name", "") or type(self.method).__name__,
+            "reward_names": list(self.task.reward_names),
+        }
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["mrtpo"] = {"iteration": self.iteration, "nonfinite_steps": self.nonfinite_steps}
+        checkpoint["mrtpo"] = {
+            "iteration": self.iteration,
+            "nonfinite_steps": self.nonfinite_steps,
+            "score_failure_streak": self.score_failure_streak,
+            "faults": dict(self.faults),
+            "replay_token_budget": int(self.replayer.token_budget),
+            **self._identity(),
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("mrtpo", {})
+        mine = self._identity()
+        for key in ("task", "method", "reward_names"):
+            if key in state and state[key] != mine[key]:
+                raise ValueError(
+                    f"the checkpoint was trained with {key}={state[key]!r} but this run has "
+                    f"{key}={mine[key]!r}; resume with the original run's task= and method= "
+                    "overrides (see .hydra/overrides.yaml in its run folder)"
+                )
         self.iteration = int(state.get("iteration", 0))
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        self.score_failure_streak = int(state.get("score_failure_streak", 0))
+        self.faults.update({k: float(v) for k, v in state.get("faults", {}).items()})
+        # Keep a budget that replay had to lower after running out of memory.
+        budget = state.get("replay_token_budget")
+        if budget is not None and int(budget) < int(self.replayer.token_budget):
+            self.replayer.token_budget = int(budget)

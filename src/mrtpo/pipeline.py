@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,10 @@ def build(cfg: DictConfig):
     else:
         raise ValueError(f"stage={stage!r} is not supported; use stage=rl or stage=sft")
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
+    from mrtpo.callbacks.resume import ResumeMetrics
+
+    # Resuming into a folder that has metrics: keep its rows before the checkpoint's step.
+    callbacks.append(ResumeMetrics(loggers, resuming=resume_checkpoint(cfg) is not None))
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return trainer, module, datamodule
 
@@ -96,12 +102,72 @@ def metrics_csv(trainer) -> Path | None:
     return None
 
 
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of the ``resume`` run.
+
+    ``+resume=<run folder>`` continues a run in its own folder (configs/hydra/default.yaml
+    points ``hydra.run.dir`` at it), from its latest checkpoint, appending to its metrics.
+    """
+    ckpt = cfg.get("ckpt_path")
+    resume = cfg.get("resume")
+    if not resume:
+        return ckpt
+    run = Path(str(resume))
+    if run.is_file():
+        raise ValueError(
+            f"resume={resume} is a file; resume takes a run folder (logs/train/runs/<run>). "
+            "To start a new run from a checkpoint file use ckpt_path= instead"
+        )
+    if not run.is_dir():
+        raise FileNotFoundError(f"resume={resume}: no such run folder")
+    if ckpt:
+        return ckpt
+    dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+    candidates = [Path(str(dirpath)) / "last.ckpt"] if dirpath else []
+    candidates.append(run / "checkpoints" / "last.ckpt")
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise FileNotFoundError(
+        f"resume={resume}: no last.ckpt under {run / 'checkpoints'} (the run stopped before its "
+        "first checkpoint?); start it again, or pass ckpt_path= to a checkpoint"
+    )
+
+
+def record_invocation(cfg: DictConfig) -> None:
+    """Append this invocation's overrides to ``.hydra/history.yaml`` of the run folder.
+
+    Hydra rewrites ``.hydra/overrides.yaml`` each time a run folder is used, so after a
+    resume the history keeps the original command line too. Only the launching process
+    writes (DDP workers run with ``hydra.output_subdir=null``).
+    """
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except Exception:
+        return
+    if not hc.output_subdir or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    folder = Path(hc.runtime.output_dir) / str(hc.output_subdir)
+    if not folder.is_dir():
+        return
+    entry = {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "overrides": list(hc.overrides.task),
+    }
+    with open(folder / "history.yaml", "a", encoding="utf-8") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run training; return the last logged metrics."""
     if cfg.get("print_config"):
         print_config(cfg)
+    ckpt_path = resume_checkpoint(cfg)
+    record_invocation(cfg)
     trainer, module, datamodule = build(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     path = metrics_csv(trainer)
     if path is not None and trainer.is_global_zero:

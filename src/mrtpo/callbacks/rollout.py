@@ -30,6 +30,7 @@ class RolloutCallback(L.Callback):
             max_new_tokens=val_max_new_tokens or self.sampling.max_new_tokens, greedy=True
         )
         self.eos_ids: list[int] = []
+        self.resyncs = 0  # weight pushes after a checkpoint restore (on_train_start)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.eos_ids = eos_token_ids(pl_module.tokenizer, pl_module.policy)
@@ -41,6 +42,16 @@ class RolloutCallback(L.Callback):
         return (pl_module.seed * 1_000_003 + pl_module.iteration * 101 + salt) * 31 + (
             trainer.global_rank
         )
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # After a checkpoint restore the policy holds the checkpoint's weights, while an engine
+        # with its own copy (vLLM) still holds what it loaded at start-up: push them now, so
+        # the first rollout of a resumed run samples from the restored policy.
+        if trainer.ckpt_path is not None:
+            if hasattr(self.engine, "wake_up"):
+                self.engine.wake_up()
+            self.engine.sync_weights(pl_module.policy)
+            self.resyncs += 1
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()

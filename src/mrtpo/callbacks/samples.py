@@ -14,7 +14,9 @@ from mrtpo.credit import relevance_weights
 
 
 def _run_dir(trainer) -> Path:
-    d = Path(trainer.log_dir or trainer.default_root_dir)
+    # Not `trainer.log_dir`: under DDP it is a collective (a broadcast), and these callbacks
+    # write on rank 0 only, so the other ranks would never join it.
+    d = Path(trainer.loggers[0].log_dir if trainer.loggers else trainer.default_root_dir)
     d.mkdir(parents=True, exist_ok=True)
     return d
 

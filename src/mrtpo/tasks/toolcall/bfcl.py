@@ -203,8 +203,8 @@ def decode_calls(response: str) -> list[Any]:
             if name.strip().lower() == "none":
                 continue
             decoded.append({name: call["parameters"]})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            continue  # an unreadable line is skipped, as ToolRL's BFCL handler does
     return decoded
 
 

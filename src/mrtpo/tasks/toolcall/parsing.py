@@ -87,8 +87,8 @@ def parse_tools(system_prompt: str) -> list[dict[str, Any]]:
             raise ParseError(f"tool entry {m.group(1)} lacks a Description or Parameters line")
         try:
             params = json.loads(params_text.strip())
-        except json.JSONDecodeError as exc:
-            raise ParseError(f"tool {name!r}: Parameters is not JSON ({exc.msg})") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ParseError(f"tool {name!r}: Parameters is not JSON ({exc})") from exc
         if not isinstance(params, dict):
             raise ParseError(f"tool {name!r}: Parameters is not a JSON object")
         tools.append({"name": name, "description": desc, "parameters": params})
@@ -150,6 +150,11 @@ def parse_call_lines(block: str) -> list[Any]:
             out.append(json.loads(line))
         except json.JSONDecodeError as exc:
             raise ParseError(f"tool-call line {i} is not valid JSON ({exc.msg})") from exc
+        except (ValueError, RecursionError) as exc:
+            # deeply nested arrays or integers too long to convert: hostile, not JSON we use
+            raise ParseError(
+                f"tool-call line {i} cannot be decoded ({type(exc).__name__})"
+            ) from exc
     return out
 
 
