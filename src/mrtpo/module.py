@@ -2,8 +2,10 @@
 
 1. the rollout callback has sampled G responses for each of the B prompts (``batch.rollout``);
 2. the task scores every response: K named rewards and verifier blocks;
-3. old-policy log-probs of the sampled tokens (no grad, sampling prompt P0);
-4. if the method asks for relevance, replay scores each (response, reward) pair's tokens;
+3. if the method asks for relevance, replay scores each (response, reward) pair's tokens
+   under the parameters that sampled them;
+4. old-policy log-probs of the sampled tokens (no grad, sampling prompt P0), when more than
+   one update follows (reused from replay's P_all pass where P_all is P0);
 5. the method turns rewards (+ relevance) into token advantages [N, T];
 6. clipped-surrogate updates over mini-batches (PPO epochs, micro-batch accumulation);
 7. the rollout callback syncs the new weights into the engine.
@@ -272,18 +274,10 @@ class PolicyModule(L.LightningModule):
         if self._any_rank(bool(torch.isinf(scored.rewards).any())):
             return self._skip_nonfinite("rewards", scored)
 
-        # 3. old-policy (and reference) log-probs under P0
-        t0 = time.perf_counter()
-        self.policy.eval()
-        scored.old_logp = self._logprobs(self.policy, roll, micro)
-        self.policy.train()
-        if self.ref_policy is not None:
-            scored.ref_logp = self._logprobs(self.ref_policy, roll, micro)
-        times["old_logp"] = time.perf_counter() - t0
-
-        # 4. replay, before any parameter update of this step
+        # 3. replay, before any parameter update of this step
         t0 = time.perf_counter()
         replay_stats: dict[str, float] = {}
+        res = None
         # At beta = 0 (e.g. the first step of a warm-up) relevance cannot change the
         # advantages, so the replay is skipped.
         if self.method.relevance is not None and self.method.beta(self.iteration) > 0:
@@ -303,6 +297,17 @@ class PolicyModule(L.LightningModule):
                     if not math.isnan(shares[k]):
                         replay_stats[f"replay/top80_token_share/{name}"] = shares[k]
         times["replay"] = time.perf_counter() - t0
+
+        # 4. old-policy (and reference) log-probs under P0. Where P_all is the sampling prompt
+        # (tasks whose information is in the prompt) replay already computed them. With a
+        # single update per step they equal the current policy's, so they are not needed.
+        t0 = time.perf_counter()
+        n_mini = -(-roll.n // max(1, int(rl["mini_batch_size"])))
+        if int(rl["ppo_epochs"]) * n_mini > 1:
+            scored.old_logp = self._old_logprobs(roll, res, micro)
+        if self.ref_policy is not None:
+            scored.ref_logp = self._logprobs(self.ref_policy, roll, micro)
+        times["old_logp"] = time.perf_counter() - t0
 
         # 5. token advantages. Group ids are local to this rank (0..B-1): a group never spans
         # ranks. Under DDP the inputs go to this rank's device, which the collective backend
@@ -341,6 +346,20 @@ class PolicyModule(L.LightningModule):
         times["step"] = time.perf_counter() - t_step + times.get("rollout", 0.0)
         self._log_step(scored, upd, replay_stats)
         return None
+
+    def _old_logprobs(self, roll, res, micro: int) -> torch.Tensor:
+        """log pi_old of the sampled tokens, reusing replay's P_all pass where P_all is P0."""
+        self.policy.eval()
+        try:
+            if res is None or res.logp is None or not bool(res.logp_rows.any()):
+                return self._logprobs(self.policy, roll, micro)
+            old = res.logp.clone() * roll.response_mask
+            rest = (~res.logp_rows).nonzero().flatten()
+            if len(rest):
+                old[rest] = self._logprobs(self.policy, roll.select(rest), micro)
+            return old
+        finally:
+            self.policy.train()
 
     def _replay(self, scored: ScoredBatch, pairs: torch.Tensor):
         """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
@@ -414,7 +433,8 @@ class PolicyModule(L.LightningModule):
                     dev = logp.device
                     loss, st = policy_loss(
                         logp,
-                        scored.old_logp[idx].to(dev),
+                        # one update per step: the sampling policy is the current one
+                        logp.detach() if scored.old_logp is None else scored.old_logp[idx].to(dev),
                         scored.advantages[idx].to(dev),
                         sub.response_mask.to(dev),
                         rl["clip_low"],

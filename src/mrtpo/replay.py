@@ -5,14 +5,25 @@ contexts that differ only in that reward's information (``P_all`` and ``P_\\k``,
 task) and the next-token distributions are compared by Jensen–Shannon distance (method.md
 §§1–3). ``P_all`` is run once per response and shared by all its rewards.
 
-Cost and memory: contexts are tokenized with the chat template, the response ids are reused
-as sampled, and forwards are packed into micro-batches by a token budget. The LM head runs on
-response positions only; log-softmax and JSD run in float32 on chunks of positions, so the
-float32 working set is ``chunk x V`` per pair, whatever the response length.
+Cost and memory (docs/benchmarks.md measures both):
+
+* contexts are tokenized with the chat template once per distinct context (the G responses
+  of a prompt usually share theirs), the response ids are reused as sampled;
+* forwards are packed into micro-batches by a token budget, shortest contexts first;
+* the contexts of one response share a prefix (P0 and the blocks before ``Z_k``; for
+  in-prompt information, the text before item ``k``). With ``share_prefix`` a prefix runs
+  once and its key/value cache is reused by every context that continues it: either the
+  part all of a response's contexts share, or P_all's whole context, each P_\\k reading it
+  up to where the two depart (whichever computes fewer tokens);
+* the model returns hidden states, not logits; the LM head, log-softmax and JSD run in
+  float32 on chunks of at most ``jsd_chunk`` (row, position) pairs, so the float32 working
+  set is ``jsd_chunk x V`` whatever the response length, and ``[rows, T, V]`` logits are never
+  held. Architectures with a non-plain head fall back to logits (``forward.split_head``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -21,7 +32,13 @@ from torch import Tensor
 
 from mrtpo.batch import ScoredBatch
 from mrtpo.credit import js_distance
-from mrtpo.forward import pad_left, response_logits
+from mrtpo.forward import (
+    pad_left,
+    response_hidden,
+    response_hidden_shared_prefix,
+    response_logits,
+    split_head,
+)
 from mrtpo.rollout.build import chat_ids
 from mrtpo.tasks.base import Contexts, Task
 
@@ -45,25 +62,67 @@ class ReplayResult:
     forwards: int = 0  # context forwards run
     tokens: int = 0  # tokens through those forwards
     stats: dict[str, float] = field(default_factory=dict)
+    # log pi(y_t | P_all, y_<t) [N, T], valid on ``logp_rows`` [N] bool: the responses whose
+    # P_all is token-for-token their sampling prompt P0 (in-prompt information), where it
+    # equals the old-policy log-prob and can stand in for that forward.
+    logp: Tensor | None = None
+    logp_rows: Tensor | None = None
+
+
+def _sliding_window(model) -> bool:
+    """True when some attention layer is windowed (its cache would not hold the prefix)."""
+    cfg = getattr(model, "config", None)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True)
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    first = seqs[0]
+    n = min(len(x) for x in seqs)
+    for i in range(n):
+        tok = first[i]
+        if any(x[i] != tok for x in seqs[1:]):
+            return i
+    return n
 
 
 class Replayer:
     """Runs the replays of one batch under the current (= sampling) parameters."""
 
-    def __init__(self, tokenizer, token_budget: int = 16384, jsd_chunk: int = 256) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        token_budget: int = 16384,
+        jsd_chunk: int = 256,
+        share_prefix: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.token_budget = token_budget  # max (rows x padded length) per forward
-        self.jsd_chunk = jsd_chunk  # positions per float32 log-softmax / JSD chunk
+        self.jsd_chunk = jsd_chunk  # (row, position) pairs per float32 head / log-softmax / JSD
+        self.share_prefix = share_prefix  # run a response's common context prefix once
+        # what sharing must save to pay for its second decoder call: a share of the tokens,
+        # and a number of tokens (None: from the model size)
+        self.min_shared_fraction = 0.1
+        self.min_shared_tokens: float | None = None
+        self._n_params: int | None = None
 
-    @torch.no_grad()
-    def run(self, model, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str) -> ReplayResult:
-        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint) — which pairs to replay."""
+    # -- planning -------------------------------------------------------------------------
+    def plan(
+        self, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str
+    ) -> dict[int, list[_Job]]:
+        """Context forwards per response: ``P_all`` first, then one per replayed reward."""
         roll = batch.rollout
-        n, t = roll.response_ids.shape
-        kq = pairs.shape[1]
-        q = torch.zeros((n, kq, t), dtype=torch.float32)
-        replayed = torch.zeros_like(pairs, dtype=torch.bool)
         names = batch.reward_names
+        cache: dict[str, list[int]] = {}
+
+        def ids(messages) -> list[int]:
+            key = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str)
+            if key not in cache:
+                cache[key] = chat_ids(self.tokenizer, messages)
+            return cache[key]
+
         jobs_by_resp: dict[int, list[_Job]] = {}
         for j in pairs.any(-1).nonzero().flatten().tolist():
             ctx: Contexts = task.contexts(roll.examples[j], batch.scores[j])
@@ -77,24 +136,59 @@ class Replayer:
                 ]
             if not wanted:
                 continue
-            jobs = [_Job(j, ALL, chat_ids(self.tokenizer, ctx.all))]
-            jobs += [_Job(j, key, chat_ids(self.tokenizer, m)) for key, m in wanted]
+            jobs = [_Job(j, ALL, ids(ctx.all))]
+            jobs += [_Job(j, key, ids(m)) for key, m in wanted]
             jobs_by_resp[j] = jobs
+        return jobs_by_resp
+
+    @torch.no_grad()
+    def run(self, model, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str) -> ReplayResult:
+        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint) — which pairs to replay."""
+        roll = batch.rollout
+        n, t = roll.response_ids.shape
+        kq = pairs.shape[1]
+        device = next(model.parameters()).device
+        q = torch.zeros((n, kq, t), dtype=torch.float32, device=device)
+        logp = torch.zeros((n, t), dtype=torch.float32, device=device)
+        replayed = torch.zeros_like(pairs, dtype=torch.bool)
+        jobs_by_resp = self.plan(task, batch, pairs, mode)
+        logp_rows = torch.zeros(n, dtype=torch.bool)
+        for j, jobs in jobs_by_resp.items():
+            p0 = roll.prompt_ids[j][roll.prompt_mask[j]].tolist()
+            logp_rows[j] = jobs[0].ids == p0
+        split = split_head(model)
 
         was_training = model.training
         model.eval()
-        forwards = tokens = 0
+        forwards = tokens = computed = shared = 0
         try:
             for chunk in self._pack(jobs_by_resp, roll.response_mask):
-                logits = self._forward(model, chunk, roll.response_ids, roll.response_mask)
+                states, head, cost, was_shared = self._forward(
+                    model, split, chunk, roll.response_ids, roll.response_mask
+                )
+                shared += was_shared
                 forwards += len(chunk)
                 tokens += sum(
                     len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
                 )
-                self._score(chunk, logits, roll.response_mask, names, mode, q, replayed)
+                computed += cost
+                self._score(chunk, states, head, roll, batch.reward_names, mode, q, logp)
+                for job in chunk:
+                    if job.key != ALL:
+                        k = 0 if mode == "joint" else batch.reward_names.index(job.key)
+                        replayed[job.response, k] = True
         finally:
             model.train(was_training)
-        return ReplayResult(q=q, replayed=replayed, forwards=forwards, tokens=tokens)
+        stats = {"tokens_computed": float(computed), "shared_prefix_batches": float(shared)}
+        return ReplayResult(
+            q=q.cpu(),
+            replayed=replayed,
+            forwards=forwards,
+            tokens=tokens,
+            stats=stats,
+            logp=logp.cpu(),
+            logp_rows=logp_rows,
+        )
 
     # -- packing ------------------------------------------------------------------------
     def _pack(self, jobs_by_resp: dict[int, list[_Job]], mask: Tensor) -> list[list[_Job]]:
@@ -120,35 +214,145 @@ class Replayer:
             chunks.append(cur)
         return chunks
 
-    def _forward(self, model, chunk: list[_Job], response_ids: Tensor, response_mask: Tensor):
+    def _forward(self, model, split, chunk: list[_Job], response_ids: Tensor, response_mask):
+        """(states [rows, t, H or V], LM head or None, tokens computed, prefix shared?) for
+        one micro-batch."""
         rows = torch.tensor([job.response for job in chunk])
         resp_mask = response_mask[rows]
         t = max(1, int(resp_mask.sum(-1).max()))
+        r_ids, r_mask = response_ids[rows, :t], resp_mask[:, :t]
         pad = self.tokenizer.pad_token_id
+        if split is None:
+            ctx_ids, ctx_mask = pad_left([job.ids for job in chunk], pad)
+            logits = response_logits(model, ctx_ids, ctx_mask, r_ids, r_mask)
+            return logits, None, ctx_ids.numel() + r_ids.numel(), False
+        decoder, head = split
+        plain_cost = len(chunk) * (max(len(job.ids) for job in chunk) + t)
+        if self.share_prefix:
+            shared = self._shared_layout(chunk, t)
+            if shared is not None and self._worth_sharing(model, plain_cost, shared[-1]):
+                prefixes, row_prefix, keep, suffixes, cost = shared
+                p_ids, p_mask = pad_left(prefixes, pad)
+                s_ids, s_mask = pad_left(suffixes, pad)
+                h = response_hidden_shared_prefix(
+                    decoder, p_ids, p_mask, row_prefix, keep, s_ids, s_mask, r_ids, r_mask
+                )
+                return h, head, cost, True
         ctx_ids, ctx_mask = pad_left([job.ids for job in chunk], pad)
-        return response_logits(
-            model, ctx_ids, ctx_mask, response_ids[rows, :t], resp_mask[:, :t]
-        )  # [rows, t, V]
+        h = response_hidden(decoder, ctx_ids, ctx_mask, r_ids, r_mask)
+        return h, head, plain_cost, False
+
+    def _worth_sharing(self, model, plain_cost: int, shared_cost: int) -> bool:
+        """Sharing runs two decoder calls instead of one. It must save a tenth of the tokens,
+        and more compute than the second call's fixed cost (a few ms of Python, worth
+        ~2e9 / n_params tokens: thousands for a toy model, a handful for a real one)."""
+        if _sliding_window(model):
+            return False  # a windowed cache drops prefix keys: keep the plain path
+        saved = plain_cost - shared_cost
+        least = self.min_shared_tokens
+        if least is None:
+            if self._n_params is None:
+                self._n_params = sum(p.numel() for p in model.parameters())
+            least = 2e9 / max(self._n_params, 1)
+        return saved >= self.min_shared_fraction * plain_cost and saved >= least
+
+    @staticmethod
+    def _shared_layout(chunk: list[_Job], t: int):
+        """The cheaper of two shared-prefix layouts of a micro-batch (None if nothing is
+        shared): (prefixes, each row's prefix index, how much of it each row sees, suffixes,
+        padded token cost).
+
+        * common: a response's prefix is what all its contexts share; every row sees all of
+          it. Best when a response has one or two contexts to replay.
+        * branch: a response's prefix is its P_all context but the last token; each P_\\k row
+          sees it up to where its own context departs from P_all (removing a late block
+          leaves most of it usable). Best with several P_\\k per response, though P_all's
+          one-token continuation is padded to the longest suffix.
+        """
+        groups: dict[int, list[int]] = {}
+        for i, job in enumerate(chunk):
+            groups.setdefault(job.response, []).append(i)
+        base = {job.response: job.ids for job in chunk if job.key == ALL}
+        index = {j: n for n, j in enumerate(groups)}
+        row_prefix = torch.tensor([index[job.response] for job in chunk])
+        best = None
+        for layout in ("common", "branch"):
+            prefixes: list[list[int]] = []
+            keep = [0] * len(chunk)
+            for j, members in groups.items():
+                seqs = [chunk[i].ids for i in members]
+                if layout == "common":
+                    # >= 1 own context token per row: it predicts the first response token
+                    cut = min(_common_prefix(seqs), min(len(x) for x in seqs) - 1)
+                    prefixes.append(seqs[0][: max(cut, 0)])
+                    for i in members:
+                        keep[i] = max(cut, 0)
+                else:
+                    b = base[j]
+                    prefixes.append(b[:-1])
+                    for i in members:
+                        ids = chunk[i].ids
+                        k = len(b) - 1 if chunk[i].key == ALL else _common_prefix([b, ids])
+                        keep[i] = max(min(k, len(ids) - 1, len(b) - 1), 0)
+            if max(keep, default=0) <= 0:
+                continue
+            suffixes = [job.ids[keep[i] :] for i, job in enumerate(chunk)]
+            cost = len(prefixes) * max(len(p) for p in prefixes) + len(chunk) * (
+                max(len(x) for x in suffixes) + t
+            )
+            if best is None or cost < best[-1]:
+                best = (prefixes, row_prefix, torch.tensor(keep), suffixes, cost)
+        return best
 
     # -- scoring ------------------------------------------------------------------------
-    def _score(self, chunk, logits, mask, names, mode, q, replayed) -> None:
-        base_row = {}
-        for i, job in enumerate(chunk):
-            if job.key == ALL:
-                base_row[job.response] = i
-        for i, job in enumerate(chunk):
-            if job.key == ALL:
-                continue
-            j = job.response
-            a = base_row[j]
-            tj = int(mask[j].sum())
-            k = 0 if mode == "joint" else names.index(job.key)
-            for s in range(0, tj, self.jsd_chunk):
-                e = min(tj, s + self.jsd_chunk)
-                la = torch.log_softmax(logits[a, s:e].float(), dim=-1)
-                lb = torch.log_softmax(logits[i, s:e].float(), dim=-1)
-                q[j, k, s:e] = js_distance(la, lb).cpu()
-            replayed[j, k] = True
+    def _score(self, chunk, states, head, roll, names, mode, q, logp) -> None:
+        """JSD of every P_\\k row against its response's P_all row, many rows at once, in
+        groups of at most ``jsd_chunk`` (row, position) pairs (few, large ops; the float32
+        working set stays ``jsd_chunk x V``). The P_all rows' log-probs of the sampled tokens
+        go to ``logp`` on the way."""
+        all_row = {job.response: i for i, job in enumerate(chunk) if job.key == ALL}
+        others = [i for i, job in enumerate(chunk) if job.key != ALL]
+        # responses stay whole within a group where they fit: their P_all row is shared
+        others.sort(key=lambda i: chunk[i].response)
+        per = max(1, self.jsd_chunk // 2)
+        for g in range(0, len(others), per):
+            self._score_rows(
+                chunk, others[g : g + per], all_row, states, head, roll, names, mode, q, logp
+            )
+
+    def _score_rows(self, chunk, others, all_row, states, head, roll, names, mode, q, logp):
+        mask = roll.response_mask
+        # P_\k rows first (a slice, no copy), then the P_all rows they are compared with
+        alls = sorted({all_row[chunk[i].response] for i in others})
+        order = others + alls
+        pos_of = {r: p for p, r in enumerate(order)}
+        dev = states.device
+        sel = torch.tensor(order, device=dev)
+        base = torch.tensor([pos_of[all_row[chunk[i].response]] for i in others], device=dev)
+        jj = torch.tensor([chunk[i].response for i in others], device=dev)
+        kk = torch.tensor(
+            [0 if mode == "joint" else names.index(chunk[i].key) for i in others], device=dev
+        )
+        lengths = mask[[chunk[i].response for i in others]].sum(-1).to(dev)  # [n_other]
+        n_other = len(others)
+        a_resp = [chunk[r].response for r in alls]
+        a_ids = roll.response_ids[a_resp].to(dev)  # [n_all, T]
+        a_len = mask[a_resp].sum(-1).to(dev)
+        a_j = torch.tensor(a_resp, device=dev)
+        t = int(lengths.max())
+        step = max(1, self.jsd_chunk // len(order))
+        zero = torch.zeros((), device=dev)
+        for s in range(0, t, step):
+            e = min(t, s + step)
+            x = states[sel, s:e]
+            if head is not None:
+                x = head(x)
+            lp = torch.log_softmax(x.float(), dim=-1)  # [rows, c, V]
+            d = js_distance(lp[base], lp[:n_other])  # [n_other, c]
+            cols = torch.arange(s, e, device=dev)[None, :]
+            q[jj, kk, s:e] = torch.where(cols < lengths[:, None], d, zero)
+            lp_all = lp[n_other:].gather(-1, a_ids[:, s:e, None]).squeeze(-1)
+            logp[a_j, s:e] = torch.where(cols < a_len[:, None], lp_all, zero)
 
 
 def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:

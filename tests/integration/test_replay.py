@@ -10,12 +10,13 @@ import torch
 
 from mrtpo.batch import ScoredBatch, rewards_tensor
 from mrtpo.credit import js_distance
-from mrtpo.forward import response_logits
+from mrtpo.forward import response_logits, response_logprobs
 from mrtpo.replay import ALL, Replayer, mass_share
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout, chat_ids
 from mrtpo.rollout.hf import HFEngine
 from mrtpo.tasks.base import Example, Score, Task
+from mrtpo.tasks.synthetic.task import SyntheticTask
 
 BLOCKS = {
     "format": "Answer inside <answer> tags.",
@@ -214,3 +215,45 @@ def test_forward_alignment_with_mixed_padding(tiny):
             ref = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)]
             torch.testing.assert_close(got[i, : len(r)], ref.float(), atol=2e-5, rtol=1e-4)
     assert ALL == "__all__"
+
+
+def test_shared_prefix_replay_matches_the_plain_path(tiny):
+    model, tok = tiny
+    model.eval()
+    for task in (BlockTask(), SyntheticTask(num_constraints=4)):
+        scored = _scored(task, tiny)
+        pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
+        shared = Replayer(tok, token_budget=64, jsd_chunk=5)
+        shared.min_shared_tokens = shared.min_shared_fraction = 0  # force the shared path
+        res = shared.run(model, task, scored, pairs, "per_reward")
+        plain = Replayer(tok, token_budget=64, jsd_chunk=5, share_prefix=False).run(
+            model, task, scored, pairs, "per_reward"
+        )
+        assert res.stats["shared_prefix_batches"] > 0 and not plain.stats["shared_prefix_batches"]
+        assert torch.equal(res.replayed, plain.replayed)
+        torch.testing.assert_close(res.q, plain.q, atol=2e-5, rtol=1e-4)
+
+
+def test_replay_logp_is_the_old_policy_logp_when_p_all_is_p0(tiny):
+    model, tok = tiny
+    model.eval()
+    task = SyntheticTask(num_constraints=3)
+    scored = _scored(task, tiny)
+    roll = scored.rollout
+    pairs = torch.zeros(scored.rewards.shape, dtype=torch.bool)
+    pairs[::2, 0] = True  # every other response replayed
+    res = Replayer(tok).run(model, task, scored, pairs, "per_reward")
+    assert torch.equal(res.logp_rows, pairs.any(-1))
+    with torch.no_grad():
+        ref = response_logprobs(
+            model, roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask
+        )
+    rows = res.logp_rows
+    torch.testing.assert_close(res.logp[rows], ref[rows], atol=1e-5, rtol=1e-5)
+    # verifier blocks appended to the prompt: P_all is not P0, nothing to reuse
+    blocks = BlockTask()
+    scored = _scored(blocks, tiny)
+    res = Replayer(tok).run(
+        model, blocks, scored, torch.ones(scored.rewards.shape, dtype=torch.bool), "per_reward"
+    )
+    assert not res.logp_rows.any()

@@ -1,0 +1,271 @@
+"""Section 2: the relevance kernel — Jensen–Shannon distance over the full vocabulary.
+
+Each configuration runs in a fresh process (``--worker``) so that its peak memory is its
+own: on CPU the growth of the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` once the inputs exist; ``ru_maxrss`` elsewhere), on GPU
+``torch.cuda.max_memory_allocated`` over the same baseline. Inputs are two logit tensors ``[T, V]`` (the P_all and P_\\k rows of one pair).
+
+Implementations:
+* ``unchunked``: ``log_softmax`` of both rows over all T, then ``credit.js_distance``;
+* ``chunked``: ``credit.js_distance_chunked`` (``chunk`` positions at a time);
+* ``replay``: replay's own scoring loop (``Replayer._score``) on the same logits;
+* ``candidate``: a proposed rewrite of ``js_distance`` that evaluates ``log(p/m)`` once and
+  gets ``log(q/m) = log(p/m) + (log q - log p)`` from it (half the transcendental work),
+  chunked like ``chunked``. It is checked against ``js_distance`` on every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+IMPLS = ("unchunked", "chunked", "replay", "candidate")
+LN2 = math.log(2.0)
+
+
+def candidate_js_distance(logp_a, logp_b):
+    """``sqrt(JSD / ln 2)`` from log-probs [..., V], one mixture log-ratio per element."""
+    import torch
+    import torch.nn.functional as F
+
+    a, b = logp_a.float(), logp_b.float()
+    p, q = a.exp(), b.exp()
+    d = b - a
+    # r = log(p / m) = -log((1 + e^d) / 2): log1p/expm1 near 0, softplus far from it
+    r = torch.where(
+        d.abs() < 1.0, -torch.log1p(0.5 * torch.expm1(d.clamp(max=1.0))), LN2 - F.softplus(d)
+    )
+    zero = torch.zeros((), dtype=r.dtype, device=r.device)
+    terms = torch.where(p > 0, p * r, zero) + torch.where(q > 0, q * (r + d), zero)
+    return (0.5 * terms.sum(-1) / LN2).clamp(0.0, 1.0).sqrt()
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the peak resident set (VmHWM) to the current one (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes() -> int:
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps: int) -> dict:
+    import torch
+
+    from mrtpo.credit import js_distance, js_distance_chunked
+    from mrtpo.replay import ALL, Replayer, _Job
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    states = torch.empty((2, t, v), dtype=dt, device=dev)
+    states.normal_()
+    # logits of a peaked distribution; the second row a perturbation of the first, as the
+    # P_all / P_\k rows of one response are (mean q around 0.1-0.2)
+    states[1].mul_(0.3).add_(states[0])
+    states.mul_(2.0)
+    a, b = states[0], states[1]
+
+    def run_unchunked():
+        return js_distance(torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1))
+
+    def run_chunked():
+        return js_distance_chunked(a, b, chunk=chunk)
+
+    rep = Replayer(tokenizer=None, jsd_chunk=chunk)
+    jobs = [_Job(0, ALL, []), _Job(0, "r", [])]
+
+    class Roll:
+        response_mask = torch.ones((1, t), dtype=torch.bool)
+        response_ids = torch.zeros((1, t), dtype=torch.long)
+
+    def run_replay():
+        q = torch.zeros((1, 1, t), device=dev)
+        logp = torch.zeros((1, t), device=dev)
+        rep._score(jobs, states, None, Roll, ("r",), "per_reward", q, logp)
+        return q[0, 0]
+
+    def run_candidate():
+        out = torch.empty(t, device=dev)
+        for s in range(0, t, chunk):
+            la = torch.log_softmax(a[s : s + chunk].float(), -1)
+            lb = torch.log_softmax(b[s : s + chunk].float(), -1)
+            out[s : s + chunk] = candidate_js_distance(la, lb)
+        return out
+
+    fn = {
+        "unchunked": run_unchunked,
+        "chunked": run_chunked,
+        "replay": run_replay,
+        "candidate": run_candidate,
+    }[impl]
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    # warm up on a few positions (kernels, allocator), then measure the real size
+    with torch.no_grad():
+        small = js_distance_chunked(a[:8], b[:8], chunk=8)
+        del small
+        sync()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            # imports peak and shrink again: measure from the current level, not the peak
+            _reset_peak()
+            base = _peak_bytes()
+        times = []
+        out = None
+        for _ in range(reps):
+            del out
+            t0 = time.perf_counter()
+            out = fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        peak = (
+            torch.cuda.max_memory_allocated() - base if dev.type == "cuda" else _peak_bytes() - base
+        )
+        ref = js_distance_chunked(a[:64], b[:64], chunk=64).float()
+        err = float((out[:64].float() - ref).abs().max())
+    best = min(times)
+    return {
+        "impl": impl,
+        "V": v,
+        "T": t,
+        "chunk": chunk if impl != "unchunked" else None,
+        "device": device,
+        "dtype": dtype,
+        "seconds": best,
+        "positions_per_s": t / best,
+        "peak_extra_bytes": int(peak),
+        "inputs_bytes": int(states.numel() * states.element_size()),
+        "max_abs_diff_vs_js_distance": err,
+        "mean_q": float(out.float().mean()),
+    }
+
+
+def _available_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return 8 << 30
+
+
+def run_all(
+    vocab: list[int],
+    lengths: list[int],
+    chunk: int,
+    device: str,
+    dtype: str,
+    threads: int,
+    skip: set[tuple[str, int, int]] | None = None,
+    quick: bool = False,
+) -> list[dict[str, Any]]:
+    """Every (V, T, impl) in its own process, shortest first, except those in ``skip``; an
+    unchunked case is also skipped when the measurement at a shorter T predicts it would not
+    fit in available memory."""
+    skip = skip or set()
+    here = Path(__file__).resolve()
+    results: list[dict[str, Any]] = []
+    for v in vocab:
+        per_pos: dict[str, float] = {}
+        for t in sorted(lengths):
+            for impl in IMPLS:
+                if (impl, v, t) in skip:
+                    continue
+                inputs = 2 * t * v * (4 if dtype == "fp32" else 2)
+                if impl == "unchunked" and impl in per_pos:
+                    need = per_pos[impl] * t + inputs
+                    avail = _available_bytes(device)
+                    if need > 0.6 * avail:
+                        results.append(
+                            {
+                                "impl": impl,
+                                "V": v,
+                                "T": t,
+                                "skipped": f"predicted {need / 2**30:.1f} GiB > 60% of the "
+                                f"{avail / 2**30:.1f} GiB available",
+                            }
+                        )
+                        continue
+                reps = 1 if quick or t * v > 5e7 else 2
+                cmd = [
+                    sys.executable,
+                    str(here),
+                    "--worker",
+                    impl,
+                    str(v),
+                    str(t),
+                    str(chunk),
+                    device,
+                    dtype,
+                    str(reps),
+                ]
+                # A fixed mmap threshold: every large buffer is mapped and unmapped on free,
+                # so the resident set follows live memory (glibc's sliding threshold would
+                # keep some freed 32 MiB buffers on the heap and blur the peaks).
+                env = dict(
+                    os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="1048576"
+                )
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+                if proc.returncode != 0:
+                    results.append(
+                        {"impl": impl, "V": v, "T": t, "error": proc.stderr.strip()[-400:]}
+                    )
+                    continue
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                per_pos[impl] = max(per_pos.get(impl, 0.0), res["peak_extra_bytes"] / t)
+                results.append(res)
+                print(
+                    f"  V={v} T={t} {impl:9s} {res['positions_per_s']:10.0f} pos/s  peak +"
+                    f"{res['peak_extra_bytes'] / 2**20:8.1f} MiB",
+                    flush=True,
+                )
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        impl, v, t, chunk, device, dtype, reps = sys.argv[2:9]
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        print(json.dumps(worker(impl, int(v), int(t), int(chunk), device, dtype, int(reps))))
+    else:
+        for r in run_all([32768], [512], 256, "cpu", "fp32", 1):
+            print(r)

@@ -1,0 +1,352 @@
+"""Section 3: our ``method=gdpo`` step against TRL's ``GRPOTrainer`` on the same work.
+
+Both trainers run in one process, taking turns step by step: TRL in the main thread, our
+Lightning run in a worker thread, a baton passed at step boundaries (inside a callback, so
+the side that waits does no work meanwhile). Each side's step time runs from receiving the
+baton to handing it back, so it includes everything its loop does per step (generation,
+rewards, advantages, forward/backward, optimizer, logging, fetching the next batch).
+
+Same work: the same model (two copies of the same weights), prompts, the synthetic task's
+K constraint rewards (our task object scores for both), G, max new tokens, temperature 1,
+top-p 1, no top-k; fp32 on CPU, bf16 on GPU; HF ``generate`` with a KV cache in both; one optimizer update per
+step over all B x G responses in one forward/backward (no micro-batching on either side);
+token-mean loss (TRL ``loss_type="dapo"``), clip 0.2 / 0.28, no KL and no reference model;
+GDPO advantages (TRL ``multi_objective_aggregation="normalize_then_sum"``); AdamW, lr 1e-6,
+grad-norm clip 1.0; no gradient checkpointing. One difference is TRL's own design: with one
+update per generation it skips the old-policy forward (the ratio is 1 by construction); ours
+runs it. The report shows our time with and without that phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import lightning as L
+from bench_common import ROOT, compose, ensure_model, med, model_overrides, model_path
+
+WAIT_S = 1800.0
+
+
+class Baton:
+    def __init__(self) -> None:
+        self.ours = threading.Event()
+        self.trl = threading.Event()
+        self.error: BaseException | None = None
+
+    def give(self, to: str) -> None:
+        (self.ours if to == "ours" else self.trl).set()
+
+    def take(self, me: str) -> None:
+        ev = self.ours if me == "ours" else self.trl
+        if not ev.wait(WAIT_S):
+            raise TimeoutError(f"{me} waited {WAIT_S}s for the other trainer")
+        ev.clear()
+        if self.error is not None and me == "trl":
+            raise RuntimeError("our trainer failed") from self.error
+
+
+class OursTurns(L.Callback):
+    """Waits for the baton before each step; hands it back at the start of the next one."""
+
+    def __init__(self, baton: Baton) -> None:
+        self.baton = baton
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.phases: list[dict[str, float]] = []
+        self.t_go = self.c_go = 0.0
+
+    def _hand_back(self, module) -> None:
+        if self.t_go:
+            self.times.append(time.perf_counter() - self.t_go)
+            self.cpu.append(time.thread_time() - self.c_go)
+            self.phases.append(dict(module.timings))
+        self.baton.give("trl")
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
+        if batch_idx > 0:
+            self._hand_back(module)
+        self.baton.take("ours")
+        self.t_go, self.c_go = time.perf_counter(), time.thread_time()
+
+    def on_train_end(self, trainer, module) -> None:
+        self._hand_back(module)
+
+
+def _trl_callback(baton: Baton):
+    from transformers import TrainerCallback
+
+    class TrlTurns(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu: list[float] = []
+            self.lengths: list[float] = []
+            self.t_go = self.c_go = 0.0
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(float(logs["completions/mean_length"]))
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t_go, self.c_go = time.perf_counter(), time.thread_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t_go)
+            self.cpu.append(time.thread_time() - self.c_go)
+            baton.give("ours")
+            baton.take("trl")
+            self.t_go, self.c_go = time.perf_counter(), time.thread_time()
+
+    return TrlTurns()
+
+
+def _reward_funcs(task) -> list:
+    """One TRL reward function per constraint slot, scoring with our task's own checker."""
+    from mrtpo.tasks.synthetic.task import response_words
+
+    def make(kind: str):
+        def fn(prompts, completions, example_id, **kw) -> list[float]:
+            out = []
+            for comp, eid in zip(completions, example_id, strict=True):
+                text = comp[-1]["content"] if isinstance(comp, list) else comp
+                cons = next(c for c in task.by_id[eid].data["constraints"] if c.kind == kind)
+                out.append(float(cons.check(response_words(text))[0]))
+            return out
+
+        fn.__name__ = f"constraint_{kind}"
+        return fn
+
+    return [make(k) for k in task.reward_names]
+
+
+def run(
+    size: str,
+    *,
+    prompts: int,
+    group: int,
+    rewards: int,
+    new_tokens: int,
+    steps: int,
+    warmup: int = 1,
+    gpu: bool = False,
+) -> dict[str, Any]:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mrtpo.pipeline import build
+
+    ensure_model(size)
+    n = prompts * group
+    total = steps + warmup
+    run_dir = ROOT / "logs" / "bench" / "runs" / f"trl-{size}"
+    cfg = compose(
+        [
+            *model_overrides(size),
+            "task=synthetic",
+            f"task.num_constraints={rewards}",
+            "method=gdpo",
+            f"rl.prompts_per_step={prompts}",
+            f"rl.group_size={group}",
+            f"rl.mini_batch_size={n}",
+            f"rl.micro_batch_size={n}",
+            "rl.ppo_epochs=1",
+            "rl.clip_low=0.2",
+            "rl.clip_high=0.28",
+            "rl.kl_coef=0.0",
+            "rl.loss_agg=token-mean",
+            "rl.max_grad_norm=1.0",
+            "optim.lr=1e-6",
+            f"rollout.sampling.max_new_tokens={new_tokens}",
+            "rollout.sampling.temperature=1.0",
+            "rollout.sampling.top_p=1.0",
+            f"rollout.engine.batch_size={n}",
+            f"trainer.max_steps={total}",
+            "+trainer.enable_progress_bar=false",
+            "+trainer.enable_checkpointing=false",
+            *(["trainer=gpu", "model.dtype=bf16"] if gpu else []),
+        ],
+        run_dir,
+    )
+    trainer, module, dm = build(cfg)
+    log_times: list[float] = []
+    log_step = module._log_step
+
+    def timed_log_step(*a, **kw):  # Lightning's per-key self.log is a visible cost here
+        t0 = time.perf_counter()
+        try:
+            return log_step(*a, **kw)
+        finally:
+            log_times.append(time.perf_counter() - t0)
+
+    module._log_step = timed_log_step
+    baton = Baton()
+    ours_cb = OursTurns(baton)
+    trainer.callbacks.insert(0, ours_cb)
+
+    # TRL: its own copy of the same weights, the same prompts and checkers.
+    task = module.task
+    examples = list(task.examples("train"))
+    task.by_id = {e.id: e for e in examples}
+    ds = datasets.Dataset.from_list(
+        [{"prompt": e.messages, "example_id": e.id} for e in examples[: max(64, n * total)]]
+    )
+    tok = AutoTokenizer.from_pretrained(model_path(size))
+    tok.padding_side = "left"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path(size), dtype=dtype)
+    args = GRPOConfig(
+        output_dir=str(run_dir / "trl"),
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=group,
+        max_completion_length=new_tokens,
+        num_iterations=1,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        multi_objective_aggregation="normalize_then_sum",
+        scale_rewards="group",
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_steps=total,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=gpu,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=not gpu,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_completions=False,
+    )
+    gen_times: list[float] = []
+    generate = model.generate
+
+    def timed_generate(*a, **kw):  # TRL calls the model's own generate (no wrapper here)
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            gen_times.append(time.perf_counter() - t0)
+
+    model.generate = timed_generate
+    trl_cb = _trl_callback(baton)
+    grpo = GRPOTrainer(
+        model=model,
+        reward_funcs=_reward_funcs(task),
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[trl_cb],
+    )
+
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    grpo.remove_callback(PrinterCallback)  # logs are still computed every step, not printed
+    grpo.remove_callback(ProgressCallback)
+
+    def ours() -> None:
+        try:
+            trainer.fit(module, datamodule=dm)
+        except BaseException as exc:  # hand the failure to the main thread
+            baton.error = exc
+            baton.give("trl")
+
+    th = threading.Thread(target=ours, name="mrtpo-trainer", daemon=True)
+    th.start()
+    grpo.train()
+    th.join(WAIT_S)
+    if baton.error is not None:
+        raise RuntimeError("our trainer failed") from baton.error
+
+    trl_t = trl_cb.times[warmup:]
+    ours_t = ours_cb.times[warmup:]
+    old = [p.get("old_logp", 0.0) for p in ours_cb.phases[warmup:]]
+    ours_wo = [a - b for a, b in zip(ours_t, old)]
+    paired = [a / b for a, b in zip(ours_t, trl_t)]
+    paired_wo = [a / b for a, b in zip(ours_wo, trl_t)]
+    cpu_paired = [a / b for a, b in zip(ours_cb.cpu[warmup:], trl_cb.cpu[warmup:])]
+    trl_len = trl_cb.lengths[warmup:]
+    phases = {
+        k: med([p.get(k, 0.0) for p in ours_cb.phases[warmup:]])
+        for k in ("rollout", "reward", "old_logp", "update", "step")
+    }
+    phases["log_step"] = med(log_times[warmup:])
+    return {
+        "case": {
+            "model": size,
+            "B": prompts,
+            "G": group,
+            "K": rewards,
+            "max_new_tokens": new_tokens,
+            "steps": steps,
+            "warmup": warmup,
+        },
+        "trl_times": trl_cb.times,
+        "ours_times": ours_cb.times,
+        "trl_cpu": trl_cb.cpu,
+        "ours_cpu": ours_cb.cpu,
+        "ours_phases": ours_cb.phases,
+        "summary": {
+            "trl": med(trl_t),
+            "ours": med(ours_t),
+            "ours_without_old_logp": med(ours_wo),
+            "ratio": med(ours_t) / med(trl_t),
+            "ratio_paired": med(paired),
+            "ratio_without_old_logp_paired": med(paired_wo),
+            "trl_generate": med(gen_times[warmup:]),
+            "trl_cpu": med(trl_cb.cpu[warmup:]),
+            "ours_cpu": med(ours_cb.cpu[warmup:]),
+            "ratio_cpu_paired": med(cpu_paired),
+            "ours_phases": phases,
+            "trl_mean_completion_len": med(trl_len) if trl_len else None,
+            "ours_mean_completion_len": float(
+                module.last.rollout.response_mask.sum(-1).float().mean()
+            )
+            if module.last is not None
+            else None,
+        },
+    }
+
+
+def print_result(res: dict[str, Any]) -> None:
+    c, s = res["case"], res["summary"]
+    print(
+        f"  {c['model']} B{c['B']} G{c['G']} K{c['K']} T{c['max_new_tokens']}: TRL "
+        f"{s['trl']:.3f}s  ours {s['ours']:.3f}s  ours/TRL x{s['ratio_paired']:.3f} "
+        f"(without our old-logp pass x{s['ratio_without_old_logp_paired']:.3f}; CPU time "
+        f"x{s['ratio_cpu_paired']:.3f})",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from bench_common import set_threads
+
+    set_threads(1)
+    size = sys.argv[1] if len(sys.argv) > 1 else "tiny"
+    r = run(
+        size,
+        prompts=4,
+        group=4,
+        rewards=4,
+        new_tokens=32,
+        steps=int(sys.argv[2]) if len(sys.argv) > 2 else 3,
+    )
+    print_result(r)
+    print(json.dumps(r["summary"], indent=1))
