@@ -45,6 +45,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests scripts
 
 bench: $(STAMP)
+	@$(PY) -c "import trl" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
 	$(PY) scripts/bench.py $(ARGS)
 
 replicate: $(STAMP)
