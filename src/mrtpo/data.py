@@ -168,7 +168,8 @@ class PromptDataModule(L.LightningDataModule):
     def _filter_length(self, examples: list[Example], split: str) -> list[Example]:
         if self.tokenizer is None or not self.max_prompt_tokens:
             return examples
-        kept = [e for e in examples if self.prompt_length(e) <= self.max_prompt_tokens]
+        lengths = self.prompt_lengths(examples)
+        kept = [e for e, n in zip(examples, lengths, strict=True) if n <= self.max_prompt_tokens]
         if len(kept) < len(examples):
             log.warning(
                 "data: dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d",
@@ -179,10 +180,23 @@ class PromptDataModule(L.LightningDataModule):
             )
         return kept
 
-    def prompt_length(self, example: Example) -> int:
-        from mrtpo.rollout.build import chat_ids
+    def prompt_lengths(self, examples: list[Example], chunk: int = 1024) -> list[int]:
+        """Token counts of the sampling prompts, tokenized in batches (thousands of long
+        text-to-SQL schemas would take minutes one by one)."""
+        out: list[int] = []
+        for s in range(0, len(examples), chunk):
+            texts = [
+                self.tokenizer.apply_chat_template(
+                    e.messages, add_generation_prompt=True, tokenize=False
+                )
+                for e in examples[s : s + chunk]
+            ]
+            enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            out.extend(len(ids) for ids in enc)
+        return out
 
-        return len(chat_ids(self.tokenizer, example.messages))
+    def prompt_length(self, example: Example) -> int:
+        return self.prompt_lengths([example])[0]
 
     def train_stream(self) -> PromptStream:
         """This rank's stream (its own ``prompts_per_step`` prompts of every step)."""
