@@ -11,6 +11,8 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.mrtpo-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# The tiny CPU models run fastest on one torch thread; set OMP_NUM_THREADS for bigger ones.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: env train test test-all lint format bench replicate clean help
 

@@ -613,6 +613,12 @@ class PolicyModule(L.LightningModule):
             }
         )
         m = self._global_metrics(m, weights)
+        # Lightning re-reports a key's last value on steps that do not log it; a metric that
+        # does not exist this step (e.g. a reward nobody replayed) is written as NaN instead.
+        seen = getattr(self, "_logged_keys", set())
+        for k in seen - m.keys():
+            m[k] = float("nan")
+        self._logged_keys = seen | m.keys()
         # Every rank logs the same (already global) values: no sync_dist collectives, whose
         # order would have to match across ranks key by key.
         self.log_dict(
