@@ -180,6 +180,9 @@ class TinyModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 8192
+    # Std of the random initial weights. The 0.02 of large models leaves a model this narrow
+    # on a long plateau before attention learns to look things up; ~1/sqrt(hidden) does not.
+    initializer_range: float = 0.02
     seed: int = 0
     extra_corpus: list[str] = field(default_factory=list)
 
@@ -237,6 +240,7 @@ def build_tiny_model(path: str | Path, config: TinyModelConfig | None = None) ->
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

@@ -4,7 +4,13 @@ Each prompt asks for a short sequence of words under K programmatically checked
 constraints, each decided by a different part of the response: the first word, the last
 word, a word that must appear, a word that must not, the word count. Constraints are stated
 in the prompt, so (as for instruction following) ``P_\\k`` is the prompt rebuilt without
-constraint k. Generated from a seed: no data files. Reference responses exist for SFT.
+constraint k. Generated from a seed: no data files.
+
+Reference responses exist for SFT (``stage=sft``). With ``reference_success < 1`` some of
+them break constraints on purpose, so that a warm-started policy is able to meet each
+constraint but does so only part of the time — the headroom the toy replication's RL runs
+need (docs/replication.md). With the toy tokenizer (``model=toy``) every word is one token,
+so each constraint is decided by identifiable tokens (``decisive_words``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ WORDS = [
     "small",
     "large",
 ]
+
+# Order in which reference corruption touches constraints: length first, then the middle.
+_CORRUPT_ORDER = {"count": 0, "include": 1, "exclude": 2, "first": 3, "last": 4}
 
 BASE_PROMPT = "Write a short sequence of lowercase words separated by spaces."
 
@@ -109,6 +118,7 @@ class SyntheticTask(Task):
         min_words: int = 3,
         max_words: int = 7,
         system_prompt: str | None = None,
+        reference_success: float = 1.0,
     ) -> None:
         if num_constraints not in LAYOUTS:
             raise ValueError(
@@ -120,6 +130,15 @@ class SyntheticTask(Task):
         self.num_train, self.num_val, self.seed = num_train, num_val, seed
         self.min_words, self.max_words = min_words, max_words
         self.system_prompt = system_prompt
+        if not 0.0 < reference_success <= 1.0:
+            raise ValueError(f"task.reference_success must be in (0, 1], got {reference_success}")
+        # Share of references that meet every constraint (1: all of them). Below 1, each
+        # constraint is broken independently with probability 1 - reference_success^(1/K), so
+        # the share is the same for every K. SFT on such references gives a policy that can
+        # meet every constraint but often does not, which RL with the verifiers then fixes:
+        # the starting point of the toy replication.
+        self.reference_success = float(reference_success)
+        self.reference_noise = 1.0 - self.reference_success ** (1.0 / len(self.kinds))
         self._cache: dict[str, list[Example]] = {}
 
     # ---- data ---------------------------------------------------------------------------
@@ -130,10 +149,11 @@ class SyntheticTask(Task):
         if split not in self._cache:
             n, offset = sizes[split]
             rng = random.Random(f"{self.seed}-{offset}")
-            self._cache[split] = [self._make(f"{split}-{i}", rng) for i in range(n)]
+            noise = random.Random(f"{self.seed}-{offset}-noise")
+            self._cache[split] = [self._make(f"{split}-{i}", rng, noise) for i in range(n)]
         return self._cache[split]
 
-    def _make(self, uid: str, rng: random.Random) -> Example:
+    def _make(self, uid: str, rng: random.Random, noise: random.Random) -> Example:
         words = WORDS[:]
         rng.shuffle(words)
         needs = {k: words.pop() for k in self.kinds if k.split("_")[0] != "count"}
@@ -143,6 +163,8 @@ class SyntheticTask(Task):
         order = list(range(len(cons)))
         rng.shuffle(order)  # sentences in random order: the policy must read them
         ref = self._reference(cons, count if "count" in self.kinds else None, rng, words)
+        if self.reference_noise > 0:
+            ref = self._corrupt(ref, cons, words, noise)
         data = {"constraints": cons, "order": order}
         return Example(
             id=uid, messages=self._messages([cons[i] for i in order]), data=data, reference=ref
@@ -175,6 +197,40 @@ class SyntheticTask(Task):
             + ([by["last"]] if "last" in by else [])
         )
 
+    def _corrupt(self, ref: str, cons, fillers, rng: random.Random) -> str:
+        """Break each constraint of a reference with probability ``reference_noise``, each in
+        its own part of the response, so that the violations stay independent."""
+        words = ref.split()
+        by = {c.kind: c.value for c in cons}
+        lo, hi = int("first" in by), int("last" in by)  # words held by first / last
+        taken = set(by.values())
+
+        def free() -> list[int]:  # filler positions, safe to change
+            return [i for i in range(lo, len(words) - hi) if words[i] not in taken]
+
+        for kind in sorted(by, key=lambda k: _CORRUPT_ORDER[k.split("_")[0]]):
+            if rng.random() >= self.reference_noise:
+                continue
+            base, value = kind.split("_")[0], by[kind]
+            spots = free()
+            if base == "count":  # one word fewer, or one more
+                if spots and rng.random() < 0.5:
+                    words.pop(rng.choice(spots))
+                else:
+                    words.insert(rng.randint(lo, len(words) - hi), rng.choice(fillers))
+            elif base == "include":
+                words = [rng.choice(fillers) if w == value else w for w in words]
+            elif base == "exclude":
+                if spots:
+                    words[rng.choice(spots)] = value
+                else:
+                    words.insert(len(words) - hi, value)
+            elif base == "first" and words:
+                words[0] = rng.choice(fillers)
+            elif base == "last" and words:
+                words[-1] = rng.choice(fillers)
+        return " ".join(words)
+
     # ---- rewards ------------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
         words = response_words(response)
@@ -200,6 +256,29 @@ class SyntheticTask(Task):
             without={c.kind: self._messages([x for x in shown if x is not c]) for c in shown},
             none=self._messages([]),
         )
+
+    # ---- analysis: where each checker looks ----------------------------------------------
+    def decisive_words(self, example: Example, response: str) -> dict[str, list[int]]:
+        """For each constraint, the indices of the response words its check turns on.
+
+        ``first``/``last``: that word; ``include``/``exclude``: every occurrence of the word
+        (none when absent); ``count``: ``[len(words)]``, standing for the end of the response
+        (the EOS token), since where the response stops decides the count. Used to measure
+        whether replay relevance lands where the verifier looks (docs/replication.md).
+        """
+        words = response_words(response)
+        out: dict[str, list[int]] = {}
+        for c in example.data["constraints"]:
+            base = c.kind.split("_")[0]
+            if base == "first":
+                out[c.kind] = [0] if words else []
+            elif base == "last":
+                out[c.kind] = [len(words) - 1] if words else []
+            elif base in ("include", "exclude"):
+                out[c.kind] = [i for i, w in enumerate(words) if w == c.value]
+            else:
+                out[c.kind] = [len(words)]
+        return out
 
     def summarize(self, examples, scores) -> dict[str, float]:
         out = super().summarize(examples, scores)

@@ -1,0 +1,77 @@
+"""`make replicate` in miniature: SFT once, RL for two methods x two seeds, the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from tests.conftest import ROOT
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("replicate", ROOT / "scripts" / "replicate.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["replicate"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_replication_miniature_end_to_end(tmp_path, cache_dir):
+    rep = _script()
+    docs, logs = tmp_path / "docs", tmp_path / "logs"
+    rc = rep.main(
+        [
+            "--ks=2",
+            "--seeds=2",
+            "--methods=gdpo,mrtpo",
+            "--steps=3",
+            "--sft-max-steps=12",
+            # met at the first check by both passes (>= 0, then <= 0): the stop-by-target path
+            "--sft-override=stage.sft.target_success=0.0",
+            "--sft-override=stage.sft.eval_every=6",
+            "--sft-override=stage.sft.min_steps=0",
+            "--sft-override=stage.sft.eval_prompts=8",
+            f"--sft-override=paths.cache_dir={cache_dir}",
+            "--override=rl.prompts_per_step=2",
+            "--override=rl.group_size=4",
+            "--override=callbacks.relevance_dump.every=1",
+            "--relevance-prompts=4",
+            f"--docs={docs}",
+            f"--logdir={logs}",
+        ]
+    )
+    assert rc == 0
+    for phase in ("sft", "sft_noisy"):
+        sft = json.loads((logs / "k2" / phase / "policy" / "mrtpo_sft.json").read_text())
+        assert sft["reached"] and sft["steps"] == 6, phase
+
+    first_success = {}
+    for method in ("gdpo", "mrtpo"):
+        for seed in (0, 1):
+            job = json.loads((logs / "k2" / method / f"s{seed}" / "job.json").read_text())
+            assert job["error"] is None
+            curve = rep.rl_curves(job["csv"])
+            assert len(curve["success"]) == 3
+            assert set(curve) == {"success", "first", "last"}
+            first_success.setdefault(seed, set()).add(curve["success"][0])
+    # same warm start, prompts and sampling seed: every method's first batch is the same
+    assert all(len(v) == 1 for v in first_success.values()), first_success
+
+    report = (docs / "replication.md").read_text()
+    assert "## K = 2" in report
+    for method in ("gdpo", "mrtpo"):
+        assert f"| {method} | 2 |" in report
+    assert "MRTPO − GDPO, AUC" in report
+    assert "Where the relevance lands" in report and "| first |" in report
+    for name in ("replication_k2.png", "relevance_k2.png", "relevance_k2.html"):
+        assert (docs / "figures" / name).stat().st_size > 1000, name
+    assert "title=" in (docs / "figures" / "relevance_k2.html").read_text()
+
+    # the report can be rebuilt from the logs alone
+    (docs / "replication.md").unlink()
+    assert rep.main(["--ks=2", "--seeds=2", "--methods=gdpo,mrtpo", "--steps=3",
+                     "--report-only", f"--logdir={logs}", f"--docs={docs}"]) == 0  # fmt: skip
+    assert (docs / "replication.md").read_text().count("| gdpo | 2 |") == 1
