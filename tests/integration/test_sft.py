@@ -27,7 +27,7 @@ def _sft(train_cfg, tmp_path, *overrides: str):
     return train_cfg(
         "stage=sft",
         "model=toy",
-        "stage.sft.batch_size=16",
+        "stage.sft.batch_size=8",
         "stage.sft.eval_prompts=8",
         "stage.sft.eval_max_new_tokens=8",
         f"stage.sft.save_dir={tmp_path}/policy",
@@ -47,16 +47,16 @@ def test_prompt_tokens_carry_no_loss():
 
 
 def test_sft_lowers_the_loss_and_saves_a_loadable_policy(train_cfg, tmp_path):
-    cfg = _sft(train_cfg, tmp_path, "trainer.max_steps=30", "stage.sft.lr=3e-3")
+    cfg = _sft(train_cfg, tmp_path, "trainer.max_steps=20", "stage.sft.lr=3e-3")
     trainer, module = _fit(cfg)
     losses = _losses(trainer)
-    assert len(losses) == 30
+    assert len(losses) == 20
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, (first, last)
     # held-out metrics were logged, and the policy and its summary were saved
     summary = read_summary(tmp_path / "policy")
-    assert summary["steps"] == 30 and summary["task"] == "synthetic"
-    assert [h["step"] for h in summary["history"]] == [10.0, 20.0, 30.0]
+    assert summary["steps"] == 20 and summary["task"] == "synthetic"
+    assert [h["step"] for h in summary["history"]] == [10.0, 20.0]
     assert summary["history"][-1]["loss"] < summary["history"][0]["loss"]
     assert (tmp_path / "policy" / "config.json").exists()
 
@@ -71,19 +71,25 @@ def test_sft_lowers_the_loss_and_saves_a_loadable_policy(train_cfg, tmp_path):
     assert rl_module.iteration == 2
 
 
-def test_sft_stops_at_the_target_rate(train_cfg, tmp_path):
-    # a target of 0 is met at the first check: training must stop there, not at max_steps
+@pytest.mark.parametrize("stop_when", ["above", "below"])
+def test_sft_stops_at_the_target_rate(train_cfg, tmp_path, stop_when):
+    # success >= 0 and (for an untrained policy) success <= 0 hold at the first check after
+    # min_steps: training must stop there, not at max_steps
     cfg = _sft(
         train_cfg,
         tmp_path,
         "trainer.max_steps=50",
         "stage.sft.target_success=0.0",
-        "stage.sft.eval_every=4",
+        f"stage.sft.stop_when={stop_when}",
+        "stage.sft.eval_every=2",
+        "stage.sft.min_steps=3",
     )
     trainer, _ = _fit(cfg)
     assert trainer.global_step == 4
     info = json.loads((tmp_path / "policy" / SavePolicy.FILE).read_text())
     assert info["reached"] is True and info["reached_at_step"] == 4
+    assert info["stop_when"] == stop_when
+    assert [h["step"] for h in info["history"]] == [4.0]  # no checks before min_steps
 
 
 def test_unknown_sft_key_is_named(train_cfg, tmp_path):
