@@ -866,6 +866,23 @@ def write_report(
                 )
             )
             add("")
+    add("## Caveats")
+    add("")
+    add(
+        "- Scale: a ~100k-parameter model trained from scratch on a synthetic task, not a "
+        "pretrained LLM; effect sizes here say nothing about the paper's numbers, only whether "
+        "the mechanism pushes in the claimed direction."
+    )
+    add(
+        "- Success is measured on each step's own training samples (B prompts × G samples), "
+        "not on held-out prompts; the per-seed curves are noisy and the tables average them."
+    )
+    add(
+        "- The warm start is engineered for headroom: references that break constraints on "
+        "purpose make a policy that *can* follow each constraint but often does not, which is "
+        "the regime where placing each reward's credit on the right tokens can matter."
+    )
+    add("")
     add("## Reproduce")
     add("")
     add("```")
@@ -1111,8 +1128,9 @@ def describe(args) -> dict[str, Any]:
             + (f", ~{n_params / 1e3:.0f}k parameters" if n_params else "")
         ),
         "task": (
-            f"synthetic, {task.num_train} train prompts (val prompts for SFT checks and replay), "
-            f"{task.min_words}–{task.max_words} words"
+            f"synthetic word constraints, responses of {task.min_words}–{task.max_words} words; "
+            f"SFT on {noisy.task.num_train} generated prompts, RL on the first "
+            f"{task.num_train} of them; SFT checks and the direct replay on held-out (val) prompts"
         ),
         "SFT (warm start)": (
             f"(1) clean references, lr {sft.lr}, batch {sft.batch_size}, until held-out success "
