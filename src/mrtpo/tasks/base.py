@@ -76,6 +76,14 @@ class Task(ABC):
     block_order: tuple[str, ...] | None = None
     #: True when each prompt has its own reward set (instruction constraints): SAW refuses it.
     rewards_vary_per_prompt: bool = False
+    #: True when the verifier information Z_k is part of the prompt itself (instruction
+    #: constraints, the synthetic task): replay then asks ``contexts`` for the prompt without
+    #: item k, every reward has information, and ``Score.blocks`` stays empty. False: the
+    #: information comes as per-response blocks (``Score.blocks``) appended to the prompt.
+    info_in_prompt: bool = False
+    #: The ``Score.checks`` key that says whether a response fully succeeded (logged as
+    #: ``train/success``, and the default target of SFT's stopping rule); None: no such check.
+    success_check: str | None = None
 
     # ---- data -------------------------------------------------------------------------
     @abstractmethod

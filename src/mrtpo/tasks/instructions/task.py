@@ -52,6 +52,7 @@ UNSUPPORTED = {
 class InstructionTask(Task):
     name = "ifeval"
     rewards_vary_per_prompt = True
+    info_in_prompt = True  # the constraints are sentences of the prompt
 
     def __init__(
         self,

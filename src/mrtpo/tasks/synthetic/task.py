@@ -108,6 +108,8 @@ class SyntheticTask(Task):
     """``task=synthetic``: K word constraints per prompt, one binary reward each."""
 
     name = "synthetic"
+    info_in_prompt = True  # the constraints are sentences of the prompt
+    success_check = "success"  # every constraint met
 
     def __init__(
         self,

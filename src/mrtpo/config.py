@@ -1,0 +1,77 @@
+"""Composing the project's Hydra config outside the entry points, and the resolvers it uses.
+
+``compose`` is the one way library code and tests build a config: the same ``configs/``
+folder, the same defaults list, the same resolvers as ``src/train.py``. Importing this module
+registers the resolvers (the entry points import it before ``@hydra.main`` runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+#: ``configs/`` of a source checkout (src/mrtpo/config.py -> <root>/configs).
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+# Run folders already claimed by this process: a resolver may be evaluated more than once
+# for the same run, and must give the same folder each time.
+_CLAIMED: dict[str, str] = {}
+
+
+def unique_dir(base: str) -> str:
+    """Create ``base`` exclusively and return it; on a collision use ``base-1``, ``base-2``...
+
+    Two runs started in the same second with default paths would otherwise share one folder
+    (their metrics interleaved, their checkpoints mixed). Worker processes that Lightning
+    launches for DDP are given the folder explicitly and never come here.
+    """
+    if base in _CLAIMED:
+        return _CLAIMED[base]
+    path = Path(base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 0
+    while True:
+        try:
+            candidate.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.name}-{n}")
+    _CLAIMED[base] = str(candidate)
+    return str(candidate)
+
+
+def hydra_subdir(resume, stamp: str) -> str:
+    """Where Hydra saves this invocation's config: ``.hydra`` for a new run; for a resume a
+    folder of its own (``.hydra/resumes/<time>``), so the original run's ``overrides.yaml``
+    is never overwritten by the resuming command line."""
+    return ".hydra" if not resume else f".hydra/resumes/{stamp}-{os.getpid()}"
+
+
+def register_resolvers() -> None:
+    for name, fn in (("mrtpo.unique_dir", unique_dir), ("mrtpo.hydra_subdir", hydra_subdir)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()
+
+
+def compose(config_name: str = "train.yaml", overrides: Sequence[str] = (), config_dir=None):
+    """The real config, composed as the entry points compose it (with the ``hydra`` node).
+
+    Also makes it the current ``HydraConfig``, so ``${hydra:...}`` interpolations resolve.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+    return cfg
