@@ -16,9 +16,38 @@ from mrtpo.credit import relevance_weights
 def _run_dir(trainer) -> Path:
     # Not `trainer.log_dir`: under DDP it is a collective (a broadcast), and these callbacks
     # write on rank 0 only, so the other ranks would never join it.
-    d = Path(trainer.loggers[0].log_dir if trainer.loggers else trainer.default_root_dir)
+    # Some loggers have no folder of their own (W&B's log_dir is None): use the run folder.
+    log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+    d = Path(log_dir or trainer.default_root_dir)
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def relevance_record(
+    scored, j: int, q, w, replayed, names, tokenizer, step: int, beta: float
+) -> dict:
+    """One line of ``relevance.jsonl``: response ``j`` of ``scored`` with, for each replayed
+    reward, its per-token relevance ``q`` and weight ``w`` (``[N, K, T]`` tensors; ``names``
+    label their K axis, ``replayed [N, K]`` says which pairs have one).
+
+    The one builder of this record: the training callback and the replication harness's
+    direct replay both write it, and the analysis reads both the same way.
+    """
+    roll = scored.rollout
+    t = int(roll.response_mask[j].sum())
+    ids = roll.response_ids[j, :t].tolist()
+    rows = [(k, n) for k, n in enumerate(names) if replayed[j, k]]
+    return {
+        "step": step,
+        "id": roll.examples[j].id,
+        "beta": beta,
+        "prompt": roll.examples[j].messages[-1]["content"],
+        "tokens": [tokenizer.decode([i]) for i in ids],
+        "token_ids": ids,
+        "rewards": scored.scores[j].rewards,
+        "q": {n: torch.round(q[j, k, :t], decimals=5).tolist() for k, n in rows},
+        "w": {n: torch.round(w[j, k, :t], decimals=5).tolist() for k, n in rows},
+    }
 
 
 class SampleTable(L.Callback):
@@ -85,25 +114,7 @@ class RelevanceDump(L.Callback):
         picked = scored.replayed.any(-1).nonzero().flatten().tolist()[: self.num]
         with open(_run_dir(trainer) / "relevance.jsonl", "a", encoding="utf-8") as f:
             for j in picked:
-                t = int(roll.response_mask[j].sum())
-                ids = roll.response_ids[j, :t].tolist()
-                rec = {
-                    "step": step,
-                    "id": roll.examples[j].id,
-                    "beta": beta,
-                    "prompt": roll.examples[j].messages[-1]["content"],
-                    "tokens": [tok.decode([i]) for i in ids],
-                    "token_ids": ids,
-                    "rewards": scored.scores[j].rewards,
-                    "q": {
-                        n: torch.round(scored.q[j, k, :t], decimals=5).tolist()
-                        for k, n in enumerate(names)
-                        if scored.replayed[j, k]
-                    },
-                    "w": {
-                        n: torch.round(w[j, k, :t], decimals=5).tolist()
-                        for k, n in enumerate(names)
-                        if scored.replayed[j, k]
-                    },
-                }
+                rec = relevance_record(
+                    scored, j, scored.q, w, scored.replayed, names, tok, step=step, beta=beta
+                )
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
