@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ class Task(ABC):
     #: The ``Score.checks`` key that says whether a response fully succeeded (logged as
     #: ``train/success``, and the default target of SFT's stopping rule); None: no such check.
     success_check: str | None = None
+    #: Reward name -> (lowest, highest) value it can take; names left out range over [0, 1].
+    #: SAW shifts a reward whose range reaches below 0 to non-negative values before its
+    #: coefficient of variation (ToolRL's correctness: -3..3).
+    reward_ranges: ClassVar[Mapping[str, tuple[float, float]]] = {}
 
     # ---- data -------------------------------------------------------------------------
     @abstractmethod
