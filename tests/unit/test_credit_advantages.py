@@ -137,6 +137,25 @@ def test_saw_weights_sum_to_k_random() -> None:
     assert saw_weights(r).sum().item() == pytest.approx(5.0, rel=1e-6)
 
 
+def test_saw_shifts_a_signed_reward_before_its_cv() -> None:
+    # ToolRL-like batch: format in [0, 1], correctness in [-3, 3].
+    #   format      1, 1, 0, 1    -> mean 0.75, unbiased var (3 * 0.0625 + 0.5625) / 3 = 0.25
+    #   correctness 3, -3, 3, -3  -> shifted by +3: 6, 0, 6, 0 -> mean 3, var 4 * 9 / 3 = 12
+    r = torch.tensor([[1.0, 3.0], [1.0, -3.0], [0.0, 3.0], [1.0, -3.0]], dtype=torch.float64)
+    cv_f = 0.5 / 0.75
+    cv_c = math.sqrt(12.0) / 3.0
+    w = saw_weights(r, lower_bounds=[0.0, -3.0])
+    assert w.tolist() == pytest.approx([2 * cv_f / (cv_f + cv_c), 2 * cv_c / (cv_f + cv_c)])
+    # Unshifted, correctness's mean is 0 and its CV is std / 1e-8: it takes all the weight.
+    unshifted = saw_weights(r)
+    assert unshifted[0].item() < 1e-6 and unshifted[1].item() == pytest.approx(2.0)
+    # A lower bound of 0 (or above) shifts nothing: binary rewards keep their weights.
+    assert torch.equal(saw_weights(r, lower_bounds=[0.0, 0.0]), unshifted)
+    assert torch.equal(saw_weights(r, lower_bounds=[0.5, 0.0]), unshifted)
+    with pytest.raises(ValueError, match="lower_bounds must have shape"):
+        saw_weights(r, lower_bounds=[0.0])
+
+
 def test_replay_mask_hand_example() -> None:
     m = replay_mask(REWARDS, GROUP)
     expected = torch.tensor(

@@ -43,6 +43,7 @@ def compute_all(b: dict[str, torch.Tensor], pg: object) -> dict[str, torch.Tenso
     out = {
         "gdpo": gdpo_advantages(r, g, process_group=pg),
         "saw": saw_weights(r, process_group=pg),
+        "saw_signed": saw_weights(r - 0.5, process_group=pg, lower_bounds=[-0.5, 0.0, -1.0]),
         "mrtpo_fn": mrtpo_advantages(r, g, q, mask, rep, 1.0, process_group=pg),
     }
     names = ("a", "b", "c")
@@ -52,7 +53,7 @@ def compute_all(b: dict[str, torch.Tensor], pg: object) -> dict[str, torch.Tenso
         ("mrtpo_joint", MRTPOJoint(beta=0.5), q[:, :1], rep.any(-1, keepdim=True)),
         ("gdpo_saw", GDPOSAW(), None, None),
     ):
-        method.setup(names, False)
+        method.setup(names, False, reward_ranges={"b": (-1.0, 2.0)})
         res = method(CreditInputs(r, g, mask, q=qq, replayed=rr, process_group=pg))
         out[key] = res.advantages
         if "cap_s" in res.stats:
@@ -86,7 +87,7 @@ def test_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     local_only = compute_all({k: v[:SPLIT] for k, v in make_batch().items()}, None)
     assert not torch.allclose(local_only["gdpo"], full["gdpo"][:SPLIT])
     for key, ref in full.items():
-        if key == "saw" or key.endswith("_cap"):  # global quantities: same on both ranks
+        if key.startswith("saw") or key.endswith("_cap"):  # global quantities: same on both ranks
             for got in (r0[key], r1[key]):
                 torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
         else:

@@ -180,6 +180,35 @@ def test_saw_methods_use_saw_weights() -> None:
     assert torch.equal(mrtpo_saw(inputs).advantages, out.advantages)
 
 
+def test_saw_methods_use_the_tasks_reward_ranges() -> None:
+    from mrtpo.tasks.text2sql.task import Text2SQLTask
+    from mrtpo.tasks.toolcall.task import ToolCallTask
+
+    assert ToolCallTask.reward_ranges == {"correctness": (-3.0, 3.0)}
+    assert Text2SQLTask.reward_ranges == {}  # binary rewards: nothing to shift
+    names = tuple(ToolCallTask.reward_names)
+    # format 1, 1, 0, 1 (CV 0.5 / 0.75); correctness 3, -3, 3, -3 (+3: CV sqrt(12) / 3)
+    rewards = torch.tensor([[1.0, 3.0], [1.0, -3.0], [0.0, 3.0], [1.0, -3.0]])
+    inputs = CreditInputs(rewards, torch.tensor([0, 0, 1, 1]), torch.ones(4, 3, dtype=torch.bool))
+    cv_f, cv_c = 0.5 / 0.75, 12**0.5 / 3
+    for cls in (GDPOSAW, MRTPOSAW):
+        method = cls()
+        method.setup(names, False, reward_ranges=ToolCallTask.reward_ranges)
+        out = method(inputs)
+        assert out.stats["saw_weight/format"] == pytest.approx(2 * cv_f / (cv_f + cv_c))
+        assert out.stats["saw_weight/correctness"] == pytest.approx(2 * cv_c / (cv_f + cv_c))
+    plain = GDPOSAW()
+    plain.setup(names, False)  # no ranges: every reward counts from 0, as before
+    assert plain(inputs).stats["saw_weight/correctness"] == pytest.approx(2.0)
+
+
+def test_reward_ranges_are_validated() -> None:
+    with pytest.raises(ValueError, match=r"unknown reward\(s\) \['nope'\]"):
+        GDPOSAW().setup(NAMES, False, reward_ranges={"nope": (0.0, 1.0)})
+    with pytest.raises(ValueError, match="lowest above highest"):
+        GDPOSAW().setup(NAMES, False, reward_ranges={"match": (1.0, 0.0)})
+
+
 def test_shuffle_uses_the_generator() -> None:
     inputs = make_inputs(6)
     inputs.generator = torch.Generator().manual_seed(0)

@@ -189,17 +189,35 @@ def gdpo_advantages(
     return gdpo_parts(rewards, group, weights, eps, process_group)[4]
 
 
-def saw_weights(rewards: Tensor, process_group: Any = None) -> Tensor:
+def saw_weights(
+    rewards: Tensor,
+    process_group: Any = None,
+    lower_bounds: Tensor | Sequence[float] | None = None,
+) -> Tensor:
     """SAW reward weights ``[K]`` from each reward's coefficient of variation over the batch.
 
     ``CV_k = std_k / (|mean_k| + 1e-8)`` over the present values of the global batch; a
     reward with fewer than two present values has no CV and gets weight 0. The others get
     ``K' * CV_k / sum CV`` (summing to ``K'``, the number with a CV); if every CV is 0 the
     batch carries no signal to rebalance and each of them gets 1.
+
+    ``lower_bounds [K]`` are the lowest values each reward can take (``Task.reward_ranges``).
+    A reward whose range reaches below 0 is shifted up by ``-lower`` before its CV, so that
+    its values are non-negative (the official SAW code adds 3 to ToolRL's correctness,
+    range -3..3): otherwise ``|mean|`` can sit near 0 and blow the CV up. The std does not
+    change; only the mean does. Rewards with a non-negative lower bound (the binary ones) are
+    not shifted.
     """
     dtype = compute_dtype(rewards)
     present = ~torch.isnan(rewards)
     count, mean, std = batch_moments(rewards, present, process_group)
+    if lower_bounds is not None:
+        lo = torch.as_tensor(lower_bounds, dtype=torch.float64, device=mean.device)
+        if lo.shape != mean.shape:
+            raise ValueError(
+                f"lower_bounds must have shape {tuple(mean.shape)}, got {tuple(lo.shape)}"
+            )
+        mean = mean - torch.clamp(lo, max=0.0)  # the mean of the shifted values
     defined = count >= 2
     cv = torch.where(defined, std / (mean.abs() + 1e-8), torch.zeros_like(std))
     k_eff = defined.sum().to(torch.float64)

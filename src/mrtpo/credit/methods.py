@@ -55,9 +55,19 @@ class AdvantageMethod(ABC):
     #: None (no replay), "per_reward" (q [N, K, T]) or "joint" (q [N, 1, T]).
     relevance: ClassVar[str | None] = None
 
-    def setup(self, reward_names: tuple[str, ...], rewards_vary_per_prompt: bool) -> None:
-        """Validate the method against a task's reward set (raise a clear config error)."""
+    def setup(
+        self,
+        reward_names: tuple[str, ...],
+        rewards_vary_per_prompt: bool,
+        reward_ranges: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        """Validate the method against a task's reward set (raise a clear config error).
+
+        ``reward_ranges`` is the task's ``Task.reward_ranges`` (reward name -> (lowest,
+        highest) value; names it leaves out range over [0, 1]).
+        """
         self.reward_names = reward_names
+        self.reward_lower_bounds = _lower_bounds(reward_names, reward_ranges)
 
     def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
         """bool ``[N, K]`` (or ``[N, 1]`` for joint): which pairs replay must score."""
@@ -74,6 +84,26 @@ class AdvantageMethod(ABC):
 # --------------------------------------------------------------------------------------------
 # Concrete methods. Each is selected by ``method=<config_name>`` (configs/method/<name>.yaml).
 # --------------------------------------------------------------------------------------------
+
+
+def _lower_bounds(
+    reward_names: tuple[str, ...], reward_ranges: Mapping[str, tuple[float, float]] | None
+) -> tuple[float, ...]:
+    """Each reward's lowest value, in ``reward_names`` order (0 for names not listed)."""
+    ranges = dict(reward_ranges or {})
+    unknown = sorted(set(ranges) - set(reward_names))
+    if unknown:
+        raise ValueError(
+            f"the task's reward_ranges name unknown reward(s) {unknown}; its rewards are "
+            f"{list(reward_names)}"
+        )
+    out = []
+    for name in reward_names:
+        lo, hi = ranges.get(name, (0.0, 1.0))
+        if not float(lo) <= float(hi):
+            raise ValueError(f"reward_ranges[{name!r}] = ({lo}, {hi}): lowest above highest")
+        out.append(float(lo))
+    return tuple(out)
 
 
 def _broadcast(adv: Tensor, mask: Tensor) -> Tensor:
@@ -110,10 +140,17 @@ class _RewardWeighted(AdvantageMethod):
         self.eps = float(eps)
         self.reward_weights = dict(reward_weights.items()) if reward_weights else None
         self.reward_names: tuple[str, ...] | None = None
+        #: Each reward's lowest value (set by setup; None: every reward starts at 0).
+        self.reward_lower_bounds: tuple[float, ...] | None = None
         self._c: list[float] | None = None
 
-    def setup(self, reward_names: tuple[str, ...], rewards_vary_per_prompt: bool) -> None:
-        super().setup(tuple(reward_names), rewards_vary_per_prompt)
+    def setup(
+        self,
+        reward_names: tuple[str, ...],
+        rewards_vary_per_prompt: bool,
+        reward_ranges: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        super().setup(tuple(reward_names), rewards_vary_per_prompt, reward_ranges)
         if self.saw and rewards_vary_per_prompt:
             uniform = self.config_name.removesuffix("_saw")
             raise ValueError(
@@ -145,7 +182,10 @@ class _RewardWeighted(AdvantageMethod):
             c = torch.tensor(self._c, dtype=dtype, device=rewards.device)
         stats: dict[str, float] = {}
         if self.saw:
-            sw = saw_weights(rewards, inputs.process_group)
+            lower = self.reward_lower_bounds
+            if lower is not None and len(lower) != k:
+                raise ValueError(f"setup() saw {len(lower)} rewards but the batch has {k}")
+            sw = saw_weights(rewards, inputs.process_group, lower)
             c = c * sw
             names = self.reward_names or tuple(str(i) for i in range(k))
             stats = {f"saw_weight/{n}": float(v) for n, v in zip(names, sw.tolist())}

@@ -19,7 +19,12 @@ from mrtpo.tasks.toolcall import bfcl
 from mrtpo.tasks.toolcall.blocks import correctness_block, format_block
 from mrtpo.tasks.toolcall.data import load_rlla
 from mrtpo.tasks.toolcall.parsing import clean_response, coerce_calls
-from mrtpo.tasks.toolcall.rewards import CORRECTNESS_MAX, correctness_reward, format_reward
+from mrtpo.tasks.toolcall.rewards import (
+    CORRECTNESS_MAX,
+    CORRECTNESS_MIN,
+    correctness_reward,
+    format_reward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +37,8 @@ class ToolCallTask(Task):
     name = "toolcall"
     reward_names = ("format", "correctness")
     block_order = ("correctness", "format")
+    # SAW computes correctness's CV on values shifted by +3, as the official SAW code does.
+    reward_ranges = {"correctness": (CORRECTNESS_MIN, CORRECTNESS_MAX)}
 
     def __init__(
         self,
