@@ -4,7 +4,7 @@ One Lightning run per case, built from the real configs. Every step trains on th
 scored rollout (generated once; a fresh generation is still run and timed each step, so the
 rollout time is measured under the same load as the rest), and the method alternates
 MRTPO, GDPO, GDPO, MRTPO, ... so that drift in machine load hits both alike. Rewards are
-controlled (``bench_common.controlled_task``) to fix the replayed share. After each MRTPO
+controlled (``mrtpo.bench.common.controlled_task``) to fix the replayed share. After each MRTPO
 step the same replays are run as plain no-grad forwards (the floor).
 """
 
@@ -16,8 +16,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from bench_common import (
-    ROOT,
+
+from mrtpo.bench.common import (
+    bench_dir,
     compose,
     controlled_task,
     ensure_model,
@@ -25,7 +26,6 @@ from bench_common import (
     method_from_config,
     model_overrides,
 )
-
 from mrtpo.callbacks.rollout import RolloutCallback
 from mrtpo.forward import pad_left, response_logits
 from mrtpo.rollout.build import build_rollout
@@ -158,6 +158,7 @@ class Alternate(L.Callback):
     def __init__(self, variants: dict[str, tuple], order: list[str], warmup: int, floor: bool):
         self.variants, self.order, self.warmup, self.floor = variants, order, warmup, floor
         self.records: list[dict[str, Any]] = []
+        self.last_replayed = None  # the last scored batch of an MRTPO step (for profiling)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
         method, fused = self.variants[self.order[batch_idx]]
@@ -193,6 +194,7 @@ class Alternate(L.Callback):
         mask = scored.rollout.response_mask
         rec["response_tokens"] = int(mask.sum())
         if scored.replayed is not None:
+            self.last_replayed = scored
             present = int((~scored.rewards.isnan()).sum())
             rec["replayed_pairs"] = int(scored.replayed.sum())
             rec["share"] = rec["replayed_pairs"] / max(present, 1)
@@ -232,7 +234,7 @@ def run_case(
     for r in range(rounds):
         rot = labels[r % len(labels) :] + labels[: r % len(labels)]
         order += rot if r % 2 == 0 else rot[::-1]
-    run_dir = ROOT / "logs" / "bench" / "runs" / f"{size}-B{prompts}G{group}K{rewards}T{new_tokens}"
+    run_dir = bench_dir() / "runs" / f"{size}-B{prompts}G{group}K{rewards}T{new_tokens}"
     overrides = [
         *model_overrides(size),
         "task=synthetic",
@@ -271,7 +273,8 @@ def run_case(
     trainer.callbacks.insert(0, alt)
     trainer.fit(module, datamodule=dm)
     recs = alt.records
-    prof = profile_replay(module) if profile else None
+    # the last step may be GDPO's (the order rotates): profile the last MRTPO step's pairs
+    prof = profile_replay(module, alt.last_replayed) if profile and alt.last_replayed else None
     return {
         "profile": prof,
         "case": {
@@ -292,12 +295,12 @@ def run_case(
     }
 
 
-def profile_replay(module, reps: int = 3, top: int = 10) -> list[dict[str, Any]]:
-    """cProfile of the last step's replay (same pairs), top functions by own time."""
+def profile_replay(module, scored, reps: int = 3, top: int = 10) -> list[dict[str, Any]]:
+    """cProfile of the replay of ``scored`` (an MRTPO step's batch, same pairs), top
+    functions by own time."""
     import cProfile
     import pstats
 
-    scored = module.last
     replayer = getattr(module, "_replayer", module.replayer)
     prof = cProfile.Profile()
     prof.enable()
@@ -371,23 +374,3 @@ def print_case(res: dict[str, Any]) -> None:
             line += f", replay/floor {d['replay_over_floor']:.2f}"
         line += ")"
     print(line, flush=True)
-
-
-if __name__ == "__main__":  # a quick manual check: python scripts/bench_steps.py
-    import sys
-
-    from bench_common import set_threads
-
-    set_threads(1)
-    size = sys.argv[1] if len(sys.argv) > 1 else "tiny"
-    r = run_case(
-        size,
-        prompts=int(sys.argv[2]) if len(sys.argv) > 2 else 4,
-        group=4,
-        rewards=4,
-        new_tokens=32,
-        share=0.15,
-        pairs=int(sys.argv[3]) if len(sys.argv) > 3 else 3,
-    )
-    print_case(r)
-    Path("/tmp/bench_steps.json").write_text(__import__("json").dumps(r, indent=1))

@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 import lightning as L
-from bench_common import ROOT, compose, ensure_model, med, model_overrides, model_path
+
+from mrtpo.bench.common import bench_dir, compose, ensure_model, med, model_overrides, model_path
 
 WAIT_S = 1800.0
 
@@ -141,7 +142,7 @@ def run(
     ensure_model(size)
     n = prompts * group
     total = steps + warmup
-    run_dir = ROOT / "logs" / "bench" / "runs" / f"trl-{size}"
+    run_dir = bench_dir() / "runs" / f"trl-{size}"
     cfg = compose(
         [
             *model_overrides(size),
@@ -330,23 +331,3 @@ def print_result(res: dict[str, Any]) -> None:
         f"x{s['ratio_cpu_paired']:.3f})",
         flush=True,
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    from bench_common import set_threads
-
-    set_threads(1)
-    size = sys.argv[1] if len(sys.argv) > 1 else "tiny"
-    r = run(
-        size,
-        prompts=4,
-        group=4,
-        rewards=4,
-        new_tokens=32,
-        steps=int(sys.argv[2]) if len(sys.argv) > 2 else 3,
-    )
-    print_result(r)
-    print(json.dumps(r["summary"], indent=1))

@@ -1,6 +1,6 @@
 """Section 2: the relevance kernel — Jensen–Shannon distance over the full vocabulary.
 
-Each configuration runs in a fresh process (``--worker``) so that its peak memory is its
+Each configuration runs in a fresh process (``python -m mrtpo.bench.kernel --worker ...``) so that its peak memory is its
 own: on CPU the growth of the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` once the inputs exist; ``ru_maxrss`` elsewhere), on GPU
 ``torch.cuda.max_memory_allocated`` over the same baseline. Inputs are two logit tensors ``[T, V]`` (the P_all and P_\\k rows of one pair).
@@ -23,7 +23,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 IMPLS = ("unchunked", "chunked", "replay", "candidate")
@@ -172,6 +171,13 @@ def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps:
     }
 
 
+def _package_root() -> str:
+    """The folder that holds the ``mrtpo`` package this module was imported from."""
+    import mrtpo
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(mrtpo.__file__)))
+
+
 def _available_bytes(device: str) -> int:
     if device == "cuda":
         import torch
@@ -200,7 +206,6 @@ def run_all(
     unchunked case is also skipped when the measurement at a shorter T predicts it would not
     fit in available memory."""
     skip = skip or set()
-    here = Path(__file__).resolve()
     results: list[dict[str, Any]] = []
     for v in vocab:
         per_pos: dict[str, float] = {}
@@ -226,7 +231,8 @@ def run_all(
                 reps = 1 if quick or t * v > 5e7 else 2
                 cmd = [
                     sys.executable,
-                    str(here),
+                    "-m",
+                    "mrtpo.bench.kernel",
                     "--worker",
                     impl,
                     str(v),
@@ -240,7 +246,14 @@ def run_all(
                 # so the resident set follows live memory (glibc's sliding threshold would
                 # keep some freed 32 MiB buffers on the heap and blur the peaks).
                 env = dict(
-                    os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="1048576"
+                    os.environ,
+                    OMP_NUM_THREADS=str(threads),
+                    MALLOC_MMAP_THRESHOLD_="1048576",
+                    # the worker imports this package the way the parent did (installed, or
+                    # a source tree on PYTHONPATH)
+                    PYTHONPATH=os.pathsep.join(
+                        x for x in (_package_root(), os.environ.get("PYTHONPATH")) if x
+                    ),
                 )
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
                 if proc.returncode != 0:
@@ -259,13 +272,13 @@ def run_all(
     return results
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        impl, v, t, chunk, device, dtype, reps = sys.argv[2:9]
-        import torch
+if __name__ == "__main__":  # the per-configuration worker process of ``run_all``
+    if len(sys.argv) != 9 or sys.argv[1] != "--worker":
+        raise SystemExit(
+            "usage: python -m mrtpo.bench.kernel --worker IMPL V T CHUNK DEVICE DTYPE REPS"
+        )
+    impl, v, t, chunk, device, dtype, reps = sys.argv[2:9]
+    import torch
 
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        print(json.dumps(worker(impl, int(v), int(t), int(chunk), device, dtype, int(reps))))
-    else:
-        for r in run_all([32768], [512], 256, "cpu", "fp32", 1):
-            print(r)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    print(json.dumps(worker(impl, int(v), int(t), int(chunk), device, dtype, int(reps))))

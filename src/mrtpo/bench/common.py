@@ -2,6 +2,13 @@
 
 Every section builds the trainer the way ``src/train.py`` does (the real Hydra configs,
 ``mrtpo.pipeline.build``), so what is timed is the code a user runs, not a re-implementation.
+Hydra is imported only inside the functions that compose a config: the GPU runner
+(``mrtpo.bench.gpu``) uses the model sizes and controlled rewards from here on machines
+without Hydra.
+
+Where things go: results under ``bench_dir()`` (``logs/bench``, or ``$MRTPO_BENCH_DIR``),
+models under ``cache_dir()`` (``.cache``, or ``$MRTPO_CACHE_DIR``); tests point both at a
+temporary folder.
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+#: The source checkout (src/mrtpo/bench/common.py -> <root>).
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG_DIR = ROOT / "configs"
-JSON_DIR = ROOT / "logs" / "bench"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Qwen2 shapes with random weights and the tiny byte-level tokenizer (mrtpo.models).
@@ -63,6 +70,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MRTPO_CACHE_DIR", ROOT / ".cache"))
 
 
+def bench_dir() -> Path:
+    """Where the sections write ``<section>.json`` and their run folders (``runs/``)."""
+    return Path(os.environ.get("MRTPO_BENCH_DIR", ROOT / "logs" / "bench"))
+
+
 def model_path(size: str) -> Path:
     return cache_dir() / "bench" / "models" / size
 
@@ -84,10 +96,7 @@ def ensure_model(size: str) -> Path:
 
 def compose(overrides: Sequence[str], run_dir: Path):
     """The real train config with ``overrides``, writing under ``run_dir``."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
+    from mrtpo.config import compose as compose_config
 
     base = [
         f"paths.output_dir={run_dir}",
@@ -97,13 +106,7 @@ def compose(overrides: Sequence[str], run_dir: Path):
         "callbacks=none",
         "seed=0",
     ]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = hydra_compose(
-            config_name="train.yaml", overrides=base + list(overrides), return_hydra_config=True
-        )
-        HydraConfig.instance().set_config(cfg)
-    return cfg
+    return compose_config("train.yaml", base + list(overrides), config_dir=CONFIG_DIR)
 
 
 def method_from_config(name: str):
@@ -221,13 +224,14 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
-    JSON_DIR.mkdir(parents=True, exist_ok=True)
-    path = JSON_DIR / f"{name}.json"
+    out = bench_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     data = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **data}
     path.write_text(json.dumps(data, indent=2, default=float))
     return path
 
 
 def read_json(name: str) -> dict[str, Any] | None:
-    path = JSON_DIR / f"{name}.json"
+    path = bench_dir() / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,214 @@
+"""The benchmark harness (``mrtpo.bench``) at toy size: every section runs through the same
+functions as ``make bench``, writes JSON of the shape the renderer reads, and the document
+renders from it. Seconds, not minutes: a tiny model, two prompts, a 256-token vocabulary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mrtpo.bench import harness
+from mrtpo.bench.render import render
+from mrtpo.bench.steps import PHASES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# B=2 prompts x K=2 rewards = 4 (prompt, reward) cells; share 0.5 makes exactly 2 vary.
+TOY = {
+    "replay": [dict(size="tiny", prompts=2, group=2, rewards=2, new_tokens=8, share=0.5, pairs=1)],
+    "kernel": dict(
+        vocab=[256],
+        lengths=[8, 16],
+        chunk=8,
+        device="cpu",
+        dtype="fp32",
+        quick=True,
+        skip=[("unchunked", 256, 16), ("candidate", 256, 16)],
+    ),
+    "scaling": dict(
+        size="tiny",
+        base=dict(prompts=2, group=2, rewards=2, new_tokens=8),
+        group=[2],
+        rewards=[1, 2],
+        new_tokens=[8],
+        share=0.5,
+        pairs=1,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bench_env(tmp_path_factory):
+    """Results and models in a temporary folder (never logs/bench or docs/)."""
+    base = tmp_path_factory.mktemp("bench")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MRTPO_BENCH_DIR", str(base / "out"))
+    mp.setenv("MRTPO_CACHE_DIR", str(base / "cache"))
+    yield base / "out"
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def results(bench_env):
+    """Each section run once at toy size, read back from the JSON it wrote."""
+    paths = harness.run_sections(["replay", "kernel", "scaling"], TOY, full=False, threads=1)
+    assert [p.name for p in paths] == ["replay.json", "kernel.json", "scaling.json"]
+    assert all(p.parent == bench_env for p in paths)
+    return {p.stem: json.loads(p.read_text()) for p in paths}
+
+
+def _check_variants(summary: dict, with_floor: bool) -> None:
+    v = summary["variants"]
+    assert {"gdpo", "mrtpo"} <= set(v)
+    for d in v.values():
+        for key in (*PHASES, "other", "train", "step", "cpu_step", "cpu_train"):
+            assert d[key] >= 0 or key == "other", (key, d[key])
+    m = v["mrtpo"]
+    # the controlled rewards fix the replayed share exactly: 2 of 4 cells vary
+    assert m["share"] == pytest.approx(0.5)
+    assert m["replay"] > 0 and v["gdpo"]["replay"] < 0.1 * m["replay"]  # GDPO replays nothing
+    for key in ("ratio_step_paired", "ratio_train_paired", "ratio_step_pooled"):
+        assert 0.1 < m[key] < 20, (key, m[key])
+    if with_floor:
+        assert m["floor"] > 0 and m["replay_tokens"] > 0 and m["replay_over_floor"] > 0
+
+
+def test_replay_section(results):
+    rep = results["replay"]
+    assert rep["mode"] == "quick" and rep["machine"]["device"] == "cpu"
+    (case,) = rep["cases"]
+    c = case["case"]
+    assert (c["model"], c["B"], c["G"], c["K"], c["max_new_tokens"]) == ("tiny", 2, 2, 2, 8)
+    # 3 variants x (1 measured + 1 warm-up round), each variant once per round
+    recs = case["records"]
+    assert len(recs) == 6 and sum(r["warmup"] for r in recs) == 3
+    for rnd in (0, 1):
+        assert sorted(r["variant"] for r in recs if r["round"] == rnd) == [
+            "gdpo",
+            "mrtpo",
+            "mrtpo_fused",
+        ]
+    _check_variants(case["summary"], with_floor=True)
+    assert "mrtpo_fused" in case["summary"]["variants"]
+    # the profile is of an MRTPO step's replay even when GDPO ran last
+    assert case["profile"] and all(0 <= p["share"] <= 1 for p in case["profile"])
+
+
+def test_kernel_section(results):
+    kern = results["kernel"]
+    assert kern["plan"]["skip"] == [["candidate", 256, 16], ["unchunked", 256, 16]]
+    got = {(r["impl"], r["T"]) for r in kern["results"]}
+    assert got == {(i, 8) for i in ("unchunked", "chunked", "replay", "candidate")} | {
+        ("chunked", 16),
+        ("replay", 16),
+    }
+    for r in kern["results"]:
+        assert "error" not in r, r
+        assert r["V"] == 256 and r["positions_per_s"] > 0 and r["peak_extra_bytes"] >= 0
+        # every implementation computes the same distance (candidate is the proposed rewrite)
+        assert r["max_abs_diff_vs_js_distance"] < 1e-5
+        assert 0 < r["mean_q"] < 1
+
+
+def test_scaling_section(results):
+    scal = results["scaling"]
+    assert scal["size"] == "tiny" and set(scal["axes"]) == {"group", "rewards", "new_tokens"}
+    assert [r["value"] for r in scal["axes"]["rewards"]] == [1, 2]
+    for rows in scal["axes"].values():
+        for r in rows:
+            assert "records" not in r  # dropped to keep the JSON small
+            _check_variants(r["summary"], with_floor=False)
+            assert "mrtpo_fused" not in r["summary"]["variants"]
+
+
+# A TRL section record of the shape ``against_trl.run`` returns (TRL is a bench-only extra
+# and is not installed in the test environment; ``test_trl_section`` runs it where it is).
+TRL_CASE = {
+    "case": {"model": "tiny", "B": 2, "G": 2, "K": 2, "max_new_tokens": 8, "steps": 2, "warmup": 1},
+    "summary": {
+        "trl": 0.2,
+        "ours": 0.25,
+        "ours_without_old_logp": 0.22,
+        "ratio": 1.25,
+        "ratio_paired": 1.2,
+        "ratio_without_old_logp_paired": 1.1,
+        "trl_generate": 0.1,
+        "trl_cpu": 0.2,
+        "ours_cpu": 0.24,
+        "ratio_cpu_paired": 1.2,
+        "ours_phases": {
+            "rollout": 0.1,
+            "reward": 0.01,
+            "old_logp": 0.02,
+            "update": 0.1,
+            "step": 0.24,
+            "log_step": 0.01,
+        },
+        "trl_mean_completion_len": 8.0,
+        "ours_mean_completion_len": 8.0,
+    },
+}
+
+
+def test_render_every_section(results):
+    trl = {**results["kernel"], "cases": [TRL_CASE]}  # the machine block of a real section
+    trl.pop("plan"), trl.pop("results")
+    doc = render({**results, "trl": trl})
+    for heading in (
+        "## How these numbers were taken",
+        "## Targets (measured in the same run)",
+        "## 1. Replay overhead",
+        "## 2. Relevance kernel",
+        "## 3. Against TRL's GRPOTrainer",
+        "## 4. Scaling",
+        "## Where the time goes",
+    ):
+        assert heading in doc, heading
+    assert "Replayed share of response–reward pairs: **50.0%**" in doc
+    assert "candidate at V=256, T=16" in doc  # the skipped configurations are named
+    assert "nan" not in doc.lower().replace("nano", "")
+    # sections that have no JSON are left out, not rendered empty
+    partial = render({"replay": None, "kernel": results["kernel"], "trl": None, "scaling": None})
+    assert "## 2. Relevance kernel" in partial and "## 1. Replay" not in partial
+    assert "No results yet" in render({})
+
+
+def test_main_renders_from_json_without_running(results, bench_env, tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    assert harness.main("replay,kernel", render_only=True, doc=doc) == 0
+    text = doc.read_text()
+    assert "## 1. Replay overhead" in text and "## 4. Scaling" in text  # read from bench_env
+    with pytest.raises(ValueError, match="unknown section"):
+        harness.parse_sections("replay,nope")
+
+
+def test_script_is_thin_and_checks_flags():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    script = str(ROOT / "scripts" / "bench.py")
+    out = subprocess.run(
+        [sys.executable, script, "--plan", "--only", "kernel"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert out.stdout.startswith("kernel {'vocab': [32768, 152064]")
+    bad = subprocess.run(
+        [sys.executable, script, "--only", "nope"], capture_output=True, text=True, env=env
+    )
+    assert bad.returncode == 2 and "unknown section(s) ['nope']" in bad.stderr
+
+
+@pytest.mark.slow
+def test_trl_section(bench_env):
+    pytest.importorskip("trl")
+    plan = {"trl": [dict(size="tiny", prompts=2, group=2, rewards=2, new_tokens=8, steps=2)]}
+    (path,) = harness.run_sections(["trl"], plan, full=False, threads=1)
+    (case,) = json.loads(path.read_text())["cases"]
+    assert set(TRL_CASE["summary"]) <= set(case["summary"])
+    assert len(case["trl_times"]) == len(case["ours_times"]) == 3
