@@ -261,6 +261,44 @@ def build_tiny_model(path: str | Path, config: TinyModelConfig | None = None) ->
     return path
 
 
+def _holds_model(path: Path) -> bool:
+    return (path / "config.json").is_file() or any(path.glob("*.safetensors"))
+
+
+def may_build_tiny(name_or_path: str | Path, build_root: str | Path | None) -> bool:
+    """Whether the tiny model may be (re)built into ``name_or_path``.
+
+    The tiny model is written only into the project's own cache (``build_root``, the
+    ``model.tiny.build_root`` key, by default under ``paths.cache_dir``), and never over a
+    model that the project did not build itself (a folder with weights but no
+    ``mrtpo_tiny.json`` stamp). Any other path is read as a model like any other: a user who
+    keeps ``model=tiny`` and sets ``model.name_or_path=/my/model`` loads their model, and
+    their folder stays byte for byte as it was.
+    """
+    path = Path(name_or_path)
+    ours = (path / "mrtpo_tiny.json").is_file()
+    if path.exists() and not ours and _holds_model(path):
+        log.info("model.tiny is ignored: %s already holds a model, which is loaded as it is", path)
+        return False
+    if build_root is not None:
+        root = Path(build_root).resolve()
+        inside = path.resolve() == root or root in path.resolve().parents
+        if not inside:
+            if path.exists() and _holds_model(path):
+                return False
+            raise FileNotFoundError(
+                f"model.name_or_path={name_or_path} holds no model, and the tiny model is only "
+                f"ever built under {root} (model.tiny.build_root, from paths.cache_dir). Point "
+                "model.name_or_path at a folder with config.json and weights, or leave it at "
+                "its default to build the tiny model."
+            )
+    elif path.exists() and not ours and any(path.iterdir()):
+        raise FileExistsError(
+            f"{path} is not empty and was not built as the tiny model; refusing to write into it"
+        )
+    return True
+
+
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -284,11 +322,19 @@ def load_policy(
     tiny: dict[str, Any] | None = None,
     attn_implementation: str | None = None,
 ):
-    """Load (model, tokenizer) by hub id or local path; ``tiny`` builds the tiny model first."""
+    """Load (model, tokenizer) by hub id or local path.
+
+    ``tiny`` (the ``model.tiny`` block) builds the tiny model into ``name_or_path`` first, but
+    only where that cannot destroy anything: see ``may_build_tiny``. A folder the user points
+    at is only ever read.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if tiny is not None:
-        build_tiny_model(name_or_path, TinyModelConfig(**tiny))
+        tiny = dict(tiny)
+        root = tiny.pop("build_root", None)
+        if may_build_tiny(name_or_path, root):
+            build_tiny_model(name_or_path, TinyModelConfig(**tiny))
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
