@@ -6,6 +6,8 @@ python src/eval.py task=text2sql eval.split=spider_dev eval.responses=preds.json
 import hydra
 from omegaconf import DictConfig
 
+import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
+
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
 def main(cfg: DictConfig) -> None:

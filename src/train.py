@@ -7,6 +7,8 @@ python src/train.py -m method=gdpo,mrtpo method.beta=0.25,0.5,0.75 seed=1,2,3
 import hydra
 from omegaconf import DictConfig
 
+import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
+
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> float | None:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
+
 # Tests never reach the network: any hub access must fail at once, not wait for a timeout.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -40,15 +42,9 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def compose_config(name: str, overrides: list[str]):
     """The real Hydra config, composed as the entry points compose it."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
+    from mrtpo.config import compose
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-    return cfg
+    return compose(name, overrides, config_dir=CONFIG_DIR)
 
 
 @pytest.fixture

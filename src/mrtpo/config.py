@@ -44,15 +44,37 @@ def unique_dir(base: str) -> str:
     return str(candidate)
 
 
-def hydra_subdir(resume, stamp: str) -> str:
-    """Where Hydra saves this invocation's config: ``.hydra`` for a new run; for a resume a
-    folder of its own (``.hydra/resumes/<time>``), so the original run's ``overrides.yaml``
-    is never overwritten by the resuming command line."""
-    return ".hydra" if not resume else f".hydra/resumes/{stamp}-{os.getpid()}"
+def run_dir(resume, base: str) -> str:
+    """``hydra.run.dir``: the resumed run's own folder, or a new, unique one."""
+    return str(resume) if resume else unique_dir(base)
+
+
+def hydra_subdir(resume) -> str | None:
+    """``hydra.output_subdir``: ``.hydra`` for a new run; None (nothing written) for a resume.
+
+    A resume must not change its run folder before it has been validated, and Hydra would
+    otherwise overwrite the original ``overrides.yaml`` with the resuming command line.
+    ``mrtpo.run_folder.record_resume`` saves the resume's config once it is accepted.
+    """
+    return None if resume else ".hydra"
+
+
+def job_log(resume, output_dir: str, job_name: str) -> str:
+    """Hydra's job log file: in the run folder, except for a resume not yet validated (then a
+    file beside the runs, see ``record_resume``)."""
+    if not resume:
+        return str(Path(output_dir) / f"{job_name}.log")
+    folder = Path(str(resume)).resolve()
+    return str(folder.parent / f".{folder.name}.resume-{os.getpid()}.log")
 
 
 def register_resolvers() -> None:
-    for name, fn in (("mrtpo.unique_dir", unique_dir), ("mrtpo.hydra_subdir", hydra_subdir)):
+    for name, fn in (
+        ("mrtpo.unique_dir", unique_dir),
+        ("mrtpo.run_dir", run_dir),
+        ("mrtpo.hydra_subdir", hydra_subdir),
+        ("mrtpo.job_log", job_log),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

@@ -701,7 +701,7 @@ class PolicyModule(L.LightningModule):
             self.log_dict(metrics, sync_dist=pg is not None)
 
     # ---- checkpoints -------------------------------------------------------------------
-    def _identity(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         return {
             "task": self.task.name,
             "method": getattr(self.method, "config_name", "") or type(self.method).__name__,
@@ -715,12 +715,12 @@ class PolicyModule(L.LightningModule):
             "score_failure_streak": self.score_failure_streak,
             "faults": dict(self.faults),
             "replay_token_budget": int(self.replayer.token_budget),
-            **self._identity(),
+            **self.identity(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("mrtpo", {})
-        mine = self._identity()
+        mine = self.identity()
         for key in ("task", "method", "reward_names"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(

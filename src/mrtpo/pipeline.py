@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.run_folder import (
+    read_checkpoint,
+    record_invocation,
+    record_resume,
+    resume_checkpoint,
+    validate_resume,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,71 +108,22 @@ def metrics_csv(trainer) -> Path | None:
     return None
 
 
-def resume_checkpoint(cfg: DictConfig) -> str | None:
-    """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of the ``resume`` run.
-
-    ``+resume=<run folder>`` continues a run in its own folder (configs/hydra/default.yaml
-    points ``hydra.run.dir`` at it), from its latest checkpoint, appending to its metrics.
-    """
-    ckpt = cfg.get("ckpt_path")
-    resume = cfg.get("resume")
-    if not resume:
-        return ckpt
-    run = Path(str(resume))
-    if run.is_file():
-        raise ValueError(
-            f"resume={resume} is a file; resume takes a run folder (logs/train/runs/<run>). "
-            "To start a new run from a checkpoint file use ckpt_path= instead"
-        )
-    if not run.is_dir():
-        raise FileNotFoundError(f"resume={resume}: no such run folder")
-    if ckpt:
-        return ckpt
-    dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
-    candidates = [Path(str(dirpath)) / "last.ckpt"] if dirpath else []
-    candidates.append(run / "checkpoints" / "last.ckpt")
-    for c in candidates:
-        if c.is_file():
-            return str(c)
-    raise FileNotFoundError(
-        f"resume={resume}: no last.ckpt under {run / 'checkpoints'} (the run stopped before its "
-        "first checkpoint?); start it again, or pass ckpt_path= to a checkpoint"
-    )
-
-
-def record_invocation(cfg: DictConfig) -> None:
-    """Append this invocation's overrides to ``.hydra/history.yaml`` of the run folder.
-
-    Hydra rewrites ``.hydra/overrides.yaml`` each time a run folder is used, so after a
-    resume the history keeps the original command line too. Only the launching process
-    writes (DDP workers run with ``hydra.output_subdir=null``).
-    """
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-    except Exception:
-        return
-    if not hc.output_subdir or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    folder = Path(hc.runtime.output_dir) / str(hc.output_subdir)
-    if not folder.is_dir():
-        return
-    entry = {
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "overrides": list(hc.overrides.task),
-    }
-    with open(folder / "history.yaml", "a", encoding="utf-8") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
-
-
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run training; return the last logged metrics."""
     if cfg.get("print_config"):
         print_config(cfg)
     ckpt_path = resume_checkpoint(cfg)
-    record_invocation(cfg)
+    # Read the checkpoint before anything is built: a damaged file fails here, naming it.
+    ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     trainer, module, datamodule = build(cfg)
+    if ckpt is not None:
+        # Nothing in the run folder has changed yet: a refused resume leaves it as it was.
+        validate_resume(ckpt, module, ckpt_path)
+        del ckpt
+    if cfg.get("resume"):
+        record_resume(cfg, cfg.resume)
+    else:
+        record_invocation(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     path = metrics_csv(trainer)

@@ -40,15 +40,32 @@ class ResumeMetrics(L.Callback):
 
     def __init__(self, loggers: list | None = None, resuming: bool = False) -> None:
         self._old: dict[int, tuple[list[str], list[dict[str, str]]]] = {}
+        self._raw: dict[int, bytes] = {}  # the files as they were, restored byte for byte
         self.kept = self.dropped = 0
         if not resuming:
             return
         for i, lg in enumerate(lg for lg in loggers or [] if type(lg).__name__ == "CSVLogger"):
             path = Path(lg.log_dir) / "metrics.csv"
             if path.is_file():
+                self._raw[i] = path.read_bytes()
                 with open(path, newline="") as f:
                     reader = csv.DictReader(f)
                     self._old[i] = (list(reader.fieldnames or []), list(reader))
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A resume that fails before training starts (the checkpoint cannot be restored, the
+        model does not match) must not cost the folder its metrics: Lightning's CSV logger has
+        already removed ``metrics.csv`` when its writer was created, so write it back."""
+        if not self._old or not trainer.is_global_zero:
+            return
+        for i, lg in enumerate(_csv_loggers(trainer)):
+            if i not in self._old:
+                continue
+            self._old.pop(i)
+            path = Path(lg.log_dir) / "metrics.csv"
+            path.write_bytes(self._raw[i])
+            rows = self._raw[i].count(b"\n") - 1
+            log.warning("resume failed before training: %s restored (%d rows)", path, rows)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not self._old or trainer.ckpt_path is None or not trainer.is_global_zero:
