@@ -1,0 +1,435 @@
+"""Checkpoints that cannot silently lose or corrupt a run.
+
+Lightning's default writer serializes the whole checkpoint into memory and hands it to
+fsspec, whose temporary file lives wherever the system puts temporary files; on another
+filesystem the final "move" is a copy, and a full disk leaves a partial file behind. Its
+reader passes torch's errors through unchanged (a miniz error, a bare ``EOFError``, a
+``weights_only`` hint), and nothing notices a file whose bytes changed on disk.
+
+``SafeCheckpointIO`` (wired in ``configs/trainer/default.yaml``) replaces both:
+
+* **Atomic writes.** The checkpoint is streamed into a temporary file *in the target
+  folder*, fsynced, then renamed over the target; the folder is fsynced after the rename.
+  A write that fails half-way (disk full, read-only folder, a crash) removes its
+  temporary file and leaves the previous file of that name untouched.
+* **A checksum.** The SHA-256 of the bytes written (computed while writing) and their
+  count go to a sidecar ``<name>.ckpt.sha256`` in ``sha256sum`` format, so
+  ``sha256sum -c last.ckpt.sha256`` checks it by hand too. Loading verifies it; a missing
+  sidecar (a checkpoint written by another tool) loads unverified with a warning.
+* **Finite state only.** A checkpoint whose parameters or optimizer state hold NaN or
+  infinity is never written, and one that does is refused at load.
+* **Clear errors.** An empty, truncated, altered or unreadable file fails with
+  ``CheckpointError`` naming the file and the other checkpoints of its folder that can be
+  used instead.
+
+``assert_finite_state(model, optimizer)`` is the same finiteness check for live training
+state, meant to run after every optimizer update.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+log = logging.getLogger(__name__)
+
+CHECKSUM_SUFFIX = ".sha256"
+_CHUNK = 1 << 24  # 16 MiB per read when hashing
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be used (empty, truncated, altered, non-finite)."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """Training state (parameters or optimizer state) holds NaN or infinity."""
+
+
+# ---- finiteness ---------------------------------------------------------------------------
+
+
+def _named_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _named_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _named_tensors(v, f"{prefix}[{i}]")
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first floating-point tensor holding NaN or ±inf, with its counts; or None.
+
+    One device synchronization for the whole set (the per-tensor flags are stacked first),
+    so this is cheap enough to run after every update.
+    """
+    items = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
+    if not items:
+        return None
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in items:
+        flags.setdefault(t.device, []).append(torch.isfinite(t.detach()).all())
+    if all(bool(torch.stack(f).all()) for f in flags.values()):
+        return None
+    for name, t in items:
+        t = t.detach()
+        if not bool(torch.isfinite(t).all()):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            return f"{name} ({nan} NaN, {inf} inf of {t.numel()} values)"
+    return None  # pragma: no cover - the stacked check and the loop agree
+
+
+def checkpoint_nonfinite(checkpoint: dict[str, Any]) -> str | None:
+    """The first non-finite tensor of a checkpoint's weights or optimizer state, or None."""
+    named = list(_named_tensors(checkpoint.get("state_dict", {}), "state_dict"))
+    named += _named_tensors(checkpoint.get("optimizer_states", []), "optimizer_states")
+    return first_nonfinite(named)
+
+
+def assert_finite_state(model: torch.nn.Module, optimizer: Any = None) -> None:
+    """Raise ``NonFiniteStateError`` naming the first parameter or optimizer-state tensor
+    (e.g. ``exp_avg_sq of policy.model.layers.0.mlp.up_proj.weight``) that is not finite.
+
+    ``optimizer`` may be a torch optimizer or Lightning's wrapper around one.
+    """
+    params = list(model.named_parameters())
+    named: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in params]
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    if opt is not None:
+        names = {id(p): n for n, p in params}
+        for p, state in opt.state.items():
+            pname = names.get(id(p), f"<parameter {tuple(p.shape)} not in the model>")
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    named.append((f"optimizer state {key} of {pname}", value))
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise NonFiniteStateError(
+            f"non-finite training state: {bad}. The update that produced it is not saved; "
+            "lower optim.lr or rl.max_grad_norm, and resume from the last checkpoint"
+        )
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A write-only stream that hashes and counts what passes through it to ``raw``."""
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        n = self.raw.write(data)
+        self.size += len(memoryview(data))
+        return n
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def checksum_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some filesystems do not open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _write_temp(folder: Path, name: str, fill) -> tuple[Path, Any]:
+    """Create a temporary file in ``folder``, let ``fill(stream)`` write it, fsync it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, _umask_mode())  # mkstemp's 0600 would hide checkpoints from a group
+        with os.fdopen(fd, "wb") as raw:
+            result = fill(raw)
+            raw.flush()
+            os.fsync(raw.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp), result
+
+
+def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """Write ``checkpoint`` to ``path`` and its checksum sidecar, all or nothing.
+
+    Raises ``NonFiniteStateError`` (nothing written) when a weight or optimizer tensor is
+    not finite, and ``OSError`` naming ``path`` when the disk refuses the write.
+    """
+    path = Path(path)
+    folder = path.parent
+    bad = checkpoint_nonfinite(checkpoint)
+    if bad is not None:
+        raise NonFiniteStateError(
+            f"refusing to write checkpoint {path}: {bad} is not finite. The checkpoints "
+            f"already in {folder} are kept as they were"
+        )
+    tmp = side_tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+
+        def dump(raw):
+            w = _HashingWriter(raw)
+            torch.save(checkpoint, w)
+            return w
+
+        tmp, w = _write_temp(folder, path.name, dump)
+        line = f"{w.sha.hexdigest()}  {path.name}\n# bytes {w.size}\n".encode()
+        side = checksum_path(path)
+        side_tmp, _ = _write_temp(folder, side.name, lambda raw: raw.write(line))
+        # Old sidecar first: a crash between the two renames leaves a checkpoint without a
+        # checksum (loaded unverified), never one with a wrong checksum.
+        side.unlink(missing_ok=True)
+        os.replace(tmp, path)
+        tmp = None
+        os.replace(side_tmp, side)
+        side_tmp = None
+        _fsync_dir(folder)
+    except Exception as exc:
+        # torch's zip writer turns a failed write into its own RuntimeError on the way out;
+        # report the disk's error (ENOSPC, EACCES, EROFS...) that started it.
+        cause, seen = exc, set()
+        while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        what = (cause.strerror or str(cause)) if isinstance(cause, OSError) else f"{exc!r}"
+        msg = (
+            f"could not write checkpoint {path} ({what}); nothing was written and the "
+            f"checkpoints already in {folder} are unchanged"
+        )
+        if isinstance(cause, OSError):
+            raise type(cause)(cause.errno, msg) from exc
+        raise RuntimeError(msg) from exc
+    finally:
+        for t in (tmp, side_tmp):
+            if t is not None:
+                Path(t).unlink(missing_ok=True)
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+
+def read_checksum(path: str | Path) -> tuple[str, int | None] | None:
+    """(sha256 hex, byte count or None) recorded for ``path``, or None without a sidecar."""
+    side = checksum_path(path)
+    if not side.is_file():
+        return None
+    digest, size = "", None
+    for line in side.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("# bytes "):
+            try:
+                size = int(line.split()[-1])
+            except ValueError:
+                size = None
+        elif line.strip() and not digest:
+            digest = line.split()[0].lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise CheckpointError(damaged_message(path, f"has an unreadable checksum file {side.name}"))
+    return digest, size
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _step_of(p: Path) -> int:
+    m = re.search(r"(\d+)", p.stem)
+    return int(m.group(1)) if m else -1
+
+
+def alternatives(path: str | Path) -> list[Path]:
+    """Other checkpoints in ``path``'s folder that look usable, newest first.
+
+    "Look usable" is cheap on purpose (these files may be 100 GB): not empty, and the size
+    their sidecar recorded. ``load_checkpoint`` verifies the one the user picks.
+    """
+    path = Path(path)
+    out = []
+    try:
+        files = [p for p in path.parent.glob("*.ckpt") if p.is_file() and p.name != path.name]
+    except OSError:
+        return []
+    for p in files:
+        try:
+            size = p.stat().st_size
+            rec = read_checksum(p)
+        except (OSError, CheckpointError):
+            continue
+        if size == 0 or (rec is not None and rec[1] is not None and rec[1] != size):
+            continue
+        out.append(p)
+    return sorted(out, key=lambda p: (p.stat().st_mtime, _step_of(p)), reverse=True)
+
+
+def damaged_message(path: str | Path, what: str) -> str:
+    path = Path(path)
+    alt = alternatives(path)
+    if alt:
+        names = ", ".join(p.name for p in alt[:5])
+        hint = (
+            f"Other checkpoints in {path.parent} (newest first): {names}. Resume from one "
+            f"with ckpt_path={alt[0]}"
+        )
+    else:
+        hint = f"There is no other checkpoint in {path.parent}; the run has to start again"
+    return f"checkpoint {path} {what}. {hint}"
+
+
+def _check_zip(path: Path) -> None:
+    """Without a recorded checksum, the CRC-32 that torch's zip format stores for each
+    record is the next best check (it catches bytes changed inside a tensor too)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            damaged_message(
+                path,
+                "is not a complete checkpoint: its zip structure cannot be read "
+                f"({type(exc).__name__}), as when a file is truncated or overwritten",
+            )
+        ) from exc
+    if bad is not None:
+        raise CheckpointError(
+            damaged_message(path, f"is damaged: its record {bad!r} fails its CRC-32 check")
+        )
+
+
+def verify_file(path: str | Path) -> str:
+    """Check that ``path`` holds the bytes that were written; return how it was checked
+    (``"sha256"``, or ``"crc32"`` for a checkpoint without a sidecar).
+
+    Raises ``FileNotFoundError`` or ``CheckpointError``; reads the file once and builds no
+    tensors, so it is the cheap test before anything in a run folder changes.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(damaged_message(path, "is empty (0 bytes)"))
+    rec = read_checksum(path)
+    if rec is None:
+        log.warning(
+            "checkpoint %s has no %s file (not written by this project?): checked by the "
+            "CRC-32s of its zip records only",
+            path,
+            CHECKSUM_SUFFIX,
+        )
+        _check_zip(path)
+        return "crc32"
+    digest, want = rec
+    if want is not None and size != want:
+        what = "truncated" if size < want else "longer than it was written"
+        raise CheckpointError(
+            damaged_message(path, f"is {what}: {size} bytes, {want} were written")
+        )
+    got = sha256_file(path)
+    if got != digest:
+        raise CheckpointError(
+            damaged_message(
+                path,
+                f"was changed or damaged after it was written: its SHA-256 is {got[:16]}..., "
+                f"{checksum_path(path).name} recorded {digest[:16]}...",
+            )
+        )
+    return "sha256"
+
+
+def load_checkpoint(
+    path: str | Path,
+    map_location: Any = "cpu",
+    weights_only: bool | None = None,
+    mmap: bool = False,
+) -> dict[str, Any]:
+    """Verify and load a checkpoint; refuse one with non-finite weights or optimizer state."""
+    path = Path(path)
+    how = verify_file(path)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except Exception as exc:
+        # The bytes are the ones written, so torch's own reason is the real one here
+        # (e.g. an object that weights_only=True does not allow).
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"checkpoint {path} is intact (its {how} check passes) but torch could not "
+            f"load it: {type(exc).__name__}: {reason}"
+        ) from exc
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(
+            damaged_message(path, f"holds a {type(ckpt).__name__}, not a checkpoint dict")
+        )
+    bad = checkpoint_nonfinite(ckpt)
+    if bad is not None:
+        raise CheckpointError(damaged_message(path, f"holds non-finite values: {bad}"))
+    return ckpt
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Everything ``load_checkpoint`` checks, with tensors memory-mapped rather than read
+    into memory; for validating a resume before anything in the run folder changes."""
+    load_checkpoint(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _is_local(path: Any) -> bool:
+    s = str(path)
+    return "://" not in s or s.startswith("file://")
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning ``CheckpointIO``: atomic, checksummed, finite-only checkpoints (see above).
+
+    Remote paths (``s3://...``) fall back to Lightning's own writer and reader.
+    """
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if storage_options is not None or not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_save(checkpoint, str(path).removeprefix("file://"))
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None):
+        if not _is_local(path):
+            return super().load_checkpoint(path, map_location, weights_only)
+        return load_checkpoint(str(path).removeprefix("file://"), map_location, weights_only)
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        if _is_local(path):
+            checksum_path(str(path).removeprefix("file://")).unlink(missing_ok=True)
