@@ -151,7 +151,6 @@ def test_reference_strings_are_coerced_to_declared_types() -> None:
     ]
     typed = {"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius", "days": 3}}
     assert correctness(gold, answer(typed)) == 3.0
-    assert correctness(gold, answer(gold[0])) == 3.0  # the quoted form means the same
     gold_bool = [{"name": "get_time", "parameters": {"city": "Oslo", "utc": "true"}}]
     assert (
         correctness(
@@ -162,6 +161,56 @@ def test_reference_strings_are_coerced_to_declared_types() -> None:
     # a string parameter is never coerced: "3" and 3 differ there
     gold_str = [{"name": "get_time", "parameters": {"city": "3"}}]
     assert correctness(gold_str, answer({"name": "get_time", "parameters": {"city": 3}})) < 3.0
+
+
+# ---- ToolRL's own scoring (verl/utils/reward_score/rlla.py), worked out by hand --------------
+# ToolRL parses both sides with json.loads and compares with Python ==, converting nothing.
+# The paper converts the reference's numeric and boolean strings to the schema's types; the
+# model's values are compared as written. For one reference call with 3 arguments
+# S_max = 1 (names) + 1 (parameter names) + 3 (values) = 5, reward = 6 * S / 5 - 3.
+GOLD_DAYS = [
+    {"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius", "days": "3"}}
+]
+
+
+def _weather(days: object) -> dict:
+    return {"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius", "days": days}}
+
+
+@pytest.mark.parametrize(
+    ("days", "expected"),
+    [
+        # the reference's "3" becomes 3 (schema: int); 3 == 3: gt_tools == pd_tools -> max
+        pytest.param(3, 3.0, id="typed-int"),
+        # JSON 3.0 is a float; Python's 3 == 3.0 holds, so ToolRL's exact-match test passes
+        pytest.param(3.0, 3.0, id="float-equal-to-int"),
+        # the model's "3" stays a string: "3" != 3. S = names 1 + keys 1 + values 2 = 4
+        pytest.param("3", 6 * 4 / 5 - 3, id="stringified-int"),
+        # "3.0" is not converted either (the model's values are kept as written)
+        pytest.param("3.0", 6 * 4 / 5 - 3, id="N.0-string"),
+        pytest.param(" 3", 6 * 4 / 5 - 3, id="padded-string"),
+    ],
+)
+def test_model_values_are_compared_as_written(days: object, expected: float) -> None:
+    assert correctness(GOLD_DAYS, answer(_weather(days))) == pytest.approx(expected)
+
+
+def test_model_booleans_are_compared_as_written() -> None:
+    gold = [{"name": "get_time", "parameters": {"city": "Oslo", "utc": "false"}}]
+    # S_max = 1 + 1 + 2 = 4
+    as_bool = {"name": "get_time", "parameters": {"city": "Oslo", "utc": False}}
+    as_text = {"name": "get_time", "parameters": {"city": "Oslo", "utc": "false"}}
+    as_zero = {"name": "get_time", "parameters": {"city": "Oslo", "utc": 0}}
+    assert correctness(gold, answer(as_bool)) == 3.0
+    assert correctness(gold, answer(as_text)) == pytest.approx(6 * 3 / 4 - 3)  # names 1 + 1 + 1
+    assert correctness(gold, answer(as_zero)) == 3.0  # Python: 0 == False, as in ToolRL
+
+
+def test_the_block_shows_the_converted_reference() -> None:
+    ex = _example(answer(GOLD_DAYS[0]))
+    score = ToolCallTask().score(ex, answer(_weather("3")))
+    assert '"days": 3}' in score.blocks["correctness"]
+    assert score.rewards["correctness"] == pytest.approx(6 * 4 / 5 - 3)
 
 
 @pytest.mark.parametrize(
@@ -205,8 +254,20 @@ def test_match_score_is_multiset_overlap() -> None:
         ("<think> x </think>\n<response> hi </response>", ("tool_call",), 0.0),
         # missing think
         ('<tool_call>\n{"name": "a", "parameters": {}}\n</tool_call>', ("tool_call",), 0.0),
-        # a second think pair
-        ("<think> a </think>\n<think> b </think>\n<response> hi </response>", ("response",), 0.0),
+        # a second think pair: ToolRL's lazy ".*?" spans it and only answer tags are counted
+        ("<think> a </think>\n<think> b </think>\n<response> hi </response>", ("response",), 1.0),
+        (
+            "<think> a </think>\n<think> b </think>\n"
+            + answer(PARIS).removeprefix("<think> reasoning </think>\n"),
+            ("tool_call",),
+            1.0,
+        ),
+        # think-only layout: ^<think>.*?</think>$ with no counts at all
+        ("<think> a </think>\n<response> r </response>\n<think> b </think>", (), 1.0),
+        # a <response> inside the reasoning is not counted when the layout has no response
+        (answer(PARIS, think="no <response> yet"), ("tool_call",), 1.0),
+        # but the text must start with <think>
+        ("x <think> a </think>\n<response> hi </response>", ("response",), 0.0),
         # the tag mentioned inside the reasoning counts as a second tag
         (answer(PARIS, think="I will use <tool_call> now"), ("tool_call",), 0.0),
         # text after the last tag

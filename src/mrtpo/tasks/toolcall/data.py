@@ -23,6 +23,8 @@ from typing import Any
 from mrtpo.tasks.base import Example
 from mrtpo.tasks.toolcall.parsing import (
     ParseError,
+    answer_part,
+    coerce_calls,
     parse_tools,
     reference_calls,
     reference_tags,
@@ -32,8 +34,44 @@ from mrtpo.tasks.toolcall.parsing import (
 log = logging.getLogger(__name__)
 
 
+def _jsonl_rows(p: Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a bad line fails naming ``file:line`` and the problem."""
+    rows = []
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{p}:{lineno}: not valid UTF-8 (byte {exc.start + 1} of the line); RLLA "
+                    "files are UTF-8 JSON lines (task.data_files.<split>)"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{p}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); each "
+                    "line of an RLLA .jsonl file must be one JSON object"
+                ) from None
+            except (ValueError, RecursionError) as exc:  # e.g. an integer too long to convert
+                raise ValueError(f"{p}:{lineno}: cannot be decoded ({exc})") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{p}:{lineno}: a JSON {type(row).__name__}, not an object; each line of an "
+                    "RLLA .jsonl file must be one row object"
+                )
+            rows.append(row)
+    return rows
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``.json`` (a list, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file."""
+    """Rows of a ``.json`` (a list, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file.
+
+    Malformed files fail with a ``ValueError`` that names the file and, where known, the
+    line of the problem.
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(
@@ -45,14 +83,23 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
         return pq.read_table(p).to_pylist()
     if suffix == ".jsonl":
-        with open(p, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return _jsonl_rows(p)
     if suffix == ".json":
-        data = json.loads(p.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{p}: not valid UTF-8 (byte offset {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{p}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
             raise ValueError(f"{p}: expected a JSON list of rows")
+        bad = next((i for i, row in enumerate(data) if not isinstance(row, dict)), None)
+        if bad is not None:
+            raise ValueError(f"{p}: row {bad} is a JSON {type(data[bad]).__name__}, not an object")
         return data
     raise ValueError(f"{p}: unsupported data file type {suffix!r} (use .json, .jsonl, .parquet)")
 
@@ -78,12 +125,47 @@ def _messages_and_reference(row: dict[str, Any]) -> tuple[list[dict[str, str]], 
     )
 
 
+def typed_reference(reference: str, calls: list[dict[str, Any]] | None, tools: dict) -> str:
+    """``reference`` with each call whose quoted numbers or booleans the schema types rewritten
+    as the typed JSON the correctness reward compares with (other lines kept verbatim).
+
+    The reward converts the reference's values and keeps the model's as written, so the
+    published text (``"page": "1"`` for an int) would not score full marks against itself;
+    this text does, and an SFT warm start on it teaches the form the reward wants.
+    """
+    if not calls:
+        return reference
+    typed = coerce_calls(calls, tools)
+    # coerce_value returns the very same object for a value it leaves alone
+    changed = [
+        any(t["parameters"][k] is not v for k, v in c["parameters"].items())
+        for c, t in zip(calls, typed, strict=True)
+    ]
+    if not any(changed):
+        return reference
+    tail = answer_part(reference)
+    head = reference[: len(reference) - len(tail)]
+    start = tail.rfind("<tool_call>") + len("<tool_call>")
+    end = tail.find("</tool_call>", start)
+    block = tail[start:end]
+    core = block.strip()
+    lead = block[: len(block) - len(block.lstrip())]
+    trail = block[len(block.rstrip()) :]
+    lines = core.split("\n")
+    new = [
+        json.dumps(t, ensure_ascii=False) if ch else line
+        for line, t, ch in zip(lines, typed, changed, strict=True)
+    ]
+    return head + tail[:start] + lead + "\n".join(new) + trail + tail[end:]
+
+
 def example_from_row(row: dict[str, Any], example_id: str) -> Example:
     """One RLLA row (either layout) as an ``Example``; raises ``ParseError`` if unusable."""
     messages, reference = _messages_and_reference(row)
     system = next((m["content"] for m in messages if m["role"] == "system"), "")
     tools = tools_by_name(parse_tools(system))
     calls = reference_calls(reference)
+    reference = typed_reference(reference, calls, tools)
     data = {
         "source": "rlla",
         "tools": tools,

@@ -199,7 +199,10 @@ _INT_TYPES = {"int", "integer", "long", "short", "byte"}
 _FLOAT_TYPES = {"float", "number", "double"}
 _BOOL_TYPES = {"bool", "boolean"}
 _INT_RE = re.compile(r"[+-]?\d+")
-_FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+# Digits after the dot are matched only behind a literal dot, so a run of digits has one
+# way to match: linear time even on a long digit run that ends in a non-digit (the former
+# ``\d+\.?\d*`` could split such a run between its two repeats in quadratically many ways).
+_FLOAT_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 def _base_type(schema: Any) -> str | None:
@@ -213,8 +216,9 @@ def coerce_value(value: Any, schema: Any) -> Any:
     """``value`` converted to the schema's declared scalar type when it is a string spelling
     of that type ("3" for an int, "2.5" for a float, "true" for a bool); otherwise unchanged.
 
-    References in RLLA often quote numbers ("page": "1" for an ``int`` parameter); comparing
-    by meaning keeps a correctly typed answer from being marked wrong.
+    Applied to reference values only (the paper's rule): RLLA references often quote numbers
+    ("page": "1" for an ``int`` parameter), and a model that writes the typed value should
+    not be marked wrong for it. Model output is compared as written, as ToolRL does.
     """
     if not isinstance(value, str):
         return value
@@ -234,12 +238,13 @@ def coerce_value(value: Any, schema: Any) -> Any:
 
 
 def coerce_calls(calls: list[Any], tools: dict[str, dict[str, Any]]) -> list[Any]:
-    """Copies of ``calls`` with each argument of a known tool coerced to its declared type.
+    """Copies of reference ``calls`` with each argument of a known tool coerced to its
+    declared type.
 
     ``tools`` maps tool names to parameter schemas (``tools_by_name``).
 
     Anything that is not a well-formed call (or names an unknown tool) is passed through
-    unchanged, so that the reward sees malformed output exactly as it was written.
+    unchanged.
     """
     out: list[Any] = []
     for call in calls:

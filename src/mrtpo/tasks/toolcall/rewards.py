@@ -16,8 +16,17 @@ Correctness, for a reference with calls ``G`` and a response with calls ``P``:
   lists is 1 when they are equal, else ``|A ∩ B| / (|A| + |B| - |A ∩ B|)`` on multisets;
 - ``0`` when the reference makes no tool call (ToolRL gives no correctness signal there).
 
-Argument values written as numeric or boolean strings are converted to the declared types of
-the tool schema on both sides before any comparison (``parsing.coerce_calls``).
+Argument values of the *reference* written as numeric or boolean strings are converted to the
+declared types of the tool schema (``parsing.coerce_calls``), as the paper describes; the
+model's calls are compared exactly as written, as in ToolRL (a model's ``"1.0"`` for an
+``int`` parameter is a string and does not equal ``1``; its ``1.0`` does, by Python equality).
+
+Format follows ToolRL's check: the regular expression of the layout the reference implies
+plus, for each answer tag (``<tool_call>``, ``<response>``) of that layout, exactly one
+opening and one closing tag. The ``<think>`` pair is not counted, so a second think block
+before the answer passes, as it does in ToolRL. Which layout applies is read from the
+reference's answer part (after its ``</think>``), not from its whole text as ToolRL does:
+distilled reasoning in the SFT data sometimes mentions a tag in prose.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ CORRECTNESS_MIN = -3.0
 
 # ToolRL's patterns, one per set of answer tags the reference implies. re.DOTALL: reasoning
 # and responses span lines; the anchors make the tags the whole answer, in this order.
+# Linear time: each pattern is tried from position 0 only (``^`` without MULTILINE), and
+# the tag counts are checked first, so each lazy group has at most one place to stop at
+# (``</think>$`` for the think-only layout needs no count: the end anchor fixes it).
 _FORMAT_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {
     ("tool_call",): re.compile(r"^<think>.*?</think>\n<tool_call>\n.*?\n</tool_call>$", re.S),
     ("response",): re.compile(r"^<think>.*?</think>\n<response>.*?</response>$", re.S),
@@ -45,14 +57,15 @@ _FORMAT_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {
 
 
 def format_reward(response: str, tags: Sequence[str]) -> tuple[float, str | None]:
-    """1 if ``response`` is exactly ``<think>`` + the implied tags, each once, in order.
+    """ToolRL's format reward: 1 if ``response`` is laid out as ``<think>`` then the tags the
+    reference implies, in order, each answer tag exactly once; else 0.
 
-    ``tags`` is what the reference implies (``parsing.reference_tags``). ToolRL counts only
-    the answer tags; the ``<think>`` pair is counted here too, so that every required tag
-    appears exactly once. Returns (reward, reason for a 0).
+    ``tags`` is what the reference implies (``parsing.reference_tags``). As in ToolRL only
+    the answer tags are counted: a second ``<think>`` block passes. Returns (reward, reason
+    for a 0).
     """
     key = tuple(t for t in ("tool_call", "response") if t in tags)
-    for tag in ("think", *key):
+    for tag in key:
         for mark in (f"<{tag}>", f"</{tag}>"):
             n = response.count(mark)
             if n != 1:
@@ -88,7 +101,7 @@ def _names(pred: list[Any]) -> list[Hashable]:
 
 
 def tool_call_score(gold: list[dict[str, Any]], pred: list[Any]) -> float:
-    """Correctness in [-3, 3] of predicted calls against reference calls (both coerced).
+    """Correctness in [-3, 3] of predicted calls (as written) against reference calls.
 
     Raises ``ParseError`` where ToolRL's comparison would fail on a malformed prediction (a
     call that is not an object with a name; a same-named call whose parameters are not an
@@ -127,7 +140,8 @@ def correctness_reward(
     """ToolRL correctness of ``response`` (already cleaned) against the reference calls.
 
     ``gold_calls`` is ``parsing.reference_calls(reference)`` (``None``: no tool call, reward 0).
-    ``tools`` maps tool names to parameter schemas (``parsing.tools_by_name``), for coercion. Never raises on model output.
+    ``tools`` maps tool names to parameter schemas (``parsing.tools_by_name``), for the
+    reference's type conversion. Never raises on model output.
     Returns (reward, reason when not a perfect 3).
     """
     if gold_calls is None:
@@ -136,8 +150,7 @@ def correctness_reward(
         pred = response_calls(response)
     except ParseError as exc:
         return CORRECTNESS_MIN, str(exc)
-    gold = coerce_calls(gold_calls, tools)
-    pred = coerce_calls(pred, tools)
+    gold = coerce_calls(gold_calls, tools)  # the reference only: the model's text is kept
     try:
         value = tool_call_score(gold, pred)
     except ParseError as exc:
