@@ -97,9 +97,12 @@ def test_summarize_averages_over_every_scored_line(task):
     assert not any(isinstance(v, float) and math.isnan(v) for v in m2.values())
 
 
-def test_unsupported_and_unknown_splits_are_clear_errors(task):
-    with pytest.raises(ValueError, match="MulDimIF is not supported"):
-        task.examples("muldimif")
+def test_unsupported_and_unknown_splits_are_clear_errors(task, tmp_path):
+    no_checkers = InstructionTask(
+        nltk_data_dir=task.nltk_data_dir, muldimif={"checker_dir": str(tmp_path / "none")}
+    )
+    with pytest.raises(RuntimeError, match=r"task\.muldimif\.checker_dir"):
+        no_checkers.examples("muldimif")
     with pytest.raises(ValueError, match="unknown split"):
         task.examples("nope")
     with pytest.raises(ValueError, match=r"task\.data\.path"):

@@ -263,7 +263,29 @@ def ifbench_registry(nltk_dir: str) -> Registry:
     return Registry("ifbench", dict(mod.INSTRUCTION_DICT), {}, nltk_dir)
 
 
-def registry(name: str, nltk_dir: str) -> Registry:
+CHECKER_VARIANTS = ("official", "hir")
+
+
+@functools.cache
+def _hir_registry(name: str, nltk_dir: str) -> Registry:
+    from mrtpo.tasks.instructions.hir_checkers import hir_instructions
+
+    base = registry(name, nltk_dir)
+    return Registry(
+        f"{name}/hir", hir_instructions(name, base.instructions), base.conflicts, nltk_dir
+    )
+
+
+def registry(name: str, nltk_dir: str, variant: str = "official") -> Registry:
+    """The checkers of ``name`` (``ifeval``/``ifbench``); ``variant="hir"`` swaps in HiR's
+    versions of three checkers (see ``hir_checkers``), used for HIR-16K training only."""
+    if variant not in CHECKER_VARIANTS:
+        raise ValueError(
+            f"unknown checker variant {variant!r} (task.data.checkers): expected one of "
+            f"{list(CHECKER_VARIANTS)}"
+        )
+    if variant == "hir":
+        return _hir_registry(name, str(nltk_dir))
     if name == "ifeval":
         return ifeval_registry(str(nltk_dir))
     if name == "ifbench":

@@ -11,11 +11,20 @@ does (with the numbered-list template, later items are renumbered).
 Benchmark records (IFEval, IFBench) keep their prompts verbatim: their constraints are
 woven into the prose, so they have no sentences to remove (they are never trained on).
 
-HIR-16K is read in the format its authors train from (verl rows): ``data_source`` names
-the subset (``type1``/``ifeval``: IFEval-style constraints, ``type2``/``ifbench``:
-IFBench-style, ``type3``/``muldimif``); ``reward_model.ground_truth`` holds
-``instruction_id_list`` and ``kwargs`` (a dict or its JSON text); ``extra_info`` holds the
-base request (``question``) and one sentence per constraint (``criteria``).
+HIR-16K is read in two layouts (``hir_layout`` tells them apart by their fields):
+
+* ``released``: the published file (hub dataset ``sastpg/HIR-16K``, ``HIR_trainv1.jsonl``,
+  16,968 rows), one object per line with ``id``, ``source`` (``type1`` IFEval-style,
+  ``type2`` IFBench-style, ``type3`` MulDimIF-style constraint tables, ``type4`` mixed
+  rule/LLM checkers), ``prompt`` (the bare request), ``criteria`` (one sentence per
+  constraint) and ``ground_truth`` (``instruction_id_list`` + ``kwargs`` for type1/2;
+  ``constraints`` + ``constraint_pattern`` for type3; ``checker`` + ``functions`` for type4);
+* ``verl``: the rows HiR's trainer reads: ``data_source`` (the same ``type*`` names),
+  ``reward_model.ground_truth`` (as above, a dict or its JSON text) and ``extra_info`` with
+  ``question`` (the bare request), ``criteria`` and ``q_type`` (the template).
+
+The released file names no template; its rows are rendered with ``task.data.template``
+(HiR's trainer reads ``extra_info.q_type``, which its own preprocessing adds).
 """
 
 from __future__ import annotations
@@ -38,6 +47,14 @@ HIR_SUBSETS = {
     "ifbench": "ifbench",
     "type3": "muldimif",
     "muldimif": "muldimif",
+    "type4": "mixed",
+    "mixed": "mixed",
+}
+# Subsets whose constraints the installed checkers score (the paper's "first two subsets").
+TRAINABLE_SUBSETS = ("ifeval", "ifbench")
+HIR_LAYOUTS = {
+    "released": ("id", "source", "prompt", "criteria", "ground_truth"),
+    "verl": ("data_source", "reward_model", "extra_info"),
 }
 
 
@@ -166,43 +183,97 @@ def load_benchmark(path: str | Path, registry: str) -> list[Record]:
     return out
 
 
-def hir_record(row: Mapping[str, Any], index: int) -> tuple[str, Record | str]:
-    """One HIR-16K row -> (subset, record) or (subset, reason it was skipped)."""
-    source = str(row.get("data_source", ""))
-    subset = HIR_SUBSETS.get(source, source or "unknown")
-    gt = _as_obj((_as_obj(row.get("reward_model")) or {}).get("ground_truth"))
-    extra = _as_obj(row.get("extra_info")) or {}
+def hir_layout(row: Mapping[str, Any], where: str = "") -> str:
+    """``released`` or ``verl``; anything else fails naming the fields found."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: a HIR-16K row must be a JSON object, got {type(row).__name__}")
+    for name, fields in HIR_LAYOUTS.items():
+        if all(f in row for f in fields if f != "id"):
+            return name
+    accepted = "; ".join(f"{n}: {', '.join(f)}" for n, f in HIR_LAYOUTS.items())
+    raise ValueError(
+        f"{where}: unknown HIR-16K layout: the row has fields {sorted(row)}; accepted layouts "
+        f"are {accepted} (task.data.path)"
+    )
+
+
+def _ifeval_like(
+    gt: Any, criteria: Any, subset: str
+) -> tuple[list[Constraint], None] | tuple[None, str]:
+    """``instruction_id_list`` + ``kwargs`` + sentences -> constraints, or why not."""
     if not isinstance(gt, Mapping) or "instruction_id_list" not in gt:
-        return subset, "no reward_model.ground_truth.instruction_id_list"
-    question, criteria = extra.get("question"), extra.get("criteria")
-    if not isinstance(question, str) or criteria is None:
-        return subset, "no extra_info.question / extra_info.criteria"
+        if subset == "muldimif":
+            return None, "MulDimIF-style constraint table (no IFEval/IFBench checker)"
+        if isinstance(gt, Mapping) and "checker" in gt:
+            return None, "rule/LLM checker entries (embedded code is never executed)"
+        return None, "no ground_truth.instruction_id_list"
     ids = list(gt["instruction_id_list"])
     kwargs = [(_as_obj(k) or {}) for k in (_as_obj(gt.get("kwargs")) or [{}] * len(ids))]
-    criteria = list(_as_obj(criteria))
+    criteria = list(_as_obj(criteria) or [])
     if not (len(ids) == len(kwargs) == len(criteria)) or not ids:
-        return subset, "instruction ids, kwargs and criteria differ in length"
+        return None, "instruction ids, kwargs and criteria differ in length"
     if any(not isinstance(c, str) or not c.strip() for c in criteria):
-        return subset, "empty constraint sentence"
-    cons = [Constraint(str(i), dict(k), c) for i, k, c in zip(ids, kwargs, criteria)]
-    template = str(extra.get("q_type") or "type6")
-    if template not in TEMPLATES:
-        return subset, f"unknown extra_info.q_type {template!r}"
-    uid = f"hir-{extra.get('index', index)}-{index}"
-    rec = constraint_record(uid, question, cons, subset, "hir", template)
-    stored = _as_obj(row.get("prompt"))
+        return None, "empty constraint sentence"
+    if any(not isinstance(k, Mapping) for k in kwargs):
+        return None, "a kwargs entry is not an object"
+    return [Constraint(str(i), dict(k), c) for i, k, c in zip(ids, kwargs, criteria)], None
+
+
+def hir_record(
+    row: Mapping[str, Any], index: int, template: str = "type6"
+) -> tuple[str, Record | str]:
+    """One HIR-16K row (either layout) -> (subset, record) or (subset, reason it was skipped).
+
+    ``template`` renders rows that name none (the released file).
+    """
+    layout = hir_layout(row, f"row {index}")
+    if layout == "released":
+        source = str(row.get("source", ""))
+        gt = _as_obj(row.get("ground_truth"))
+        question, criteria, q_type = row.get("prompt"), row.get("criteria"), None
+        raw_id = row.get("id", index)
+    else:
+        source = str(row.get("data_source", ""))
+        gt = _as_obj((_as_obj(row.get("reward_model")) or {}).get("ground_truth"))
+        extra = _as_obj(row.get("extra_info")) or {}
+        question, criteria, q_type = (
+            extra.get("question"),
+            extra.get("criteria"),
+            extra.get("q_type"),
+        )
+        raw_id = extra.get("index", index)
+    subset = HIR_SUBSETS.get(source, source or "unknown")
+    if not isinstance(question, str) or not question.strip() or criteria is None:
+        where = "prompt / criteria" if layout == "released" else "extra_info.question / criteria"
+        return subset, f"no {where}"
+    cons, why = _ifeval_like(gt, criteria, subset)
+    if cons is None:
+        return subset, str(why)
+    chosen = str(q_type or template)
+    if chosen not in TEMPLATES:
+        key = "extra_info.q_type" if q_type else "task.data.template"
+        return subset, f"unknown {key} {chosen!r}"
+    uid = f"hir-{raw_id}" if layout == "released" else f"hir-{raw_id}-{index}"
+    rec = constraint_record(uid, question, cons, subset, "hir", chosen)
+    rec.meta["layout"] = layout
+    stored = _as_obj(row.get("prompt")) if layout == "verl" else None
     if isinstance(stored, list) and stored and isinstance(stored[-1], Mapping):
         rec.meta["stored_prompt_matches"] = stored[-1].get("content") == rec.prompt
     return subset, rec
 
 
-def load_hir(path: str | Path, subsets: Iterable[str]) -> tuple[list[Record], Counter]:
+def load_hir(
+    path: str | Path, subsets: Iterable[str], template: str = "type6"
+) -> tuple[list[Record], Counter]:
     """HIR-16K rows of the wanted subsets; the Counter says what was skipped and why."""
     wanted = {HIR_SUBSETS.get(s, s) for s in subsets}
     records: list[Record] = []
     skipped: Counter = Counter()
     for i, row in enumerate(read_rows(path)):
-        subset, rec = hir_record(row, i)
+        try:
+            subset, rec = hir_record(row, i, template)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
         if subset not in wanted:
             skipped[f"subset {subset} not selected"] += 1
         elif isinstance(rec, str):

@@ -8,11 +8,16 @@ is the same template rebuilt without constraint ``k`` (no verifier blocks are ap
 
 Splits: ``train`` (HIR-16K from ``task.data.path``, else the offline generated set),
 ``val`` (``task.val_split``, IFEval by default), and the evaluation sets ``ifeval``,
-``ifbench``, ``advancedif`` (LLM judge, needs ``eval.judge_url``) and ``generated``/``hir``.
-MulDimIF is not supported: no maintained implementation of its checkers exists.
+``ifbench``, ``muldimif`` (the authors' checkers, imported from
+``task.muldimif.checker_dir``), ``advancedif`` (LLM judge, needs ``eval.judge_url``) and
+``generated``/``hir``.
 
 Scoring is the official strict check per constraint (the reward) and, for benchmark
-prompts, the loose check as well (reported by ``summarize``, not used as a reward).
+prompts, the loose check as well (reported by ``summarize``, not used as a reward). HIR-16K
+training prompts are scored with HiR's variants of three checkers (``task.data.checkers``,
+see ``hir_checkers``). Responses longer than ``task.max_response_chars`` fail every
+constraint with that reason: some upstream checkers take time quadratic in the length of
+pathological text (e.g. 16k ``[`` characters), and the cap bounds what reaches them.
 """
 
 from __future__ import annotations
@@ -24,8 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task
-from mrtpo.tasks.instructions import checkers
-from mrtpo.tasks.instructions.data import Record, load_benchmark, load_hir, render_prompt
+from mrtpo.tasks.instructions import checkers, muldimif
+from mrtpo.tasks.instructions.data import (
+    HIR_SUBSETS,
+    TRAINABLE_SUBSETS,
+    Record,
+    load_benchmark,
+    load_hir,
+    render_prompt,
+)
 from mrtpo.tasks.instructions.generator import generate_records
 from mrtpo.tasks.instructions.judge import (
     JudgeError,
@@ -40,13 +52,9 @@ DEFAULT_EVAL_FILES = {
     "ifeval": "../shared/data/ifeval/input_data.jsonl",
     "ifbench": "../shared/data/ifbench/IFBench_test.jsonl",
     "advancedif": "../shared/data/advancedif/if_oss_full_data.csv",
+    "muldimif": "../shared/data/muldimif/test.json",
 }
-UNSUPPORTED = {
-    "muldimif": (
-        "MulDimIF is not supported: its constraints are checked by scripts in the authors' "
-        "repository, and no maintained, installable implementation of them exists"
-    ),
-}
+DEFAULT_MULDIMIF_DIR = "../shared/vendor/muldimif"
 
 
 class InstructionTask(Task):
@@ -65,6 +73,8 @@ class InstructionTask(Task):
         unavailable_checkers: str = "error",
         loose_in_training: bool = False,
         judge: Mapping[str, Any] | None = None,
+        muldimif: Mapping[str, Any] | None = None,
+        max_response_chars: int | None = 16384,
     ) -> None:
         if max_constraints < 1:
             raise ValueError("task.max_constraints must be >= 1")
@@ -72,7 +82,23 @@ class InstructionTask(Task):
             raise ValueError("task.unavailable_checkers must be 'error' or 'skip'")
         self.max_constraints = int(max_constraints)
         self.reward_names = tuple(f"c{i}" for i in range(self.max_constraints))
-        self.data_cfg = {"path": None, "subsets": ["ifeval", "ifbench"], **dict(data or {})}
+        self.data_cfg = {
+            "path": None,
+            "subsets": ["ifeval", "ifbench"],
+            "template": "type6",
+            "checkers": "hir",
+            **dict(data or {}),
+        }
+        if self.data_cfg["checkers"] not in checkers.CHECKER_VARIANTS:
+            raise ValueError(
+                f"task.data.checkers must be one of {list(checkers.CHECKER_VARIANTS)}, "
+                f"got {self.data_cfg['checkers']!r}"
+            )
+        if max_response_chars is not None and int(max_response_chars) < 1:
+            raise ValueError("task.max_response_chars must be >= 1 (or null for no cap)")
+        self.max_response_chars = None if max_response_chars is None else int(max_response_chars)
+        self.muldimif_cfg = {"checker_dir": DEFAULT_MULDIMIF_DIR, **dict(muldimif or {})}
+        self.n_over_length = 0  # responses refused by the length cap (logged once)
         self.gen_cfg = {
             "num_prompts": 2048,
             "seed": 0,
@@ -101,8 +127,6 @@ class InstructionTask(Task):
             if self.val_split in ("val", "train"):
                 raise ValueError("task.val_split must name an evaluation split (e.g. ifeval)")
             return self.examples(self.val_split)
-        if split in UNSUPPORTED:
-            raise ValueError(UNSUPPORTED[split])
         if split not in self._cache:
             self._cache[split] = self._load(split)
         return self._cache[split]
@@ -132,15 +156,28 @@ class InstructionTask(Task):
             if not path:
                 raise ValueError("split 'hir' needs task.data.path (a HIR-16K parquet/jsonl file)")
             subsets = list(self.data_cfg.get("subsets") or [])
-            for s in subsets:
-                if s in UNSUPPORTED:
-                    raise ValueError(f"task.data.subsets: {UNSUPPORTED[s]}")
+            bad = [s for s in subsets if HIR_SUBSETS.get(s, s) not in TRAINABLE_SUBSETS]
+            if bad or not subsets:
+                raise ValueError(
+                    f"task.data.subsets={subsets}: only the subsets the installed checkers "
+                    f"score can be trained on: {list(TRAINABLE_SUBSETS)} (or type1, type2)"
+                )
             if not Path(path).is_file():
                 raise FileNotFoundError(f"HIR-16K file not found: {path} (task.data.path)")
-            recs, skipped = load_hir(path, subsets)
+            recs, skipped = load_hir(path, subsets, str(self.data_cfg["template"]))
             recs = self._known_and_fitting(recs, skipped)
-            if skipped:
-                log.info("HIR-16K %s: kept %d prompts; skipped %s", path, len(recs), dict(skipped))
+            self.hir_counts = {
+                "prompts": len(recs),
+                "constraints": sum(len(r.constraints) for r in recs),
+                **{f"skipped/{k}": v for k, v in skipped.items()},
+            }
+            log.info(
+                "HIR-16K %s: kept %d prompts (%d constraints); skipped %s",
+                path,
+                len(recs),
+                self.hir_counts["constraints"],
+                dict(skipped),
+            )
             if not recs:
                 raise ValueError(f"no usable HIR-16K prompts in {path} (skipped: {dict(skipped)})")
             return self._examples(split, recs, is_eval=False)
@@ -156,10 +193,47 @@ class InstructionTask(Task):
             return self._examples(split, recs, is_eval=True)
         if split == "advancedif":
             return self._examples(split, load_advancedif(self._eval_file(split)), is_eval=True)
+        if split == "muldimif":
+            return self._muldimif_examples()
         raise ValueError(
             f"unknown split {split!r} for task ifeval: use train, val, generated, hir, ifeval, "
-            "ifbench or advancedif"
+            "ifbench, muldimif or advancedif"
         )
+
+    def _muldimif(self) -> Any:
+        return muldimif.load_harness(str(self.muldimif_cfg["checker_dir"]), self.nltk_data_dir)
+
+    def _muldimif_examples(self) -> list[Example]:
+        harness = self._muldimif()  # fail before reading data when the checkers are missing
+        items = muldimif.load_test(self._eval_file("muldimif"))
+        unknown = Counter(
+            f"{c[0]}_{c[1]}"
+            for it in items
+            for c in it["constraints"]
+            if f"{c[0]}_{c[1]}" not in harness.class_mapping
+        )
+        if unknown:
+            raise ValueError(f"muldimif: constraint keys without a checker: {dict(unknown)}")
+        out = []
+        for it in items:
+            messages = [{"role": m["role"], "content": m["content"]} for m in it["conversations"]]
+            data = {
+                "split": "muldimif",
+                "source": "muldimif",
+                "registry": "muldimif",
+                "base": None,
+                "template": None,
+                "prompt": messages[-1]["content"],
+                "constraints": [
+                    {"id": f"{c[0]}_{c[1]}", "kwargs": {}, "text": c[2], "triple": list(c)}
+                    for c in it["constraints"]
+                ],
+                "constraint_pattern": it.get("constraint_pattern", "unknown"),
+                "difficulty": it.get("difficulty", "unknown"),
+                "eval": True,
+            }
+            out.append(Example(id=str(it["id"]), messages=messages, data=data))
+        return out
 
     def _eval_file(self, split: str) -> str:
         path = self.eval_files.get(split)
@@ -171,18 +245,23 @@ class InstructionTask(Task):
             )
         return str(path)
 
-    def _registry(self, name: str) -> checkers.Registry:
-        return checkers.registry(name, self.nltk_data_dir)
+    def _registry(self, name: str, variant: str = "official") -> checkers.Registry:
+        return checkers.registry(name, self.nltk_data_dir, variant)
 
     def _known_and_fitting(self, recs: list[Record], skipped: Counter) -> list[Record]:
         keep, unknown = [], Counter()
+        variant = str(self.data_cfg["checkers"])
         for r in recs:
-            missing = [c.id for c in r.constraints if c.id not in self._registry(r.registry)]
+            reg = self._registry(r.registry, variant)
+            missing = [c.id for c in r.constraints if c.id not in reg]
             if len(r.constraints) > self.max_constraints:
                 skipped[f"more than task.max_constraints={self.max_constraints}"] += 1
             elif missing:
                 skipped[f"instruction id unknown to the {r.registry} checkers"] += 1
                 unknown.update(f"{r.registry}/{m}" for m in missing)
+            elif not self._buildable(reg, r):
+                # e.g. language "zh", which only HiR's language table has (task.data.checkers)
+                skipped[f"the {variant} {r.registry} checker rejects its arguments"] += 1
             else:
                 keep.append(r)
         if unknown:
@@ -193,6 +272,15 @@ class InstructionTask(Task):
                 dict(unknown.most_common(10)),
             )
         return keep
+
+    @staticmethod
+    def _buildable(reg: checkers.Registry, rec: Record) -> bool:
+        try:
+            for c in rec.constraints:
+                reg.build(c.id, c.kwargs, rec.prompt)
+        except (KeyError, ValueError, TypeError):
+            return False
+        return True
 
     def _examples(self, split: str, recs: list[Record], is_eval: bool) -> list[Example]:
         recs = self._drop_unavailable(split, recs)
@@ -210,6 +298,8 @@ class InstructionTask(Task):
                     {"id": c.id, "kwargs": dict(c.kwargs), "text": c.text} for c in r.constraints
                 ],
                 "eval": is_eval,
+                # HiR's checker variants score HIR-16K prompts only; benchmarks stay official
+                "checkers": self.data_cfg["checkers"] if r.source == "hir" else "official",
             }
             out.append(Example(id=r.uid, messages=messages, data=data))
         return out
@@ -221,9 +311,12 @@ class InstructionTask(Task):
             if r.registry in ("ifeval", "ifbench"):
                 for c in r.constraints:
                     cases[r.registry].setdefault(c.id, (c.kwargs, r.prompt))
+        hir = any(r.source == "hir" for r in recs)
+        variant = str(self.data_cfg["checkers"]) if hir else "official"
         bad: dict[str, str] = {}
         for name, reg_cases in cases.items():
-            bad.update(checkers.unavailable_instructions(self._registry(name), reg_cases))
+            reg = self._registry(name, variant)
+            bad.update(checkers.unavailable_instructions(reg, reg_cases))
         if not bad:
             return recs
         hit = [r for r in recs if any(c.id in bad for c in r.constraints)]
@@ -244,10 +337,23 @@ class InstructionTask(Task):
     def score(self, example: Example, response: str) -> Score:
         d = example.data
         cons = d["constraints"]
+        limit = self.max_response_chars
+        if limit is not None and len(response) > limit and d["registry"] != "judge":
+            return self._over_length(example, response, limit)
         if d["registry"] == "judge":
             strict, loose, reasons = self._judge_verdicts(example, response)
+        elif d["registry"] == "muldimif":
+            strict = muldimif.verdicts(
+                self._muldimif(), [c["triple"] for c in cons], muldimif.strip_think(response)
+            )
+            loose = None
+            reasons = {
+                f"c{i}": f"{c['id']}: not followed"
+                for i, (c, ok) in enumerate(zip(cons, strict))
+                if not ok
+            }
         else:
-            reg = self._registry(d["registry"])
+            reg = self._registry(d["registry"], d.get("checkers", "official"))
             want_loose = bool(d.get("eval")) or self.loose_in_training
             strict, loose, reasons = [], [], {}
             for i, c in enumerate(cons):
@@ -270,6 +376,35 @@ class InstructionTask(Task):
             result["loose"] = loose
             result["prompt_loose"] = all(loose)
         return Score(rewards=rewards, blocks={}, reasons=reasons, checks=result)
+
+    def _over_length(self, example: Example, response: str, limit: int) -> Score:
+        """Every constraint fails: the text is longer than the checkers are trusted to run on."""
+        cons = example.data["constraints"]
+        self.n_over_length += 1
+        if self.n_over_length == 1:
+            log.warning(
+                "a response of %d characters exceeds task.max_response_chars=%d: every "
+                "constraint scores 0 without running the checkers (some upstream checkers take "
+                "quadratic time on such text); counted as n_over_length",
+                len(response),
+                limit,
+            )
+        why = f"response longer than task.max_response_chars={limit} ({len(response)} chars)"
+        rewards: dict[str, float | None] = dict.fromkeys(self.reward_names)
+        for i in range(min(len(cons), self.max_constraints)):
+            rewards[f"c{i}"] = 0.0
+        strict = [False] * len(cons)
+        checks: dict[str, Any] = {
+            "instruction_ids": [c["id"] for c in cons],
+            "strict": strict,
+            "prompt_strict": False,
+            "over_length": True,
+        }
+        if example.data.get("eval") and example.data["registry"] != "muldimif":
+            checks["loose"] = list(strict)
+            checks["prompt_loose"] = False
+        reasons = {f"c{i}": why for i in range(len(cons))}
+        return Score(rewards=rewards, blocks={}, reasons=reasons, checks=checks)
 
     def _judge_verdicts(
         self, example: Example, response: str
@@ -332,4 +467,38 @@ class InstructionTask(Task):
                     per_id[iid].append(ok)
         for iid, oks in sorted(per_id.items()):
             out[f"inst_strict/{iid}"] = sum(oks) / len(oks)
+        over = sum(bool(s.checks.get("over_length")) for _, s in rows)
+        if over:
+            out["n_over_length"] = float(over)
+        md = [(e, s) for e, s in rows if e.data.get("registry") == "muldimif"]
+        if md:
+            out.update(self._muldimif_summary(md))
+        return out
+
+    def _muldimif_summary(self, rows: Sequence[tuple[Example, Score]]) -> dict[str, float]:
+        """The paper's accuracy (all constraints met), per-constraint accuracy, and the
+        official harness's per pattern / category / difficulty scores (``get_score``).
+
+        ``get_score`` lists a group only once one of its prompts is fully met; groups present
+        in the data but never met are reported here as 0.0 rather than left out.
+        """
+        items = [
+            {
+                "constraints": [c["triple"] for c in e.data["constraints"]],
+                "constraint_pattern": e.data.get("constraint_pattern", "unknown"),
+                "difficulty": e.data.get("difficulty", "unknown"),
+            }
+            for e, _ in rows
+        ]
+        judges = [list(s.checks["strict"]) for _, s in rows]
+        flat = [ok for j in judges for ok in j]
+        out = {
+            "accuracy": sum(all(j) for j in judges) / len(judges),
+            "constraint_accuracy": sum(flat) / max(len(flat), 1),
+        }
+        official = muldimif.official_metrics(self._muldimif(), items, judges)
+        groups = {f"pattern/{it['constraint_pattern']}" for it in items}
+        groups |= {f"difficulty/{it['difficulty']}" for it in items}
+        out.update(dict.fromkeys(groups, 0.0))
+        out.update(official)
         return out
