@@ -1,0 +1,3 @@
+from mrtpo.tasks.custom.task import CustomTask
+
+__all__ = ["CustomTask"]

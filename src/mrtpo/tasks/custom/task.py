@@ -1,0 +1,412 @@
+"""``task=custom``: your prompts and your reward functions, without writing a Task.
+
+Prompts come from a JSONL / JSON / parquet / CSV file, a saved HF dataset folder or a hub
+dataset id (``task.data``); the prompt column holds text or chat messages. Rewards are
+plain functions named by import strings, with TRL's convention::
+
+    def has_yes(prompt, response, **row) -> float | None: ...   # None: does not apply
+
+``prompt`` is the row's prompt value as stored (text or messages), ``response`` the sampled
+text, ``row`` every other column of that row. For MRTPO's replay a reward may have a
+verifier-block function of the same signature returning the text its verifier checks
+against (``None``: no block); blocks are appended to the last user message to build the
+leave-one-out contexts, as the base ``Task.contexts`` does. docs/extending.md shows a
+complete example.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mrtpo.tasks.base import Example, Messages, Score, Task
+from mrtpo.tasks.custom.callables import label, resolve, short_name
+from mrtpo.tasks.custom.data import columns, detect_format, read_rows
+
+log = logging.getLogger(__name__)
+
+# The response is passed positionally; a column of this name cannot also be a keyword.
+_RESERVED = ("response",)
+
+
+@dataclass
+class DataConfig:
+    """``task.data`` (see configs/task/custom.yaml)."""
+
+    path: str | None = None  # the train split: a file, a dataset folder or a hub id
+    format: str | None = None  # jsonl | json | parquet | csv | hf; None: from the extension
+    split: str = "train"  # HF datasets: the split read for train
+    name: str | None = None  # HF datasets: the configuration name
+    prompt_column: str = "prompt"  # text, or chat messages [{role, content}, ...]
+    id_column: str | None = None  # None: ids are "<split>-<row number>"
+    reference_column: str | None = None  # reference responses, for stage=sft
+    system_prompt: str | None = None  # prepended to prompts that have no system message
+    splits: dict[str, str] = field(default_factory=dict)  # other splits: name -> file or HF split
+    val_size: int = 0  # with no splits.val: hold out the last N train rows as val
+    max_examples: int | None = None  # first N rows of every split (smoke runs)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> DataConfig:
+        raw = dict(raw or {})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - valid)
+        if unknown:
+            raise ValueError(f"task.data: unknown key(s) {unknown}; valid keys: {sorted(valid)}")
+        out = cls(**raw)
+        if not out.path:
+            raise ValueError(
+                "task.data.path is required: a JSONL / JSON / parquet / CSV file, a saved HF "
+                "dataset folder, or a hub dataset id (task=custom task.data.path=prompts.jsonl)"
+            )
+        out.path = str(out.path)
+        out.splits = {str(k): str(v) for k, v in (out.splits or {}).items()}
+        if out.val_size < 0:
+            raise ValueError(f"task.data.val_size must be >= 0, got {out.val_size}")
+        return out
+
+
+@dataclass(frozen=True)
+class _Fn:
+    """One configured callable: what it is called in the config, and the function."""
+
+    name: str  # the reward it belongs to
+    fn: Callable
+    label: str  # its dotted name, for messages
+
+
+class CustomTask(Task):
+    """Prompts from a data file, rewards (and optional blocks) from importable functions."""
+
+    info_in_prompt = False  # information comes as per-response blocks
+
+    def __init__(
+        self,
+        data: Mapping[str, Any],
+        rewards: Sequence[str | Callable],
+        reward_names: Sequence[str] | None = None,
+        blocks: Mapping[str, str | Callable] | None = None,
+        success: str | Callable | None = None,
+        success_threshold: float = 1.0,
+        reward_ranges: Mapping[str, Sequence[float]] | None = None,
+        rewards_vary_per_prompt: bool = False,
+        import_dirs: Sequence[str] = (),
+        name: str = "custom",
+    ) -> None:
+        self.name = name
+        self.cfg = DataConfig.from_mapping(data)
+        for d in import_dirs or ():  # so that 'mymod.r1' is found in the user's folder
+            d = str(Path(d).expanduser().resolve())
+            if d not in sys.path:
+                sys.path.insert(0, d)
+        self._rewards = self._resolve_rewards(rewards, reward_names)
+        self.reward_names = tuple(r.name for r in self._rewards)
+        self._blocks = self._resolve_blocks(blocks or {})
+        self.rewards_vary_per_prompt = bool(rewards_vary_per_prompt)
+        self.reward_ranges = self._ranges(reward_ranges or {})
+        self._success, self.success_threshold = self._resolve_success(success), success_threshold
+        self.success_check = "success" if self._success is not None else None
+        self._warned: set[str] = set()
+        self._cache: dict[str, list[Example]] = {}
+        # Read the train split now, so that a wrong path or column fails at construction.
+        self.examples("train")
+
+    # ---- configuration ------------------------------------------------------------------
+    @staticmethod
+    def _resolve_rewards(specs, names) -> list[_Fn]:
+        if isinstance(specs, (str, bytes)) or callable(specs):
+            specs = [specs]
+        specs = list(specs or [])
+        if not specs:
+            raise ValueError(
+                "task.rewards is empty: give a list of reward functions, e.g. "
+                "task.rewards=[mymodule.reward_a,mymodule.reward_b]"
+            )
+        fns = [resolve(s, f"task.rewards[{i}]") for i, s in enumerate(specs)]
+        if names is not None:
+            names = [str(n) for n in names]
+            if len(names) != len(fns):
+                raise ValueError(
+                    f"task.reward_names has {len(names)} name(s) for {len(fns)} reward "
+                    f"function(s) in task.rewards; give one name per function"
+                )
+        else:
+            names = []
+            for i, fn in enumerate(fns):
+                n = short_name(fn)
+                if n is None:
+                    raise ValueError(
+                        f"task.rewards[{i}] ({label(fn)}) has no usable name; set "
+                        "task.reward_names=[...] (one per reward)"
+                    )
+                names.append(n)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(
+                f"reward names {dup} occur more than once (from the functions' names); set "
+                "task.reward_names=[...] to name each reward"
+            )
+        bad = [n for n in names if not n or "/" in n]
+        if bad:
+            raise ValueError(f"task.reward_names: {bad} are not valid names (empty or with '/')")
+        return [_Fn(n, f, label(f)) for n, f in zip(names, fns)]
+
+    def _resolve_blocks(self, specs: Mapping) -> dict[str, _Fn]:
+        unknown = sorted(set(specs) - set(self.reward_names))
+        if unknown:
+            raise ValueError(
+                f"task.blocks has key(s) {unknown} that are not rewards of this task; its "
+                f"rewards are {list(self.reward_names)}"
+            )
+        out = {}
+        for k, spec in specs.items():
+            if spec is None:
+                continue
+            fn = resolve(spec, f"task.blocks.{k}")
+            out[str(k)] = _Fn(str(k), fn, label(fn))
+        return out
+
+    def _ranges(self, raw: Mapping) -> dict[str, tuple[float, float]]:
+        unknown = sorted(set(raw) - set(self.reward_names))
+        if unknown:
+            raise ValueError(
+                f"task.reward_ranges has key(s) {unknown} that are not rewards of this task; "
+                f"its rewards are {list(self.reward_names)}"
+            )
+        out = {}
+        for k, v in raw.items():
+            lo, hi = (float(x) for x in v)
+            if not lo < hi:
+                raise ValueError(f"task.reward_ranges.{k}: need low < high, got {list(v)}")
+            out[str(k)] = (lo, hi)
+        return out
+
+    def _resolve_success(self, spec) -> Callable | str | None:
+        if spec is None or spec is False:
+            return None
+        if spec == "all" or (isinstance(spec, str) and spec in self.reward_names):
+            return spec
+        return resolve(spec, "task.success")
+
+    # ---- data -----------------------------------------------------------------------------
+    def examples(self, split: str) -> Sequence[Example]:
+        if split not in self._cache:
+            self._cache[split] = self._load(split)
+        return self._cache[split]
+
+    def _load(self, split: str) -> list[Example]:
+        c = self.cfg
+        if split == "train" or (split == "val" and "val" not in c.splits and c.val_size > 0):
+            rows = self._rows(c.path, c.split, "task.data.path")
+            if c.val_size:
+                if c.val_size >= len(rows):
+                    raise ValueError(
+                        f"task.data.val_size={c.val_size} leaves no train rows ({len(rows)} in "
+                        f"{c.path})"
+                    )
+                rows = rows[-c.val_size :] if split == "val" else rows[: -c.val_size]
+            source = c.path
+        elif split in c.splits:
+            rows, source = self._split_rows(split), c.splits[split]
+        else:
+            hint = (
+                "; add it as task.data.splits.val=<file> or hold out train rows with "
+                "task.data.val_size=N"
+                if split == "val"
+                else f"; add it as task.data.splits.{split}=<file or HF split>"
+            )
+            raise ValueError(
+                f"task {self.name} has splits {['train', *sorted(c.splits)]}, not {split!r}{hint}"
+            )
+        if c.max_examples is not None:
+            rows = rows[: int(c.max_examples)]
+        return self._to_examples(rows, split, source)
+
+    def _split_rows(self, split: str) -> list[dict]:
+        value, key = self.cfg.splits[split], f"task.data.splits.{split}"
+        if Path(value).exists():
+            return self._rows(value, None, key, fmt=None)  # its own file: format from its name
+        if detect_format(self.cfg.path, self.cfg.format, "task.data.format") == "hf":
+            return self._rows(self.cfg.path, value, key)  # a split of the same HF dataset
+        raise FileNotFoundError(f"{key}={value}: no such file")
+
+    def _rows(self, path: str, hf_split: str | None, key: str, **given) -> list[dict]:
+        fmt = detect_format(path, given.get("fmt", self.cfg.format), "task.data.format")
+        return read_rows(path, fmt, split=hf_split, name=self.cfg.name, key=key)
+
+    def _to_examples(self, rows: list[dict], split: str, source: str) -> list[Example]:
+        c = self.cfg
+        cols = columns(rows)
+        if not rows:
+            raise ValueError(f"{source}: no rows (split {split!r})")
+        for key, col in (
+            ("prompt_column", c.prompt_column),
+            ("id_column", c.id_column),
+            ("reference_column", c.reference_column),
+        ):
+            if col is not None and col not in cols:
+                raise ValueError(
+                    f"task.data.{key}={col!r} is not a column of {source}; its columns are {cols}"
+                )
+        clash = [k for k in _RESERVED if k in cols and k != c.prompt_column]
+        if clash and f"clash-{source}" not in self._warned:
+            self._warned.add(f"clash-{source}")
+            log.warning(
+                "%s: column(s) %s are not passed to the reward functions (the response is their "
+                "second argument); rename the column to pass it",
+                source,
+                clash,
+            )
+        out, seen = [], set()
+        for i, row in enumerate(rows):
+            where = f"{source} row {i}"
+            uid = str(row.get(c.id_column)) if c.id_column else f"{split}-{i}"
+            if uid in seen:
+                raise ValueError(
+                    f"{where}: id {uid!r} (column {c.id_column!r}) occurs twice; ids must be "
+                    "unique (or set task.data.id_column=null to number the rows)"
+                )
+            seen.add(uid)
+            raw = row.get(c.prompt_column)
+            kwargs = {k: v for k, v in row.items() if k != c.prompt_column and k not in _RESERVED}
+            ref = (
+                self._reference(row.get(c.reference_column), where) if c.reference_column else None
+            )
+            out.append(
+                Example(
+                    id=uid,
+                    messages=self._messages(raw, where),
+                    data={"prompt": raw, "row": kwargs},
+                    reference=ref,
+                )
+            )
+        return out
+
+    def _messages(self, raw: Any, where: str) -> Messages:
+        col = self.cfg.prompt_column
+        if isinstance(raw, str):
+            msgs = [{"role": "user", "content": raw}]
+        elif isinstance(raw, list) and raw and all(isinstance(m, Mapping) for m in raw):
+            msgs = []
+            for m in raw:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError(
+                        f"{where}: column {col!r} holds chat messages, but {dict(m)!r} is not "
+                        "a {'role': str, 'content': str} message"
+                    )
+                msgs.append({"role": m["role"], "content": m["content"]})
+            if not any(m["role"] == "user" for m in msgs):
+                raise ValueError(
+                    f"{where}: the messages in column {col!r} have no user message (verifier "
+                    "blocks are appended to the last one)"
+                )
+        else:
+            raise ValueError(
+                f"{where}: column {col!r} must hold text or a list of chat messages, got "
+                f"{type(raw).__name__} {str(raw)[:80]!r}"
+            )
+        if self.cfg.system_prompt and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return msgs
+
+    def _reference(self, raw: Any, where: str) -> str | None:
+        if raw is None or isinstance(raw, str):
+            return raw or None
+        if isinstance(raw, list):  # TRL's conversational completions: [{"role": "assistant", ...}]
+            said = [m.get("content") for m in raw if isinstance(m, Mapping)]
+            if said and all(isinstance(s, str) for s in said):
+                return "".join(said)
+        raise ValueError(
+            f"{where}: column {self.cfg.reference_column!r} must hold text (or assistant "
+            f"messages), got {type(raw).__name__}"
+        )
+
+    # ---- rewards ------------------------------------------------------------------------
+    def score(self, example: Example, response: str) -> Score:
+        prompt, row = example.data["prompt"], example.data["row"]
+        rewards: dict[str, float | None] = {}
+        blocks: dict[str, str | None] = dict.fromkeys(self.reward_names)
+        reasons: dict[str, str] = {}
+        errors: list[str] = []
+        for r in self._rewards:
+            try:
+                value = r.fn(prompt, response, **row)
+            except Exception as exc:  # costs this reward of this sample only
+                rewards[r.name] = None
+                errors.append(f"reward {r.name} ({r.label}) raised {type(exc).__name__}: {exc}")
+                continue
+            rewards[r.name], problem = _as_reward(value)
+            if problem:
+                errors.append(f"reward {r.name} ({r.label}) returned {problem}")
+        for name, b in self._blocks.items():
+            if rewards.get(name) is None:
+                continue  # a reward that does not apply is never replayed
+            try:
+                text = b.fn(prompt, response, **row)
+            except Exception as exc:
+                self._warn_once(b.label, f"{type(exc).__name__}: {exc}")
+                reasons[f"block/{name}"] = f"{b.label} raised {type(exc).__name__}"
+                continue
+            if text is not None and not isinstance(text, str):
+                self._warn_once(b.label, f"returned a {type(text).__name__}, not str or None")
+                continue
+            blocks[name] = text or None
+        checks: dict[str, Any] = {}
+        if self._success is not None:
+            checks["success"] = self._succeeded(prompt, response, row, rewards)
+        return Score(
+            rewards=rewards,
+            blocks=blocks,
+            reasons=reasons,
+            checks=checks,
+            error="; ".join(errors) or None,
+        )
+
+    def _succeeded(self, prompt, response, row, rewards) -> bool | None:
+        rule, t = self._success, self.success_threshold
+        if rule == "all":
+            vals = [v for v in rewards.values() if v is not None]
+            return all(v >= t for v in vals) if vals else None
+        if isinstance(rule, str):
+            v = rewards.get(rule)
+            return None if v is None else v >= t
+        try:
+            out = rule(prompt, response, **row)
+        except Exception as exc:
+            self._warn_once(label(rule), f"{type(exc).__name__}: {exc}")
+            return None
+        return None if out is None else bool(out)
+
+    def _warn_once(self, who: str, what: str) -> None:
+        if who not in self._warned:
+            self._warned.add(who)
+            log.warning("%s failed (%s); further failures of it are not logged", who, what)
+
+    def summarize(self, examples, scores) -> dict[str, float]:
+        out = super().summarize(examples, scores)
+        succ = [s.checks.get("success") for s in scores]
+        succ = [bool(x) for x in succ if x is not None]
+        if succ:
+            out["success"] = sum(succ) / len(succ)
+        return out
+
+
+def _as_reward(value: Any) -> tuple[float | None, str | None]:
+    """A reward function's return value as a float or None, and what was wrong with it."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool):
+        return float(value), None
+    if isinstance(value, numbers.Real):
+        f = float(value)
+        return (None, None) if math.isnan(f) else (f, None)
+    try:  # 0-d tensors and numpy scalars
+        f = float(value)
+    except (TypeError, ValueError):
+        return None, f"a {type(value).__name__} ({str(value)[:40]!r}), not a number or None"
+    return (None, None) if math.isnan(f) else (f, None)
