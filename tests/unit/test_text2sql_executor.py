@@ -70,13 +70,18 @@ def test_connection_refuses_everything_but_reading(db, tmp_path, sql, needle):
     limits = Limits(timeout_s=1.0)
     con, deadline = open_guarded(str(db), limits)
     before = db.read_bytes()
-    rows, err = execute_guarded(con, deadline, sql.format(new=new), limits)
+    rows, err, kind = execute_guarded(con, deadline, sql.format(new=new), limits)
     assert rows is None and err and needle in err
+    assert kind == "sqlite"  # SQLite itself (its authorizer or its length limit) raised
     assert not new.exists()
     assert db.read_bytes() == before
     assert sorted(p.name for p in db.parent.iterdir()) == ["t.sqlite"]  # no journal, no -wal
     # the connection is still usable afterwards
-    assert execute_guarded(con, deadline, "SELECT count(*) FROM t", limits) == ([(50,)], None)
+    assert execute_guarded(con, deadline, "SELECT count(*) FROM t", limits) == (
+        [(50,)],
+        None,
+        None,
+    )
     con.close()
 
 
@@ -84,8 +89,9 @@ def test_progress_handler_interrupts_within_budget(db):
     limits = Limits(timeout_s=0.5)
     con, deadline = open_guarded(str(db), limits)
     t0 = time.monotonic()
-    rows, err = execute_guarded(con, deadline, HANG, limits)
-    assert rows is None and err.startswith("interrupted")
+    rows, err, kind = execute_guarded(con, deadline, HANG, limits)
+    assert rows is None and kind == "time"
+    assert err == "the query did not finish within the executor's 0.5 s time limit"
     assert time.monotonic() - t0 < 1.0
     con.close()
 
@@ -93,10 +99,17 @@ def test_progress_handler_interrupts_within_budget(db):
 def test_row_and_size_caps(db):
     limits = Limits(max_rows=10)
     con, deadline = open_guarded(str(db), limits)
-    assert "more than 10 rows" in execute_guarded(con, deadline, "SELECT * FROM t", limits)[1]
+    _, err, kind = execute_guarded(con, deadline, "SELECT * FROM t", limits)
+    assert (err, kind) == ("the result has more than the executor's limit of 10 rows", "rows")
     limits = Limits(max_result_bytes=100)
     con2, deadline2 = open_guarded(str(db), limits)
-    assert "larger than 100 bytes" in execute_guarded(con2, deadline2, "SELECT * FROM t", limits)[1]
+    _, err, kind = execute_guarded(con2, deadline2, "SELECT * FROM t", limits)
+    assert "larger than the executor's limit of 100 bytes" in err and kind == "bytes"
+    # Python's sqlite3 module, not SQLite, refuses a NUL character and two statements
+    _, err, kind = execute_guarded(con2, deadline2, "SELECT 1\x00", limits)
+    assert kind == "driver" and "null character" in err
+    _, err, kind = execute_guarded(con2, deadline2, "SELECT 1; SELECT 2", limits)
+    assert kind == "driver" and "one statement at a time" in err
     con.close()
     con2.close()
 
@@ -123,7 +136,7 @@ def test_parallel_batch_in_order(executor, db):
     outs = executor.run(jobs)
     assert [o.match for o in outs[:40]] == [True] * 40
     assert outs[40].pred_ok is False and outs[40].match is False
-    assert "no such column" in outs[40].pred_error
+    assert "no such column" in outs[40].pred_error and outs[40].pred_error_kind == "sqlite"
     assert outs[0].gold_ok and outs[0].gold_rows == 1
 
 
@@ -136,7 +149,7 @@ def test_hung_worker_is_killed_and_replaced(db):
         out = ex.check(str(db), HANG)
         took = time.monotonic() - t0
         assert out.pred_ok is False and out.killed
-        assert "process was stopped" in out.pred_error
+        assert "process was stopped" in out.pred_error and out.pred_error_kind == "time"
         assert took < 0.5 + 0.5 + 1.0
         assert ex.stats["killed"] == 1
         assert ex.check(str(db), "SELECT count(*) FROM t").pred_ok  # the pool healed
@@ -168,7 +181,8 @@ def test_crashed_worker_is_replaced_and_the_job_retried(executor, db):
 
     threading.Thread(target=kill_soon).start()
     out = executor.check(str(db), HANG)  # interrupted after 1 s, killed at 0.3 s, retried
-    assert out.pred_ok is False and out.pred_error.startswith("interrupted")
+    assert out.pred_ok is False and out.pred_error_kind == "time"
+    assert out.pred_error.startswith("the query did not finish within")
     assert executor.stats["crashed"] >= 1
     assert all(w.proc.pid not in victims for w in executor._workers)
     assert executor.check(str(db), "SELECT 2").pred_ok
@@ -238,6 +252,7 @@ def test_worker_memory_limit_turns_a_huge_sort_into_an_error(tmp_path):
         sql = "SELECT count(*) FROM (SELECT a.v || b.v AS s FROM big a, big b ORDER BY s)"
         out = ex.check(str(path), sql)
         assert out.pred_ok is False and "out of memory" in out.pred_error
+        assert out.pred_error_kind == "memory"
         assert ex.check(str(path), "SELECT count(*) FROM big").pred_ok
     finally:
         ex.close()

@@ -328,3 +328,121 @@ def test_training_reference_check_is_cached_until_a_database_changes(tmp_path):
     con.commit()
     con.close()
     assert load()._executor is not None  # the database changed: checked again
+
+
+# ---- the executor's limits, worded as what they are --------------------------------------------
+HANG = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory) -> Text2SQLTask:
+    """The shop questions under small limits: 2 rows, 0.5 s."""
+    root = tmp_path_factory.mktemp("t2s_tight")
+    make_shop(root / "db")
+    (root / "dev.json").write_text(json.dumps(QUESTIONS))
+    t = Text2SQLTask(
+        splits={"dev": {"file": str(root / "dev.json"), "db_dir": [str(root / "db")]}},
+        val_split="dev",
+        executor={"workers": 1, "timeout_s": 0.5, "max_rows": 2},
+    )
+    yield t
+    t.close()
+
+
+def test_a_result_over_the_row_cap_is_executable_but_not_compared(tight):
+    ex = tight.examples("val")[1]  # reference: 3 names
+    s = tight.score(ex, wrap("SELECT name FROM item"))
+    # SQLite ran it without an error; only the executor stopped reading the result
+    assert s.rewards == {"format": 1.0, "executability": 1.0, "execution": 0.0}
+    assert s.blocks["executability"] is None
+    assert s.reasons["execution"] == (
+        "not compared: the result has more than the executor's limit of 2 rows"
+    )
+    assert s.checks["error_kind"] == "rows"
+
+
+@pytest.mark.parametrize(
+    ("sql", "kind", "block"),
+    [
+        (
+            HANG,
+            "time",
+            "When this query was executed on this database, the executor stopped it: the query "
+            "did not finish within the executor's 0.5 s time limit.",
+        ),
+        (
+            "DROP TABLE item",
+            "refused",
+            "This query was not executed: not authorized: only read-only SELECT queries may run "
+            "here, not DROP.",
+        ),
+        (
+            "SELECT 1; SELECT 2",
+            "driver",
+            "This query could not be given to SQLite: Python's sqlite3 module raised: You can "
+            "only execute one statement at a time.",
+        ),
+        (
+            "SELECT nme FROM item",
+            "sqlite",
+            "When this query was executed on this database, SQLite raised: no such column: nme.",
+        ),
+    ],
+)
+def test_each_failure_is_worded_by_who_stopped_the_query(tight, sql, kind, block):
+    s = tight.score(tight.examples("val")[0], wrap(sql))
+    assert s.rewards["executability"] == 0.0 and s.rewards["execution"] == 0.0
+    assert s.checks["error_kind"] == kind
+    assert s.blocks["executability"] == block
+    assert ("SQLite raised" in block) == (kind == "sqlite")
+
+
+# ---- execution match: the official CLI's DISTINCT rule, or the stricter one -------------------
+def test_keep_distinct_gives_the_stricter_comparison(tmp_path):
+    db = tmp_path / "db" / "pets" / "pets.sqlite"
+    db.parent.mkdir(parents=True)
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE pet (id INTEGER PRIMARY KEY, kind TEXT)")
+    con.executemany("INSERT INTO pet VALUES (?, ?)", [(1, "cat"), (2, "dog"), (3, "cat")])
+    con.commit()
+    con.close()
+    rows = [
+        {"db_id": "pets", "question": "Kinds of pets?", "query": "SELECT DISTINCT kind FROM pet"}
+    ]
+    (tmp_path / "dev.json").write_text(json.dumps(rows))
+    splits = {"dev": {"file": str(tmp_path / "dev.json"), "db_dir": [str(tmp_path / "db")]}}
+    without_distinct = wrap("SELECT kind FROM pet")  # cat, dog, cat
+    with_distinct = wrap("SELECT DISTINCT kind FROM pet")
+    official = Text2SQLTask(splits=splits, val_split="dev", executor={"workers": 1})
+    strict = Text2SQLTask(
+        splits=splits, val_split="dev", keep_distinct=True, executor={"workers": 1}
+    )
+    try:
+        ex = official.examples("val")[0]
+        # official CLI: DISTINCT removed from both, so the bags {cat, dog, cat} are compared
+        assert official.score(ex, without_distinct).rewards["execution"] == 1.0
+        assert official.score(ex, with_distinct).rewards["execution"] == 1.0
+        ex = strict.examples("val")[0]
+        assert strict.score(ex, without_distinct).rewards["execution"] == 0.0
+        assert strict.score(ex, with_distinct).rewards["execution"] == 1.0
+    finally:
+        official.close()
+        strict.close()
+
+
+# ---- prompts: full schemas by default, a character budget on request ---------------------------
+def test_full_schema_by_default_truncation_is_opt_in(tmp_path):
+    from tests.task_fixtures import WIDE_TABLES, make_wide_db
+
+    make_wide_db(tmp_path / "db" / "wide_db" / "wide_db.sqlite")
+    rows = [{"db_id": "wide_db", "question": "Rows of table 0?", "query": "SELECT * FROM table_0"}]
+    (tmp_path / "dev.json").write_text(json.dumps(rows))
+    splits = {"dev": {"file": str(tmp_path / "dev.json"), "db_dir": [str(tmp_path / "db")]}}
+    full = Text2SQLTask(splits=splits, val_split="dev").examples("val")[0]
+    text = full.messages[-1]["content"]
+    assert all(f"CREATE TABLE table_{t} " in text for t in range(WIDE_TABLES))
+    assert "Sample values of table_59" in text and "not shown" not in text
+    cut = Text2SQLTask(splits=splits, val_split="dev", schema_max_chars=3000).examples("val")[0]
+    short = cut.messages[-1]["content"]
+    assert len(short) < 4000 < len(text)
+    assert "more tables are not shown (schema too long)" in short

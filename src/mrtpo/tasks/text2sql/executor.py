@@ -28,6 +28,10 @@ and the training process must survive all of them. The defences, from the outsid
    A crashed worker is replaced the same way (its job is retried once).
 7. **Result caps**: at most ``max_rows`` rows and ``max_result_bytes`` bytes are fetched.
 
+Every failure carries a *kind* (``ExecOutcome.pred_error_kind``, one of ``ERROR_KINDS``) so
+that the task can word it honestly: SQLite's own errors, the sqlite3 module's, and each of
+the executor's limits (time, memory, rows, bytes), refusals and crashes are told apart.
+
 Results never travel back to the trainer: a worker executes the reference and the
 prediction, compares them itself (``match.results_match``) and returns a small summary.
 Each worker keeps an LRU cache of reference results, so the ``G`` samples of one prompt
@@ -103,12 +107,36 @@ class ExecJob:
     mode: str = "spider"
 
 
+#: Why a statement did not give a result (``ExecOutcome.pred_error_kind``):
+#: ``sqlite`` SQLite raised an error (syntax, unknown column, the authorizer's denial);
+#: ``driver`` Python's sqlite3 module refused the text (a NUL character, two statements);
+#: ``time``, ``memory`` the executor's time budget or memory cap stopped the statement;
+#: ``rows``, ``bytes`` the statement ran without error, but its result is over the row or
+#: size cap and was not read to the end; ``refused`` refused before running (empty, too
+#: long, a writing statement); ``crash`` the worker process died; ``database`` the database
+#: file is missing or cannot be opened.
+ERROR_KINDS = (
+    "sqlite",
+    "driver",
+    "time",
+    "memory",
+    "rows",
+    "bytes",
+    "refused",
+    "crash",
+    "database",
+)
+#: Kinds whose query ran without error: only its result was too large to read in full.
+RESULT_CAP_KINDS = frozenset({"rows", "bytes"})
+
+
 @dataclass
 class ExecOutcome:
     """What happened to one job. ``None`` fields were not attempted."""
 
     pred_ok: bool | None = None
     pred_error: str | None = None
+    pred_error_kind: str | None = None  # one of ERROR_KINDS when pred_ok is False
     pred_rows: int | None = None
     gold_ok: bool | None = None
     gold_error: str | None = None
@@ -181,21 +209,36 @@ def _value_size(v: Any) -> int:
     return len(v) if isinstance(v, (str, bytes)) else 8
 
 
-def _friendly_error(exc: BaseException, limits: Limits) -> str:
+def time_limit_message(limits: Limits) -> str:
+    return f"the query did not finish within the executor's {limits.timeout_s:g} s time limit"
+
+
+def _friendly_error(exc: BaseException, limits: Limits) -> tuple[str, str]:
+    """(message, kind) of an exception raised while running a statement."""
     msg = str(exc).strip() or type(exc).__name__
-    if msg == "interrupted":
-        return f"interrupted: the query ran longer than the {limits.timeout_s:g} s time limit"
+    if isinstance(exc, MemoryError) or msg == "out of memory":  # ours, or SQLite's malloc
+        return f"out of memory (the executor's limit is {limits.memory_mb} MB)", "memory"
+    if not isinstance(exc, sqlite3.Error) or isinstance(exc, sqlite3.ProgrammingError):
+        # raised by Python's module before SQLite saw the text (a NUL character, two
+        # statements, an integer too large for SQLite)
+        return msg, "driver"
+    if msg == "interrupted":  # only our progress handler interrupts
+        return time_limit_message(limits), "time"
     if msg in ("not authorized", "authorization denied") or msg.startswith("not authorized"):
-        return f"{msg} (only read-only SELECT queries may run here)"
-    if isinstance(exc, MemoryError):
-        return f"out of memory (the executor allows {limits.memory_mb} MB)"
-    return msg
+        return f"{msg} (only read-only SELECT queries may run here)", "sqlite"
+    if msg == "string or blob too big":
+        return f"{msg} (values are capped at {limits.max_value_bytes} bytes)", "sqlite"
+    return msg, "sqlite"
 
 
 def execute_guarded(
     con: sqlite3.Connection, deadline: list[float], sql: str, limits: Limits
-) -> tuple[list[tuple] | None, str | None]:
-    """Run one statement under the time budget and result caps: (rows, None) or (None, error)."""
+) -> tuple[list[tuple] | None, str | None, str | None]:
+    """Run one statement under the time budget and result caps.
+
+    Returns ``(rows, None, None)`` or ``(None, error, kind)`` with ``kind`` from
+    ``ERROR_KINDS``.
+    """
     deadline[0] = time.monotonic() + limits.timeout_s
     cur = None
     try:
@@ -208,13 +251,22 @@ def execute_guarded(
                 break
             rows.extend(chunk)
             if len(rows) > limits.max_rows:
-                return None, f"the result has more than {limits.max_rows} rows (limit)"
+                return (
+                    None,
+                    f"the result has more than the executor's limit of {limits.max_rows} rows",
+                    "rows",
+                )
             size += sum(_value_size(v) for row in chunk for v in row)
             if size > limits.max_result_bytes:
-                return None, f"the result is larger than {limits.max_result_bytes} bytes (limit)"
-        return rows, None
+                return (
+                    None,
+                    f"the result is larger than the executor's limit of "
+                    f"{limits.max_result_bytes} bytes",
+                    "bytes",
+                )
+        return rows, None, None
     except (sqlite3.Error, MemoryError, OverflowError, ValueError, RecursionError) as exc:
-        return None, _friendly_error(exc, limits)
+        return None, *_friendly_error(exc, limits)
     finally:
         deadline[0] = math.inf
         if cur is not None:
@@ -228,7 +280,9 @@ class _WorkerState:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.connections: OrderedDict[tuple, tuple[sqlite3.Connection, list[float]]] = OrderedDict()
-        self.gold_cache: OrderedDict[tuple, tuple[list[tuple] | None, str | None]] = OrderedDict()
+        self.gold_cache: OrderedDict[tuple, tuple[list[tuple] | None, str | None, str | None]] = (
+            OrderedDict()
+        )
 
     def connection(self, path: str) -> tuple[sqlite3.Connection, list[float]] | str:
         try:
@@ -249,18 +303,18 @@ class _WorkerState:
             old.close()
         return pair
 
-    def run(self, db: str, sql: str) -> tuple[list[tuple] | None, str | None]:
+    def run(self, db: str, sql: str) -> tuple[list[tuple] | None, str | None, str | None]:
         got = self.connection(db)
         if isinstance(got, str):
-            return None, got
+            return None, got, "database"
         con, deadline = got
         return execute_guarded(con, deadline, sql, self.limits)
 
-    def gold(self, db: str, sql: str, tick) -> tuple[list[tuple] | None, str | None]:
+    def gold(self, db: str, sql: str, tick) -> tuple[list[tuple] | None, str | None, str | None]:
         try:
             st = os.stat(db)
         except OSError:
-            return None, f"database file not found: {db}"
+            return None, f"database file not found: {db}", "database"
         key = (os.path.abspath(db), st.st_mtime_ns, st.st_size, sql)  # a replaced file: miss
         if key in self.gold_cache:
             self.gold_cache.move_to_end(key)
@@ -279,17 +333,17 @@ class _WorkerState:
         out = ExecOutcome()
         gold_rows = None
         if job.gold is not None:
-            gold_rows, out.gold_error = self.gold(job.db, job.gold, tick)
+            gold_rows, out.gold_error, _ = self.gold(job.db, job.gold, tick)
             out.gold_ok = gold_rows is not None
             out.gold_rows = None if gold_rows is None else len(gold_rows)
         if job.pred is not None:
             tick("pred")
-            rows, out.pred_error = self.run(job.db, job.pred)
+            rows, out.pred_error, out.pred_error_kind = self.run(job.db, job.pred)
             out.pred_ok = rows is not None
             out.pred_rows = None if rows is None else len(rows)
             if rows is not None and job.pred_match is not None and job.pred_match != job.pred:
                 tick("pred")
-                rows, out.match_error = self.run(job.db, job.pred_match)
+                rows, out.match_error, _ = self.run(job.db, job.pred_match)
             if job.gold is not None:
                 if rows is None or gold_rows is None:
                     out.match = False
@@ -372,7 +426,9 @@ def serve(limits: Limits) -> None:
         try:
             outcome = state.handle(ExecJob(**pickle.loads(payload)), tick)
         except Exception as exc:  # a bug here must not kill the worker
-            outcome = ExecOutcome(pred_ok=False, pred_error=f"executor error: {exc!r}")
+            outcome = ExecOutcome(
+                pred_ok=False, pred_error=f"executor error: {exc!r}", pred_error_kind="crash"
+            )
         # Only built-in types cross the pipe: the two sides name these classes differently.
         send(("done", asdict(outcome)))
 
@@ -556,7 +612,7 @@ class SQLExecutor:
             if gold_reason is not None:
                 out.gold_ok, out.gold_error = False, gold_reason
             if pred_reason is not None:
-                out.pred_ok, out.pred_error = False, pred_reason
+                out.pred_ok, out.pred_error, out.pred_error_kind = False, pred_reason, "refused"
             if job.pred is not None and job.gold is not None:
                 out.match = False
             if job.pred is not None and pred_reason is None:
@@ -571,15 +627,19 @@ class SQLExecutor:
         for i, out in partial.items():
             got = results[i]
             if got is not None:
-                out.pred_ok, out.pred_error, out.pred_rows = (
+                out.pred_ok, out.pred_error, out.pred_error_kind, out.pred_rows = (
                     got.pred_ok,
                     got.pred_error,
+                    got.pred_error_kind,
                     got.pred_rows,
                 )
                 out.seconds, out.killed = got.seconds, got.killed
             results[i] = out
         return [
-            r if r is not None else ExecOutcome(pred_ok=False, pred_error="lost") for r in results
+            r
+            if r is not None
+            else ExecOutcome(pred_ok=False, pred_error="lost", pred_error_kind="crash")
+            for r in results
         ]
 
     def check(self, db: str, sql: str) -> ExecOutcome:
@@ -622,7 +682,7 @@ class SQLExecutor:
             if attempt < 1:
                 pending.appendleft((i, attempt + 1))
             else:
-                results[i] = _failed(work[i], reason, t0)
+                results[i] = _failed(work[i], reason, "crash", t0)
 
         while pending or any(queue.values()):
             for w in list(self._workers):
@@ -688,10 +748,7 @@ class SQLExecutor:
                 i, attempt = queue[fd].popleft()
                 self.stats["killed"] += 1
                 replace(by_fd[fd])
-                reason = (
-                    f"the query ran longer than the {lim.timeout_s:g} s time limit and its "
-                    "process was stopped"
-                )
+                reason = time_limit_message(lim) + " (its worker process was stopped)"
                 job = work[i]
                 if stage == "gold" and job.pred is not None:
                     # The reference hung: record that, then still check the prediction.
@@ -700,13 +757,13 @@ class SQLExecutor:
                     frames.pop(i, None)
                     pending.append((i, attempt))
                 else:
-                    results[i] = _failed(job, reason, t0)
+                    results[i] = _failed(job, reason, "time", t0)
 
 
-def _failed(job: ExecJob, reason: str, t0: float) -> ExecOutcome:
+def _failed(job: ExecJob, reason: str, kind: str, t0: float) -> ExecOutcome:
     out = ExecOutcome(seconds=time.monotonic() - t0, killed=True)
     if job.pred is not None:
-        out.pred_ok, out.pred_error = False, reason
+        out.pred_ok, out.pred_error, out.pred_error_kind = False, reason, kind
         if job.gold is not None:
             out.match = False
     else:

@@ -5,15 +5,20 @@ Rewards (binary, after SQL-R1):
 * **format** -- the response is ``<think>…</think>`` followed by ``<answer>…</answer>``,
   each tag exactly once and in that order, only whitespace outside them, and the answer
   holds exactly one non-empty ```` ```sql ```` code block.
-* **executability** -- the query of the answer runs on the question's database.
+* **executability** -- the query of the answer runs on the question's database without an
+  error, within the executor's time budget (``task.executor.timeout_s``; the official
+  evaluator allows 60 s). A query stopped by the time or memory limit counts as not
+  executable; one whose result is over the row or size cap ran without error and counts as
+  executable, but its result is not compared (execution 0).
 * **execution** -- its result matches the reference query's (``match.py``).
 
 The query is taken from the *last* SQL code block inside the (last) ``<answer>`` even when
 the format is wrong, so executability and execution are judged independently of format.
 A fence labelled ``sql`` is preferred; an unlabelled fence is accepted for execution.
 
-Parsing uses ``str.find`` and simple non-nested patterns only, so a megabyte of garbage
-costs linear time.
+Parsing uses ``str.find``, ``str.count`` and one anchored pattern without nested
+repetition, so any text costs time linear in its length (``tests/unit/test_fuzz_tasks.py``
+times the worst cases).
 """
 
 from __future__ import annotations
@@ -32,10 +37,20 @@ FORMAT_BLOCK = (
 )
 NO_SQL_BLOCK = "This response contains no SQL code block inside <answer>."
 ERROR_BLOCK = "When this query was executed on this database, SQLite raised: {error}."
+#: The executability block by the executor's error kind (``executor.ERROR_KINDS``): each
+#: says who stopped the query, so a limit of the executor is never passed off as SQLite's.
+ERROR_BLOCKS = {
+    "sqlite": ERROR_BLOCK,
+    "driver": "This query could not be given to SQLite: Python's sqlite3 module raised: {error}.",
+    "time": "When this query was executed on this database, the executor stopped it: {error}.",
+    "memory": "When this query was executed on this database, the executor stopped it: {error}.",
+    "refused": "This query was not executed: {error}.",
+    "crash": "This query could not be executed: {error}.",
+    "database": "This query could not be executed: {error}.",
+}
 REFERENCE_BLOCK = "The reference query for this question is: {query}."
 
-# A fence's label counts only when a line break follows it ("```SELECT 1```" is unlabelled).
-_FENCE = re.compile(r"```(?:[ \t]*([A-Za-z0-9_+-]+)[ \t]*\r?\n|[ \t]*\r?\n?)(.*?)```", re.DOTALL)
+_LABEL_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-")
 _MAX_ERROR_CHARS = 300
 
 
@@ -59,11 +74,64 @@ def _answer_text(response: str) -> str | None:
 _INLINE_LABEL = re.compile(r"\s*(sql|sqlite)\s+", re.IGNORECASE)
 
 
+@dataclass(frozen=True)
+class _Fence:
+    start: int  # index of the opening backticks
+    end: int  # index just past the closing backticks
+    label: str  # lower-cased label ("" when unlabelled)
+    body: str
+
+
+def _skip(text: str, i: int, chars: str | frozenset[str]) -> int:
+    n = len(text)
+    while i < n and text[i] in chars:
+        i += 1
+    return i
+
+
+def _fence_spans(text: str) -> list[_Fence]:
+    """Fenced code blocks, left to right, in one linear pass.
+
+    A fence opens with three backticks; a label (letters, digits, ``_+-``) counts only when
+    a line break follows it ("```SELECT 1```" is unlabelled); otherwise spaces and one line
+    break after the backticks are skipped. The block ends at the next three backticks. This
+    replaces a regular expression whose lazy body backtracked over the header, which made
+    an unclosed fence followed by spaces cost quadratic time.
+    """
+    out: list[_Fence] = []
+    n = len(text)
+    pos = 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return out
+        head = _skip(text, start + 3, " \t")
+        label_end = _skip(text, head, _LABEL_CHARS)
+        label, body_start = "", -1
+        if label_end > head:
+            i = _skip(text, label_end, " \t")
+            if text.startswith("\r\n", i):
+                body_start = i + 2
+            elif i < n and text[i] == "\n":
+                body_start = i + 1
+            if body_start >= 0:
+                label = text[head:label_end].lower()
+        if body_start < 0:  # unlabelled: optional carriage return, optional line break
+            body_start = head + (text.startswith("\r", head))
+            body_start += text.startswith("\n", body_start)
+        close = text.find("```", body_start)
+        if close < 0:
+            # No backticks after this header, hence none after any later opening either.
+            return out
+        out.append(_Fence(start, close + 3, label, text[body_start:close]))
+        pos = close + 3
+
+
 def _fences(text: str) -> list[tuple[str, str]]:
     """(label, body) of each fenced code block; "```sql SELECT 1```" counts as labelled."""
     out = []
-    for m in _FENCE.finditer(text):
-        label, body = (m.group(1) or "").lower(), m.group(2)
+    for f in _fence_spans(text):
+        label, body = f.label, f.body
         if not label and (inline := _INLINE_LABEL.match(body)):
             label, body = inline.group(1).lower(), body[inline.end() :]
         out.append((label, body))
@@ -111,8 +179,8 @@ def check_format(response: str) -> str | None:
         return f"the code block is labelled {lang or 'nothing'!r}, not 'sql'"
     if not body.strip():
         return "the SQL code block is empty"
-    m = _FENCE.search(answer)
-    if answer[: m.start()].strip() or answer[m.end() :].strip():
+    m = _fence_spans(answer)[0]
+    if answer[: m.start].strip() or answer[m.end :].strip():
         return "text inside <answer> outside the SQL code block"
     return None
 
@@ -125,12 +193,13 @@ def parse_response(response: str) -> ParsedResponse:
     return ParsedResponse(sql=sql, format_ok=fmt is None, format_reason=fmt, sql_reason=why)
 
 
-def error_block(error: str) -> str:
-    """The executability block for a query that failed with ``error``."""
+def error_block(error: str, kind: str | None = "sqlite") -> str:
+    """The executability block for a query that failed with ``error`` of ``kind``."""
     error = " ".join(error.split())
     if len(error) > _MAX_ERROR_CHARS:
         error = error[: _MAX_ERROR_CHARS - 1] + "…"
-    return ERROR_BLOCK.format(error=error.rstrip("."))
+    template = ERROR_BLOCKS.get(kind or "", ERROR_BLOCKS["crash"])
+    return template.format(error=error.rstrip("."))
 
 
 def reference_block(query: str) -> str:

@@ -8,8 +8,9 @@ match (``rewards.py``, ``match.py``); queries run in the sandboxed worker pool o
 Verifier blocks, appended in this order by the default ``Task.contexts`` (method.md):
 
 1. format -- always: the format requirement.
-2. executability -- the SQLite error of this response's own query, or the "no SQL code
-   block" sentence when there is none; no block when the query runs.
+2. executability -- why this response's own query gave no result: SQLite's error, or the
+   executor's limit or refusal, each worded as what it is; the "no SQL code block" sentence
+   when there is no query; no block when the query runs (or runs into the row or size cap).
 3. execution -- always: the reference query.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 from mrtpo.tasks.base import Example, Score, Task
 
 from .data import Question, SplitConfig, find_database, read_questions
-from .executor import ExecJob, ExecOutcome, SQLExecutor
+from .executor import RESULT_CAP_KINDS, ExecJob, ExecOutcome, SQLExecutor
 from .match import clean_query, order_matters, prepare_for_match
 from .rewards import (
     FORMAT_BLOCK,
@@ -91,7 +92,9 @@ class Text2SQLTask(Task):
             ``db_dir``, ``question_field``, ``format``, ``match``, ``hub``, ``hub_split``,
             ``drop_failing_gold``). ``train`` is the training split.
         val_split: the split behind ``examples("val")``.
-        schema_max_chars: character budget of the schema block.
+        schema_max_chars: character budget of the schema block (None or 0: the full schema,
+            the paper's setting; prompts too long for ``data.max_prompt_tokens`` are then
+            dropped by the DataModule).
         sample_values: sample values shown per column (0: none).
         max_examples: keep only the first N usable questions of every split (tests, smoke).
         keep_distinct: compare results with DISTINCT kept (official default: removed).
@@ -108,7 +111,7 @@ class Text2SQLTask(Task):
         self,
         splits: Mapping[str, Mapping[str, Any]],
         val_split: str = "spider_dev",
-        schema_max_chars: int = 8000,
+        schema_max_chars: int | None = None,
         sample_values: int = 3,
         max_examples: int | None = None,
         keep_distinct: bool = False,
@@ -120,7 +123,7 @@ class Text2SQLTask(Task):
             name: SplitConfig.from_mapping(name, cfg or {}) for name, cfg in _plain(splits).items()
         }
         self.val_split = val_split
-        self.schema_max_chars = int(schema_max_chars)
+        self.schema_max_chars = int(schema_max_chars or 0)  # 0: no budget
         self.sample_values = int(sample_values)
         self.max_examples = None if max_examples in (None, 0) else int(max_examples)
         self.keep_distinct = bool(keep_distinct)
@@ -411,13 +414,21 @@ class Text2SQLTask(Task):
         checks["exec_seconds"] = round(out.seconds, 4)
         if out.gold_error:
             checks["gold_error"] = out.gold_error
-        if not out.pred_ok:
+        if not out.pred_ok and out.pred_error_kind in RESULT_CAP_KINDS:
+            # SQLite ran it without error; the executor stopped reading a result too large
+            # to compare. Executable (as the official evaluator would find it), not matched.
+            rewards["executability"] = 1.0
+            rewards["execution"] = 0.0
+            reasons["execution"] = f"not compared: {out.pred_error}"
+            checks["error_kind"] = out.pred_error_kind
+        elif not out.pred_ok:
             error = out.pred_error or "unknown error"
             rewards["executability"] = 0.0
             rewards["execution"] = 0.0
             reasons["executability"] = error
             reasons["execution"] = "the query did not run"
-            blocks["executability"] = error_block(error)
+            blocks["executability"] = error_block(error, out.pred_error_kind)
+            checks["error_kind"] = out.pred_error_kind
         else:
             rewards["executability"] = 1.0
             rewards["execution"] = 1.0 if out.match else 0.0
