@@ -13,6 +13,7 @@ import textwrap
 import pytest
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from tests.conftest import CONFIG_DIR
 
 from mrtpo.pipeline import build, metrics_csv
 from mrtpo.tasks.base import Example
@@ -179,7 +180,10 @@ def test_success_rule_and_names(user, train_cfg):
 def test_sft_references_and_val_split(user, train_cfg, tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text(
-        "".join(json.dumps({"q": f"Say {w}.", "a": w, "word": w}) + "\n" for w in "xyzw")
+        "".join(
+            json.dumps({"q": f"Say {w}.", "a": w, "word": w, "prompt": "-", "response": "-"}) + "\n"
+            for w in "xyzw"
+        )
     )
     cfg = train_cfg(
         *custom(user),
@@ -193,6 +197,9 @@ def test_sft_references_and_val_split(user, train_cfg, tmp_path):
     train, val = task.examples("train"), task.examples("val")
     assert [e.reference for e in train] == ["x", "y", "z"] and val[0].reference == "w"
     assert [e.id for e in train] == ["train-0", "train-1", "train-2"]
+    # columns named like the positional arguments are not passed again as keywords
+    assert task.score(train[0], "x").rewards["mentions"] == 1.0
+    assert "prompt" not in train[0].data["row"] and "response" not in train[0].data["row"]
     with pytest.raises(ValueError, match=r"task\.data\.splits\.test"):
         task.examples("test")
 
@@ -260,3 +267,13 @@ def test_python_api_takes_callables(tmp_path):
     assert task.score(ex, "hello").rewards == {"longish": 1.0}
     with pytest.raises(ValueError, match=r"task\.reward_names"):
         CustomTask(data={"path": str(data)}, rewards=[lambda p, r, **k: 1.0])
+
+
+METHODS = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_composes_with_every_method(method, user, train_cfg):
+    cfg = train_cfg(*custom(user, f"method={method}"))
+    task = instantiate(cfg.task)
+    instantiate(cfg.method).setup(tuple(task.reward_names), task.rewards_vary_per_prompt)

@@ -15,7 +15,8 @@ from tests.conftest import CONFIG_DIR, ROOT, compose_config
 
 from mrtpo.pipeline import build, metrics_csv
 
-TASKS = sorted(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml"))
+# task=custom needs a user's data file and reward functions: tests/integration/test_custom_task.py
+TASKS = sorted(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml") if p.stem != "custom")
 METHODS = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 

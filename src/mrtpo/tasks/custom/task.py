@@ -31,8 +31,9 @@ from mrtpo.tasks.custom.data import columns, detect_format, read_rows
 
 log = logging.getLogger(__name__)
 
-# The response is passed positionally; a column of this name cannot also be a keyword.
-_RESERVED = ("response",)
+# The prompt and the response are passed positionally: columns of these names (other than the
+# prompt column itself) cannot also be keywords.
+_RESERVED = ("prompt", "response")
 
 
 @dataclass
@@ -68,6 +69,10 @@ class DataConfig:
         out.splits = {str(k): str(v) for k, v in (out.splits or {}).items()}
         if out.val_size < 0:
             raise ValueError(f"task.data.val_size must be >= 0, got {out.val_size}")
+        if out.val_size and "val" in out.splits:
+            raise ValueError(
+                "task.data.val_size and task.data.splits.val both define the val split; set one"
+            )
         return out
 
 
@@ -202,7 +207,7 @@ class CustomTask(Task):
     def _load(self, split: str) -> list[Example]:
         c = self.cfg
         if split == "train" or (split == "val" and "val" not in c.splits and c.val_size > 0):
-            rows = self._rows(c.path, c.split, "task.data.path")
+            rows = self._rows(c.path, c.split, "task.data.path", c.format)
             if c.val_size:
                 if c.val_size >= len(rows):
                     raise ValueError(
@@ -232,11 +237,11 @@ class CustomTask(Task):
         if Path(value).exists():
             return self._rows(value, None, key, fmt=None)  # its own file: format from its name
         if detect_format(self.cfg.path, self.cfg.format, "task.data.format") == "hf":
-            return self._rows(self.cfg.path, value, key)  # a split of the same HF dataset
+            return self._rows(self.cfg.path, value, key, self.cfg.format)  # same HF dataset
         raise FileNotFoundError(f"{key}={value}: no such file")
 
-    def _rows(self, path: str, hf_split: str | None, key: str, **given) -> list[dict]:
-        fmt = detect_format(path, given.get("fmt", self.cfg.format), "task.data.format")
+    def _rows(self, path: str, hf_split: str | None, key: str, fmt: str | None) -> list[dict]:
+        fmt = detect_format(path, fmt, "task.data.format")
         return read_rows(path, fmt, split=hf_split, name=self.cfg.name, key=key)
 
     def _to_examples(self, rows: list[dict], split: str, source: str) -> list[Example]:
@@ -310,7 +315,7 @@ class CustomTask(Task):
                 f"{where}: column {col!r} must hold text or a list of chat messages, got "
                 f"{type(raw).__name__} {str(raw)[:80]!r}"
             )
-        if self.cfg.system_prompt and msgs[0]["role"] != "system":
+        if self.cfg.system_prompt and msgs[0]["role"] != "system":  # a user's own one wins
             msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
         return msgs
 
