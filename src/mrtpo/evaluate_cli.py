@@ -1,13 +1,59 @@
-"""The evaluation job behind ``src/eval.py``: score given responses, or generate and score."""
+"""The evaluation job behind ``src/eval.py``: score given responses, or generate and score.
+
+With ``ckpt_path=<run>/checkpoints/<x>.ckpt`` the model (and with it the tokenizer) and the
+task come from that training run's saved config, ``<run>/.hydra/config.yaml``: the checkpoint
+is scored as it was trained. A group chosen on the command line (``model=...``, ``task=...``)
+replaces the run's; a single key (``model.name_or_path=...``, ``task.num_val=...``) changes
+only that key of the run's group.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
+
+#: Config groups taken from the training run of ``ckpt_path`` unless given on the command line.
+RUN_GROUPS = ("model", "task")
+#: The groups eval composes (its ``--help`` lists only these).
+EVAL_GROUPS = ("model", "task", "rollout", "paths")
+
+
+def _config_options(group: str) -> str:
+    from mrtpo.config import CONFIG_DIR
+
+    return ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
+
+
+def _help_groups() -> str:
+    return "\n".join(f"{g}: {_config_options(g)}" for g in EVAL_GROUPS)
+
+
+_SUBDIRS: dict[str, str] = {}
+
+
+def _hydra_subdir(output) -> str:
+    """``hydra.output_subdir`` of eval: ``.hydra``, unless ``eval.output`` already holds a
+    ``.hydra/`` (e.g. eval.output=<training run>): then ``.hydra/eval-<time>``, so a training
+    run's saved config is never overwritten. The same answer each time it is resolved."""
+    if not output or not (Path(str(output)) / ".hydra").exists():
+        return ".hydra"
+    key = str(output)
+    if key not in _SUBDIRS:
+        _SUBDIRS[key] = f".hydra/eval-{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+    return _SUBDIRS[key]
+
+
+# configs/hydra/eval.yaml resolves these; src/eval.py imports this module before Hydra runs.
+for _name, _fn in (("mrtpo.eval_groups", _help_groups), ("mrtpo.eval_hydra_subdir", _hydra_subdir)):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _fn)
 
 
 def _show(metrics: dict[str, float], title: str) -> None:
@@ -23,17 +69,140 @@ def _show(metrics: dict[str, float], title: str) -> None:
     Console().print(t)
 
 
-def load_checkpoint_weights(policy, ckpt_path: str) -> None:
-    import torch
+# ---- the training run behind a checkpoint ---------------------------------------------------
 
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)["state_dict"]
-    weights = {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
-    if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise ValueError(
-            f"checkpoint {ckpt_path} does not match model: missing={missing[:5]} "
-            f"unexpected={unexpected[:5]}"
+
+def run_config_path(ckpt_path: str | Path) -> Path:
+    """``<run>/.hydra/config.yaml`` for ``<run>/checkpoints/<name>.ckpt``."""
+    ckpt = Path(ckpt_path)
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run / ".hydra" / "config.yaml"
+
+
+def _command_line() -> list[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # composed without Hydra's runtime (a library caller)
+        return []
+
+
+def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
+    """(whether ``group=...`` itself was chosen, the dotted ``group.x.y`` keys given)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    chosen, keys = False, []
+    for ov in OverridesParser.create().parse_overrides(overrides):
+        key = ov.key_or_group
+        if key == group:
+            chosen = True
+        elif key.startswith(group + "."):
+            keys.append(key)
+    return chosen, keys
+
+
+def from_training_run(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+    """``cfg`` with ``model`` and ``task`` taken from the training run of ``cfg.ckpt_path``.
+
+    The run's groups are resolved as the run resolved them (its own paths); command-line
+    overrides of a whole group win, and overridden keys are applied on top of the run's group.
+    Returns the config and a record of where each group came from.
+    """
+    ckpt = cfg.get("ckpt_path")
+    if not ckpt:
+        return cfg, {}
+    if not Path(str(ckpt)).is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt}: no such checkpoint file")
+    saved = run_config_path(str(ckpt))
+    if not saved.is_file():
+        log.warning(
+            "ckpt_path=%s: no training config at %s; using model= and task= of this command "
+            "(%s, %s)",
+            ckpt,
+            saved,
+            cfg.model.get("name_or_path"),
+            cfg.task.get("_target_"),
         )
+        return cfg, {"run_config": None}
+    train_cfg = OmegaConf.load(saved)
+    overrides = _command_line()
+    info: dict[str, Any] = {"run_config": str(saved)}
+    for group in RUN_GROUPS:
+        chosen, keys = _given(overrides, group)
+        if chosen or group not in train_cfg:
+            info[f"{group}_source"] = "command line"
+            continue
+        try:
+            node = OmegaConf.to_container(train_cfg[group], resolve=True)
+        except Exception as exc:  # e.g. an interpolation into a key eval lacks
+            raise ValueError(
+                f"ckpt_path={ckpt}: cannot read {group} from {saved} ({exc}); pass {group}=... "
+                "on the command line"
+            ) from exc
+        node = OmegaConf.create(node)
+        for key in keys:  # e.g. model.name_or_path=/local/copy of the run's model
+            sub = key[len(group) + 1 :]
+            value = OmegaConf.select(cfg, key, default=None)
+            OmegaConf.update(node, sub, value, force_add=True)
+        with open_dict(cfg):
+            cfg[group] = node
+        info[f"{group}_source"] = f"training run ({saved})" + (
+            f" with {', '.join(keys)}" if keys else ""
+        )
+        log.info("eval: %s from the training run %s", group, saved.parent.parent)
+    return cfg, info
+
+
+def load_checkpoint_weights(policy, ckpt_path: str, model_source: str = "") -> int | None:
+    """Put the policy weights of a training checkpoint into ``policy``; return its step.
+
+    A checkpoint of another model (other shapes or parameter names) fails naming the first
+    differences and where the model config came from, not with torch's size mismatch.
+    """
+    from mrtpo.checkpointing import load_checkpoint
+
+    ckpt = load_checkpoint(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    state = ckpt.get("state_dict") or {}
+    weights = {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
+    ours = policy.state_dict()
+    shapes = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(ours[k].shape)}"
+        for k, v in weights.items()
+        if k in ours and tuple(v.shape) != tuple(ours[k].shape)
+    ]
+    unexpected = [k for k in weights if k not in ours]
+    missing = [k for k in ours if k not in weights and "lm_head" not in k]
+    if not weights or shapes or unexpected or missing:
+        detail = "; ".join(
+            [f"shapes differ: {shapes[:2]}"] * bool(shapes)
+            + [f"{len(unexpected)} unexpected parameters (e.g. {unexpected[:2]})"]
+            * bool(unexpected)
+            + [f"{len(missing)} missing (e.g. {missing[:2]})"] * bool(missing)
+            + ["it holds no policy weights"] * (not weights)
+        )
+        raise ValueError(
+            f"ckpt_path={ckpt_path} holds a different model than the one loaded "
+            f"(model from {model_source or 'the command line'}): {detail}. Drop model= from "
+            "the command line to use the training run's model, or pick the matching model="
+        )
+    policy.load_state_dict(weights, strict=False)
+    return ckpt.get("global_step")
+
+
+def _positive_int(ev, key: str, allow_null: bool = False) -> int | None:
+    value = ev.get(key)
+    if value is None and allow_null:
+        return None
+    try:
+        n = int(value)
+        ok = n >= 1 and float(value) == n
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        allowed = "an integer >= 1" + (" or null" if allow_null else "")
+        raise ValueError(f"eval.{key}={value!r} is not allowed: use {allowed}")
+    return n
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -42,16 +211,38 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from mrtpo.evaluation import evaluate_examples, score_responses, write_results
 
     ev = cfg.eval
+    limit = _positive_int(ev, "limit", allow_null=True)
+    batch_size = _positive_int(ev, "batch_size")
+    n = _positive_int(ev, "n_samples")
+    cfg, source = from_training_run(cfg)
     task = instantiate(cfg.task)
     options = OmegaConf.to_container(ev, resolve=True)
     examples = list(task.eval_examples(ev.split, options))
-    if ev.limit:
-        examples = examples[: int(ev.limit)]
-    out = Path(ev.output)
+    if limit:
+        examples = examples[:limit]
+    out = Path(ev.output or cfg.paths.output_dir)
+    scored: dict[str, Any] = {
+        "task": task.name,
+        "split": ev.split,
+        "limit": limit,
+        "seed": int(cfg.seed),
+        "checkpoint": str(Path(cfg.ckpt_path).resolve()) if cfg.get("ckpt_path") else None,
+        **source,
+    }
     if ev.responses:
-        metrics = score_responses(task, examples, ev.responses, out)
+        scored["mode"] = "responses"
+        metrics = score_responses(
+            task,
+            examples,
+            ev.responses,
+            out,
+            require_complete=bool(ev.get("require_complete", False)),
+            scored=scored,
+        )
         _show(metrics, f"{task.name} / {ev.split} (scored {ev.responses})")
         return metrics
+
+    import dataclasses
 
     import torch
     from rich.progress import Progress
@@ -63,7 +254,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
     if cfg.get("ckpt_path"):
-        load_checkpoint_weights(policy, cfg.ckpt_path)
+        scored["checkpoint_step"] = load_checkpoint_weights(
+            policy, cfg.ckpt_path, source.get("model_source", "")
+        )
     policy.eval()
     engine = instantiate(cfg.rollout.engine)
     eos = eos_token_ids(tokenizer, policy)
@@ -72,13 +265,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     base = dict(OmegaConf.to_container(cfg.rollout.sampling, resolve=True))
     if ev.max_new_tokens:
         base["max_new_tokens"] = int(ev.max_new_tokens)
-    n = int(ev.n_samples)
     sampling = SamplingConfig(**base, greedy=bool(ev.greedy) and n == 1)
     all_ex, texts = [], []
     with Progress() as progress:
         bar = progress.add_task(f"generating {task.name}/{ev.split}", total=len(examples))
-        for s in range(0, len(examples), int(ev.batch_size)):
-            chunk = examples[s : s + int(ev.batch_size)]
+        for s in range(0, len(examples), batch_size):
+            chunk = examples[s : s + batch_size]
             roll = build_rollout(engine, tokenizer, chunk, n, sampling, cfg.seed + s, eos)
             all_ex.extend(roll.examples)
             texts.extend(roll.texts)
@@ -86,7 +278,17 @@ def run(cfg: DictConfig) -> dict[str, float]:
     metrics, rows = evaluate_examples(task, all_ex, texts)
     for i, row in enumerate(rows):
         row["sample"] = i % n
-    write_results(out, metrics, rows)
+    metrics["coverage"] = 1.0
+    scored.update(
+        mode="generate",
+        model=str(cfg.model.get("name_or_path")),
+        n_samples=n,
+        sampling=dataclasses.asdict(sampling),
+        examples=len(examples),
+        responses_scored=len(texts),
+        coverage=1.0,
+    )
+    write_results(out, metrics, rows, scored)
     _show(metrics, f"{task.name} / {ev.split} ({n} sample(s) per prompt)")
     log.info("wrote %s", out / "metrics.json")
     return metrics

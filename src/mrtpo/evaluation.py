@@ -8,26 +8,85 @@ evaluation and by training-time validation.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.base import Example, Score, Task
 
+log = logging.getLogger(__name__)
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSONL file; a malformed line raises with the file and line number."""
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), "an array" if isinstance(value, list) else type(value).__name__
+    )
+
+
+def _lone_surrogate(value: Any, where: str = "") -> str | None:
+    """Where ``value`` holds a string that is not valid Unicode text (JSON lets a line escape
+    half of a surrogate pair, ``"\\ud800"``; such a string cannot be written as UTF-8)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{where or 'the value'} holds U+{ord(value[exc.start]):04X}"
+        return None
+    if isinstance(value, dict):
+        children = [(f"{where}.{k}" if where else str(k), k, v) for k, v in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{where}[{i}]", None, v) for i, v in enumerate(value)]
+    else:
+        return None
+    for name, key, child in children:
+        if isinstance(key, str) and _lone_surrogate(key):
+            return f"a key of {where or 'the object'} holds a lone surrogate"
+        bad = _lone_surrogate(child, name)
+        if bad:
+            return bad if where else f"field {bad}"
+    return None
+
+
+def read_jsonl(path: str | Path, objects: bool = True) -> list[Any]:
+    """Read a JSONL file; every bad line raises ``ValueError`` naming the file and line.
+
+    Bad lines: not UTF-8, not JSON, not a JSON object (with ``objects``), or holding an
+    escaped lone surrogate. Blank lines are skipped; a UTF-8 byte-order mark is allowed.
+    """
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{i}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                    f"{exc.start + 1}); save the file as UTF-8"
+                ) from exc
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                value = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{i}: malformed JSON line ({exc.msg})") from exc
+            if objects and not isinstance(value, dict):
+                raise ValueError(
+                    f"{path}:{i}: expected a JSON object, got {_kind(value)} ({line.strip()[:40]})"
+                )
+            bad = _lone_surrogate(value)
+            if bad:
+                raise ValueError(
+                    f"{path}:{i}: {bad}, an escaped lone surrogate: not valid Unicode text"
+                )
+            rows.append(value)
     return rows
 
 
@@ -55,27 +114,86 @@ def evaluate_examples(
     return metrics, rows
 
 
-def write_results(output: str | Path, metrics: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+def _json_line(row: dict[str, Any]) -> bytes:
+    try:
+        return (json.dumps(row, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # text that is not valid Unicode: keep it, escaped
+        return (json.dumps(row, ensure_ascii=True, default=str) + "\n").encode("ascii")
+
+
+def _write_atomic(path: Path, data: bytes) -> Path:
+    """``data`` into a fsynced temporary file beside ``path``; the caller renames it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def write_results(
+    output: str | Path,
+    metrics: dict[str, Any],
+    rows: list[dict[str, Any]],
+    scored: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``results.jsonl`` and ``metrics.json`` into ``output``: both or neither.
+
+    Both files are serialized and written to temporary files first; only then are they
+    renamed into place, ``metrics.json`` last, and it records the SHA-256 of the
+    ``results.jsonl`` it belongs to. ``scored`` (what was evaluated: checkpoint or model,
+    split, sampling, counts) goes into ``metrics.json`` under ``"scored"``.
+    """
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
-    (out / "metrics.json").write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
-    with open(out / "results.jsonl", "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+    results = b"".join(_json_line(row) for row in rows)
+    clean: dict[str, Any] = {
+        k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()
+    }
+    clean["scored"] = {**(scored or {}), "results_sha256": hashlib.sha256(results).hexdigest()}
+    meta = (json.dumps(clean, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
+    tmps: list[Path] = []
+    try:
+        tmps.append(_write_atomic(out / "results.jsonl", results))
+        tmps.append(_write_atomic(out / "metrics.json", meta))
+        os.replace(tmps[0], out / "results.jsonl")
+        os.replace(tmps[1], out / "metrics.json")
+        tmps = []
+    finally:
+        for t in tmps:
+            t.unlink(missing_ok=True)
     return out
 
 
 def score_responses(
-    task: Task, examples: Sequence[Example], responses_file: str | Path, output: str | Path
+    task: Task,
+    examples: Sequence[Example],
+    responses_file: str | Path,
+    output: str | Path,
+    require_complete: bool = False,
+    scored: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Score a JSONL of ``{"id", "response"}`` lines against ``examples`` (matched by id).
 
     Several lines may share an id (several samples per prompt); metrics are then averaged
-    over all lines, as the benchmarks do for n samples per prompt.
+    over all lines, as the benchmarks do for n samples per prompt. An empty file is an
+    error; a file that covers only some examples warns, records ``coverage`` (covered
+    examples / examples) and, with ``require_complete``, is an error.
     """
     by_id = {str(e.id): e for e in examples}
     lines = read_jsonl(responses_file)
+    if not lines:
+        raise ValueError(
+            f"{responses_file}: no responses (the file is empty); expected one "
+            f'{{"id": ..., "response": ...}} line per example ({len(by_id)} examples)'
+        )
     matched: list[Example] = []
     texts: list[str] = []
     for i, line in enumerate(lines, 1):
@@ -91,6 +209,33 @@ def score_responses(
         matched.append(ex)
         resp = line["response"]
         texts.append(resp if isinstance(resp, str) else json.dumps(resp))
+    covered = {str(e.id) for e in matched}
+    coverage = len(covered) / max(1, len(by_id))
+    if len(covered) < len(by_id):
+        missing = [k for k in by_id if k not in covered]
+        msg = (
+            f"{responses_file} covers {len(covered)} of {len(by_id)} examples "
+            f"({100 * coverage:.1f}%; missing e.g. {missing[:3]})"
+        )
+        if require_complete:
+            raise ValueError(
+                f"{msg}; eval.require_complete=true needs a response for every example"
+            )
+        log.warning(
+            "%s: the metrics are over the covered examples only (coverage=%.4f in "
+            "metrics.json; eval.require_complete=true makes this an error)",
+            msg,
+            coverage,
+        )
     metrics, rows = evaluate_examples(task, matched, texts)
-    write_results(output, metrics, rows)
+    metrics["coverage"] = coverage
+    info = {
+        **(scored or {}),
+        "responses": str(responses_file),
+        "examples": len(by_id),
+        "examples_covered": len(covered),
+        "responses_scored": len(lines),
+        "coverage": coverage,
+    }
+    write_results(output, metrics, rows, info)
     return metrics
