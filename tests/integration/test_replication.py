@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
+import re
 
 import pytest
 from tests.conftest import ROOT
 
+from mrtpo.analysis.runs import rl_curves
+
 
 def _script():
+    """scripts/replicate.py as a module: its flags are what `make replicate` passes."""
     spec = importlib.util.spec_from_file_location("replicate", ROOT / "scripts" / "replicate.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["replicate"] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -39,6 +41,7 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
             "--override=rl.group_size=4",
             "--override=callbacks.relevance_dump.every=1",
             "--relevance-prompts=4",
+            "--threshold=0.25",
             f"--docs={docs}",
             f"--logdir={logs}",
         ]
@@ -53,7 +56,7 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
         for seed in (0, 1):
             job = json.loads((logs / "k2" / method / f"s{seed}" / "job.json").read_text())
             assert job["error"] is None
-            curve = rep.rl_curves(job["csv"])
+            curve = rl_curves(job["csv"])
             assert len(curve["success"]) == 3
             assert set(curve) == {"success", "first", "last"}
             first_success.setdefault(seed, set()).add(curve["success"][0])
@@ -61,7 +64,8 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
     assert all(len(v) == 1 for v in first_success.values()), first_success
 
     report = (docs / "replication.md").read_text()
-    assert "## K = 2" in report
+    assert re.search(r"UTC, (runs )?from commit `[0-9a-f]{7,}", report)
+    assert "## K = 2" in report and "steps to success ≥ 0.25" in report
     for method in ("gdpo", "mrtpo"):
         assert f"| {method} | 2 |" in report
     assert "MRTPO − GDPO, AUC" in report
@@ -74,4 +78,8 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
     (docs / "replication.md").unlink()
     assert rep.main(["--ks=2", "--seeds=2", "--methods=gdpo,mrtpo", "--steps=3",
                      "--report-only", f"--logdir={logs}", f"--docs={docs}"]) == 0  # fmt: skip
-    assert (docs / "replication.md").read_text().count("| gdpo | 2 |") == 1
+    again = (docs / "replication.md").read_text()
+    assert again.count("| gdpo | 2 |") == 1
+    assert "steps to success ≥ 0.25" in again  # the run's threshold, read back from run.json
+    tables = [line for line in again.splitlines() if line.startswith("|")]
+    assert tables == [line for line in report.splitlines() if line.startswith("|")]

@@ -1,0 +1,153 @@
+"""Training jobs (composed Hydra configs) run in a pool of worker processes.
+
+Each job is a list of overrides of ``configs/train.yaml`` and a folder. A job that finished
+without error left ``job.json`` there and is not run again, so an interrupted harness resumes
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import traceback
+import warnings
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mrtpo.config import compose
+
+
+@dataclass
+class Job:
+    key: str  # e.g. "k4/sft", "k4/mrtpo/s0"
+    overrides: list[str]
+    out: Path
+    steps: int  # expected steps (for the progress bar; SFT: the upper bound)
+
+
+def quiet() -> None:
+    """Keep the console for the progress display: no library banners, bars or warnings."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    import lightning  # noqa: F401  (sets its own log levels on import: import first)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for name in list(logging.root.manager.loggerDict):
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric", "mrtpo"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "mrtpo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    quiet()
+
+
+def _reporter(queue, key: str):
+    import lightning as L
+
+    class Reporter(L.Callback):
+        """Sends (job, step, success) to the parent for its progress display."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            m = trainer.callback_metrics
+            val = m.get("train/success", m.get("val_success"))
+            queue.put((key, int(trainer.global_step), None if val is None else float(val)))
+
+    return Reporter()
+
+
+def run_job(job: Job, queue=None) -> dict[str, Any]:
+    """Train one composed config (in a worker process); return where its results are."""
+    from mrtpo.pipeline import build, metrics_csv
+
+    t0 = time.perf_counter()
+    try:
+        cfg = compose("train.yaml", job.overrides)
+        trainer, module, dm = build(cfg)
+        if queue is not None:
+            trainer.callbacks.append(_reporter(queue, job.key))
+        trainer.fit(module, datamodule=dm)
+        path = metrics_csv(trainer)
+        result = {"key": job.key, "csv": str(path) if path else None, "error": None}
+    except Exception as exc:  # reported in the parent; one failed run must not lose the rest
+        result = {"key": job.key, "csv": None, "error": f"{exc}\n{traceback.format_exc()}"}
+    result["wall_s"] = time.perf_counter() - t0
+    (job.out / "job.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) -> dict[str, dict]:
+    """Run jobs on a process pool with a rich progress display; skip finished ones.
+
+    Workers are fresh interpreters ("spawn": no forked torch or tokenizer state) with
+    ``threads`` torch threads each; they import this module from the installed package.
+    """
+    import multiprocessing as mp
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: dict[str, dict] = {}
+    todo = []
+    for job in jobs:
+        done = job.out / "job.json"
+        if done.exists():
+            prev = json.loads(done.read_text())
+            if not prev.get("error"):
+                results[job.key] = prev
+                continue
+        job.out.mkdir(parents=True, exist_ok=True)
+        todo.append(job)
+    if not todo:
+        return results
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    queue = manager.Queue()
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    with (
+        Progress(*columns, console=console, transient=False) as progress,
+        ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,)
+        ) as pool,
+    ):
+        overall = progress.add_task(f"[bold]{title}", total=len(todo), info="")
+        bars: dict[str, int] = {}
+        pending: dict[Future, Job] = {pool.submit(run_job, j, queue): j for j in todo}
+        while pending:
+            done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
+            while not queue.empty():
+                key, step, succ = queue.get_nowait()
+                if key not in bars:
+                    steps = next(j.steps for j in todo if j.key == key)
+                    bars[key] = progress.add_task(f"  {key}", total=steps, info="")
+                info = "" if succ is None else f"success {succ:.2f}"
+                progress.update(bars[key], completed=step, info=info)
+            for fut in done:
+                job = pending.pop(fut)
+                res = fut.result()
+                results[job.key] = res
+                if job.key in bars:
+                    progress.remove_task(bars[job.key])
+                progress.advance(overall)
+                if res.get("error"):
+                    console.print(f"[red]{job.key} failed:[/red] {res['error'].splitlines()[0]}")
+                    console.print(res["error"][-2000:], markup=False)
+    manager.shutdown()
+    return results

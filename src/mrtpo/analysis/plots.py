@@ -1,0 +1,137 @@
+"""Figures of the toy replication: learning curves with bands, and one response shaded by each
+reward's relevance (PNG, and an HTML page with each token's q and w on hover)."""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+
+from mrtpo.analysis.stats import SMOOTH, mean_ci, smooth
+
+COLORS = {
+    "grpo": "#7f7f7f",
+    "gdpo": "#1f77b4",
+    "mrtpo": "#d62728",
+    "mrtpo_shuffle": "#ff7f0e",
+    "mrtpo_joint": "#2ca02c",
+}
+
+
+def plot_curves(curves: dict[str, list[dict[str, list[float]]]], k: int, path: Path) -> None:
+    """Success (smoothed) per step: mean and 95% band over seeds, one line per method; and
+    one small panel per reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rewards = [n for n in next(iter(curves.values()))[0] if n != "success"]
+    ncols = min(4, len(rewards))
+    nrows = 1 + math.ceil(len(rewards) / ncols)
+    fig = plt.figure(figsize=(3.2 * ncols, 3.0 * nrows), constrained_layout=True)
+    grid = fig.add_gridspec(nrows, ncols)
+    axes = [(fig.add_subplot(grid[0, :]), "success")]
+    for i, r in enumerate(rewards):
+        axes.append((fig.add_subplot(grid[1 + i // ncols, i % ncols]), r))
+    for ax, series in axes:
+        for method, runs in curves.items():
+            ys = [smooth(run[series]) for run in runs if series in run]
+            if not ys:
+                continue
+            n = min(len(y) for y in ys)
+            mean, lo, hi = [], [], []
+            for t in range(n):
+                m, h, _ = mean_ci([y[t] for y in ys])
+                mean.append(m)
+                h = 0.0 if math.isnan(h) else h
+                lo.append(m - h)
+                hi.append(m + h)
+            x = list(range(1, n + 1))
+            c = COLORS.get(method)
+            ax.plot(x, mean, color=c, label=method, lw=2 if series == "success" else 1.2)
+            ax.fill_between(x, lo, hi, color=c, alpha=0.15, lw=0)
+        ax.set_title(
+            f"all {k} constraints met (moving avg {SMOOTH})" if series == "success" else series,
+            fontsize=10 if series == "success" else 9,
+        )
+        ax.set_xlabel("RL step", fontsize=8)
+        ax.set_ylim(-0.02, 1.02)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8, ncols=len(curves), loc="lower right")
+    axes[0][0].set_ylabel("success rate (train samples)", fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_relevance(rec: dict, png: Path, page: Path) -> None:
+    """One response, a row per reward: each token shaded by that reward's relevance q
+    (scaled by the row's maximum). PNG with matplotlib; HTML with hover titles (q and w)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rec["q"])
+    toks = [t.replace("\n", "\\n") for t in rec["tokens"]]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(toks) + 2), 0.55 * len(names) + 1.6))
+    for r, name in enumerate(names):
+        q = rec["q"][name]
+        top = max(q) or 1.0
+        for t, v in enumerate(q):
+            ax.add_patch(
+                plt.Rectangle((t, r), 1, 1, color=(0.84, 0.15, 0.16, 0.05 + 0.9 * v / top))
+            )
+            ax.text(t + 0.5, r + 0.5, toks[t], ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, len(toks))
+    ax.set_ylim(len(names), 0)
+    ax.set_yticks([i + 0.5 for i in range(len(names))])
+    labels = []
+    for n in names:
+        v = rec["rewards"].get(n)
+        labels.append(f"{n} (r={'-' if v is None else f'{v:g}'})")
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xticks([])
+    for s in ax.spines.values():
+        s.set_visible(False)
+    ax.set_title(rec["prompt"], fontsize=8, wrap=True)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+    rows = []
+    for name in names:
+        q, w = rec["q"][name], rec["w"].get(name, [])
+        top = max(q) or 1.0
+        cells = []
+        for t, tok in enumerate(rec["tokens"]):
+            wt = f", w={w[t]:.3f}" if t < len(w) else ""
+            title = f"{name}: q={q[t]:.4f}{wt}"
+            alpha = 0.05 + 0.9 * q[t] / top
+            cells.append(
+                f'<td style="background: rgba(214,39,40,{alpha:.3f})" title="{html.escape(title)}">'
+                f"{html.escape(tok)}</td>"
+            )
+        v = rec["rewards"].get(name)
+        rows.append(
+            f"<tr><th>{html.escape(name)} (r={'-' if v is None else f'{v:g}'})</th>"
+            + "".join(cells)
+            + "</tr>"
+        )
+    page.write_text(
+        "<!doctype html><meta charset='utf-8'><title>MRTPO relevance</title>"
+        "<style>body{font-family:sans-serif} td{padding:4px 6px;border:1px solid #eee;"
+        "font-family:monospace;white-space:pre} th{text-align:right;padding-right:8px;"
+        "font-weight:normal}</style>"
+        f"<p><b>Prompt:</b> {html.escape(rec['prompt'])}</p>"
+        f"<p>Each row: one reward's relevance q (Jensen–Shannon distance between the next-token "
+        f"distributions with and without that constraint in the prompt), shaded relative to the "
+        f"row's largest value. Hover a token for q and the token weight w "
+        f"(β={rec.get('beta', 0):g}).</p>"
+        f"<table>{''.join(rows)}</table>\n"
+    )

@@ -1,0 +1,45 @@
+"""Reading what training runs wrote: Lightning's ``metrics.csv`` and the JSON-lines dumps."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import re
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Rows of a Lightning metrics.csv, numbers only (empty cells dropped: Lightning writes one
+    row per logging call, so most cells of a row are empty)."""
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row = {}
+            for k, v in r.items():
+                if v not in ("", None):
+                    with contextlib.suppress(ValueError):
+                        row[k] = float(v)
+            rows.append(row)
+    return rows
+
+
+def rl_curves(path: str | Path) -> dict[str, list[float]]:
+    """Per-step series of an RL run: ``success`` and each reward's mean, by reward name."""
+    rows = [r for r in read_metrics(path) if "train/success" in r]
+    rows.sort(key=lambda r: r["step"])
+    out: dict[str, list[float]] = {"success": [r["train/success"] for r in rows]}
+    for k in rows[0] if rows else {}:
+        m = re.fullmatch(r"train/reward/(.+)/mean", k)
+        if m and m.group(1) != "total":
+            out[m.group(1)] = [r.get(k, math.nan) for r in rows]
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,129 @@
+"""The replication report from in-memory results (no training): tables, paired differences,
+verdicts, the trend in K and the commit line, against hand-computed numbers."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from mrtpo.analysis.replication import KResult, Options, source_commit, write_report
+
+# success per step; AUC = the mean; steps to 0.5 use the 5-step trailing average
+GDPO = [[0, 0, 0.5, 0.5], [0, 0.5, 0.5, 0.5], [0, 0, 0, 0.5]]  # AUC .25 .375 .125; never 0.5
+MRTPO = [[0, 0.5, 0.5, 1.0], [0.5, 0.5, 0.5, 1.0], [0, 0.5, 0.5, 1.0]]  # AUC .5 .625 .5
+
+
+def _sft(steps: int, success: float, stop_when: str, target: float) -> dict:
+    return {
+        "steps": steps,
+        "reached": True,
+        "stop_when": stop_when,
+        "target_success": target,
+        "history": [{"success": success, "reward/first": 0.9, "reward/last": 0.8}],
+        "eval": {"prompts": 8, "samples": 4, "temperature": 1.0},
+    }
+
+
+def _result(k: int, mrtpo: list[list[float]]) -> KResult:
+    return KResult(
+        k=k,
+        sft={"sft": _sft(300, 0.61, "above", 0.6), "sft_noisy": _sft(200, 0.2, "below", 0.25)},
+        curves={
+            "gdpo": [{"success": c, "first": c} for c in GDPO],
+            "mrtpo": [{"success": c, "first": c} for c in mrtpo],
+        },
+        seeds={"gdpo": [0, 1, 2], "mrtpo": [0, 1, 2]},
+        relevance_sft={
+            "first": {
+                "pairs": 12,
+                "q_share": 0.5,
+                "tok_share": 0.2,
+                "enrichment": 2.5,
+                "argmax_hit": 0.75,
+            }
+        },
+    )
+
+
+@pytest.fixture
+def report(tmp_path):
+    opts = Options(
+        k_values=[2, 4], seeds=3, methods=["gdpo", "mrtpo"], threshold=0.5,
+        logdir=tmp_path / "logs", docs=tmp_path / "docs", commit=source_commit(),
+    )  # fmt: skip
+    # K=4: MRTPO's curves equal GDPO's (no gain), so the gain shrinks with K
+    results = [_result(2, MRTPO), _result(4, GDPO)]
+    out = write_report(results, opts, {"RL": "4 steps"}, 90.0, tmp_path / "docs" / "r.md")
+    return out.read_text()
+
+
+def test_method_table(report):
+    k2 = report.split("## K = 2")[1].split("## K = 4")[0]
+    # gdpo AUC .25 .375 .125: mean .25, sd .125, half t(.975, 2) * .125 / sqrt(3) = 0.3105;
+    # start (first 3 steps) .167 .333 0: sd .1667, half 0.414; no run reaches 0.5 -> steps
+    # counted as 4 (the run length); final (last 10 steps) = AUC on 4-step runs
+    assert "| gdpo | 3 | 0.167 ± 0.414 | 4.0 ± 0.0 | 0/3 | 0.250 ± 0.311 | 0.250 ± 0.311 |" in k2
+    # mrtpo: starts .333 .5 .333 (sd .0962, half 0.239); smoothed crossings at steps 4, 1, 4
+    # -> 3.0, sd sqrt(3), half 4.3027; AUC .5 .625 .5: mean .5417, sd .0722, half 0.179
+    assert "| mrtpo | 3 | 0.389 ± 0.239 | 3.0 ± 4.3 | 3/3 | 0.542 ± 0.179 | 0.542 ± 0.179 |" in k2
+    assert "steps to success ≥ 0.5" in k2
+    assert "**Warm start, learn the task (clean references):** 300 SFT steps; stopped at" in k2
+    assert "| first | 12 | 0.200 | 0.500 | 2.50× | 0.75 |" in k2
+
+
+def test_paired_differences_and_verdicts(report):
+    k2 = report.split("## K = 2")[1].split("## K = 4")[0]
+    # Δ AUC per seed .25 .25 .375: mean .2917, sd .07217, half 4.3027 * .041667 = 0.1793;
+    # Δ steps 4-4, 1-4, 4-4 = 0, -3, 0: mean -1, sd sqrt(3), half 4.3
+    assert "| mrtpo | 0.292 ± 0.179 | 0.292 ± 0.179 | -1.0 ± 4.3 | 3/3 |" in k2
+    assert "MRTPO − GDPO, AUC: +0.292 [+0.112, +0.471] — higher, and the 95% interval" in k2
+    assert "**MRTPO learned faster than GDPO**" in k2
+    k4 = report.split("## K = 4")[1]
+    assert "| mrtpo | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.0 ± 0.0 | 0/3 |" in k4
+    assert "**MRTPO did not beat GDPO" in k4
+
+
+def test_across_k_trend(report):
+    across = report.split("## Across K")[1].split("## Caveats")[0]
+    assert "| 2 | 0.292 ± 0.179 |" in across and "| 4 | 0.000 ± 0.000 |" in across
+    # points (2: .25 .25 .375), (4: 0 0 0): slope -.875 / 6 = -0.14583; RSS .0104167, Sxx 6,
+    # se sqrt(RSS / 4 / 6) = .0208333, half t(.975, 4) * se = 0.05784
+    assert (
+        "least-squares slope of each seed's MRTPO − GDPO Δ AUC against K, 6 points): "
+        "-0.1458 per added reward [-0.2037, -0.0880] — the gain shrinks with K" in across
+    )
+
+
+def test_header_names_the_commit(report):
+    header = report.splitlines()[2]
+    assert re.search(
+        r"on \d{4}-\d\d-\d\d \d\d:\d\d UTC, from commit `[0-9a-f]{7,}(\+dirty)?`", header
+    )
+    assert "wall time: **1.5 min**" in report
+
+
+def _git(repo, *args):
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+        capture_output=True,
+    )  # fmt: skip
+
+
+def test_source_commit_marks_dirty_configs_and_src_only(tmp_path):
+    for d in ("src", "configs", "docs"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "f.txt").write_text("a")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "x")
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True
+    ).stdout.strip()
+    assert source_commit(tmp_path) == head
+    (tmp_path / "docs" / "f.txt").write_text("b")  # a report rewritten: not a code change
+    assert source_commit(tmp_path) == head
+    (tmp_path / "configs" / "new.yaml").write_text("x: 1")  # untracked config: dirty
+    assert source_commit(tmp_path) == head + "+dirty"
+    assert source_commit(tmp_path / "docs" / "nowhere").startswith("unknown")
