@@ -110,11 +110,27 @@ def compose(overrides: Sequence[str], run_dir: Path):
 
 
 def method_from_config(name: str):
-    """An advantage method built from ``configs/method/<name>.yaml``."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+    """An advantage method built from ``configs/method/<name>.yaml`` (its defaults live there
+    only). Method configs are flat ``_target_`` + scalars, so no Hydra is needed: the GPU
+    runner builds them on machines without it. A config with interpolations goes through
+    Hydra's ``instantiate``."""
+    import importlib
 
-    return instantiate(OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml"))
+    import yaml
+
+    path = CONFIG_DIR / "method" / f"{name}.yaml"
+    if not path.exists():
+        choices = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise FileNotFoundError(f"no method config {path}; choose from {choices}")
+    text = path.read_text()
+    spec = yaml.safe_load(text)
+    if "${" in text or any(isinstance(v, dict) and "_target_" in v for v in spec.values()):
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+
+        return instantiate(OmegaConf.load(path))
+    module, _, cls = spec.pop("_target_").rpartition(".")
+    return getattr(importlib.import_module(module), cls)(**spec)
 
 
 def set_threads(n: int | None) -> int:
@@ -155,6 +171,8 @@ def controlled_task(base, share: float, seed: int = 0):
         reward_names = tuple(base.reward_names)
         block_order = base.block_order
         rewards_vary_per_prompt = base.rewards_vary_per_prompt
+        info_in_prompt = getattr(base, "info_in_prompt", False)
+        success_check = getattr(base, "success_check", None)
 
         def examples(self, split):
             return base.examples(split)

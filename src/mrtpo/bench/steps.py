@@ -166,6 +166,8 @@ class Alternate(L.Callback):
         if hasattr(module, "fuse"):
             module.fuse = fused
         _sync(module.device)
+        if module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(module.device)
         self.c0 = time.process_time()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx: int) -> None:
@@ -191,6 +193,8 @@ class Alternate(L.Callback):
         rec["cpu_step"] = cpu
         rec["cpu_train"] = cpu - t.get("rollout_cpu", 0.0)
         rec["cpu_rollout"] = t.get("rollout_cpu", 0.0)
+        if module.device.type == "cuda":
+            rec["peak_gib"] = torch.cuda.max_memory_allocated(module.device) / 2**30
         mask = scored.rollout.response_mask
         rec["response_tokens"] = int(mask.sum())
         if scored.replayed is not None:
@@ -206,6 +210,55 @@ class Alternate(L.Callback):
                     replayer, module.policy, module.task, scored, scored.replayed
                 )
         self.records.append(rec)
+
+
+def _rl(module, key: str):
+    """``module.rl``'s ``key``: a settings object (attributes) or, before that, a dict."""
+    rl = module.rl
+    return rl[key] if isinstance(rl, dict) else getattr(rl, key)
+
+
+def step_order(labels: list[str], rounds: int) -> list[str]:
+    """Every label once per round; the order rotates each round and reverses every other
+    round, so no variant always follows the same one."""
+    order: list[str] = []
+    for r in range(rounds):
+        rot = labels[r % len(labels) :] + labels[: r % len(labels)]
+        order += rot if r % 2 == 0 else rot[::-1]
+    return order
+
+
+def alternate(
+    trainer,
+    module,
+    dm,
+    gdpo,
+    share: float,
+    order: list[str],
+    warmup_pairs: int = 1,
+    floor: bool = True,
+    fused: bool = False,
+) -> Alternate:
+    """Fit ``module`` (its method is MRTPO) for ``len(order)`` steps, switching between MRTPO
+    and ``gdpo`` (/ the fused variant) as ``order`` says, on one fixed rollout, with rewards
+    controlled to ``share``. The trainer's rollout callback is replaced by ``FixedRollout``
+    around the same engine. Returns the callback holding the per-step records."""
+    module.task = controlled_task(module.task, share)
+    gdpo.setup(tuple(module.task.reward_names), bool(module.task.rewards_vary_per_prompt))
+    module.replayer = TimedReplayer(module.replayer)
+    variants = {"mrtpo": (module.method, False), "gdpo": (gdpo, False)}
+    if fused:
+        fuse_old_logp(module)
+        variants["mrtpo_fused"] = (module.method, True)
+    for i, cb in enumerate(trainer.callbacks):
+        if isinstance(cb, RolloutCallback):
+            trainer.callbacks[i] = FixedRollout(
+                cb.engine, sampling=vars(cb.sampling), group_size=cb.group_size
+            )
+    alt = Alternate(variants, order, len(variants) * warmup_pairs, floor)
+    trainer.callbacks.insert(0, alt)
+    trainer.fit(module, datamodule=dm)
+    return alt
 
 
 def run_case(
@@ -228,12 +281,7 @@ def run_case(
     fixed rollout, the order rotating every round; per-step records + summary."""
     ensure_model(size)
     labels = ["mrtpo", "gdpo"] + (["mrtpo_fused"] if fused else [])
-    rounds = pairs + warmup_pairs
-    n_steps = len(labels) * rounds
-    order = []
-    for r in range(rounds):
-        rot = labels[r % len(labels) :] + labels[: r % len(labels)]
-        order += rot if r % 2 == 0 else rot[::-1]
+    order = step_order(labels, pairs + warmup_pairs)
     run_dir = bench_dir() / "runs" / f"{size}-B{prompts}G{group}K{rewards}T{new_tokens}"
     overrides = [
         *model_overrides(size),
@@ -243,9 +291,9 @@ def run_case(
         f"rl.prompts_per_step={prompts}",
         f"rl.group_size={group}",
         f"rollout.sampling.max_new_tokens={new_tokens}",
-        f"trainer.max_steps={n_steps}",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_checkpointing=false",
+        f"trainer.max_steps={len(order)}",
+        "++trainer.enable_progress_bar=false",
+        "++trainer.enable_checkpointing=false",
         *(["trainer=gpu", "model.dtype=bf16"] if gpu else []),
         *extra,
     ]
@@ -253,25 +301,9 @@ def run_case(
     from mrtpo.pipeline import build
 
     trainer, module, dm = build(cfg)
-    module.task = controlled_task(module.task, share)
-    gdpo = method_from_config("gdpo")
-    gdpo.setup(tuple(module.task.reward_names), bool(module.task.rewards_vary_per_prompt))
-    module.replayer = TimedReplayer(module.replayer)
-    variants = {"mrtpo": (module.method, False), "gdpo": (gdpo, False)}
-    if fused:
-        fuse_old_logp(module)
-        variants["mrtpo_fused"] = (module.method, True)
-    for i, cb in enumerate(trainer.callbacks):
-        if isinstance(cb, RolloutCallback):
-            fixed = FixedRollout(
-                cb.engine,
-                sampling=vars(cb.sampling),
-                group_size=cb.group_size,
-            )
-            trainer.callbacks[i] = fixed
-    alt = Alternate(variants, order, len(labels) * warmup_pairs, floor)
-    trainer.callbacks.insert(0, alt)
-    trainer.fit(module, datamodule=dm)
+    alt = alternate(
+        trainer, module, dm, method_from_config("gdpo"), share, order, warmup_pairs, floor, fused
+    )
     recs = alt.records
     # the last step may be GDPO's (the order rotates): profile the last MRTPO step's pairs
     prof = profile_replay(module, alt.last_replayed) if profile and alt.last_replayed else None
@@ -287,8 +319,8 @@ def run_case(
             "max_new_tokens": new_tokens,
             "target_share": share,
             "pairs": pairs,
-            "micro_batch": int(module.rl["micro_batch_size"]),
-            "mini_batch": int(module.rl["mini_batch_size"]),
+            "micro_batch": int(_rl(module, "micro_batch_size")),
+            "mini_batch": int(_rl(module, "mini_batch_size")),
         },
         "records": recs,
         "summary": summarize(recs),
@@ -327,6 +359,8 @@ def summarize(recs: list[dict[str, Any]]) -> dict[str, Any]:
             k: med([r[k] for r in rs])
             for k in (*PHASES, "other", "train", "step", "cpu_step", "cpu_train")
         }
+        if any("peak_gib" in r for r in rs):
+            d["peak_gib"] = max(r["peak_gib"] for r in rs)
         if v != "gdpo":
             d["share"] = med([r.get("share", 0.0) for r in rs])
             d["responses_replayed"] = med([r.get("responses_replayed", 0) for r in rs])
