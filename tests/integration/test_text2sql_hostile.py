@@ -61,6 +61,26 @@ def hostile_queries(tmp: Path, table: str) -> dict[str, str]:
     }
 
 
+#: who stops each hostile query (``executor.ERROR_KINDS``)
+EXPECTED_KINDS = {
+    **dict.fromkeys(
+        ["drop", "delete", "update", "insert", "attach", "attach_create", "vacuum_into",
+         "writable_schema", "query_1mb"],
+        "refused",
+    ),  # refused in the parent, unrun
+    **dict.fromkeys(["with_delete", "load_extension", "randomblob_1gb", "syntax_error"], "sqlite"),
+    "two_statements": "driver",  # Python's sqlite3 module runs one statement only
+    **dict.fromkeys(["infinite_cte", "cross_join", "printf_1gb"], "time"),
+}  # fmt: skip
+BLOCK_STARTS = {
+    "refused": "This query was not executed: ",
+    "sqlite": "When this query was executed on this database, SQLite raised: ",
+    "driver": "This query could not be given to SQLite: Python's sqlite3 module raised: ",
+    "time": "When this query was executed on this database, the executor stopped it: the query "
+    "did not finish within the executor's 0.5 s time limit",
+}
+
+
 def wrap(sql: str) -> str:
     return f"<think>attack</think><answer>\n```sql\n{sql}\n```\n</answer>"
 
@@ -98,7 +118,10 @@ def run_hostile(
         assert s.rewards["executability"] == 0.0, (name, s.reasons)
         assert s.rewards["execution"] == 0.0, name
         assert s.reasons["executability"], name
-        assert s.blocks["executability"].startswith("When this query was executed"), name
+        # the block says who stopped the query: SQLite, the sqlite3 module, or the executor
+        assert (name, s.checks["error_kind"]) in EXPECTED_KINDS.items(), (name, s.checks)
+        block = s.blocks["executability"]
+        assert block.startswith(BLOCK_STARTS[s.checks["error_kind"]]), (name, block)
         assert took <= BUDGET_S + 1.0, (name, took)
     assert snapshot(*watched) == before  # same files, same bytes
     assert not (tmp / "evil.sqlite").exists()
