@@ -20,4 +20,12 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from mrtpo.settings import ConfigError, check_overrides
+
+    try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts
+        check_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
     main()

@@ -82,6 +82,15 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
+def _register_schemas() -> None:
+    from mrtpo.settings import register_schemas
+
+    register_schemas()
+
+
+_register_schemas()
+
+
 def compose(config_name: str = "train.yaml", overrides: Sequence[str] = (), config_dir=None):
     """The real config, composed as the entry points compose it (with the ``hydra`` node).
 

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,35 +47,14 @@ log = logging.getLogger(__name__)
 
 IGNORE = -100  # label of positions that carry no loss (prompt, padding)
 
-SFT_DEFAULTS: dict[str, Any] = {
-    "lr": 1e-3,
-    "weight_decay": 0.0,
-    "warmup_steps": 0,
-    "batch_size": 32,  # (prompt, reference) pairs per optimizer step
-    "max_grad_norm": 1.0,
-    # Stop when the held-out `target_metric` reaches `target_success` (null: never; the run
-    # then ends at trainer.max_steps). Checked every `eval_every` steps from `min_steps` on.
-    "target_success": None,
-    "target_metric": "success",
-    "stop_when": "above",  # "above": stop once metric >= target; "below": once metric <= target
-    "eval_every": 10,
-    "min_steps": 0,
-    "eval_prompts": 64,  # held-out prompts from the task's val split
-    "eval_samples": 1,  # responses per prompt (more only makes sense when sampling)
-    "eval_temperature": 0.0,  # 0: greedy; > 0: sample at this temperature
-    "eval_max_new_tokens": 32,
-    # Where the warm-started policy goes (null: <run folder>/policy).
-    "save_dir": None,
-}
 
+def _merge(given: Any) -> dict[str, Any]:
+    """``stage.sft`` as a plain dict, defaults and ranges from ``mrtpo.settings.SFTConfig``."""
+    import dataclasses
 
-def _merge(given: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(given) - set(SFT_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {unknown} in 'stage.sft'; valid keys: {sorted(SFT_DEFAULTS)}"
-        )
-    return {**SFT_DEFAULTS, **given}
+    from mrtpo.settings import SFTConfig
+
+    return dataclasses.asdict(SFTConfig.from_mapping(given))
 
 
 @dataclass
@@ -188,19 +167,9 @@ class SFTModule(L.LightningModule):
         self.policy = policy
         self.tokenizer = tokenizer
         self.task = task
-        self.cfg = _merge(cfg)
-        if self.cfg["target_success"] is not None and not 0 <= self.cfg["target_success"] <= 1:
-            raise ValueError(
-                f"stage.sft.target_success must be in [0, 1] or null, got {self.cfg['target_success']}"
-            )
-        if int(self.cfg["eval_every"]) <= 0:
-            raise ValueError(f"stage.sft.eval_every must be >= 1, got {self.cfg['eval_every']}")
-        if self.cfg["stop_when"] not in ("above", "below"):
-            raise ValueError(
-                f"stage.sft.stop_when={self.cfg['stop_when']!r}; use 'above' or 'below'"
-            )
-        if self.cfg["target_success"] is not None and int(self.cfg["eval_prompts"]) <= 0:
-            raise ValueError("stage.sft.target_success needs stage.sft.eval_prompts > 0")
+        self.cfg = _merge(cfg)  # validated there: keys, types and ranges
+        if self.cfg["target_metric"] is None:
+            self.cfg["target_metric"] = task.success_check or "success"
         ids = eos_token_ids(tokenizer, policy)
         self.eos_id = int(tokenizer.eos_token_id if tokenizer.eos_token_id is not None else ids[0])
         self.pad_id = int(tokenizer.pad_token_id)
@@ -478,7 +447,6 @@ def read_summary(policy_dir: str | Path) -> dict[str, Any]:
 
 
 __all__ = [
-    "SFT_DEFAULTS",
     "SFTBatch",
     "SFTDataModule",
     "SFTModule",

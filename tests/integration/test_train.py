@@ -124,10 +124,20 @@ def test_unknown_option_names_the_choices():
     assert "method" in msg and "gdpo" in msg and "mrtpo" in msg
 
 
-def test_bad_rl_key_is_named(train_cfg):
-    cfg = train_cfg("+rl.clip=0.3")
+def test_bad_rl_key_is_named():
+    from mrtpo.module import PolicyModule
+    from mrtpo.pipeline import prepare
+    from mrtpo.settings import ConfigError, check_overrides
+
+    # on the command line, before Hydra starts: the valid keys are listed
+    with pytest.raises(ConfigError, match=r"'rl' has no key 'clip'; valid keys: \[.*'clip_high'"):
+        check_overrides(["rl.clip=0.3"])
+    # appended with +, it is refused when the settings are validated (before any load)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['clip'\] in 'rl'; valid keys"):
+        prepare(compose_config("train.yaml", ["+rl.clip=0.3"]))
+    # and by library callers that pass plain dicts
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['clip'\] in 'rl'"):
-        build(cfg)
+        PolicyModule(None, None, None, None, rl={"clip": 0.3})
 
 
 def _env() -> dict[str, str]:

@@ -1,0 +1,108 @@
+"""Stages: what a run does with its policy (``stage=rl``, ``stage=sft``, or one of your own).
+
+A stage is instantiated from ``cfg.stage`` (``_target_``) and turns the pieces every run has
+— policy, tokenizer, task, prompt stream — into the LightningModule, the DataModule and the
+callbacks of that kind of training. ``mrtpo.pipeline`` never asks which stage it holds.
+
+A new stage is a subclass of ``Stage`` plus ``configs/stage/<name>.yaml`` with its
+``_target_``; ``tests/integration/test_extension.py`` adds one from a test file.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.data import PromptDataModule
+from mrtpo.tasks.base import Task
+
+
+class Stage(ABC):
+    """Base class: ``build`` returns (module, datamodule, extra callbacks)."""
+
+    name: str = "stage"
+
+    def __init__(self, name: str | None = None) -> None:
+        if name:
+            self.name = name
+
+    def check(self, cfg: DictConfig, task: Task) -> None:  # noqa: B027  (optional hook)
+        """Refuse a config this stage cannot run, before the model loads."""
+
+    @abstractmethod
+    def build(
+        self, cfg: DictConfig, policy, tokenizer, task: Task, prompts: PromptDataModule
+    ) -> tuple[L.LightningModule, L.LightningDataModule, list[L.Callback]]: ...
+
+
+def _container(node) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+
+class RLStage(Stage):
+    """Multi-reward RL: ``PolicyModule`` plus the rollout callback that feeds it."""
+
+    name = "rl"
+
+    def check(self, cfg: DictConfig, task: Task) -> None:
+        from hydra.utils import instantiate
+
+        from mrtpo.rollout.base import SamplingConfig
+
+        # Checked before the model loads, so a bad method.* or rollout.sampling.* value
+        # fails at once, naming the key.
+        SamplingConfig(**_container(cfg.rollout.sampling))
+        self._method = instantiate(cfg.method)
+        self._method.check_task(task)
+
+    def build(self, cfg, policy, tokenizer, task, prompts):
+        from hydra.utils import instantiate
+
+        from mrtpo.callbacks.rollout import RolloutCallback
+        from mrtpo.module import PolicyModule
+        from mrtpo.settings import section
+
+        method = getattr(self, "_method", None) or instantiate(cfg.method)
+        rl = section(cfg, "rl")
+        module = PolicyModule(
+            policy,
+            tokenizer,
+            task,
+            method,
+            rl=rl,
+            optim=section(cfg, "optim"),
+            replay=section(cfg, "replay"),
+            seed=cfg.seed,
+        )
+        engine = instantiate(cfg.rollout.engine)
+        rollout = RolloutCallback(
+            engine,
+            sampling=_container(cfg.rollout.sampling),
+            group_size=rl.group_size,
+            val_max_new_tokens=cfg.rollout.get("val_max_new_tokens"),
+        )
+        return module, prompts, [rollout]
+
+
+class SFTStage(Stage):
+    """Supervised warm start on the task's references (``mrtpo.sft``)."""
+
+    name = "sft"
+
+    def __init__(self, name: str | None = None, sft: Mapping | None = None) -> None:
+        super().__init__(name)
+        from mrtpo.settings import SFTConfig
+
+        self.sft = SFTConfig.from_mapping(dict(sft or {}))
+
+    def build(self, cfg, policy, tokenizer, task, prompts):
+        import dataclasses
+
+        from mrtpo.sft import SFTModule
+
+        module = SFTModule(policy, tokenizer, task, **dataclasses.asdict(self.sft))
+        return module, module.datamodule(prompts), module.callbacks()

@@ -1,0 +1,123 @@
+"""Every setting has a type and a range, checked before any model or data loads.
+
+Regression tests for values that hung (``rl.ppo_epochs=0``), crashed after the model had
+loaded with tracebacks naming no key, or trained silently wrong (``rl.group_size=1``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from tests.conftest import ROOT
+
+from mrtpo import models
+from mrtpo.pipeline import build, prepare, train
+from mrtpo.settings import ConfigError
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to load a model: validation must come first."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the config was validated")
+
+    monkeypatch.setattr(models, "load_policy", refuse)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("rl.ppo_epochs=0", "rl.ppo_epochs"),
+        ("rl.group_size=0", "rl.group_size"),
+        ("rl.group_size=-2", "rl.group_size"),
+        ("rl.group_size=1", "rl.group_size"),
+        ("rl.prompts_per_step=0", "rl.prompts_per_step"),
+        ("rl.prompts_per_step=-1", "rl.prompts_per_step"),
+        ("rl.mini_batch_size=0", "rl.mini_batch_size"),
+        ("rl.micro_batch_size=0", "rl.micro_batch_size"),
+        ("rl.clip_low=-0.1", "rl.clip_low"),
+        ("rl.clip_high=-0.1", "rl.clip_high"),
+        ("rl.kl_coef=-1", "rl.kl_coef"),
+        ("rl.loss_agg=sum", "rl.loss_agg"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("replay.token_budget=0", "replay.token_budget"),
+        ("data.val_batch_size=0", "data.val_batch_size"),
+    ],
+)
+def test_out_of_range_values_fail_before_the_model_loads(train_cfg, no_model_load, override, key):
+    cfg = train_cfg(override)
+    value = override.split("=", 1)[1]
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    msg = str(err.value)
+    assert msg.startswith(f"{key}=") and "not allowed" in msg
+    assert value.strip("[]").split(",")[0] in msg
+
+
+@pytest.mark.parametrize(
+    "override", ["rl.group_size=abc", "optim.lr=abc", "rl.ppo_epochs=1.5", "replay.jsd_chunk=x"]
+)
+def test_values_of_the_wrong_type_fail_while_composing_naming_the_key(train_cfg, override):
+    with pytest.raises(ConfigCompositionException) as err:
+        train_cfg(override)
+    key = override.split("=")[0]
+    assert key in str(err.value) + str(err.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("rollout.sampling.max_new_tokens=0", "rollout.sampling.max_new_tokens"),
+        ("rollout.sampling.temperature=-1", "rollout.sampling.temperature"),
+        ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
+        ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p"),
+        ("method.beta=2", "method.beta"),
+    ],
+)
+def test_sampling_and_method_values_are_checked_before_the_model_loads(
+    train_cfg, no_model_load, override, key
+):
+    with pytest.raises(Exception) as err:
+        train(train_cfg(override))
+    assert key in str(err.value) + str(err.value.__cause__)
+
+
+def test_settings_that_lived_only_in_code_can_be_set_plainly(train_cfg):
+    cfg = train_cfg(
+        "rl.replay_oom_retries=8", "optim.betas=[0.9,0.95]", "replay.share_prefix=false"
+    )
+    _, module, _ = build(cfg)
+    assert module.rl.replay_oom_retries == 8
+    assert tuple(module.optim_cfg.betas) == (0.9, 0.95)
+    assert module.replayer.share_prefix is False
+    opt = module.configure_optimizers()["optimizer"]
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_stage_is_instantiated_not_named(train_cfg):
+    from mrtpo.stages import RLStage, SFTStage
+
+    stage, _ = prepare(train_cfg())
+    assert isinstance(stage, RLStage)
+    stage, _ = prepare(train_cfg("stage=sft", "stage.sft.lr=0.01"))
+    assert isinstance(stage, SFTStage) and stage.sft.lr == 0.01
+    with pytest.raises(ConfigError, match=r"stage\.sft\.stop_when="):
+        prepare(train_cfg("stage=sft", "stage.sft.stop_when=sideways"))
+
+
+def test_cli_refuses_a_bad_value_in_seconds_naming_it(tmp_path):
+    """``rl.ppo_epochs=0`` used to hang (the step counter never advanced)."""
+    out = subprocess.run(
+        [sys.executable, "src/train.py", "rl.ppo_epochs=0", f"paths.log_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "rl.ppo_epochs=0 is not allowed: >= 1" in out.stdout + out.stderr
