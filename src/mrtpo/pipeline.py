@@ -38,63 +38,49 @@ def _container(node) -> Any:
     return OmegaConf.to_container(node, resolve=True) if node is not None else None
 
 
+def prepare(cfg: DictConfig):
+    """Everything that can fail cheaply, before any model loads: typed settings and their
+    ranges, the stage, the task (its data), and what the stage needs from the task."""
+    from hydra.utils import instantiate
+
+    from mrtpo.loggers import check_loggers
+    from mrtpo.settings import validate
+
+    validate(cfg)
+    check_loggers(cfg.get("logger"))
+    stage = instantiate(cfg.stage, _convert_="all")
+    task = instantiate(cfg.task)
+    stage.check(cfg, task)
+    return stage, task
+
+
 def build(cfg: DictConfig):
     """(trainer, module, datamodule) for ``cfg``; nothing is trained yet."""
     import lightning as L
     from hydra.utils import instantiate
 
-    from mrtpo.callbacks.rollout import RolloutCallback
+    from mrtpo.callbacks.resume import ResumeMetrics
     from mrtpo.data import PromptDataModule
     from mrtpo.models import load_policy
+    from mrtpo.settings import section
 
+    stage, task = prepare(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy, tokenizer = load_policy(**_container(cfg.model))
-    task = instantiate(cfg.task)
-    stage = cfg.stage.name
-    datamodule = PromptDataModule(
+    data = section(cfg, "data")
+    prompts = PromptDataModule(
         task,
-        prompts_per_step=cfg.rl.prompts_per_step,
+        prompts_per_step=section(cfg, "rl").prompts_per_step,
         seed=cfg.seed,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        val_prompts=cfg.data.val_prompts,
-        val_batch_size=cfg.data.val_batch_size,
+        max_prompt_tokens=data.max_prompt_tokens,
+        val_prompts=data.val_prompts,
+        val_batch_size=data.val_batch_size,
         tokenizer=tokenizer,
     )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
-    if stage == "rl":
-        from mrtpo.module import PolicyModule
-
-        method = instantiate(cfg.method)
-        module = PolicyModule(
-            policy,
-            tokenizer,
-            task,
-            method,
-            rl=_container(cfg.rl),
-            optim=_container(cfg.optim),
-            replay=_container(cfg.replay),
-            seed=cfg.seed,
-        )
-        engine = instantiate(cfg.rollout.engine)
-        callbacks.append(
-            RolloutCallback(
-                engine,
-                sampling=_container(cfg.rollout.sampling),
-                group_size=cfg.rl.group_size,
-                val_max_new_tokens=cfg.rollout.get("val_max_new_tokens"),
-            )
-        )
-    elif stage == "sft":
-        from mrtpo.sft import SFTModule
-
-        module = SFTModule(policy, tokenizer, task, **_container(cfg.stage.sft))
-        datamodule = module.datamodule(datamodule)
-        callbacks.extend(module.callbacks())
-    else:
-        raise ValueError(f"stage={stage!r} is not supported; use stage=rl or stage=sft")
+    module, datamodule, extra = stage.build(cfg, policy, tokenizer, task, prompts)
+    callbacks.extend(extra)
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
-    from mrtpo.callbacks.resume import ResumeMetrics
-
     # Resuming into a folder that has metrics: keep its rows before the checkpoint's step.
     callbacks.append(ResumeMetrics(loggers, resuming=resume_checkpoint(cfg) is not None))
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -108,10 +94,78 @@ def metrics_csv(trainer) -> Path | None:
     return None
 
 
+def command_line() -> str:
+    """This invocation as a command a user could type again."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except Exception:
+        return ""
+    return " ".join(["python src/train.py", *overrides])
+
+
+def run_warm_starts(cfg: DictConfig) -> DictConfig:
+    """Run ``cfg.warm_start``'s entries in order; return ``cfg`` starting from the last policy.
+
+    Each entry is a run of its own, composed (like any command line) from its ``overrides``
+    plus this run's paths, into ``<run>/warm_start/<i>_<name>``. A finished entry (its
+    ``policy/`` holds a saved model) is reused, so rerunning into the same folder does not
+    repeat it.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    from mrtpo.config import compose
+
+    root = Path(str(cfg.paths.output_dir)) / "warm_start"
+    policy: Path | None = None
+    saved = HydraConfig.instance().cfg
+    try:
+        for i, entry in enumerate(cfg.warm_start):
+            name = str(entry.get("name") or f"stage{i}")
+            out = root / f"{i}_{name}"
+            given = [str(o) for o in entry.get("overrides", [])]
+            plumbing = [
+                f"paths.output_dir={out}",
+                f"paths.log_dir={cfg.paths.log_dir}",
+                f"paths.cache_dir={cfg.paths.cache_dir}",
+                f"paths.data_dir={cfg.paths.data_dir}",
+            ]
+            if policy is not None:
+                plumbing += [f"model.name_or_path={policy}", "model.tiny=null"]
+            print(
+                f"warm start {i + 1}/{len(cfg.warm_start)} ({name}): python src/train.py "
+                + " ".join(given + plumbing[:1] + plumbing[4:]),
+                flush=True,
+            )
+            if (out / "policy" / "config.json").is_file():
+                print(f"  reusing the finished warm start in {out}", flush=True)
+            else:
+                train(compose("train.yaml", [*given, *plumbing]))
+            policy = out / "policy"
+    finally:
+        HydraConfig.instance().cfg = saved
+    if policy is not None:
+        cfg.model.name_or_path = str(policy)
+        cfg.model.tiny = None
+    return cfg
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run training; return the last logged metrics."""
+    """Run training (after the config's warm starts, if any); return the last logged metrics."""
     if cfg.get("print_config"):
         print_config(cfg)
+    from mrtpo.callbacks.console import quiet_libraries
+    from mrtpo.settings import validate
+
+    quiet_libraries()
+    validate(cfg)  # typed settings and their ranges, before anything loads or runs
+    if cfg.get("warm_start"):
+        cmd = command_line()
+        if cmd:
+            print(f"composed: {cmd}", flush=True)
+        cfg = run_warm_starts(cfg)
+        print(f"{cfg.stage.name}: from {cfg.model.name_or_path}", flush=True)
     ckpt_path = resume_checkpoint(cfg)
     # Read the checkpoint before anything is built: a damaged file fails here, naming it.
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None

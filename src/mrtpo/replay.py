@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from mrtpo.batch import ScoredBatch
 from mrtpo.credit import js_distance
+from mrtpo.credit.methods import RelevanceRequest
 from mrtpo.forward import (
     pad_left,
     response_hidden,
@@ -67,6 +69,7 @@ class ReplayResult:
     # equals the old-policy log-prob and can stand in for that forward.
     logp: Tensor | None = None
     logp_rows: Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
 
 
 def _sliding_window(model) -> bool:
@@ -142,8 +145,15 @@ class Replayer:
         return jobs_by_resp
 
     @torch.no_grad()
-    def run(self, model, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str) -> ReplayResult:
-        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint) — which pairs to replay."""
+    def run(self, model, task: Task, batch: ScoredBatch, pairs: Tensor, request) -> ReplayResult:
+        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint) — which pairs to replay.
+
+        ``request`` is the method's ``RelevanceRequest`` (a plain ``"per_reward"`` or
+        ``"joint"`` means JSD on those contexts).
+        """
+        if not isinstance(request, RelevanceRequest):
+            request = RelevanceRequest(contexts=str(request))
+        mode, score = request.contexts, request.score
         roll = batch.rollout
         n, t = roll.response_ids.shape
         kq = pairs.shape[1]
@@ -172,7 +182,7 @@ class Replayer:
                     len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
                 )
                 computed += cost
-                self._score(chunk, states, head, roll, batch.reward_names, mode, q, logp)
+                self._score(chunk, states, head, roll, batch.reward_names, mode, q, logp, score)
                 for job in chunk:
                     if job.key != ALL:
                         k = 0 if mode == "joint" else batch.reward_names.index(job.key)
@@ -180,14 +190,30 @@ class Replayer:
         finally:
             model.train(was_training)
         stats = {"tokens_computed": float(computed), "shared_prefix_batches": float(shared)}
+        q = q.cpu()
+        # What the trainer logs under train/replay/: the share of candidate pairs replayed
+        # (present (response, reward) pairs, or responses for joint contexts), the work done,
+        # and how concentrated each reward's relevance is.
+        present = int((~batch.rewards.isnan()).sum()) if mode == "per_reward" else n
+        metrics = {
+            "share": float(replayed.sum()) / max(present, 1),
+            "forwards": float(forwards),
+            "tokens": float(tokens),
+        }
+        if mode == "per_reward" and score == "jsd":
+            shares = mass_share(q, roll.response_mask, replayed, 0.8)
+            for k, name in enumerate(batch.reward_names):
+                if not math.isnan(shares[k]):
+                    metrics[f"top80_token_share/{name}"] = shares[k]
         return ReplayResult(
-            q=q.cpu(),
+            q=q,
             replayed=replayed,
             forwards=forwards,
             tokens=tokens,
             stats=stats,
             logp=logp.cpu(),
             logp_rows=logp_rows,
+            metrics=metrics,
         )
 
     # -- packing ------------------------------------------------------------------------
@@ -305,7 +331,7 @@ class Replayer:
         return best
 
     # -- scoring ------------------------------------------------------------------------
-    def _score(self, chunk, states, head, roll, names, mode, q, logp) -> None:
+    def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd") -> None:
         """JSD of every P_\\k row against its response's P_all row, many rows at once, in
         groups of at most ``jsd_chunk`` (row, position) pairs (few, large ops; the float32
         working set stays ``jsd_chunk x V``). The P_all rows' log-probs of the sampled tokens
@@ -317,10 +343,12 @@ class Replayer:
         per = max(1, self.jsd_chunk // 2)
         for g in range(0, len(others), per):
             self._score_rows(
-                chunk, others[g : g + per], all_row, states, head, roll, names, mode, q, logp
+                chunk, others[g : g + per], all_row, states, head, roll, names, mode, q, logp, score
             )
 
-    def _score_rows(self, chunk, others, all_row, states, head, roll, names, mode, q, logp):
+    def _score_rows(
+        self, chunk, others, all_row, states, head, roll, names, mode, q, logp, score="jsd"
+    ):
         mask = roll.response_mask
         # P_\k rows first (a slice, no copy), then the P_all rows they are compared with
         alls = sorted({all_row[chunk[i].response] for i in others})
@@ -335,6 +363,7 @@ class Replayer:
         )
         lengths = mask[[chunk[i].response for i in others]].sum(-1).to(dev)  # [n_other]
         n_other = len(others)
+        o_ids = roll.response_ids[[chunk[i].response for i in others]].to(dev)  # [n_other, T]
         a_resp = [chunk[r].response for r in alls]
         a_ids = roll.response_ids[a_resp].to(dev)  # [n_all, T]
         a_len = mask[a_resp].sum(-1).to(dev)
@@ -348,7 +377,11 @@ class Replayer:
             if head is not None:
                 x = head(x)
             lp = torch.log_softmax(x.float(), dim=-1)  # [rows, c, V]
-            d = js_distance(lp[base], lp[:n_other])  # [n_other, c]
+            if score == "jsd":
+                d = js_distance(lp[base], lp[:n_other])  # [n_other, c]
+            else:  # logp_diff: the sampled token's log-likelihood, P_all minus the other context
+                y = o_ids[:, s:e, None]
+                d = (lp[base].gather(-1, y) - lp[:n_other].gather(-1, y)).squeeze(-1)
             cols = torch.arange(s, e, device=dev)[None, :]
             q[jj, kk, s:e] = torch.where(cols < lengths[:, None], d, zero)
             lp_all = lp[n_other:].gather(-1, a_ids[:, s:e, None]).squeeze(-1)

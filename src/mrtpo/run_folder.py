@@ -56,42 +56,21 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     )
 
 
-def _earlier_checkpoints(path: Path) -> list[str]:
-    others = sorted(
-        (p for p in path.parent.glob("*.ckpt") if p.name != path.name),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
-    return [str(p) for p in others[:3]]
-
-
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a Lightning checkpoint on the CPU, with an error that names the damaged file.
+    """Verify (checksum, finiteness) and load a checkpoint on the CPU, memory-mapped.
 
-    torch's own messages for a truncated, empty or corrupted file (a zip reader error, a bare
-    ``EOFError``, a hint about ``weights_only``) say nothing about which file or what to do.
+    A damaged, truncated or empty file is refused naming it and the earlier checkpoints of
+    its folder (``mrtpo.checkpointing``), not with torch's internal messages.
     """
-    import torch
+    from mrtpo.checkpointing import CheckpointError, load_checkpoint
 
     path = Path(path)
     try:
-        if path.stat().st_size == 0:
-            raise EOFError("the file is empty")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-            raise ValueError("it holds no 'state_dict' (not a Lightning checkpoint)")
-    except Exception as exc:
-        others = _earlier_checkpoints(path)
-        hint = (
-            f"; earlier checkpoints in that folder: {', '.join(others)} (resume from one with "
-            "ckpt_path=<file>)"
-            if others
-            else "; no other checkpoint is in that folder"
-        )
-        raise ResumeRefused(
-            f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it is damaged or "
-            f"incomplete{hint}"
-        ) from exc
+        ckpt = load_checkpoint(path, map_location="cpu", weights_only=False, mmap=True)
+    except CheckpointError as exc:
+        raise ResumeRefused(str(exc)) from exc
+    if "state_dict" not in ckpt:
+        raise ResumeRefused(f"checkpoint {path} holds no 'state_dict' (not a Lightning checkpoint)")
     return ckpt
 
 

@@ -192,7 +192,7 @@ def test_a_reward_that_is_not_a_number_is_a_scoring_error(train_cfg):
     cfg = train_cfg("method=gdpo", "trainer.max_steps=1")
     trainer, module = fit_with(cfg, task=ValueTask("yes", **synthetic_kwargs(cfg)))
     assert col(rows(trainer), "train/scoring_errors") == [4.0]
-    assert "not numbers" in module.last.scores[0].error
+    assert "not a number" in module.last.scores[0].error
     assert module.last.scores[0].rewards["first"] is None
 
 
@@ -275,7 +275,7 @@ def test_replay_out_of_memory_retries_with_half_the_budget(train_cfg, tiny, capl
 
 
 def test_replay_out_of_memory_gives_up_with_the_knobs_named(train_cfg, tiny):
-    cfg = train_cfg("method=mrtpo", "trainer.max_steps=1", "+rl.replay_oom_retries=2")
+    cfg = train_cfg("method=mrtpo", "trainer.max_steps=1", "rl.replay_oom_retries=2")
     oom = OOMReplayer(tiny[1], token_budget=64, fail=100)
     with pytest.raises(RuntimeError) as err:
         fit_with(cfg, replayer=oom)

@@ -147,9 +147,9 @@ def _damage(path: Path, how: str) -> None:
             None,
             "different model",
         ),
-        ([], "truncated", "cannot be read"),
-        ([], "empty", "cannot be read"),
-        ([], "header", "cannot be read"),
+        ([], "truncated", "last.ckpt"),
+        ([], "empty", "last.ckpt"),
+        ([], "header", "last.ckpt"),
     ],
     ids=["method", "task", "model", "truncated", "empty", "header"],
 )

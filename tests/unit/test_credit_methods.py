@@ -20,6 +20,7 @@ from mrtpo.credit import (
     CreditInputs,
     MRTPOJoint,
     MRTPOShuffle,
+    RelevanceRequest,
     gdpo_advantages,
     grpo_advantages,
     replay_mask,
@@ -53,7 +54,7 @@ def test_every_config_instantiates_its_method() -> None:
         assert isinstance(method, METHODS[f.stem])
         assert type(method).config_name == f.stem
         method.setup(NAMES, rewards_vary_per_prompt=False)
-        inputs = make_inputs(joint=method.relevance == "joint")
+        inputs = make_inputs(joint=method.relevance is not None and method.relevance.joint)
         out = method(inputs)
         assert out.advantages.shape == inputs.mask.shape
         assert not torch.isnan(out.advantages).any()
@@ -73,8 +74,9 @@ def test_reward_weights_from_config_override() -> None:
 
 def test_relevance_attribute() -> None:
     assert GRPO.relevance is None and GDPO.relevance is None and GDPOSAW.relevance is None
-    assert MRTPO.relevance == "per_reward" and MRTPOSAW.relevance == "per_reward"
-    assert MRTPOShuffle.relevance == "per_reward" and MRTPOJoint.relevance == "joint"
+    per = RelevanceRequest("per_reward", "jsd")
+    assert MRTPO.relevance == per and MRTPOSAW.relevance == per and MRTPOShuffle.relevance == per
+    assert MRTPOJoint.relevance == RelevanceRequest("joint", "jsd")
 
 
 @pytest.mark.parametrize("cls", [GDPOSAW, MRTPOSAW])

@@ -34,8 +34,7 @@ class RolloutCallback(L.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.eos_ids = eos_token_ids(pl_module.tokenizer, pl_module.policy)
-        if hasattr(self.engine, "bind"):
-            self.engine.bind(pl_module.policy, pl_module.tokenizer, self.eos_ids)
+        self.engine.bind(pl_module.policy, pl_module.tokenizer, self.eos_ids)
 
     def _seed(self, trainer, pl_module, salt: int) -> int:
         # Depends on (seed, step, rank) only: a resumed run samples what the original would.
@@ -48,15 +47,13 @@ class RolloutCallback(L.Callback):
         # with its own copy (vLLM) still holds what it loaded at start-up: push them now, so
         # the first rollout of a resumed run samples from the restored policy.
         if trainer.ckpt_path is not None:
-            if hasattr(self.engine, "wake_up"):
-                self.engine.wake_up()
+            self.engine.wake_up()
             self.engine.sync_weights(pl_module.policy)
             self.resyncs += 1
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
-        if hasattr(self.engine, "wake_up"):
-            self.engine.wake_up()
+        self.engine.wake_up()
         batch.rollout = build_rollout(
             self.engine,
             pl_module.tokenizer,
@@ -66,13 +63,11 @@ class RolloutCallback(L.Callback):
             self._seed(trainer, pl_module, 0),
             self.eos_ids,
         )
-        if hasattr(self.engine, "sleep"):
-            self.engine.sleep()
+        self.engine.sleep()
         pl_module.timings["rollout"] = time.perf_counter() - t0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if hasattr(self.engine, "wake_up"):
-            self.engine.wake_up()
+        self.engine.wake_up()
         self.engine.sync_weights(pl_module.policy)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):

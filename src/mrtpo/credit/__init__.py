@@ -24,6 +24,7 @@ from mrtpo.credit.methods import (
     CreditOutput,
     MRTPOJoint,
     MRTPOShuffle,
+    RelevanceRequest,
 )
 from mrtpo.credit.relevance import (
     beta_schedule,
@@ -47,6 +48,7 @@ __all__ = [
     "CreditOutput",
     "MRTPOJoint",
     "MRTPOShuffle",
+    "RelevanceRequest",
     "batch_moments",
     "beta_schedule",
     "gdpo_advantages",

@@ -43,6 +43,39 @@ class CreditInputs:
     generator: torch.Generator | None = None  # randomness of the shuffle ablation
 
 
+@dataclass(frozen=True)
+class RelevanceRequest:
+    """What a method needs from replay; the trainer hands it to the replayer without reading it.
+
+    ``contexts``: ``"per_reward"`` compares ``P_all`` with ``P_\\k`` for each reward (relevance
+    ``q [N, K, T]``); ``"joint"`` compares ``P_all`` with the context that has no verifier
+    information at all (``q [N, 1, T]``).
+    ``score``: ``"jsd"`` is the Jensen–Shannon distance (base 2, in [0, 1]) between the two
+    full next-token distributions at each position; ``"logp_diff"`` is the sampled token's
+    log-likelihood difference ``log p(y_t | P_all) - log p(y_t | other)`` (signed).
+    """
+
+    contexts: str = "per_reward"
+    score: str = "jsd"
+
+    CONTEXTS: ClassVar[tuple[str, ...]] = ("per_reward", "joint")
+    SCORES: ClassVar[tuple[str, ...]] = ("jsd", "logp_diff")
+
+    def __post_init__(self) -> None:
+        if self.contexts not in self.CONTEXTS:
+            raise ValueError(f"relevance contexts={self.contexts!r}; valid: {self.CONTEXTS}")
+        if self.score not in self.SCORES:
+            raise ValueError(f"relevance score={self.score!r}; valid: {self.SCORES}")
+
+    @property
+    def joint(self) -> bool:
+        return self.contexts == "joint"
+
+
+PER_REWARD_JSD = RelevanceRequest("per_reward", "jsd")
+JOINT_JSD = RelevanceRequest("joint", "jsd")
+
+
 @dataclass
 class CreditOutput:
     advantages: Tensor  # [N, T] token advantages, 0 on pads
@@ -52,8 +85,12 @@ class CreditOutput:
 class AdvantageMethod(ABC):
     """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``."""
 
-    #: None (no replay), "per_reward" (q [N, K, T]) or "joint" (q [N, 1, T]).
-    relevance: ClassVar[str | None] = None
+    #: What replay must compute for this method (None: no replay).
+    relevance: ClassVar[RelevanceRequest | None] = None
+
+    def check_task(self, task) -> None:  # noqa: B027  (optional hook)
+        """Refuse, before the model loads, a task that lacks what this method needs (e.g.
+        reference responses); the error names the method and the task."""
 
     def setup(
         self,
@@ -251,7 +288,7 @@ class MRTPO(_RewardWeighted):
     """
 
     config_name = "mrtpo"
-    relevance: ClassVar[str | None] = "per_reward"
+    relevance: ClassVar[RelevanceRequest | None] = PER_REWARD_JSD
     #: Permute each pair's weights over its valid tokens (the shuffle ablation).
     shuffle: ClassVar[bool] = False
 
@@ -275,12 +312,12 @@ class MRTPO(_RewardWeighted):
 
     def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
         pairs = replay_mask(rewards, group, has_block)
-        if self.relevance == "joint":
+        if self.relevance.joint:
             return pairs.any(-1, keepdim=True)
         return pairs
 
     def __call__(self, inputs: CreditInputs) -> CreditOutput:
-        joint = self.relevance == "joint"
+        joint = self.relevance.joint
         beta = self.beta(inputs.step)
         c, stats = self._coefficients(inputs)
         n, k = inputs.rewards.shape
@@ -357,7 +394,7 @@ class MRTPOJoint(MRTPO):
     """
 
     config_name = "mrtpo_joint"
-    relevance: ClassVar[str | None] = "joint"
+    relevance: ClassVar[RelevanceRequest | None] = JOINT_JSD
 
 
 METHODS: dict[str, type[AdvantageMethod]] = {

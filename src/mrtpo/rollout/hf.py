@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from mrtpo.rollout.base import Generation, SamplingConfig
+from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """Batched sampling with ``model.generate`` (left padding, stop at EOS)."""
 
     def __init__(self, batch_size: int = 64) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mrtpo.rollout.base import Generation, SamplingConfig
+from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.rollout.weight_sync import (
     SyncStats,
     WeightSync,
@@ -115,7 +115,7 @@ def _weight_transfer_config_cls():
     return WeightTransferConfig
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """Colocated vLLM generation behind the ``RolloutEngine`` protocol.
 
     Args:

@@ -44,7 +44,7 @@ class Score:
     )  # verifier info Z_k; None = no block
     reasons: dict[str, str] = field(default_factory=dict)  # why a reward is 0 / None (logged)
     checks: dict[str, Any] = field(default_factory=dict)  # evaluation-only extras (loose acc, ...)
-    error: str | None = None  # set when scoring itself raised (all rewards None)
+    error: str | None = None  # why scoring failed (all rewards None) or partly failed
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""Scoring a batch with fault isolation: one bad response costs only its own rewards.
+
+A task's ``score_many`` (a process pool, a batched verifier) may raise or return the wrong
+number of scores; the batch is then scored one response at a time with ``Task.safe_score``.
+Every returned ``Score`` is then cleaned: each reward becomes a float or ``None``
+("does not apply"), and what cannot be used is recorded as that sample's error with a reason.
+A reward name the task did not declare is a bug in the task, not a property of one sample:
+it stops the run at the first step, naming the key and the declared ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from mrtpo.tasks.base import Example, Score, Task
+
+log = logging.getLogger(__name__)
+
+# float32 holds the reward tensor: a finite float64 beyond it would become inf there.
+_F32_MAX = 3.4028234663852886e38
+
+
+class UndeclaredReward(KeyError):
+    pass
+
+
+def clean_score(score: object, names: Sequence[str], task_name: str = "task") -> Score:
+    """A ``Score`` whose rewards are floats (finite or +-inf) or ``None``, one per name."""
+    if not isinstance(score, Score):
+        return Score(
+            rewards=dict.fromkeys(names),
+            error=f"score() returned {type(score).__name__}, not a Score",
+        )
+    if not isinstance(score.rewards, dict):
+        score.error = _join(score.error, f"Score.rewards is {type(score.rewards).__name__}")
+        score.rewards = dict.fromkeys(names)
+        return score
+    extra = sorted(set(score.rewards) - set(names))
+    if extra:
+        raise UndeclaredReward(
+            f"task {task_name} returned reward(s) {extra} that it does not declare; its "
+            f"reward_names are {list(names)} (a typo in the task's reward function?)"
+        )
+    problems = []
+    for k in names:
+        if k not in score.rewards:
+            problems.append(f"reward {k!r} missing")
+            score.rewards[k] = None
+            continue
+        v = score.rewards[k]
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, (int, float)):
+            problems.append(f"reward {k!r} is {type(v).__name__} {v!r:.40}, not a number")
+            score.rewards[k] = None
+            continue
+        f = float(v)
+        if math.isnan(f):
+            f = None  # NaN means "does not apply", like None
+        elif math.isfinite(f) and abs(f) > _F32_MAX:
+            problems.append(f"reward {k!r}={f:g} is beyond float32")
+            f = None
+        score.rewards[k] = f
+    if problems:
+        score.error = _join(score.error, "; ".join(problems))
+    return score
+
+
+def _join(a: str | None, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def score_batch(
+    task: Task, examples: Sequence[Example], texts: Sequence[str], faults
+) -> list[Score]:
+    """``task.score_many`` with fault isolation, then ``clean_score`` on each result."""
+    try:
+        scores = task.score_many(examples, texts)
+        scores = list(scores) if scores is not None else []
+        if len(scores) != len(texts):
+            raise RuntimeError(f"returned {len(scores)} scores for {len(texts)} responses")
+    except Exception as exc:
+        faults.count("score_many_fallbacks")
+        log.warning(
+            "task %s: score_many failed (%s: %s); scoring the %d responses one at a time",
+            task.name,
+            type(exc).__name__,
+            exc,
+            len(texts),
+        )
+        scores = [task.safe_score(e, t) for e, t in zip(examples, texts, strict=True)]
+    return [clean_score(s, task.reward_names, task.name) for s in scores]

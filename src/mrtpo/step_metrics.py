@@ -1,0 +1,130 @@
+"""The metrics of one RL step (``train/...``), and their combination over ranks.
+
+``assemble`` turns a scored, updated batch into flat metrics plus the weight of each mean
+(how many values it averages on this rank); ``combine`` merges every rank's into the global
+batch's; ``AbsentAsNaN`` writes NaN for a metric that existed before but not at this step
+(Lightning would otherwise repeat its stale last value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from mrtpo.batch import ScoredBatch
+from mrtpo.distributed import Ranks
+
+# Step metrics that add up over ranks (the others are averaged, or min/max-reduced).
+SUM_METRICS = frozenset({"replay/forwards", "replay/tokens", "tokens_per_s"})
+# Step metrics that are already global (reduced before logging, or equal on every rank).
+GLOBAL_METRICS = frozenset({"iteration", "nonfinite_skips", "beta", "scoring_errors"})
+STAGE_TIMES = ("rollout", "reward", "old_logp", "replay", "update", "step")
+
+
+def assemble(
+    scored: ScoredBatch,
+    update: Mapping[str, float],
+    replay: Mapping[str, float],
+    timings: Mapping[str, float],
+    faults: Mapping[str, float],
+    *,
+    success_check: str | None,
+    beta: float,
+    iteration: int,
+    nonfinite_skips: int,
+    scoring_errors: float,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(metrics, weights) of this rank's share of the step."""
+    roll, r = scored.rollout, scored.rewards
+    m: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for k, name in enumerate(scored.reward_names):
+        col = r[:, k]
+        col = col[~col.isnan()]
+        weights[f"reward/{name}/mean"] = float(col.numel())
+        if col.numel():
+            m[f"reward/{name}/mean"] = float(col.mean())
+    m["reward/total/mean"] = float(r.nan_to_num(0.0).sum(-1).mean())
+    if success_check:
+        succ = [s.checks.get(success_check) for s in scored.scores]
+        succ = [float(x) for x in succ if x is not None]
+        weights["success"] = float(len(succ))
+        if succ:
+            m["success"] = sum(succ) / len(succ)
+    mask = roll.response_mask
+    a = scored.advantages[mask]
+    if a.numel():
+        m.update(
+            {
+                "adv/mean": float(a.mean()),
+                "adv/abs_mean": float(a.abs().mean()),
+                "adv/std": float(a.std()) if a.numel() > 1 else 0.0,
+                "adv/min": float(a.min()),
+                "adv/max": float(a.max()),
+            }
+        )
+    weights["adv/mean"] = weights["adv/abs_mean"] = float(a.numel())
+    m.update({f"adv/{k}": float(v) for k, v in scored.stats.items()})
+    m.update(replay)
+    m.update(update)
+    lengths = mask.sum(-1).float()
+    m["response_len/mean"] = float(lengths.mean())
+    m["response_len/max"] = float(lengths.max())
+    m["finished_frac"] = float(roll.finished.float().mean())
+    m["scoring_errors"] = float(scoring_errors)
+    m["beta"] = float(beta)
+    for k in STAGE_TIMES:
+        if k in timings:
+            m[f"time/{k}"] = float(timings[k])
+    step_t = float(timings.get("step", 0.0))
+    if step_t > 0:
+        m["time/replay_share"] = float(timings.get("replay", 0.0)) / step_t
+        m["tokens_per_s"] = float(lengths.sum()) / step_t
+    m["iteration"] = float(iteration)
+    m.update({k: float(v) for k, v in faults.items()})
+    m["nonfinite_skips"] = float(nonfinite_skips)
+    return m, weights
+
+
+def combine(
+    m: dict[str, float], weights: dict[str, float], ranks: Ranks, already_global=()
+) -> dict[str, float]:
+    """Every rank's step metrics combined into the global batch's (identity in one process).
+
+    Means are weighted by each rank's count (``weights``, default 1); counts and throughput
+    are summed; minima, maxima and stage times (the slowest rank) reduced accordingly. A key
+    some rank lacks (a reward absent from its samples) is combined over the ranks that have
+    it, so every rank ends with the same keys.
+    """
+    if ranks.group is None:
+        return m
+    parts = ranks.gather((m, weights))
+    keys = sorted(set().union(*(p[0] for p in parts)))
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [(p[0][k], p[1].get(k, 1.0)) for p in parts if k in p[0]]
+        xs = [v for v, _ in vals]
+        if k in SUM_METRICS:
+            out[k] = float(sum(xs))
+        elif k.endswith("/min"):
+            out[k] = float(min(xs))
+        elif k.endswith("/max") or k.startswith("time/"):
+            out[k] = float(max(xs))
+        elif k in GLOBAL_METRICS or k in already_global:
+            out[k] = float(xs[0])  # already global (or identical on every rank)
+        else:
+            total = sum(w for _, w in vals)
+            out[k] = float(sum(v * w for v, w in vals) / total) if total > 0 else float(xs[0])
+    return out
+
+
+class AbsentAsNaN:
+    """Fills keys logged at an earlier step but missing now with NaN."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, m: dict[str, float]) -> dict[str, float]:
+        for k in self.seen - m.keys():
+            m[k] = float("nan")
+        self.seen |= m.keys()
+        return m
