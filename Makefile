@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine:
-#   make train   builds .venv if missing, then trains on the embedded default: a short SFT warm
-#                start and MRTPO on the synthetic task (tiny model, CPU, ~4 min), printing the
-#                success rate as it rises
+#   make train   builds .venv if missing, then `python src/train.py experiment=demo`: a short SFT
+#                warm start and MRTPO on the synthetic task (toy model, CPU, ~4 min), printing
+#                the success rate as it rises (configs/experiment/demo.yaml says everything)
 #   make test    builds .venv if missing, then runs the test suite (no `slow`, no `gpu` tests)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 env: $(STAMP)
 
 train: $(STAMP)
-	$(PY) scripts/replicate.py --demo $(ARGS)
+	$(PY) src/train.py experiment=demo $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(ARGS)

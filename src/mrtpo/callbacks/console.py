@@ -1,0 +1,179 @@
+"""A console a person can read: one line per step while training, a summary table at the end.
+
+``StepLine`` prints plain lines (no carriage returns, no colours), so a log file or CI shows
+the same progress as a terminal. It prints every step, or at most one line each
+``min_interval_s`` seconds when steps are fast (SFT), and always the last step.
+``RunSummary`` prints the means of the rewards and success over blocks of steps when training
+ends (the table ``make train`` shows), and saves a PNG of the curves in the run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+
+# Metric keys shown on the step line, in order, with their short labels.
+_LINE_KEYS = (
+    ("train/reward/total/mean", "reward"),
+    ("train/success", "success"),
+    ("sft/loss", "loss"),
+    ("train/loss", "loss"),
+)
+
+
+def _value(metrics, key) -> float | None:
+    v = metrics.get(key)
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def quiet_libraries() -> None:
+    """Keep the console to what a person reads: no Lightning tips or device banners (each
+    printed twice, by Lightning's handler and by the root one), no weight-loading bars, no
+    deprecation notes from inside Lightning. Warnings and errors still show."""
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # an older transformers: the bars are only cosmetic
+        pass
+    for pattern in (
+        r".*isinstance\(treespec, LeafSpec\).*",
+        r"You have overridden `transfer_batch_to_device`",
+        r"Total length of .* across ranks is zero",
+        r"Experiment logs directory .* exists and is not empty",
+        r"Checkpoint directory .* exists and is not empty",
+        r"Using ModelCheckpoint with manual optimization",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+class StepLine(L.Callback):
+    def __init__(self, min_interval_s: float = 2.0) -> None:
+        self.min_interval_s = float(min_interval_s)
+        self._t_start = 0.0
+        self._t_last = -math.inf
+        self._step0 = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._t_start = time.perf_counter()
+        self._step0 = int(trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            return
+        now = time.perf_counter()
+        step = int(trainer.global_step)
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        if now - self._t_last < self.min_interval_s and not last:
+            return
+        self._t_last = now
+        m = trainer.callback_metrics
+        parts = [f"step {step}/{trainer.max_steps}" if trainer.max_steps > 0 else f"step {step}"]
+        shown = set()
+        for key, label in _LINE_KEYS:
+            v = _value(m, key)
+            if v is not None and label not in shown:
+                parts.append(f"{label} {v:.3f}")
+                shown.add(label)
+        done = max(1, step - self._step0)
+        parts.append(f"{(now - self._t_start) / done:.2f} s/step")
+        print("  ".join(parts), flush=True)
+
+
+class RunSummary(L.Callback):
+    """Means of each reward (and success) over blocks of ``block`` steps, at the end."""
+
+    def __init__(self, block: int = 5, plot: bool = True) -> None:
+        self.block = max(1, int(block))
+        self.plot = plot
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = trainer.callback_metrics
+        row = {}
+        for k in m:
+            if (k.startswith("train/reward/") and k.endswith("/mean")) or k == "train/success":
+                v = _value(m, k)
+                if v is not None:
+                    row[k.removeprefix("train/").removesuffix("/mean")] = v
+        if row:
+            self.rows.append(row)
+
+    def table(self) -> tuple[list[str], list[list[str]]]:
+        names = []
+        for r in self.rows:
+            names += [k for k in r if k not in names]
+        names.sort(key=lambda k: (k != "success", k != "reward/total", k))
+        body = []
+        for a in range(0, len(self.rows), self.block):
+            chunk = self.rows[a : a + self.block]
+            cells = [f"{a + 1}-{a + len(chunk)}"]
+            for k in names:
+                vals = [r[k] for r in chunk if k in r]
+                cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "")
+            body.append(cells)
+        return ["steps", *names], body
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero or not self.rows:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        head, body = self.table()
+        t = Table(title=f"{type(pl_module).__name__}: means over blocks of {self.block} steps")
+        for h in head:
+            t.add_column(h.removeprefix("reward/"), justify="right")
+        for row in body:
+            t.add_row(*row)
+        Console().print(t)
+        if "success" in head:
+            first = [r["success"] for r in self.rows[: self.block] if "success" in r]
+            last = [r["success"] for r in self.rows[-self.block :] if "success" in r]
+            if first and last:
+                print(
+                    f"success: {sum(first) / len(first):.2f} over the first {len(first)} steps, "
+                    f"{sum(last) / len(last):.2f} over the last {len(last)}",
+                    flush=True,
+                )
+        if self.plot:
+            try:
+                self._plot(Path(trainer.default_root_dir) / "curves.png")
+            except Exception as exc:  # a plot is a convenience, never a reason to fail a run
+                log.warning("could not plot the reward curves: %s", exc)
+
+    def _plot(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = sorted({k for r in self.rows for k in r})
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k in names:
+            xs = [i + 1 for i, r in enumerate(self.rows) if k in r]
+            ax.plot(xs, [r[k] for r in self.rows if k in r], label=k, lw=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean over the step's responses")
+        ax.legend(fontsize=7, ncol=2)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
