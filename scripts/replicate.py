@@ -2,7 +2,6 @@
 
     make replicate                       # quick: K=4, 5 seeds, grpo/gdpo/mrtpo/mrtpo_shuffle/mrtpo_joint
     make replicate ARGS=--full           # K = 2, 4 and 8
-    python scripts/replicate.py --demo   # one short SFT + MRTPO run: watch the reward rise
     python scripts/replicate.py --report-only --logdir logs/replicate/<run>   # redo the report
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere
 
@@ -25,7 +24,6 @@ from mrtpo.config import CONFIG_DIR
 def parse_args(argv: Sequence[str] | None = None) -> Options:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--full", action="store_true", help="K = 2, 4 and 8 (default: K = 4 only)")
-    p.add_argument("--demo", action="store_true", help="one short SFT + MRTPO run (make train)")
     p.add_argument(
         "--ks", type=str, default=None, help="comma-separated K values (overrides --full)"
     )
@@ -63,7 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed, workers=a.workers,
         threads=a.threads, logdir=a.logdir, docs=a.docs, report_only=a.report_only,
         relevance_prompts=a.relevance_prompts, override=a.override,
-        sft_override=a.sft_override, full=a.full, demo=a.demo,
+        sft_override=a.sft_override, full=a.full,
     )  # fmt: skip
 
 

@@ -119,9 +119,7 @@ def test_trains_two_steps_with_user_rewards(method, user, train_cfg, tmp_path):
         return
     # MRTPO replayed pairs, and only for the reward that has a block function.
     assert max(share) > 0, share
-    dump = tmp_path / "csv" / "relevance.jsonl"
-    if not dump.exists():
-        dump = next(tmp_path.rglob("relevance.jsonl"))
+    dump = tmp_path / "relevance.jsonl"  # in the run folder itself, as the README says
     recs = [json.loads(line) for line in dump.read_text().splitlines()]
     assert recs, "no relevance records"
     replayed = {k for r in recs for k in r["q"]}

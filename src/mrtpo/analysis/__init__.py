@@ -6,7 +6,7 @@ the toy-replication harness behind ``make replicate``.
     jobs         composed configs trained in a pool of worker processes
     relevance    where each reward's relevance lands (the checker's tokens or elsewhere)
     plots        learning curves and relevance pictures
-    replication  the harness: warm starts, RL jobs, analysis, report (and the ``--demo`` run)
+    replication  the harness: warm starts, RL jobs, analysis, report
 
 ``stats`` and ``runs`` import nothing heavy, so any comparison of runs can use them.
 """

@@ -67,7 +67,7 @@ class Options:
     sft_seed: int = 0
     workers: int = 2
     threads: int = 1
-    logdir: Path | None = None  # None: logs/<replicate|demo>/<time>
+    logdir: Path | None = None  # None: logs/replicate/<time>
     docs: Path = (
         ROOT / "docs"
     )  # the report goes to <docs>/replication.md, figures to <docs>/figures
@@ -76,7 +76,6 @@ class Options:
     override: list[str] = field(default_factory=list)  # extra RL overrides
     sft_override: list[str] = field(default_factory=list)  # extra overrides of both SFT passes
     full: bool = False
-    demo: bool = False
     commit: str | None = None  # the source commit the runs were made with (run.json)
 
 
@@ -650,49 +649,9 @@ def _across_k(add, by_k, auc_gain: dict[int, list[float]], opts: Options) -> Non
 # ---------------------------------------------------------------------------------------------
 
 
-def default_logdir(demo: bool) -> Path:
+def default_logdir() -> Path:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return ROOT / "logs" / ("demo" if demo else "replicate") / stamp
-
-
-def demo(opts: Options, console) -> int:
-    """Warm start, then MRTPO: print the success rate climbing, step by step (``make train``)."""
-    from rich.table import Table
-
-    from mrtpo.sft import read_summary
-
-    k = opts.k_values[0]
-    console.rule(f"[bold]Demo: SFT warm start, then MRTPO on the synthetic task (K={k})")
-    if not run_warm_starts(opts, console, 1):
-        return 1
-    for phase in SFT_PHASES:
-        s = read_summary(opts.logdir / f"k{k}" / phase / "policy")
-        console.print(
-            f"SFT ({phase}): {s['steps']} steps, held-out success "
-            f"{s['history'][-1]['success']:.2f} (target {s['stop_when']} {s['target_success']})"
-        )
-    job = rl_job(k, "mrtpo", 0, opts)
-    res = run_all([job], 1, opts.threads, console, "MRTPO")
-    r = res[job.key]
-    if r.get("error"):
-        return 1
-    cur = rl_curves(r["csv"])
-    table = Table(title=f"MRTPO from the warm start: success = all {k} constraints met")
-    table.add_column("RL steps")
-    for name in cur:
-        table.add_column(name)
-    n = len(cur["success"])
-    for a in range(0, n, 5):
-        table.add_row(
-            f"{a + 1}-{min(n, a + 5)}",
-            *(f"{sum(v[a : a + 5]) / len(v[a : a + 5]):.2f}" for v in cur.values()),
-        )
-    console.print(table)
-    console.print(
-        f"success rose from {sum(cur['success'][:5]) / 5:.2f} (first 5 steps) to "
-        f"{sum(cur['success'][-5:]) / 5:.2f} (last 5). Metrics: {r['csv']}"
-    )
-    return 0
+    return ROOT / "logs" / "replicate" / stamp
 
 
 def main(opts: Options) -> int:
@@ -704,11 +663,9 @@ def main(opts: Options) -> int:
     if opts.logdir is None:
         if opts.report_only:
             raise ValueError("report_only needs the log folder of a replication (--logdir)")
-        opts.logdir = default_logdir(opts.demo)
+        opts.logdir = default_logdir()
     opts.logdir = Path(opts.logdir).resolve()
     opts.docs = Path(opts.docs)
-    if opts.demo:
-        return demo(opts, console)
     t0 = time.perf_counter()
     wall_file = opts.logdir / "wall_s.json"
     run_file = opts.logdir / "run.json"

@@ -435,33 +435,8 @@ def stage_model(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- the long-context task and a fixed rollout engine -------------------------------------
-WORDS = [
-    "table",
-    "column",
-    "select",
-    "where",
-    "join",
-    "group",
-    "order",
-    "count",
-    "customer",
-    "order",
-    "item",
-    "price",
-    "date",
-    "name",
-    "city",
-    "country",
-    "product",
-    "amount",
-    "total",
-    "average",
-    "status",
-    "region",
-    "account",
-    "employee",
-    "salary",
-]
+# Words for filler text: the synthetic task's vocabulary (one list in the project).
+from mrtpo.tasks.synthetic.task import WORDS  # noqa: E402
 
 
 def _text_of(tok, n_tokens: int, rng: random.Random) -> str:

@@ -64,35 +64,8 @@ SMOKE_SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
-WORDS = [
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "music",
-    "garden",
-    "light",
-    "forest",
-    "ocean",
-    "winter",
-    "summer",
-    "bright",
-    "quiet",
-    "happy",
-    "green",
-    "blue",
-    "red",
-    "small",
-    "large",
-    "fast",
-    "slow",
-    "warm",
-    "cold",
-    "write",
-    "answer",
-    "question",
-    "sentence",
-]
+# Words for filler text: the synthetic task's vocabulary (one list in the project).
+from mrtpo.tasks.synthetic.task import WORDS  # noqa: E402
 
 
 def log(msg: str) -> None:

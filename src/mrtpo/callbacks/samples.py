@@ -14,11 +14,10 @@ from mrtpo.credit import relevance_weights
 
 
 def _run_dir(trainer) -> Path:
-    # Not `trainer.log_dir`: under DDP it is a collective (a broadcast), and these callbacks
-    # write on rank 0 only, so the other ranks would never join it.
-    # Some loggers have no folder of their own (W&B's log_dir is None): use the run folder.
-    log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
-    d = Path(log_dir or trainer.default_root_dir)
+    # The run folder itself (as the README says), not a logger's subfolder. Not
+    # `trainer.log_dir`: under DDP it is a collective (a broadcast), and these callbacks write
+    # on rank 0 only, so the other ranks would never join it.
+    d = Path(trainer.default_root_dir)
     d.mkdir(parents=True, exist_ok=True)
     return d
 

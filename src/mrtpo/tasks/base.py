@@ -13,7 +13,6 @@ blocks to the prompt to build ``P_all`` and ``P_\\k``.
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,10 +143,3 @@ class Task(ABC):
             if vals:
                 out[f"reward/{name}"] = sum(vals) / len(vals)
         return out
-
-
-def timed(fn, *args, **kwargs) -> tuple[Any, float]:
-    """Call ``fn`` and return (result, seconds)."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
