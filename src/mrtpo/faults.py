@@ -45,7 +45,7 @@ class FaultTracker:
             log.warning("reward function failed on example %s at step %d: %s", eid, step, s.error)
         if len(errors) > 3:
             log.warning("... and %d more scoring errors at this step", len(errors) - 3)
-        usable = sum(any(v is not None for v in s.rewards.values()) for s in scores if not s.error)
+        usable = sum(any(v is not None for v in s.rewards.values()) for s in scores)
         n_err, n_all, n_usable = ranks.sum(len(errors), len(scores), usable)
         self.step_scoring_errors = n_err
         self.count("scoring_errors_total", n_err)
