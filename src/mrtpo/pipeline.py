@@ -155,7 +155,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run training (after the config's warm starts, if any); return the last logged metrics."""
     if cfg.get("print_config"):
         print_config(cfg)
-    from mrtpo.callbacks.console import quiet_libraries
+    from mrtpo.callbacks.console import header, quiet_libraries
     from mrtpo.settings import validate
 
     quiet_libraries()
@@ -170,6 +170,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Read the checkpoint before anything is built: a damaged file fails here, naming it.
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     trainer, module, datamodule = build(cfg)
+    if trainer.is_global_zero:
+        print(header(cfg), flush=True)
     if ckpt is not None:
         # Nothing in the run folder has changed yet: a refused resume leaves it as it was.
         validate_resume(ckpt, module, ckpt_path)

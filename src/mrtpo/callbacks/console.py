@@ -63,8 +63,29 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def header(cfg) -> str:
+    """Two lines saying what runs and where, and how to continue it."""
+    from omegaconf import OmegaConf
+
+    def choice(group: str) -> str:
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            return str(HydraConfig.get().runtime.choices.get(group))
+        except Exception:
+            return "?"
+
+    out = OmegaConf.select(cfg, "paths.output_dir", default="?")
+    stage = OmegaConf.select(cfg, "stage.name", default="rl")
+    return (
+        f"{stage}: task={choice('task')} method={choice('method')} "
+        f"model={OmegaConf.select(cfg, 'model.name_or_path')} seed={cfg.get('seed')}\n"
+        f"run folder: {out}   (continue it: python src/train.py +resume={out})"
+    )
+
+
 class StepLine(L.Callback):
-    def __init__(self, min_interval_s: float = 2.0) -> None:
+    def __init__(self, min_interval_s: float = 0.0) -> None:
         self.min_interval_s = float(min_interval_s)
         self._t_start = 0.0
         self._t_last = -math.inf
