@@ -194,7 +194,8 @@ class _RewardWeighted(AdvantageMethod):
                 f"method={self.config_name} needs the same reward set for every prompt (SAW "
                 f"weights each reward by its spread over the batch), but this task gives each "
                 f"prompt its own constraints (rewards_vary_per_prompt=True); use "
-                f"method={uniform} or method=mrtpo instead"
+                + (f"method={uniform} or method=mrtpo" if uniform != "mrtpo" else "method=mrtpo")
+                + " instead"
             )
         if self.reward_weights:
             unknown = sorted(set(self.reward_weights) - set(self.reward_names))
