@@ -161,6 +161,7 @@ def load_checkpoint_weights(policy, ckpt_path: str, model_source: str = "") -> i
     differences and where the model config came from, not with torch's size mismatch.
     """
     from mrtpo.checkpointing import load_checkpoint
+    from mrtpo.lora import checkpoint_keys
 
     ckpt = load_checkpoint(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     state = ckpt.get("state_dict") or {}
@@ -172,7 +173,8 @@ def load_checkpoint_weights(policy, ckpt_path: str, model_source: str = "") -> i
         if k in ours and tuple(v.shape) != tuple(ours[k].shape)
     ]
     unexpected = [k for k in weights if k not in ours]
-    missing = [k for k in ours if k not in weights and "lm_head" not in k]
+    # a LoRA run's checkpoint holds its adapters only: the base is model.name_or_path
+    missing = [k for k in checkpoint_keys(policy) if k not in weights and "lm_head" not in k]
     if not weights or shapes or unexpected or missing:
         detail = "; ".join(
             [f"shapes differ: {shapes[:2]}"] * bool(shapes)

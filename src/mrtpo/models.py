@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,12 +322,14 @@ def load_policy(
     gradient_checkpointing: bool = False,
     tiny: dict[str, Any] | None = None,
     attn_implementation: str | None = None,
+    lora: Mapping[str, Any] | None = None,
 ):
     """Load (model, tokenizer) by hub id or local path.
 
     ``tiny`` (the ``model.tiny`` block) builds the tiny model into ``name_or_path`` first, but
     only where that cannot destroy anything: see ``may_build_tiny``. A folder the user points
-    at is only ever read.
+    at is only ever read. ``lora`` (the ``model.lora`` block) with ``r > 0`` wraps the model
+    in PEFT LoRA adapters: only those train (see ``apply_lora``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -353,6 +356,15 @@ def load_policy(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    from mrtpo.lora import LoraSettings, apply_lora
+
+    settings = LoraSettings.from_mapping(lora)
+    if settings.enabled:
+        if gradient_checkpointing:
+            # With frozen embeddings no checkpointed block input requires grad, and reentrant
+            # checkpointing would then give the adapters no gradient at all.
+            model.enable_input_require_grads()
+        model = apply_lora(model, settings)
     model.train()  # from_pretrained returns eval mode
     return model, tokenizer
 

@@ -36,6 +36,7 @@ from mrtpo.credit.methods import AdvantageMethod, CreditInputs
 from mrtpo.distributed import Ranks
 from mrtpo.faults import FaultTracker
 from mrtpo.forward import response_logprobs
+from mrtpo.lora import checkpoint_keys, is_lora
 from mrtpo.loss import policy_loss
 from mrtpo.replay import Replayer
 from mrtpo.scoring import score_batch
@@ -87,8 +88,14 @@ class PolicyModule(L.LightningModule):
             reward_ranges=getattr(task, "reward_ranges", None),
         )
         self.ref_policy = None
-        if self.rl.kl_coef > 0:
+        # Under LoRA the reference is the base model itself, adapters off: no second copy.
+        if self.rl.kl_coef > 0 and not is_lora(policy):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+        # Under LoRA a checkpoint holds the adapters only (the frozen base is reloaded from
+        # model.name_or_path); None: every tensor.
+        self._checkpoint_keys = (
+            {"policy." + k for k in checkpoint_keys(policy)} if is_lora(policy) else None
+        )
         self.iteration = 0  # completed RL steps (one per prompt batch, skipped ones included)
         self.ranks = Ranks(lambda: self.device)
         self.fault_tracker = FaultTracker(
@@ -160,8 +167,8 @@ class PolicyModule(L.LightningModule):
         n_mini = -(-roll.n // max(1, int(rl.mini_batch_size)))
         if int(rl.ppo_epochs) * n_mini > 1:
             scored.old_logp = self._old_logprobs(roll, res, micro)
-        if self.ref_policy is not None:
-            scored.ref_logp = self._logprobs(self.ref_policy, roll, micro)
+        if self.rl.kl_coef > 0:
+            scored.ref_logp = self.reference_logprobs(roll, micro)
         times["old_logp"] = time.perf_counter() - t0
 
         # 5. token advantages. Group ids are local to this rank (0..B-1): a group never spans
@@ -248,6 +255,18 @@ class PolicyModule(L.LightningModule):
             if len(rest):
                 old[rest] = self._logprobs(self.policy, roll.select(rest), micro)
             return old
+        finally:
+            self.policy.train()
+
+    def reference_logprobs(self, roll, micro: int) -> torch.Tensor:
+        """log pi_ref of the sampled tokens: the frozen initial policy, which under LoRA is
+        the policy with its adapters switched off."""
+        if self.ref_policy is not None:
+            return self._logprobs(self.ref_policy, roll, micro)
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                return self._logprobs(self.policy, roll, micro)
         finally:
             self.policy.train()
 
@@ -475,6 +494,29 @@ class PolicyModule(L.LightningModule):
             "method": getattr(self.method, "config_name", "") or type(self.method).__name__,
             "reward_names": list(self.task.reward_names),
         }
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        state = super().state_dict(
+            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
+        if self._checkpoint_keys is not None:
+            for key in [k for k in state if k[len(prefix) :] not in self._checkpoint_keys]:
+                del state[key]  # in place: a wrapper may have passed its own destination
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self._checkpoint_keys is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        missing = sorted(self._checkpoint_keys - set(state_dict))
+        unexpected = sorted(set(state_dict) - self._checkpoint_keys)
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"the checkpoint does not hold this run's LoRA adapters: {len(missing)} missing "
+                f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); "
+                "resume with the original run's model.lora settings"
+            )
+        # the frozen base weights are the ones loaded from model.name_or_path
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["mrtpo"] = {

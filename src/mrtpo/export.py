@@ -1,0 +1,240 @@
+"""The trained policy as a Hugging Face folder: what vLLM, lm-eval, ``src/eval.py`` and the hub read.
+
+``save_policy`` writes ``save_pretrained`` weights (LoRA adapters merged into the base
+weights), the tokenizer, a ``generation_config.json`` holding the sampling settings the
+policy was trained with (``rollout.sampling``), and ``mrtpo_export.json`` (where it came
+from). Every RL run does this at its end (``mrtpo.callbacks.export.ExportPolicy``, into
+``<run>/policy/``); ``src/export.py`` does it for any checkpoint (``run``).
+
+The folder is written beside its target and renamed into place, so a crash never leaves a
+half-written export; an existing folder is replaced only when it is a previous export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+#: Written into every export; its presence marks a folder this module may replace.
+MARKER = "mrtpo_export.json"
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's weights under the base model's checkpoint names, LoRA merged.
+
+    The merged tensors are new ones (``W + scale * B @ A``): the policy itself is not
+    touched, so its frozen base weights stay bit-identical (an in-place merge followed by
+    an unmerge would leave rounding residue in them).
+    """
+    from mrtpo.lora import is_lora
+    from mrtpo.rollout.weight_sync import hf_name
+
+    peft = is_lora(model)
+    merged: dict[str, torch.Tensor] = {}
+    if peft:
+        from peft.tuners.lora import LoraLayer
+
+        for name, mod in model.named_modules():
+            if not isinstance(mod, LoraLayer) or getattr(mod, "merged", False):
+                continue
+            base = mod.get_base_layer().weight
+            delta = None
+            for adapter in mod.active_adapters:
+                if adapter in mod.lora_A:
+                    d = mod.get_delta_weight(adapter)
+                    delta = d if delta is None else delta + d
+            if delta is not None:
+                merged[f"{name}.base_layer.weight"] = (base.detach() + delta).to(base.dtype)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        name = hf_name(key, peft)
+        if name is not None:
+            out[name] = merged.get(key, tensor).detach()
+    return out
+
+
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (whose ``save_pretrained`` knows the
+    architecture's config and tied weights)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
+    """The model's generation config with the training sampling settings and EOS ids."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    from mrtpo.models import eos_token_ids
+
+    base = getattr(hf_model(model), "generation_config", None)
+    gen = copy.deepcopy(base) if base is not None else GenerationConfig()
+    eos = eos_token_ids(tokenizer, model)
+    gen.eos_token_id = eos if len(eos) != 1 else eos[0]
+    gen.pad_token_id = tokenizer.pad_token_id
+    if sampling:
+        s = dict(sampling)
+        if s.get("greedy"):
+            gen.do_sample = False
+        else:
+            gen.do_sample = True
+            gen.temperature = float(s.get("temperature", 1.0))
+            gen.top_p = float(s.get("top_p", 1.0))
+            gen.top_k = 0  # the trainer samples from the full distribution (no top-k cut)
+        if s.get("max_new_tokens"):
+            gen.max_new_tokens = int(s["max_new_tokens"])
+    return gen
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def check_destination(out: str | Path, protected: Iterable[tuple[str, str | Path]]) -> Path:
+    """``out`` as a Path, or an error if writing there could destroy something.
+
+    ``protected`` is (what, folder) pairs: the user's model folder, the run's checkpoints.
+    A folder that exists must be empty or a previous export (it holds ``MARKER``).
+    """
+    out = Path(out)
+    for what, folder in protected:
+        if (
+            folder
+            and Path(folder).exists()
+            and (_inside(out, Path(folder)) or _inside(Path(folder), out))
+        ):
+            raise ValueError(
+                f"out={out} would write into (or over) {what} {folder}; choose another out="
+            )
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"out={out} is a file; choose a folder for out=")
+        if any(out.iterdir()) and not (out / MARKER).is_file():
+            raise ValueError(
+                f"out={out} is not empty and holds no previous export ({MARKER}); refusing to "
+                "write into it: choose a new or empty folder for out="
+            )
+    return out
+
+
+def save_policy(
+    model: torch.nn.Module,
+    tokenizer,
+    out: str | Path,
+    sampling: Mapping[str, Any] | None = None,
+    info: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``model`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``out``.
+
+    ``dtype`` casts the floating-point weights (default: as trained). Returns ``out``.
+    """
+    from mrtpo.lora import is_lora
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ValueError(f"{out} is not empty and is no previous export; refusing to replace it")
+    state = merged_state_dict(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    target = hf_model(model)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        target.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        generation_config(model, tokenizer, sampling).save_pretrained(tmp)
+        record = {"lora_merged": is_lora(model), **dict(info or {})}
+        (tmp / MARKER).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---- src/export.py -------------------------------------------------------------------------
+
+
+def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
+    """``rollout.sampling`` of the training run behind ``ckpt_path`` (None if unknown)."""
+    from mrtpo.evaluate_cli import run_config_path
+
+    saved = run_config_path(ckpt_path)
+    if not saved.is_file():
+        return None
+    node = OmegaConf.select(OmegaConf.load(saved), "rollout.sampling", default=None)
+    if node is None:
+        return None
+    try:
+        return dict(OmegaConf.to_container(node, resolve=True))
+    except Exception as exc:  # an interpolation into a key this config lacks
+        log.warning("export: cannot read rollout.sampling from %s (%s)", saved, exc)
+        return None
+
+
+def run(cfg: DictConfig) -> Path:
+    """Export the policy of ``cfg.ckpt_path`` to ``cfg.out`` (see configs/export.yaml)."""
+    from mrtpo.evaluate_cli import from_training_run, load_checkpoint_weights
+    from mrtpo.models import load_policy, resolve_dtype
+
+    ckpt = cfg.get("ckpt_path")
+    if not ckpt:
+        raise ValueError("ckpt_path= is required: the checkpoint to export (a .ckpt file)")
+    if not cfg.get("out"):
+        raise ValueError("out= is required: the folder to write the Hugging Face model to")
+    cfg, source = from_training_run(cfg)
+    ckpt_file = Path(str(ckpt)).resolve()
+    model_dir = Path(str(cfg.model.name_or_path))
+    out = check_destination(
+        str(cfg.out),
+        [
+            ("the model folder (model.name_or_path)", model_dir if model_dir.is_dir() else ""),
+            ("the checkpoint folder", ckpt_file.parent),
+        ],
+    )
+    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
+    step = load_checkpoint_weights(policy, str(ckpt_file), source.get("model_source", ""))
+    sampling = cfg.get("sampling")
+    sampling = (
+        dict(OmegaConf.to_container(sampling, resolve=True))
+        if sampling is not None
+        else _run_sampling(str(ckpt_file))
+    )
+    dtype = resolve_dtype(str(cfg.dtype)) if cfg.get("dtype") else None
+    info = {"checkpoint": str(ckpt_file), "step": step, **source}
+    save_policy(policy, tokenizer, out, sampling=sampling, info=info, dtype=dtype)
+    print(f"exported {ckpt_file} (step {step}) to {out}", flush=True)
+    print(f"evaluate it with: python src/eval.py model.name_or_path={out}", flush=True)
+    return out
+
+
+__all__ = [
+    "MARKER",
+    "check_destination",
+    "generation_config",
+    "hf_model",
+    "merged_state_dict",
+    "run",
+    "save_policy",
+]
