@@ -12,6 +12,7 @@ from mrtpo.credit.advantages import (
     replay_mask,
     saw_weights,
 )
+from mrtpo.credit.cort import CoRT, cort_weights
 from mrtpo.credit.methods import (
     GDPO,
     GDPOSAW,
@@ -44,6 +45,7 @@ __all__ = [
     "MRTPO",
     "MRTPOSAW",
     "AdvantageMethod",
+    "CoRT",
     "CreditInputs",
     "CreditOutput",
     "MRTPOJoint",
@@ -51,6 +53,7 @@ __all__ = [
     "RelevanceRequest",
     "batch_moments",
     "beta_schedule",
+    "cort_weights",
     "gdpo_advantages",
     "group_advantages",
     "grpo_advantages",
