@@ -1,0 +1,182 @@
+"""Export: every RL run leaves ``<run>/policy/``, and ``src/export.py`` converts a checkpoint; the
+folder reloads offline with ``AutoModelForCausalLM.from_pretrained`` and gives the trained
+policy's logits, LoRA merged; ``src/eval.py model.name_or_path=<dir>`` evaluates it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests.conftest import ROOT, compose_config
+
+from mrtpo.pipeline import build
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+TRAINED = ["optim.lr=0.02", "optim.weight_decay=0.0", "rl.group_size=4"]
+
+
+def _logits(model, tok) -> torch.Tensor:
+    ids = tok(["Write a short reply. End with the word river."], return_tensors="pt")
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(**ids).logits
+    finally:
+        model.train(was)
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _reload(folder: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_rl_run_exports_a_policy_with_the_trained_logits(train_cfg, tmp_path, lora, tiny):
+    cfg = train_cfg(*TRAINED, *(["model.lora.r=4"] if lora else []))
+    trainer, module, dm = build(cfg)
+    trainer.fit(module, datamodule=dm)
+    folder = tmp_path / "policy"
+    assert (folder / "config.json").is_file()
+    model, tok = _reload(folder)
+    want = _logits(module.policy, module.tokenizer)
+    got = _logits(model, tok)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    # trained: the export is not the starting model
+    assert not torch.allclose(_logits(tiny[0], tiny[1]), want, atol=1e-4)
+    assert tok.get_vocab() == module.tokenizer.get_vocab()
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert gen["max_new_tokens"] == 8 and gen["do_sample"] is True  # rollout.sampling
+    assert gen["temperature"] == 1.0 and gen["top_p"] == 1.0 and gen["top_k"] == 0
+    assert gen["eos_token_id"] == module.tokenizer.eos_token_id
+    record = json.loads((folder / "mrtpo_export.json").read_text())
+    assert record["lora_merged"] is lora and record["step"] == 2
+    names = set(json.loads((folder / "config.json").read_text()))
+    assert "architectures" in names
+    if lora:  # merged: a plain transformers model, no adapter files
+        assert not (folder / "adapter_config.json").exists()
+
+
+def _export_cmd(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "src/export.py", *args, f"paths.log_dir={log_dir}"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory, cache_dir):
+    """A 2-step LoRA run through src/train.py (its .hydra/config.yaml is what export reads)."""
+    logs = tmp_path_factory.mktemp("export_src")
+    cmd = [
+        sys.executable,
+        "src/train.py",
+        "model.lora.r=4",
+        "trainer.max_steps=2",
+        "rl.prompts_per_step=2",
+        "rollout.sampling.max_new_tokens=6",
+        "rollout.sampling.temperature=0.7",
+        f"paths.log_dir={logs}",
+        f"paths.cache_dir={cache_dir}",
+        *TRAINED,
+    ]
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = list((logs / "train" / "runs").iterdir())
+    return run
+
+
+def test_export_cli_converts_a_checkpoint_and_eval_reads_it(lora_checkpoint, tmp_path, cache_dir):
+    run = lora_checkpoint
+    ckpt = run / "checkpoints" / "last.ckpt"
+    before = _tree_digest(run / "checkpoints")
+    model_dir = cache_dir / "models" / "tiny-qwen2"
+    model_before = _tree_digest(model_dir)
+    out = tmp_path / "exported"
+    res = _export_cmd(f"ckpt_path={ckpt}", f"out={out}", log_dir=tmp_path / "logs")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _tree_digest(run / "checkpoints") == before  # nothing written beside the checkpoint
+    assert _tree_digest(model_dir) == model_before  # nor into the model folder
+    # the checkpoint's export equals the run's own end-of-training export
+    a, tok = _reload(out)
+    b, _ = _reload(run / "policy")
+    assert torch.allclose(_logits(a, tok), _logits(b, tok), atol=1e-6, rtol=0)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["temperature"] == 0.7 and gen["max_new_tokens"] == 6  # the run's sampling
+    assert json.loads((out / "mrtpo_export.json").read_text())["step"] == 2
+    # a second export into the same folder replaces the previous export
+    res = _export_cmd(f"ckpt_path={ckpt}", f"out={out}", log_dir=tmp_path / "logs")
+    assert res.returncode == 0, res.stderr[-3000:]
+    # and src/eval.py evaluates it
+    ev = tmp_path / "eval"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "src/eval.py",
+            f"model.name_or_path={out}",
+            "eval.limit=2",
+            "eval.max_new_tokens=4",
+            f"eval.output={ev}",
+            f"paths.cache_dir={cache_dir}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads((ev / "metrics.json").read_text())
+    assert "success" in json.dumps(metrics)
+    assert not (out / "mrtpo_tiny.json").exists()  # eval loaded it as a model, built nothing
+
+
+def test_export_refuses_unsafe_destinations_and_other_models(lora_checkpoint, tmp_path, cache_dir):
+    from mrtpo.export import run
+
+    ckpt = lora_checkpoint / "checkpoints" / "last.ckpt"
+    model_dir = cache_dir / "models" / "tiny-qwen2"
+
+    def export(*overrides: str):
+        cfg = compose_config(
+            "export.yaml",
+            [f"ckpt_path={ckpt}", f"paths.log_dir={tmp_path}/logs", *overrides],
+        )
+        return run(cfg)
+
+    with pytest.raises(ValueError, match=r"out=.*checkpoint folder"):
+        export(f"out={ckpt.parent}/hf")
+    with pytest.raises(ValueError, match=r"out=.*model folder"):
+        export(f"out={model_dir}")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"out=.*not empty"):
+        export(f"out={busy}")
+    assert (busy / "notes.txt").read_text() == "mine"
+    # the run trained LoRA adapters: a model without them does not match, naming model=
+    with pytest.raises(ValueError, match=r"holds a different model.*model.lora.r.*model="):
+        export(f"out={tmp_path}/x", "model.lora.r=0")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=r"ckpt_path"):
+        run(compose_config("export.yaml", [f"out={tmp_path}/y"]))
