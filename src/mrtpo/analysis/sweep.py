@@ -1,0 +1,681 @@
+"""Comparing runs: a record of every job, the summary of a sweep, and ``src/report.py``.
+
+Three pieces, all reading what runs already write (``csv/metrics.csv``, ``.hydra/``):
+
+- ``RunRecorder`` (a Hydra callback, ``hydra.callbacks`` in configs/hydra/default.yaml) writes
+  ``job.json`` beside each job's metrics — the resolved ``run_name``, task / method / model,
+  seed, overrides, status and wall time, which ``.hydra/config.yaml`` leaves unresolved — and,
+  in a multirun, rewrites ``summary.csv`` and ``summary.md`` of the sweep folder after every
+  job and once more at the end (a failed job makes Hydra stop before ``on_multirun_end``, so
+  the summary is never missing the jobs that did finish).
+- ``find_runs`` / ``group_runs``: run folders under any folders or globs, grouped by their
+  overrides minus the seed and the plumbing (paths, callbacks, loggers).
+- ``report``: per group, the mean ± t interval over seeds of each reward's and success's final
+  and best value, paired differences by seed against a ``--baseline`` group, and one
+  learning-curve PNG per metric (mean over seeds with its band).
+
+"final" is the mean of the last ``FINAL_WINDOW`` steps and "best" the highest
+``SMOOTH``-step moving average (the toy replication's definitions): one step's value is a
+mean over a handful of sampled responses, too noisy to report on its own. The statistics are
+``mrtpo.analysis.stats``; the metrics reader is ``mrtpo.analysis.runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.analysis.runs import rl_curves
+from mrtpo.analysis.stats import (
+    FINAL_WINDOW,
+    SMOOTH,
+    Interval,
+    finite,
+    intervals,
+    mean_ci,
+    paired_interval,
+    smooth,
+)
+
+log = logging.getLogger(__name__)
+
+#: Written by each job beside its metrics (``run.json`` is taken: the replication's log folder).
+RUN_JSON = "job.json"
+METRICS = Path("csv") / "metrics.csv"
+#: Override keys that change where and how a run is recorded, not what it learns: left out of
+#: the groups (a sweep repeated with another ``paths.log_dir`` is the same experiment).
+PLUMBING_PREFIXES = ("paths.", "hydra.", "callbacks.", "logger.")
+PLUMBING_KEYS = frozenset({"logger", "callbacks", "ckpt_path", "resume", "print_config"})
+SEED = "seed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def override_key(override: str) -> str:
+    """``+a.b=1`` / ``++a.b=1`` / ``a.b=1`` -> ``a.b``; ``~a.b`` stays ``~a.b``."""
+    return override.split("=", 1)[0].lstrip("+")
+
+
+def is_plumbing(key: str) -> bool:
+    return key in PLUMBING_KEYS or key.startswith(PLUMBING_PREFIXES)
+
+
+def experiment_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
+    """The overrides that define what a run learns, minus the seed: a group's key.
+
+    The last override of a key wins (as in Hydra), and the result is sorted so that the order
+    they were typed in does not split a group.
+    """
+    by_key: dict[str, str] = {}
+    for o in overrides:
+        k = override_key(o)
+        if k != SEED and not is_plumbing(k):
+            by_key[k] = f"{k}={o.split('=', 1)[1]}" if "=" in o else o
+    return tuple(sorted(by_key.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One run folder: what it was started with and what it logged."""
+
+    path: Path
+    overrides: list[str] | None  # None: the folder records none (a run composed in code)
+    seed: str | None
+    status: str | None  # "completed" / "failed" from job.json; None when unknown
+    wall_s: float | None
+    run_name: str | None
+    curves: dict[str, list[float]] = field(default_factory=dict)
+    job_num: int | None = None
+    error: str | None = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.curves.get("success", []))
+
+    @property
+    def group(self) -> tuple[str, ...]:
+        """Its overrides minus seed and plumbing; a run that recorded none (no job.json, no
+        .hydra/) is grouped with the other runs of its parent folder (``<method>/s<seed>``)."""
+        if self.overrides is None:
+            return (f"folder={self.path.parent}",)
+        return experiment_overrides(self.overrides)
+
+    @property
+    def seed_key(self) -> str:
+        """What pairs runs across groups: the seed, or (unknown) the run's own folder, which
+        pairs with nothing."""
+        return self.seed if self.seed is not None else f"?{self.path}"
+
+    def final_best(self, metric: str) -> tuple[float, float]:
+        return final_best(self.curves.get(metric, []))
+
+
+def final_best(curve: Sequence[float]) -> tuple[float, float]:
+    """(mean of the last ``FINAL_WINDOW`` steps, highest ``SMOOTH``-step moving average) over
+    the steps where the metric is finite (NaN: a reward that applied to no response); NaNs
+    for a curve without a finite value."""
+    v = finite(curve)
+    if not v:
+        return math.nan, math.nan
+    tail = v[-FINAL_WINDOW:]
+    return sum(tail) / len(tail), max(smooth(v, SMOOTH))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _saved_overrides(run: Path) -> list[str] | None:
+    p = run / ".hydra" / "overrides.yaml"
+    if not p.is_file():
+        return None
+    try:
+        return [str(o) for o in OmegaConf.load(p)]
+    except Exception:
+        return None
+
+
+def _saved_seed(run: Path) -> str | None:
+    p = run / ".hydra" / "config.yaml"
+    if not p.is_file():
+        return None
+    try:
+        seed = OmegaConf.load(p).get(SEED)
+    except Exception:
+        return None
+    return None if seed is None else str(seed)
+
+
+def load_run(folder: str | Path) -> Run:
+    """A run folder (one holding ``csv/metrics.csv``): its ``job.json`` when the job wrote one,
+    else Hydra's saved overrides and config, and its curves."""
+    folder = Path(folder)
+    info = _read_json(folder / RUN_JSON)
+    overrides = info.get("overrides")
+    if overrides is None:
+        overrides = _saved_overrides(folder)
+    given = overrides or []
+    seed = next((o.split("=", 1)[1] for o in given if override_key(o) == SEED), None)
+    if seed is None:
+        seed = str(info["seed"]) if info.get("seed") is not None else _saved_seed(folder)
+    wall = info.get("wall_s")
+    if wall is None:  # a run from before job.json: from its first to its last file write
+        cfg, metrics = folder / ".hydra" / "config.yaml", folder / METRICS
+        if cfg.is_file() and metrics.is_file():
+            wall = max(0.0, metrics.stat().st_mtime - cfg.stat().st_mtime)
+    metrics = folder / METRICS
+    return Run(
+        path=folder,
+        overrides=None if overrides is None else [str(o) for o in overrides],
+        seed=seed,
+        status=info.get("status"),
+        wall_s=None if wall is None else float(wall),
+        run_name=info.get("run_name"),
+        curves=rl_curves(metrics) if metrics.is_file() else {},
+        job_num=info.get("job_num"),
+        error=info.get("error"),
+    )
+
+
+def _natural(path: Path) -> list:
+    """Sort key: ``2_...`` before ``10_...``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def find_runs(sources: Iterable[str | Path]) -> list[Run]:
+    """Every run folder under the given folders or glob patterns (a folder holding
+    ``csv/metrics.csv``, or the ``job.json`` of a job that failed before logging; a
+    ``metrics.csv`` path names its run too). Runs nested in another run's folder (its warm
+    starts) belong to that run and are not listed."""
+    folders: set[Path] = set()
+    for src in sources:
+        matches = sorted(glob.glob(str(src))) if glob.has_magic(str(src)) else [str(src)]
+        if not matches or not all(Path(m).exists() for m in matches):
+            raise FileNotFoundError(
+                f"{src}: no such folder (give a run or sweep folder, or a glob)"
+            )
+        for m in map(Path, matches):
+            if m.is_file() and m.name == "metrics.csv":
+                folders.add(m.parent.parent.resolve())
+            elif m.is_dir():
+                folders.update(p.parent.parent.resolve() for p in m.rglob(str(METRICS)))
+                folders.update(p.parent.resolve() for p in m.rglob(RUN_JSON))
+    tops = [f for f in folders if not any(a in folders for a in f.parents)]
+    return [load_run(f) for f in sorted(tops, key=_natural)]
+
+
+def group_runs(runs: Iterable[Run]) -> dict[tuple[str, ...], list[Run]]:
+    """Runs by their overrides minus the seed, in the order the groups first appear."""
+    groups: dict[tuple[str, ...], list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    return groups
+
+
+def labels(keys: Sequence[tuple[str, ...]]) -> tuple[dict[tuple[str, ...], str], list[str]]:
+    """A short label per group (the overrides that differ between groups) and the overrides
+    every group shares."""
+    common = [o for o in (keys[0] if keys else ()) if all(o in k for k in keys)]
+    out = {}
+    for k in keys:
+        own = [o for o in k if o not in common]
+        out[k] = " ".join(own) if own else ("(defaults)" if not k else "(all runs)")
+    return out, common
+
+
+def metric_names(runs: Iterable[Run]) -> list[str]:
+    """``success`` first, then each reward in the order the runs logged them."""
+    names: list[str] = []
+    for r in runs:
+        names += [m for m in r.curves if m not in names]
+    return sorted(names, key=lambda m: m != "success")
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}" + ("" if k == 1 else "s")
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def fmt_ci(iv: Interval, digits: int = 3) -> str:
+    """``mean ± half``; the mean alone when one value gives no interval."""
+    if iv.n == 0 or not math.isfinite(iv.mean):
+        return "–"
+    if not math.isfinite(iv.half):
+        return f"{iv.mean:.{digits}f}"
+    return f"{iv.mean:.{digits}f} ± {iv.half:.{digits}f}"
+
+
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    esc = [str(h).replace("|", r"\|") for h in head]
+    lines = ["| " + " | ".join(esc) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c).replace("|", r"\|") for c in r) + " |")
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Several jobs of a parallel sweep may rewrite the summary at once: each writes its own
+    file and renames it, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# A sweep's summary (one row per job)
+# ---------------------------------------------------------------------------------------------
+
+
+def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Columns and one row per run: job, folder, status, seed, overrides (all, and one column
+    per experiment key), steps, wall time, final and best value of each metric."""
+    metrics = metric_names(runs)
+    keys: list[str] = []
+    for r in runs:
+        keys += [override_key(o) for o in r.group if override_key(o) not in keys]
+    head = ["job", "run", "status", SEED, "overrides", *keys, "steps", "wall_s"]
+    head += [f"{m}/{kind}" for m in metrics for kind in ("final", "best")]
+    rows = []
+    for r in runs:
+        row: dict[str, Any] = {
+            "job": r.job_num if r.job_num is not None else "",
+            "run": str(r.path.relative_to(root)) if r.path.is_relative_to(root) else str(r.path),
+            "status": r.status or "",
+            SEED: r.seed if r.seed is not None else "",
+            "overrides": " ".join(r.overrides or []),
+            "steps": r.steps,
+            "wall_s": "" if r.wall_s is None else round(r.wall_s, 1),
+        }
+        row.update({override_key(o): o.split("=", 1)[-1] for o in r.group})
+        for m in metrics:
+            final, best = r.final_best(m)
+            row[f"{m}/final"], row[f"{m}/best"] = final, best
+        rows.append(row)
+    return head, rows
+
+
+def sweep_command(root: Path) -> str | None:
+    """``python src/train.py -m <the sweep's overrides>``, from Hydra's ``multirun.yaml``."""
+    p = root / "multirun.yaml"
+    if not p.is_file():
+        return None
+    try:
+        ov = OmegaConf.load(p).hydra.overrides.task
+    except Exception:
+        return None
+    return "python src/train.py -m " + " ".join(str(o) for o in ov)
+
+
+def write_summary(root: str | Path) -> tuple[Path, Path] | None:
+    """``summary.csv`` and ``summary.md`` in a sweep folder; None when it holds no run yet."""
+    root = Path(root)
+    runs = find_runs([root])
+    if not runs:
+        return None
+    head, rows = summary_rows(runs, root.resolve())
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    csv_path, md_path = root / "summary.csv", root / "summary.md"
+    _atomic_write(csv_path, buf.getvalue())
+
+    metrics = metric_names(runs)
+    names, common = labels([r.group for r in runs])
+    md_head = ["job", "overrides", SEED, "status", "steps", "wall (s)"]
+    md_head += [f"{m} final / best" for m in metrics]
+    md_rows = []
+    for r, row in zip(runs, rows, strict=True):
+        cells = [row["job"], names[r.group], row[SEED], row["status"] or "?", r.steps]
+        cells.append(fmt(r.wall_s, 1))
+        for m in metrics:
+            cells.append(f"{fmt(row[f'{m}/final'])} / {fmt(row[f'{m}/best'])}")
+        md_rows.append(cells)
+    cmd = sweep_command(root)
+    lines = [f"# Sweep summary: {root.name}", ""]
+    if cmd:
+        lines += [f"`{cmd}`", ""]
+    lines += [
+        f"{_n(len(runs), 'job')}. final: mean of the last {FINAL_WINDOW} steps; best: highest "
+        f"{SMOOTH}-step moving average.",
+    ]
+    if common:
+        lines.append(f"Every job: `{' '.join(common)}`.")
+    lines += ["", markdown_table(md_head, md_rows), ""]
+    for r, row in zip(runs, rows, strict=True):
+        if r.status == "failed":
+            lines.append(f"- job {row['job']} failed: `{(r.error or '?')[:300]}`")
+    if any(r.status == "failed" for r in runs):
+        lines.append("")
+    lines.append(f"Compare over seeds: `python src/report.py {root}`")
+    _atomic_write(md_path, "\n".join(lines) + "\n")
+    return csv_path, md_path
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hydra callback
+# ---------------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def _is_worker() -> bool:
+    """DDP workers re-run the entry point; only the launching process records the run."""
+    return any(os.environ.get(v, "0") != "0" for v in ("LOCAL_RANK", "RANK"))
+
+
+def _sweep_dir(config: DictConfig) -> Path | None:
+    """The sweep folder of a multirun job: its output folder minus ``hydra.sweep.subdir``
+    (which may hold slashes when an override value is a path)."""
+    out = OmegaConf.select(config, "hydra.runtime.output_dir")
+    sub = OmegaConf.select(config, "hydra.sweep.subdir")
+    if not out or sub is None:
+        return None
+    n = len(Path(str(sub)).parts)
+    out = Path(str(out))
+    return out.parents[n - 1] if 0 < n <= len(out.parents) else None
+
+
+class RunRecorder(Callback):
+    """Writes ``job.json`` for each job (resolved run name, overrides, status, wall time) and a
+    multirun's ``summary.csv`` / ``summary.md``. Hydra turns an exception raised here into a
+    warning, so recording never fails a run."""
+
+    def __init__(self, summary: bool = True) -> None:
+        self.summary = summary
+        self._started: dict[str, tuple[float, str]] = {}
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        out = str(OmegaConf.select(config, "hydra.runtime.output_dir"))
+        self._started[out] = (time.monotonic(), _now())
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if _is_worker():
+            return
+        out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
+        failed = getattr(getattr(job_return, "status", None), "name", "") == "FAILED"
+        if failed and OmegaConf.select(config, "resume", default=None):
+            return  # a refused resume leaves the run folder exactly as it was
+        if not out.is_dir():
+            return
+        t0, started = self._started.pop(str(out), (None, None))
+        wall = time.monotonic() - t0 if t0 is not None else None
+        choices = OmegaConf.select(config, "hydra.runtime.choices", default={}) or {}
+        try:
+            run_name = str(OmegaConf.select(config, "run_name"))
+        except Exception:  # an interpolation that cannot resolve here: keep it as written
+            run_name = None
+        invocation = {
+            "started": started,
+            "finished": _now(),
+            "wall_s": None if wall is None else round(wall, 3),
+            "status": "failed" if failed else "completed",
+            # the property re-raises a failed job's exception; the field holds it
+            "error": repr(getattr(job_return, "_return_value", None))[:2000] if failed else None,
+            "overrides": [str(o) for o in getattr(job_return, "overrides", None) or []],
+        }
+        previous = _read_json(out / RUN_JSON).get("invocations", [])
+        invocations = [*previous, invocation]  # a resumed run continues in the same folder
+        first = invocations[0]
+        record = {
+            "run_name": run_name,
+            "task": choices.get("task"),
+            "method": choices.get("method"),
+            "model": choices.get("model"),
+            SEED: OmegaConf.select(config, SEED, default=None),
+            "job_num": OmegaConf.select(config, "hydra.job.num", default=None),
+            # the overrides the run was created with; a resume's own are in its invocation
+            "overrides": first["overrides"],
+            "status": invocation["status"],
+            "error": invocation["error"],
+            "wall_s": round(sum(i.get("wall_s") or 0.0 for i in invocations), 3),
+            "started": first["started"],
+            "finished": invocation["finished"],
+            "invocations": invocations,
+        }
+        _atomic_write(out / RUN_JSON, json.dumps(record, indent=2) + "\n")
+        mode = OmegaConf.select(config, "hydra.mode", default=None)
+        if self.summary and getattr(mode, "name", str(mode)).endswith("MULTIRUN"):
+            sweep = _sweep_dir(config)
+            if sweep is not None:
+                write_summary(sweep)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.summary:
+            return
+        root = Path(str(config.hydra.sweep.dir))
+        written = write_summary(root) if root.is_dir() else None
+        if written:
+            print(f"sweep summary: {written[1]}  (compare: python src/report.py {root})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The report over seeds
+# ---------------------------------------------------------------------------------------------
+
+
+def _by_seed(runs: Sequence[Run], metric: str, which: int) -> dict[str, float]:
+    """``{seed: value}``; runs sharing a seed (a repeated sweep) are averaged."""
+    vals: dict[str, list[float]] = {}
+    for r in runs:
+        vals.setdefault(r.seed_key, []).append(r.final_best(metric)[which])
+    return {s: sum(v) / len(v) for s, v in vals.items() if all(map(math.isfinite, v))}
+
+
+def baseline_of(
+    group: tuple[str, ...], spec: Sequence[str], groups: Sequence[tuple[str, ...]]
+) -> tuple[str, ...] | None:
+    """The group to compare ``group`` with: its own overrides with ``spec`` (``method=gdpo``)
+    put in their place; failing that, the one group matching ``spec``."""
+    spec_keys = {override_key(s) for s in spec}
+    want = experiment_overrides([o for o in group if override_key(o) not in spec_keys] + [*spec])
+    if want in groups:
+        return want
+    wanted = set(experiment_overrides(spec))
+    matching = [g for g in groups if wanted <= set(g)]
+    return matching[0] if len(matching) == 1 else None
+
+
+@dataclass
+class Report:
+    text: str  # markdown: what the command prints and writes to report.md
+    figures: list[Path]
+
+
+def report(
+    runs: Sequence[Run],
+    out: Path | None = None,
+    baseline: Sequence[str] = (),
+    level: float = 0.95,
+    plots: bool = True,
+) -> Report:
+    """The paper-style table of ``runs`` grouped by their overrides minus the seed."""
+    skipped = [r for r in runs if r.status == "failed" or not r.steps]
+    used = [r for r in runs if r not in skipped]
+    if not used:
+        raise ValueError(
+            "no finished RL run with logged steps among "
+            f"{len(runs)} run folder(s) (metrics.csv holds no train/success rows?)"
+        )
+    groups = group_runs(used)
+    keys = list(groups)
+    names, common = labels(keys)
+    metrics = metric_names(used)
+    pct = f"{100 * level:g}%"
+    lines = [
+        f"{_n(len(used), 'run')} in {_n(len(groups), 'group')}; mean ± {pct} t interval over "
+        "seeds.",
+    ]
+    if common:
+        lines.append(f"Every run: `{' '.join(common)}`.")
+    for r in skipped[:5]:
+        why = "failed" if r.status == "failed" else "no RL steps logged"
+        lines.append(f"Left out ({why}): {r.path}")
+    if len(skipped) > 5:
+        lines.append(f"... and {len(skipped) - 5} more runs left out (failed or no RL steps)")
+    for which, title in (
+        (0, f"Final (mean of the last {FINAL_WINDOW} steps)"),
+        (1, f"Best ({SMOOTH}-step moving average)"),
+    ):
+        head = ["group", "seeds", "steps", *metrics]
+        rows = []
+        for k, rs in groups.items():
+            ivs = intervals(
+                {m: list(_by_seed(rs, m, which).values()) for m in metrics}, level=level
+            )
+            steps = sorted({r.steps for r in rs})
+            cells = [names[k], len({r.seed_key for r in rs}), "/".join(map(str, steps))]
+            rows.append(cells + [fmt_ci(ivs[m]) for m in metrics])
+        lines += ["", f"## {title}", "", markdown_table(head, rows)]
+
+    if baseline:
+        rows = []
+        for k, rs in groups.items():
+            b = baseline_of(k, baseline, keys)
+            if b is None or b == k:
+                continue
+            cells = [names[k], names[b]]
+            pairs = 0
+            for m in metrics:
+                d = paired_interval(_by_seed(rs, m, 0), _by_seed(groups[b], m, 0), level)
+                pairs = max(pairs, d.n)
+                cells.append(fmt_ci(d))
+            rows.append([cells[0], cells[1], pairs, *cells[2:]])
+        spec = " ".join(baseline)
+        lines += ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
+        if rows:
+            lines.append(markdown_table(["group", "baseline", "seed pairs", *metrics], rows))
+        else:
+            lines.append(f"No group matches `{spec}`: groups are {[names[k] for k in keys]}")
+
+    figures: list[Path] = []
+    if plots and out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for m in metrics:
+            path = out / f"curves_{re.sub(r'[^A-Za-z0-9_.-]+', '_', m)}.png"
+            plot_metric({names[k]: [r.curves.get(m, []) for r in rs] for k, rs in groups.items()},
+                        m, path, level)  # fmt: skip
+            figures.append(path)
+        lines += ["", "Learning curves: " + ", ".join(f"[{p.name}]({p.name})" for p in figures)]
+    return Report("\n".join(lines) + "\n", figures)
+
+
+def plot_metric(
+    curves: dict[str, list[list[float]]], metric: str, path: Path, level: float = 0.95
+) -> None:
+    """One metric per step, smoothed: a line per group (mean over its seeds) with the t band,
+    over the steps every seed of the group reached."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), constrained_layout=True)
+    for label, runs in curves.items():
+        ys = [smooth(c) for c in runs if c]
+        if not ys:
+            continue
+        n = min(len(y) for y in ys)
+        mean, lo, hi = [], [], []
+        for t in range(n):
+            iv = mean_ci([y[t] for y in ys], level)
+            h = iv.half if math.isfinite(iv.half) else 0.0
+            mean.append(iv.mean)
+            lo.append(iv.mean - h)
+            hi.append(iv.mean + h)
+        x = list(range(1, n + 1))
+        (line,) = ax.plot(x, mean, lw=1.6, label=f"{label} (n={len(ys)})")
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_title(f"{metric} (moving average {SMOOTH}; band: {100 * level:g}% over seeds)",
+                 fontsize=9)  # fmt: skip
+    ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def default_out(sources: Sequence[str]) -> Path:
+    """Where figures go without ``--out``: the one folder given, else the folders' common
+    parent."""
+    dirs = [Path(m) for s in sources for m in (glob.glob(s) if glob.has_magic(s) else [s])]
+    dirs = [d if d.is_dir() else d.parent for d in dirs]
+    if len(dirs) == 1:
+        return dirs[0]
+    return Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python src/report.py",
+        description="Compare training runs over seeds: runs are grouped by their overrides "
+        "minus the seed; prints mean ± t interval of each reward's and success's final and "
+        "best value, and writes one learning-curve PNG per metric.",
+    )
+    p.add_argument("sources", nargs="+", help="run or sweep folders, or globs (quote them)")
+    p.add_argument("--out", type=Path, help="folder for report.md and the PNGs (default: the "
+                   "folder given, or the common parent of several)")  # fmt: skip
+    p.add_argument("--baseline", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="paired differences by seed against this group, e.g. method=gdpo")  # fmt: skip
+    p.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
+    p.add_argument("--no-plots", action="store_true", help="print the table only")
+    a = p.parse_args(argv)
+    if not 0.0 < a.level < 1.0:
+        p.error(f"--level must be in (0, 1), got {a.level}")
+    for b in a.baseline:
+        if "=" not in b:
+            p.error(f"--baseline takes KEY=VALUE overrides (e.g. method=gdpo), got {b!r}")
+    try:
+        runs = find_runs(a.sources)
+        if not runs:
+            raise ValueError(f"no run folders (with {METRICS}) under {' '.join(a.sources)}")
+        out = a.out or default_out(a.sources)
+        rep = report(runs, out, a.baseline, a.level, plots=not a.no_plots)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    print(rep.text, end="")
+    if not a.no_plots:
+        (out / "report.md").write_text(rep.text, encoding="utf-8")
+        print(f"\nwrote {out / 'report.md'} and {len(rep.figures)} figures in {out}")
+    return 0

@@ -1,0 +1,12 @@
+"""Compare training runs over seeds (the code is mrtpo.analysis.sweep).
+
+python src/report.py logs/train/multiruns/<time>
+python src/report.py 'logs/train/multiruns/*' --baseline method=gdpo --out reports/
+"""
+
+import sys
+
+from mrtpo.analysis.sweep import main
+
+if __name__ == "__main__":
+    sys.exit(main())
