@@ -240,3 +240,11 @@ def test_recorder_leaves_a_refused_resume_untouched(tmp_path):
     RunRecorder().on_job_end(_job_config(tmp_path), ret)
     info = json.loads((tmp_path / "job.json").read_text())
     assert info["status"] == "failed" and "refused" in info["error"]
+
+
+def test_recorder_writes_beside_the_metrics_when_output_dir_is_overridden(tmp_path):
+    metrics_dir = tmp_path / "elsewhere"
+    metrics_dir.mkdir()
+    cfg = _job_config(tmp_path, paths={"output_dir": str(metrics_dir)})
+    RunRecorder().on_job_end(cfg, JobReturn(overrides=[], status=JobStatus.COMPLETED))
+    assert (metrics_dir / "job.json").is_file() and not (tmp_path / "job.json").exists()

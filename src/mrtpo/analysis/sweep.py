@@ -413,6 +413,16 @@ def _sweep_dir(config: DictConfig) -> Path | None:
     return out.parents[n - 1] if 0 < n <= len(out.parents) else None
 
 
+def _run_dir(config: DictConfig) -> Path:
+    """Where the job's metrics go: ``paths.output_dir`` (Hydra's output folder unless
+    overridden)."""
+    try:
+        out = OmegaConf.select(config, "paths.output_dir")
+    except Exception:
+        out = None
+    return Path(str(out or OmegaConf.select(config, "hydra.runtime.output_dir")))
+
+
 class RunRecorder(Callback):
     """Writes ``job.json`` for each job (resolved run name, overrides, status, wall time) and a
     multirun's ``summary.csv`` / ``summary.md``. Hydra turns an exception raised here into a
@@ -423,13 +433,12 @@ class RunRecorder(Callback):
         self._started: dict[str, tuple[float, str]] = {}
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        out = str(OmegaConf.select(config, "hydra.runtime.output_dir"))
-        self._started[out] = (time.monotonic(), _now())
+        self._started[str(_run_dir(config))] = (time.monotonic(), _now())
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if _is_worker():
             return
-        out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
+        out = _run_dir(config)
         failed = getattr(getattr(job_return, "status", None), "name", "") == "FAILED"
         if failed and OmegaConf.select(config, "resume", default=None):
             return  # a refused resume leaves the run folder exactly as it was
