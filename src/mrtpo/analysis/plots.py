@@ -15,6 +15,7 @@ COLORS = {
     "mrtpo": "#d62728",
     "mrtpo_shuffle": "#ff7f0e",
     "mrtpo_joint": "#2ca02c",
+    "cort": "#9467bd",
 }
 
 

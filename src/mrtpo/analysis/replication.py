@@ -49,6 +49,10 @@ from mrtpo.config import CONFIG_DIR, compose
 ROOT = CONFIG_DIR.parent
 METHODS = ("grpo", "gdpo", "mrtpo", "mrtpo_shuffle", "mrtpo_joint")
 BASELINE = "gdpo"
+#: Methods whose token weights are phased in, and the share of the run the phase-in takes in
+#: these short runs (CoRT: configs/method/cort.yaml's 30 steps are 10% of the 300-step
+#: instruction-following presets; here the same 10% of the RL steps).
+WARMUP_SHARE = {"cort": 0.1}
 SFT_PHASES = ("sft", "sft_noisy")  # folder names; experiment=toy_<name>
 
 
@@ -163,10 +167,14 @@ def rl_job(k: int, method: str, seed: int, opts: Options) -> Job:
     ]
     if opts.steps is not None:
         ov.append(f"trainer.max_steps={opts.steps}")
-    ov += opts.override
     steps = (
-        opts.steps if opts.steps is not None else int(compose("train.yaml", ov).trainer.max_steps)
+        opts.steps
+        if opts.steps is not None
+        else int(compose("train.yaml", ov + opts.override).trainer.max_steps)
     )
+    if method in WARMUP_SHARE:  # before opts.override, so an explicit setting wins
+        ov.append(f"method.beta_warmup_steps={max(1, round(WARMUP_SHARE[method] * steps))}")
+    ov += opts.override
     return Job(f"k{k}/{method}/s{seed}", ov, out, steps)
 
 
