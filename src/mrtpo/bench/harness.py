@@ -28,8 +28,26 @@ SECTIONS = ("replay", "kernel", "trl", "scaling")
 # ---- what each mode runs ----------------------------------------------------------------
 QUICK: dict[str, Any] = {
     "replay": [
-        dict(size="tiny", prompts=4, group=4, rewards=4, new_tokens=32, share=0.15, pairs=4),
-        dict(size="small", prompts=2, group=4, rewards=4, new_tokens=32, share=0.15, pairs=6),
+        dict(
+            size="tiny",
+            prompts=4,
+            group=4,
+            rewards=4,
+            new_tokens=32,
+            share=0.15,
+            pairs=4,
+            compare=("cort",),
+        ),
+        dict(
+            size="small",
+            prompts=2,
+            group=4,
+            rewards=4,
+            new_tokens=32,
+            share=0.15,
+            pairs=6,
+            compare=("cort",),
+        ),
     ],
     "kernel": dict(
         vocab=[32768, 152064],
@@ -63,9 +81,36 @@ QUICK: dict[str, Any] = {
 # GPU sizes: about 15 minutes on one H100/H200 (generation with HF `generate` dominates).
 FULL: dict[str, Any] = {
     "replay": [
-        dict(size="small", prompts=8, group=8, rewards=4, new_tokens=256, share=0.15, pairs=4),
-        dict(size="medium", prompts=8, group=8, rewards=4, new_tokens=256, share=0.15, pairs=4),
-        dict(size="large", prompts=8, group=8, rewards=4, new_tokens=256, share=0.15, pairs=4),
+        dict(
+            size="small",
+            prompts=8,
+            group=8,
+            rewards=4,
+            new_tokens=256,
+            share=0.15,
+            pairs=4,
+            compare=("cort",),
+        ),
+        dict(
+            size="medium",
+            prompts=8,
+            group=8,
+            rewards=4,
+            new_tokens=256,
+            share=0.15,
+            pairs=4,
+            compare=("cort",),
+        ),
+        dict(
+            size="large",
+            prompts=8,
+            group=8,
+            rewards=4,
+            new_tokens=256,
+            share=0.15,
+            pairs=4,
+            compare=("cort",),
+        ),
     ],
     "kernel": dict(
         vocab=[32768, 152064],

@@ -266,8 +266,13 @@ def _replay(rep) -> list[str]:
     for case in rep["cases"]:
         c, s = case["case"], case["summary"]
         v = s["variants"]
-        names = [n for n in ("gdpo", "mrtpo", "mrtpo_fused") if n in v]
-        label = {"gdpo": "GDPO", "mrtpo": "MRTPO", "mrtpo_fused": "MRTPO fused (repeat)"}
+        names = [n for n in ("gdpo", "mrtpo", "mrtpo_fused", "cort") if n in v]
+        label = {
+            "gdpo": "GDPO",
+            "mrtpo": "MRTPO",
+            "mrtpo_fused": "MRTPO fused (repeat)",
+            "cort": "CoRT (one criteria-free replay per response)",
+        }
         rows = []
         for ph in ("rollout", "reward", "old_logp", "replay", "update", "other", "train", "step"):
             rows.append([ph, *(_f(v[n][ph]) for n in names)])

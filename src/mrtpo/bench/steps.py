@@ -62,10 +62,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def floor_time(replayer, model, task, scored, pairs) -> tuple[float, float, int]:
+def floor_time(
+    replayer, model, task, scored, pairs, mode: str = "per_reward"
+) -> tuple[float, float, int]:
     """Seconds of plain no-grad forwards over the replay's (context, response) sequences,
-    packed as replay packs them; contexts are tokenized beforehand (not timed)."""
-    jobs = replayer.plan(task, scored, pairs, "per_reward")
+    packed as replay packs them; contexts are tokenized beforehand (not timed). ``mode``: the
+    method's replay contexts (``"joint"``: one criteria-free context per response)."""
+    jobs = replayer.plan(task, scored, pairs, mode)
     roll = scored.rollout
     batches = []
     tokens = 0
@@ -198,8 +201,13 @@ class Alternate(L.Callback):
         mask = scored.rollout.response_mask
         rec["response_tokens"] = int(mask.sum())
         if scored.replayed is not None:
-            self.last_replayed = scored
-            present = int((~scored.rewards.isnan()).sum())
+            mode = module.method.relevance.contexts
+            if name.startswith("mrtpo"):
+                self.last_replayed = scored
+            # candidates: (response, reward) pairs, or responses for one joint context each
+            present = (
+                int((~scored.rewards.isnan()).sum()) if mode == "per_reward" else mask.shape[0]
+            )
             rec["replayed_pairs"] = int(scored.replayed.sum())
             rec["share"] = rec["replayed_pairs"] / max(present, 1)
             rec["responses_replayed"] = int(scored.replayed.any(-1).sum())
@@ -207,7 +215,7 @@ class Alternate(L.Callback):
                 replayer = getattr(module, "_replayer", module.replayer)
                 rec["replay_cpu"] = module.replayer.last_cpu
                 rec["floor"], rec["floor_cpu"], rec["replay_tokens"] = floor_time(
-                    replayer, module.policy, module.task, scored, scored.replayed
+                    replayer, module.policy, module.task, scored, scored.replayed, mode
                 )
         self.records.append(rec)
 
@@ -238,15 +246,20 @@ def alternate(
     warmup_pairs: int = 1,
     floor: bool = True,
     fused: bool = False,
+    others: dict[str, Any] | None = None,
 ) -> Alternate:
-    """Fit ``module`` (its method is MRTPO) for ``len(order)`` steps, switching between MRTPO
-    and ``gdpo`` (/ the fused variant) as ``order`` says, on one fixed rollout, with rewards
-    controlled to ``share``. The trainer's rollout callback is replaced by ``FixedRollout``
-    around the same engine. Returns the callback holding the per-step records."""
+    """Fit ``module`` (its method is MRTPO) for ``len(order)`` steps, switching between MRTPO,
+    ``gdpo`` (/ the fused variant / the ``others`` methods, by name) as ``order`` says, on one
+    fixed rollout, with rewards controlled to ``share``. The trainer's rollout callback is
+    replaced by ``FixedRollout`` around the same engine. Returns the callback holding the
+    per-step records."""
     module.task = controlled_task(module.task, share)
-    gdpo.setup(tuple(module.task.reward_names), bool(module.task.rewards_vary_per_prompt))
     module.replayer = TimedReplayer(module.replayer)
     variants = {"mrtpo": (module.method, False), "gdpo": (gdpo, False)}
+    variants.update({name: (m, False) for name, m in (others or {}).items()})
+    for name, (m, _) in variants.items():
+        if name != "mrtpo":
+            m.setup(tuple(module.task.reward_names), bool(module.task.rewards_vary_per_prompt))
     if fused:
         fuse_old_logp(module)
         variants["mrtpo_fused"] = (module.method, True)
@@ -276,11 +289,17 @@ def run_case(
     profile: bool = False,
     gpu: bool = False,
     extra: tuple[str, ...] = (),
+    compare: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Rounds of MRTPO / GDPO (/ MRTPO with the proposed fused old-policy pass) steps on one
-    fixed rollout, the order rotating every round; per-step records + summary."""
+    """Rounds of MRTPO / GDPO (/ MRTPO with the proposed fused old-policy pass / the methods
+    named in ``compare``, from their configs) steps on one fixed rollout, the order rotating
+    every round; per-step records + summary."""
     ensure_model(size)
-    labels = ["mrtpo", "gdpo"] + (["mrtpo_fused"] if fused else [])
+    others = {name: method_from_config(name) for name in compare}
+    for m in others.values():
+        if getattr(m, "beta_warmup_steps", 0):
+            m.beta_warmup_steps = 0  # replay from the first step: the cost, not the schedule
+    labels = ["mrtpo", "gdpo", *others] + (["mrtpo_fused"] if fused else [])
     order = step_order(labels, pairs + warmup_pairs)
     run_dir = bench_dir() / "runs" / f"{size}-B{prompts}G{group}K{rewards}T{new_tokens}"
     overrides = [
@@ -302,7 +321,16 @@ def run_case(
 
     trainer, module, dm = build(cfg)
     alt = alternate(
-        trainer, module, dm, method_from_config("gdpo"), share, order, warmup_pairs, floor, fused
+        trainer,
+        module,
+        dm,
+        method_from_config("gdpo"),
+        share,
+        order,
+        warmup_pairs,
+        floor,
+        fused,
+        others,
     )
     recs = alt.records
     # the last step may be GDPO's (the order rotates): profile the last MRTPO step's pairs
