@@ -180,3 +180,24 @@ def test_export_refuses_unsafe_destinations_and_other_models(lora_checkpoint, tm
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match=r"ckpt_path"):
         run(compose_config("export.yaml", [f"out={tmp_path}/y"]))
+
+
+def test_the_end_of_run_export_never_overwrites_the_starting_model(
+    train_cfg, tmp_path, cache_dir, caplog, tiny
+):
+    """A run started from ``<out>/policy`` (an SFT warm start, a user's folder) in the same
+    output folder: the export is skipped with a warning naming the key, the folder untouched."""
+    import logging
+    import shutil
+
+    start = tmp_path / "policy"
+    shutil.copytree(cache_dir / "models" / "tiny-qwen2", start)
+    (start / "mrtpo_tiny.json").unlink()  # a model of the user's, not one the project built
+    before = _tree_digest(start)
+    cfg = train_cfg(f"model.name_or_path={start}", "model.tiny=null", "trainer.max_steps=1")
+    trainer, module, dm = build(cfg)
+    with caplog.at_level(logging.WARNING, logger="mrtpo.callbacks.export"):
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 1
+    assert _tree_digest(start) == before
+    assert "callbacks.export.dirpath" in caplog.text and "started from" in caplog.text

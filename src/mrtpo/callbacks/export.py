@@ -26,11 +26,43 @@ class ExportPolicy(L.Callback):
             sampling = OmegaConf.to_container(sampling, resolve=True)
         self.sampling = dict(sampling) if sampling else None
         self.path: Path | None = None
+        self.skip: str | None = None
+
+    def _refusal(self, pl_module) -> str | None:
+        """Why ``dirpath`` must not be written (None: it may)."""
+        from mrtpo.export import MARKER, hf_model
+
+        out = Path(self.dirpath)
+        source = getattr(hf_model(pl_module.policy), "name_or_path", "") or ""
+        if source and Path(source).exists() and out.resolve() == Path(source).resolve():
+            return f"it is the model this run started from (model.name_or_path={source})"
+        if out.exists() and (
+            not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())
+        ):
+            return "it holds files that are not a previous export"
+        return None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from mrtpo.module import PolicyModule
+
+        self.skip = None
+        if isinstance(pl_module, PolicyModule) and trainer.is_global_zero:
+            self.skip = self._refusal(pl_module)
+            if self.skip:
+                # Said before training, so the user can change it; the run itself goes on.
+                log.warning(
+                    "the policy will not be exported to %s: %s. Set callbacks.export.dirpath "
+                    "to a new folder (or export later with src/export.py ckpt_path=...)",
+                    self.dirpath,
+                    self.skip,
+                )
 
     def on_train_end(self, trainer, pl_module) -> None:
         from mrtpo.module import PolicyModule
 
         if not isinstance(pl_module, PolicyModule) or not trainer.is_global_zero:
+            return
+        if getattr(self, "skip", None) or self._refusal(pl_module):
             return
         from mrtpo.export import save_policy
 
