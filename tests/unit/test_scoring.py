@@ -89,6 +89,8 @@ def test_score_batch_falls_back_per_response_and_cleans():
 
 
 def test_a_step_without_any_usable_reward_warns_once(caplog):
+    # set on the logger itself: an earlier test in the session may have quietened mrtpo.*
+    caplog.set_level(logging.WARNING, logger="mrtpo.faults")
     faults = FaultTracker(3, 3)
     empty = [Score(rewards={"a": None, "b": None}) for _ in range(2)]
     with caplog.at_level(logging.WARNING):
