@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from mrtpo.rollout.base import SamplingConfig
 from mrtpo.tasks.base import Example, Score
 
 
@@ -33,10 +34,18 @@ class RolloutBatch:
     response_mask: Tensor  # [N, T] bool, valid response tokens (EOS included)
     texts: list[str]  # N decoded responses (special tokens removed)
     finished: Tensor  # [N] bool, stopped at EOS
+    # how the responses were sampled; every log-prob of them is taken under this distribution
+    sampling: SamplingConfig | None = None
+    engine_logp: Tensor | None = None  # [N, T] float32, the engine's log-probs (0 on pads)
 
     @property
     def n(self) -> int:
         return self.response_ids.shape[0]
+
+    @property
+    def temperature(self) -> float:
+        """The temperature the trainer divides logits by (1 when nothing says otherwise)."""
+        return 1.0 if self.sampling is None else self.sampling.logprob_temperature
 
     def select(self, idx: Tensor) -> RolloutBatch:
         """Sub-batch of responses ``idx`` (a 1-D long tensor)."""
@@ -50,6 +59,8 @@ class RolloutBatch:
             response_mask=self.response_mask[idx],
             texts=[self.texts[i] for i in il],
             finished=self.finished[idx],
+            sampling=self.sampling,
+            engine_logp=None if self.engine_logp is None else self.engine_logp[idx],
         )
 
 
@@ -59,7 +70,9 @@ class ScoredBatch:
     scores: list[Score]  # N
     reward_names: tuple[str, ...]  # K
     rewards: Tensor  # [N, K] float32, NaN = does not apply
-    old_logp: Tensor | None = None  # [N, T] log pi_old(y_t | P0, y_<t)
+    old_logp: Tensor | None = None  # [N, T] log pi_old(y_t | P0, y_<t), at the sampling temperature
+    # [N, T] detached min(pi_old / pi_engine, rl.tis_cap) per token, when rl.tis_cap is set
+    tis_weights: Tensor | None = None
     ref_logp: Tensor | None = None  # [N, T] frozen reference, when kl_coef > 0
     q: Tensor | None = None  # [N, K, T] or [N, 1, T] relevance from replay
     replayed: Tensor | None = None  # [N, K] / [N, 1] bool

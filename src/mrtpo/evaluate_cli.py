@@ -207,6 +207,26 @@ def _positive_int(ev, key: str, allow_null: bool = False) -> int | None:
     return n
 
 
+def eval_sampling(cfg: DictConfig, n: int):
+    """The complete sampling description of an evaluation: greedy (``eval.greedy`` with one
+    sample), or ``n`` samples at ``eval.temperature`` (null: ``rollout.sampling``'s), with
+    ``rollout.sampling``'s top-p / top-k / min-p. The engine samples with this alone, none of
+    the checkpoint's generation defaults (mrtpo.rollout.hf)."""
+    from mrtpo.rollout.base import SamplingConfig
+
+    ev = cfg.eval
+    base = dict(OmegaConf.to_container(cfg.rollout.sampling, resolve=True))
+    if ev.get("max_new_tokens"):
+        base["max_new_tokens"] = int(ev.max_new_tokens)
+    temperature = ev.get("temperature")
+    if temperature is not None:
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"eval.temperature={temperature!r} is not allowed: >= 0 or null")
+        base["temperature"] = float(temperature)
+    greedy = (bool(ev.get("greedy", True)) and n == 1) or float(base.get("temperature", 1)) == 0
+    return SamplingConfig(**base, greedy=greedy)
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     from hydra.utils import instantiate
 
@@ -250,7 +270,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from rich.progress import Progress
 
     from mrtpo.models import eos_token_ids, load_policy
-    from mrtpo.rollout.base import SamplingConfig
     from mrtpo.rollout.build import build_rollout
 
     torch.manual_seed(cfg.seed)
@@ -264,10 +283,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     eos = eos_token_ids(tokenizer, policy)
     if hasattr(engine, "bind"):
         engine.bind(policy, tokenizer, eos)
-    base = dict(OmegaConf.to_container(cfg.rollout.sampling, resolve=True))
-    if ev.max_new_tokens:
-        base["max_new_tokens"] = int(ev.max_new_tokens)
-    sampling = SamplingConfig(**base, greedy=bool(ev.greedy) and n == 1)
+    sampling = eval_sampling(cfg, n)
+    log.info("eval sampling: %s", sampling)
     all_ex, texts = [], []
     with Progress() as progress:
         bar = progress.add_task(f"generating {task.name}/{ev.split}", total=len(examples))

@@ -158,10 +158,14 @@ def response_hidden_shared_prefix(
     return h[:, s - 1 : s - 1 + t]
 
 
-def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask) -> Tensor:
-    """log pi(y_t | context, y_<t) in float32: [n, T] (0 on pads)."""
+def response_logprobs(
+    model, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0
+) -> Tensor:
+    """log pi_tau(y_t | context, y_<t) in float32: [n, T] (0 on pads), where
+    ``pi_tau = softmax(logits / temperature)`` is the distribution the tokens were sampled
+    from (``RolloutBatch.temperature``)."""
     from mrtpo.loss import token_logprobs
 
     logits = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    lp = token_logprobs(logits, response_ids.to(logits.device))
+    lp = token_logprobs(logits, response_ids.to(logits.device), temperature=temperature)
     return lp * response_mask.to(lp.device)

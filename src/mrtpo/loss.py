@@ -13,14 +13,20 @@ from torch import Tensor
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
-    """log p(target) per position, in float32, without a full [.., V] float32 copy at once.
+def token_logprobs(
+    logits: Tensor, targets: Tensor, chunk: int = 1024, temperature: float = 1.0
+) -> Tensor:
+    """log softmax(logits / temperature)[target] per position, in float32, without a full
+    [.., V] float32 copy at once.
 
-    logits: [N, T, V]; targets: [N, T] -> [N, T]
+    logits: [N, T, V]; targets: [N, T] -> [N, T]. At temperature 1 no division happens (the
+    result is bit for bit the untempered one).
     """
     out = []
     for s in range(0, logits.shape[1], chunk):
         lg = logits[:, s : s + chunk].float()
+        if temperature != 1.0:
+            lg = lg / temperature
         out.append(lg.gather(-1, targets[:, s : s + chunk, None]).squeeze(-1) - lg.logsumexp(-1))
     return torch.cat(out, dim=1)
 
@@ -52,11 +58,22 @@ def policy_loss(
     denom: float | None = None,
     ref_logp: Tensor | None = None,  # [N, T] frozen reference
     kl_coef: float = 0.0,
+    tis_weights: Tensor | None = None,  # [N, T] detached min(pi_old / pi_engine, cap)
 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token clipped surrogate (+ k3 KL), aggregated; and its statistics.
+
+    ``tis_weights`` (truncated importance sampling) multiply each token's surrogate, not the
+    KL term: they correct for the engine having sampled from a slightly different policy than
+    the trainer's ``pi_old``. ``stats["clip_frac"]`` is the share of valid tokens whose
+    *clipped* term is the one the minimum takes (the ones that get no gradient from the
+    surrogate), as TRL and verl count it.
+    """
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if tis_weights is not None:
+        per_token = per_token * tis_weights.detach()
     stats: dict[str, Tensor] = {}
     if ref_logp is not None and kl_coef > 0:
         # k3 estimator of KL(pi || ref): unbiased, non-negative.
@@ -66,10 +83,49 @@ def policy_loss(
         stats["kl"] = _masked_mean(kl.detach(), mask)
     loss = aggregate(per_token, mask, agg, denom)
     with torch.no_grad():
-        stats["clip_frac"] = _masked_mean((unclipped != clipped).float(), mask)
+        stats["clip_frac"] = _masked_mean((clipped < unclipped).float(), mask)
         stats["ratio_mean"] = _masked_mean(ratio, mask)
         stats["approx_kl_old"] = _masked_mean(0.5 * (logp - old_logp) ** 2, mask)
     return loss, stats
+
+
+def engine_gap(
+    trainer_logp: Tensor,  # [N, T] the trainer's log pi_old of the sampled tokens
+    engine_logp: Tensor,  # [N, T] the engine's, for the same tokens
+    mask: Tensor,  # [N, T] bool
+    tis_cap: float | None = None,
+) -> tuple[dict[str, float], Tensor | None]:
+    """How far the engine's sampling distribution is from the trainer's, and the truncated
+    importance-sampling weights that correct for it.
+
+    Returns the step's metrics (logged as ``train/rollout/...``) and, with ``tis_cap``, the
+    per-token weights ``min(pi_trainer / pi_engine, tis_cap)`` (detached; 0 on pads):
+
+    * ``logp_gap/mean``, ``logp_gap/max``: ``|log pi_trainer - log pi_engine|`` over the
+      valid tokens (0 for an exact engine; vLLM in bf16 reads ~1e-2);
+    * ``seq_ratio/{mean,min,max}``: the sequence-level ratio ``pi_trainer(y) / pi_engine(y)``
+      = ``exp(sum_t (log pi_trainer - log pi_engine))`` over the responses;
+    * with TIS: ``tis_weight/mean`` and ``tis_capped_frac`` (tokens whose ratio hit the cap).
+    """
+    m = mask.to(torch.bool)
+    d = (trainer_logp.float() - engine_logp.float()).masked_fill(~m, 0.0)
+    n_tok = int(m.sum())
+    gap = d.abs()[m]
+    stats = {
+        "rollout/logp_gap/mean": float(gap.mean()) if n_tok else 0.0,
+        "rollout/logp_gap/max": float(gap.max()) if n_tok else 0.0,
+    }
+    seq = torch.exp(d.double().sum(-1))
+    stats["rollout/seq_ratio/mean"] = float(seq.mean())
+    stats["rollout/seq_ratio/min"] = float(seq.min())
+    stats["rollout/seq_ratio/max"] = float(seq.max())
+    if tis_cap is None:
+        return stats, None
+    ratio = torch.exp(d)
+    weights = ratio.clamp(max=float(tis_cap)).masked_fill(~m, 0.0).detach()
+    stats["rollout/tis_weight/mean"] = float(weights[m].mean()) if n_tok else 1.0
+    stats["rollout/tis_capped_frac"] = float((ratio[m] > tis_cap).float().mean()) if n_tok else 0.0
+    return stats, weights
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ from mrtpo.distributed import Ranks
 from mrtpo.faults import FaultTracker
 from mrtpo.forward import response_logprobs
 from mrtpo.lora import checkpoint_keys, is_lora
-from mrtpo.loss import policy_loss
+from mrtpo.loss import engine_gap, policy_loss
 from mrtpo.replay import Replayer
 from mrtpo.scoring import score_batch
 from mrtpo.settings import OptimConfig, ReplayConfig, RLConfig
@@ -160,13 +160,31 @@ class PolicyModule(L.LightningModule):
             replay_stats = {f"replay/{k}": v for k, v in res.metrics.items()}
         times["replay"] = time.perf_counter() - t0
 
-        # 4. old-policy (and reference) log-probs under P0. Where P_all is the sampling prompt
-        # (tasks whose information is in the prompt) replay already computed them. With a
-        # single update per step they equal the current policy's, so they are not needed.
+        # 4. old-policy (and reference) log-probs under P0, at the sampling temperature. Where
+        # P_all is the sampling prompt (tasks whose information is in the prompt) replay
+        # already computed them. With a single update per step they equal the current
+        # policy's, so the ratio does not need them; they are still computed whenever the
+        # engine reported its own log-probs, to measure the engine-trainer gap (and, with
+        # rl.tis_cap, to correct for it).
         t0 = time.perf_counter()
         n_mini = -(-roll.n // max(1, int(rl.mini_batch_size)))
-        if int(rl.ppo_epochs) * n_mini > 1:
-            scored.old_logp = self._old_logprobs(roll, res, micro)
+        several = int(rl.ppo_epochs) * n_mini > 1
+        if rl.tis_cap is not None and roll.engine_logp is None:
+            raise RuntimeError(
+                f"rl.tis_cap={rl.tis_cap} needs the engine's log-probs of the sampled tokens, "
+                "and the rollout engine reported none; set rl.tis_cap=null or use an engine "
+                "that reports them (rollout=hf, rollout=vllm)"
+            )
+        old = None
+        if several or roll.engine_logp is not None:
+            old = self._old_logprobs(roll, res, micro)
+        if several:
+            scored.old_logp = old
+        rollout_stats: dict[str, float] = {}
+        if roll.engine_logp is not None:
+            rollout_stats, scored.tis_weights = engine_gap(
+                old, roll.engine_logp, roll.response_mask, rl.tis_cap
+            )
         if self.rl.kl_coef > 0:
             scored.ref_logp = self.reference_logprobs(roll, micro)
         times["old_logp"] = time.perf_counter() - t0
@@ -202,6 +220,7 @@ class PolicyModule(L.LightningModule):
         times["update"] = time.perf_counter() - t0
         if upd is None:
             return self._skip_nonfinite("loss", scored)
+        upd.update(rollout_stats)
 
         self.iteration += 1
         self.last = scored
@@ -233,19 +252,26 @@ class PolicyModule(L.LightningModule):
 
     @torch.no_grad()
     def _logprobs(self, model, roll, micro: int) -> torch.Tensor:
+        """log-probs of the sampled tokens under ``model`` at the sampling temperature."""
         out = []
         for s in range(0, roll.n, micro):
             idx = torch.arange(s, min(roll.n, s + micro))
             sub = roll.select(idx)
             out.append(
                 response_logprobs(
-                    model, sub.prompt_ids, sub.prompt_mask, sub.response_ids, sub.response_mask
+                    model,
+                    sub.prompt_ids,
+                    sub.prompt_mask,
+                    sub.response_ids,
+                    sub.response_mask,
+                    temperature=roll.temperature,
                 ).cpu()
             )
         return torch.cat(out)
 
     def _old_logprobs(self, roll, res, micro: int) -> torch.Tensor:
-        """log pi_old of the sampled tokens, reusing replay's P_all pass where P_all is P0."""
+        """log pi_old of the sampled tokens (at the sampling temperature), reusing replay's
+        P_all pass where P_all is P0 (replay tempers its distributions alike)."""
         self.policy.eval()
         try:
             if res is None or res.logp is None or not bool(res.logp_rows.any()):
@@ -306,6 +332,15 @@ class PolicyModule(L.LightningModule):
         raise AssertionError("unreachable")
 
     def _update(self, scored: ScoredBatch) -> dict[str, float] | None:
+        """Clipped-surrogate updates: ``rl.ppo_epochs`` passes over shuffled mini-batches, each
+        one optimizer update accumulated over micro-batches.
+
+        Returns the step's update metrics: ``loss`` is the mean over updates of each update's
+        (mini-batch) loss; the per-token statistics (``clip_frac``, ``ratio_mean``, ``kl``,
+        ...) are means over every valid token of every update. ``lr`` is the learning rate of
+        this step's updates; it changes once per RL step (``optim.warmup_steps`` counts RL
+        steps, like ``method.beta_warmup_steps`` and ``trainer.max_steps``).
+        """
         rl, roll = self.rl, scored.rollout
         opt = self.optimizers()
         sched = self.lr_schedulers()
@@ -313,9 +348,13 @@ class PolicyModule(L.LightningModule):
         mini = max(1, min(int(rl.mini_batch_size), n))
         micro = max(1, min(int(rl.micro_batch_size), mini))
         world = self.ranks.world_size
+        tau = roll.temperature
         g = torch.Generator().manual_seed(self.seed * 104729 + self.iteration)
-        agg: dict[str, list[float]] = {}
+        losses: list[float] = []  # one per update
+        sums: dict[str, float] = {}  # token-weighted sums of the per-token statistics
+        tokens = 0.0
         n_updates = int(rl.ppo_epochs) * ((n + mini - 1) // mini)
+        lr = float(sched.get_last_lr()[0])
         u = 0
         for _ in range(int(rl.ppo_epochs)):
             perm = torch.randperm(n, generator=g)
@@ -331,6 +370,7 @@ class PolicyModule(L.LightningModule):
                     float(self.ranks.all_reduce_sum(local.to(self.device)).clamp_min(1.0)) / world
                 )
                 opt.zero_grad(set_to_none=True)
+                update_loss = 0.0
                 for ms in range(0, len(mb), micro):
                     idx = mb[ms : ms + micro]
                     sub = roll.select(idx)
@@ -340,6 +380,7 @@ class PolicyModule(L.LightningModule):
                         sub.prompt_mask,
                         sub.response_ids,
                         sub.response_mask,
+                        temperature=tau,
                     )
                     dev = logp.device
                     loss, st = policy_loss(
@@ -354,6 +395,7 @@ class PolicyModule(L.LightningModule):
                         denom,
                         scored.ref_logp[idx].to(dev) if scored.ref_logp is not None else None,
                         rl.kl_coef,
+                        scored.tis_weights[idx].to(dev) if scored.tis_weights is not None else None,
                     )
                     # Decided jointly: a rank that skipped backward would leave the others
                     # waiting in DDP's gradient all-reduce.
@@ -361,20 +403,25 @@ class PolicyModule(L.LightningModule):
                         opt.zero_grad(set_to_none=True)
                         return None
                     self.manual_backward(loss)
-                    agg.setdefault("loss", []).append(float(loss.detach()))
+                    # micro-batch losses share the mini-batch's normalizer: they add up to it
+                    update_loss += float(loss.detach())
+                    w = float(sub.response_mask.sum())
+                    tokens += w
                     for k, v in st.items():
-                        agg.setdefault(k, []).append(float(v))
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                losses.append(update_loss)
                 if rl.max_grad_norm:
                     self.clip_gradients(
                         opt, gradient_clip_val=rl.max_grad_norm, gradient_clip_algorithm="norm"
                     )
                 self._optimizer_step(opt, counted=(u == n_updates))
-                sched.step()
                 # NaN/inf weights or moments must stop here, not reach a checkpoint. Under
                 # DDP every rank holds the same values, so every rank raises alike.
                 assert_finite_state(self.policy, opt)
-        out = {k: (sum(v) if k == "loss" else sum(v) / len(v)) for k, v in agg.items()}
-        out["lr"] = float(sched.get_last_lr()[0])
+        sched.step()  # once per RL step: the warm-up counts RL steps
+        out = {k: v / max(tokens, 1.0) for k, v in sums.items()}
+        out["loss"] = sum(losses) / max(len(losses), 1)
+        out["lr"] = lr
         return out
 
     @staticmethod

@@ -15,6 +15,9 @@ Cost and memory (docs/benchmarks.md measures both):
   once and its key/value cache is reused by every context that continues it: either the
   part all of a response's contexts share, or P_all's whole context, each P_\\k reading it
   up to where the two depart (whichever computes fewer tokens);
+* every distribution is the one the response was sampled from: logits divided by the
+  sampling temperature (``RolloutBatch.temperature``) before the log-softmax, so JSD is
+  between tempered distributions and ``logp_diff`` compares tempered log-probs;
 * the model returns hidden states, not logits; the LM head, log-softmax and JSD run in
   float32 on chunks of at most ``jsd_chunk`` (row, position) pairs, so the float32 working
   set is ``jsd_chunk x V`` whatever the response length, and ``[rows, T, V]`` logits are never
@@ -167,6 +170,7 @@ class Replayer:
             p0 = roll.prompt_ids[j][roll.prompt_mask[j]].tolist()
             logp_rows[j] = jobs[0].ids == p0
         split = split_head(model)
+        tau = roll.temperature
 
         was_training = model.training
         model.eval()
@@ -182,7 +186,9 @@ class Replayer:
                     len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
                 )
                 computed += cost
-                self._score(chunk, states, head, roll, batch.reward_names, mode, q, logp, score)
+                self._score(
+                    chunk, states, head, roll, batch.reward_names, mode, q, logp, score, tau
+                )
                 for job in chunk:
                     if job.key != ALL:
                         k = 0 if mode == "joint" else batch.reward_names.index(job.key)
@@ -331,7 +337,7 @@ class Replayer:
         return best
 
     # -- scoring ------------------------------------------------------------------------
-    def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd") -> None:
+    def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0) -> None:
         """JSD of every P_\\k row against its response's P_all row, many rows at once, in
         groups of at most ``jsd_chunk`` (row, position) pairs (few, large ops; the float32
         working set stays ``jsd_chunk x V``). The P_all rows' log-probs of the sampled tokens
@@ -343,11 +349,22 @@ class Replayer:
         per = max(1, self.jsd_chunk // 2)
         for g in range(0, len(others), per):
             self._score_rows(
-                chunk, others[g : g + per], all_row, states, head, roll, names, mode, q, logp, score
+                chunk,
+                others[g : g + per],
+                all_row,
+                states,
+                head,
+                roll,
+                names,
+                mode,
+                q,
+                logp,
+                score,
+                tau,
             )
 
     def _score_rows(
-        self, chunk, others, all_row, states, head, roll, names, mode, q, logp, score="jsd"
+        self, chunk, others, all_row, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0
     ):
         mask = roll.response_mask
         # P_\k rows first (a slice, no copy), then the P_all rows they are compared with
@@ -376,7 +393,10 @@ class Replayer:
             x = states[sel, s:e]
             if head is not None:
                 x = head(x)
-            lp = torch.log_softmax(x.float(), dim=-1)  # [rows, c, V]
+            x = x.float()
+            if tau != 1.0:  # the sampling distribution softmax(z / tau)
+                x = x / tau
+            lp = torch.log_softmax(x, dim=-1)  # [rows, c, V]
             if score == "jsd":
                 d = js_distance(lp[base], lp[:n_other])  # [n_other, c]
             else:  # logp_diff: the sampled token's log-likelihood, P_all minus the other context

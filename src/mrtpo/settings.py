@@ -70,6 +70,10 @@ class RLConfig(_Section):
     max_nonfinite_steps: int = 3  # stop after this many skipped non-finite steps
     max_consecutive_score_failures: int = 3  # stop after this many all-failed scoring steps
     replay_oom_retries: int = 6  # halve replay.token_budget and retry this often on OOM
+    # Truncated importance sampling: each token's surrogate is multiplied by the detached
+    # min(pi_trainer_old / pi_engine, tis_cap), correcting for an engine (vLLM, bf16) whose
+    # sampling distribution differs from the trainer's. null: off; a cap of 2 is common.
+    tis_cap: Optional[float] = None  # noqa: UP045
 
     def __post_init__(self) -> None:
         s = self.section
@@ -114,11 +118,20 @@ class RLConfig(_Section):
         _need(
             self.replay_oom_retries >= 0, s, "replay_oom_retries", self.replay_oom_retries, ">= 0"
         )
+        _need(
+            self.tis_cap is None or self.tis_cap > 0,
+            s,
+            "tis_cap",
+            self.tis_cap,
+            "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)",
+        )
 
 
 @dataclass
 class OptimConfig(_Section):
-    """AdamW and a linear learning-rate warm-up (counted in optimizer updates)."""
+    """AdamW and a linear learning-rate warm-up over ``warmup_steps`` RL steps (the unit of
+    ``trainer.max_steps`` and ``method.beta_warmup_steps``: all updates of one step share
+    its learning rate)."""
 
     section: ClassVar[str] = "optim"
     lr: float = 1.0e-6

@@ -55,7 +55,7 @@ class RLStage(Stage):
 
         # Checked before the model loads, so a bad method.* or rollout.sampling.* value
         # fails at once, naming the key.
-        SamplingConfig(**_container(cfg.rollout.sampling))
+        SamplingConfig(**_container(cfg.rollout.sampling)).check_for_training()
         self._method = instantiate(cfg.method)
         self._method.check_task(task)
 

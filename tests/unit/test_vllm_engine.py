@@ -75,16 +75,23 @@ class RequestOutput:
 
 
 class SamplingParams:
-    """Accepts only the keywords the engine is expected to use (typos fail loudly)."""
+    """Accepts only the keywords the engine is expected to use (typos fail loudly), with
+    vllm/sampling_params.py's defaults and its range checks on them (``_verify_args``)."""
 
     _FIELDS = {
         "n": 1,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
         "temperature": 1.0,
         "top_p": 1.0,
-        "max_tokens": 16,
+        "top_k": 0,  # 0 or -1: all tokens (releases before 0.8 accepted -1 only)
+        "min_p": 0.0,
         "seed": None,
-        "logprobs": None,
         "stop_token_ids": None,
+        "max_tokens": 16,
+        "min_tokens": 0,
+        "logprobs": None,
         "detokenize": True,
     }
 
@@ -94,6 +101,12 @@ class SamplingParams:
             raise TypeError(f"unexpected SamplingParams fields {unknown}")
         for k, v in {**self._FIELDS, **kwargs}.items():
             setattr(self, k, v)
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("presence/frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("repetition_penalty > 0, temperature >= 0, top_p in (0, 1]")
+        if self.top_k < -1 or not 0 <= self.min_p <= 1 or self.min_tokens < 0:
+            raise ValueError("top_k >= -1, min_p in [0, 1], min_tokens >= 0")
 
 
 @dataclasses.dataclass
@@ -419,6 +432,53 @@ def test_generate_maps_sampling_config_to_per_prompt_sampling_params(monkeypatch
     assert gens[2] == Generation(token_ids=[3, 4, 7], finished=True)
     assert gens[3].token_ids == [31, 32, 7] and gens[4].token_ids[0] == 41
     assert engine.finished_without_eos == 0
+
+
+def test_every_sampling_field_maps_to_sampling_params_and_logprobs_are_asked(monkeypatch):
+    engine = started_engine(monkeypatch, sync_on_bind=False)
+    assert engine.llm.init_kwargs["logprobs_mode"] == "processed_logprobs"
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=4)
+    gens = engine.generate([[1]], n=2, sampling=sampling, seed=0)
+    (_, _, params) = engine.llm.calls[-1]
+    sp = params[0]
+    # each field of the sampling description, and every other distribution-changing field
+    # pinned to "off" so that nothing but rollout.sampling shapes the samples
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.max_tokens) == (0.7, 1.0, -1, 0.0, 4)
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert sp.min_tokens == 0 and sp.logprobs == 0  # the sampled token's own log-prob
+    # the log-probs travel on the Generations (the fake reports -0.5 (k + 1) - j)
+    assert gens[0].logprobs == [-0.5, -1.0, -1.5] and gens[1].logprobs == [-1.5, -2.0, -2.5, -3.0]
+    assert engine.reports_sampling_logprobs(sampling)
+
+    truncated = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_new_tokens=4)
+    gens = engine.generate([[1]], n=1, sampling=truncated, seed=0)
+    (_, _, params) = engine.llm.calls[-1]
+    assert (params[0].top_p, params[0].top_k, params[0].min_p) == (0.9, 20, 0.05)
+    # truncated distributions are not softmax(z / t): no log-probs claimed (as the HF engine)
+    assert params[0].logprobs is None and gens[0].logprobs is None
+
+    greedy = SamplingConfig(temperature=0.7, top_k=20, min_p=0.05, greedy=True)
+    engine.generate([[1]], n=1, sampling=greedy, seed=0)
+    (_, _, params) = engine.llm.calls[-1]
+    assert (params[0].temperature, params[0].top_k, params[0].min_p) == (0.0, -1, 0.0)
+
+
+def test_vllm_without_logprobs_mode_reports_logprobs_only_at_temperature_one(monkeypatch):
+    class OldLLM(TransferLLM):
+        def __init__(self, model: str, **kwargs: Any) -> None:
+            if "logprobs_mode" in kwargs:  # EngineArgs of a release before the switch
+                raise TypeError(
+                    "EngineArgs.__init__() got an unexpected keyword argument 'logprobs_mode'"
+                )
+            super().__init__(model, **kwargs)
+
+    engine = started_engine(monkeypatch, OldLLM, sync_on_bind=False)
+    assert engine.logprobs_mode == "raw_logprobs"
+    assert "logprobs_mode" not in engine.llm.init_kwargs
+    assert engine.reports_sampling_logprobs(SamplingConfig(temperature=1.0))
+    assert not engine.reports_sampling_logprobs(SamplingConfig(temperature=0.7))
+    gens = engine.generate([[1]], n=1, sampling=SamplingConfig(temperature=0.7), seed=0)
+    assert gens[0].logprobs is None
 
 
 def test_generate_greedy_and_unseeded(monkeypatch):

@@ -14,7 +14,11 @@ from mrtpo.rollout.build import build_rollout
 
 
 class RolloutCallback(L.Callback):
-    """Fills ``batch.rollout`` with G samples per prompt (greedy, 1 sample for validation)."""
+    """Fills ``batch.rollout`` with G samples per prompt (greedy, 1 sample for validation).
+
+    The rollout carries ``sampling`` (``RolloutBatch.sampling``): the trainer takes every
+    log-prob of these samples at its temperature.
+    """
 
     def __init__(
         self,
@@ -25,6 +29,8 @@ class RolloutCallback(L.Callback):
     ) -> None:
         self.engine = engine
         self.sampling = SamplingConfig(**dict(sampling or {}))
+        # what the trainer's log-probs cannot reproduce (truncation, greedy) fails here
+        self.sampling.check_for_training()
         self.group_size = group_size
         self.val_sampling = SamplingConfig(
             max_new_tokens=val_max_new_tokens or self.sampling.max_new_tokens, greedy=True

@@ -33,7 +33,8 @@ def build_rollout(
     seed: int,
     eos_ids: Sequence[int] = (),
 ) -> RolloutBatch:
-    """Sample ``n`` responses for each example (prompt-major order)."""
+    """Sample ``n`` responses for each example (prompt-major order); the batch carries the
+    sampling description and, when the engine reports them, its log-probs."""
     prompts = [prompt_ids(tokenizer, e) for e in examples]
     gens = engine.generate(prompts, n, sampling, seed)
     if len(gens) != len(prompts) * n:
@@ -41,6 +42,17 @@ def build_rollout(
     pad = tokenizer.pad_token_id
     p_ids, p_mask = pad_left([p for p in prompts for _ in range(n)], pad)
     r_ids, r_mask = pad_right([g.token_ids for g in gens], pad)
+    engine_logp = None
+    if gens and all(g.logprobs is not None for g in gens):
+        for g in gens:
+            if len(g.logprobs) != len(g.token_ids):
+                raise RuntimeError(
+                    f"engine returned {len(g.logprobs)} log-probs for {len(g.token_ids)} tokens"
+                )
+        engine_logp = torch.zeros(r_ids.shape, dtype=torch.float32)
+        for i, g in enumerate(gens):
+            if g.logprobs:
+                engine_logp[i, : len(g.logprobs)] = torch.tensor(g.logprobs, dtype=torch.float32)
     eos = set(eos_ids)
     texts = [
         tokenizer.decode([t for t in g.token_ids if t not in eos], skip_special_tokens=True)
@@ -55,4 +67,6 @@ def build_rollout(
         response_mask=r_mask,
         texts=texts,
         finished=torch.tensor([g.finished for g in gens], dtype=torch.bool),
+        sampling=sampling,
+        engine_logp=engine_logp,
     )

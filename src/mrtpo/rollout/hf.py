@@ -1,13 +1,148 @@
 """Rollouts with Hugging Face ``generate``: the CPU / test engine.
 
 It generates with the training model itself, so ``sync_weights`` has nothing to do.
+
+Only ``rollout.sampling`` decides how tokens are drawn. ``generate`` would otherwise fill
+every setting left unset from the checkpoint's ``generation_config`` (Qwen2.5 Instruct ships
+a repetition penalty, top-k and top-p), and a sample drawn under a repetition penalty is off
+the policy the trainer optimizes. So each call passes a complete ``GenerationConfig`` built
+from the sampling description, and the model's own config is swapped for a bare one while
+``generate`` runs (transformers copies model defaults into any field a caller left unset).
+One warning names the checkpoint settings this overrides.
+
+Each sampled token's log-prob is recorded during generation from the model's raw logits:
+``log_softmax(z / temperature)``, the distribution sampled from (RL training refuses
+truncated samplers, see ``SamplingConfig.check_for_training``).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+# generation_config fields that change which tokens generate() draws (greedy or sampled)
+SAMPLING_FIELDS = (
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "top_h",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "min_length",
+    "min_new_tokens",
+    "max_length",
+    "max_new_tokens",
+    "bad_words_ids",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "sequence_bias",
+    "exponential_decay_length_penalty",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "length_penalty",
+    "penalty_alpha",
+    "guidance_scale",
+    "renormalize_logits",
+    "watermarking_config",
+    "num_return_sequences",
+)
+
+
+def generation_config(sampling: SamplingConfig, eos_ids, pad_id):
+    """A complete ``GenerationConfig`` for ``sampling``: every processor that changes the
+    distribution is off unless the sampling description asks for it."""
+    from transformers import GenerationConfig
+
+    sample = not sampling.greedy and sampling.temperature > 0
+    kwargs = dict(
+        do_sample=sample,
+        num_beams=1,
+        num_return_sequences=1,
+        max_new_tokens=int(sampling.max_new_tokens),
+        min_length=0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
+        length_penalty=1.0,
+        diversity_penalty=0.0,
+        renormalize_logits=False,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
+    if sample:
+        kwargs.update(
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k),
+            typical_p=1.0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
+        )
+        if sampling.min_p > 0:
+            kwargs["min_p"] = float(sampling.min_p)
+    return GenerationConfig(**kwargs)
+
+
+def overridden_defaults(model, config) -> dict:
+    """The checkpoint's ``generation_config`` settings that would change sampling and that
+    ``config`` (the one generate() gets) does not share: ``{field: checkpoint value}``."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        return {}
+    theirs, ours = own.to_dict(), config.to_dict()
+    return {
+        k: theirs[k]
+        for k in SAMPLING_FIELDS
+        if theirs.get(k) is not None and theirs.get(k) != ours.get(k)
+    }
+
+
+class _SampledLogprobs:
+    """A logits processor that records ``log_softmax(z / temperature)`` of each sampled token.
+
+    ``generate`` runs custom processors before its sampling warpers, so ``scores`` here are
+    the raw logits of the step. The token drawn from step ``t`` is only known at step
+    ``t + 1`` (the last column of ``input_ids``), so one step's log-softmax is kept.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = float(temperature)
+        self.prev: torch.Tensor | None = None  # [rows, V] log-probs of the previous step
+        self.steps: list[torch.Tensor] = []  # [rows] per step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.take(input_ids[:, -1])
+        z = scores.float()
+        if self.temperature != 1.0:
+            z = z / self.temperature
+        self.prev = torch.log_softmax(z, dim=-1)
+        return scores
+
+    def take(self, tokens: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, tokens[:, None].to(self.prev.device))[:, 0])
+            self.prev = None
+
+    def table(self) -> torch.Tensor:
+        """[rows, steps] on the CPU."""
+        return torch.stack(self.steps, dim=1).cpu() if self.steps else torch.zeros((0, 0))
 
 
 class HFEngine(RolloutEngine):
@@ -18,9 +153,13 @@ class HFEngine(RolloutEngine):
         self.model = None
         self.tokenizer = None
         self.eos_ids: list[int] = []
+        # the checkpoint's generation settings that sampling does not use (warned once)
+        self.overridden: dict = {}
+        self._warned = False
 
     def bind(self, model, tokenizer, eos_ids: list[int]) -> None:
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, list(eos_ids)
+        self._warned = False
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # same parameters: nothing to copy
@@ -31,14 +170,31 @@ class HFEngine(RolloutEngine):
     ) -> list[Generation]:
         if self.model is None:
             raise RuntimeError("HFEngine.bind(model, tokenizer, eos_ids) must be called first")
+        from transformers import GenerationConfig
+
         model, pad = self.model, self.tokenizer.pad_token_id
         device = next(model.parameters()).device
         flat = [p for p in prompts for _ in range(n)]
         gen = torch.Generator(device="cpu").manual_seed(seed)
+        config = generation_config(sampling, self.eos_ids, pad)
+        if not self._warned:
+            self._warned = True
+            self.overridden = overridden_defaults(model, config)
+            if self.overridden:
+                log.warning(
+                    "the checkpoint's generation_config sets %s: not applied, sampling follows "
+                    "rollout.sampling only (evaluation: its eval settings)",
+                    ", ".join(f"{k}={v!r}" for k, v in sorted(self.overridden.items())),
+                )
+        # Log-probs of a truncated sampler are not softmax(z / t): none are reported.
+        record = config.do_sample and not sampling.truncated
         was_training = model.training
+        own_config = getattr(model, "generation_config", None)
         model.eval()
         out: list[Generation] = []
         try:
+            # transformers fills unset fields from model.generation_config: leave it nothing
+            model.generation_config = GenerationConfig()
             for start in range(0, len(flat), self.batch_size):
                 chunk = flat[start : start + self.batch_size]
                 width = max(len(p) for p in chunk)
@@ -50,25 +206,20 @@ class HFEngine(RolloutEngine):
                 # generate() samples from the global RNG; seed it from our generator so a
                 # resumed run draws the same samples as an uninterrupted one.
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-                kwargs = (
-                    {"do_sample": False}
-                    if sampling.greedy
-                    else {
-                        "do_sample": True,
-                        "temperature": sampling.temperature,
-                        "top_p": sampling.top_p,
-                        "top_k": 0,
-                    }
-                )
+                recorder = _SampledLogprobs(sampling.temperature) if record else None
                 seqs = model.generate(
                     input_ids=ids.to(device),
                     attention_mask=attn.to(device),
-                    max_new_tokens=sampling.max_new_tokens,
-                    eos_token_id=self.eos_ids,
-                    pad_token_id=pad,
-                    **kwargs,
+                    generation_config=config,
+                    logits_processor=[recorder] if recorder is not None else None,
                 )
-                for row in seqs[:, width:].tolist():
+                new = seqs[:, width:]
+                table = None
+                if recorder is not None:
+                    if new.shape[1]:
+                        recorder.take(new[:, -1])
+                    table = recorder.table()
+                for r, row in enumerate(new.tolist()):
                     toks: list[int] = []
                     finished = False
                     for t in row:
@@ -76,7 +227,10 @@ class HFEngine(RolloutEngine):
                         if t in self.eos_ids:
                             finished = True
                             break
-                    out.append(Generation(token_ids=toks, finished=finished))
+                    lps = None if table is None else table[r, : len(toks)].tolist()
+                    out.append(Generation(token_ids=toks, finished=finished, logprobs=lps))
         finally:
+            if own_config is not None:
+                model.generation_config = own_config
             model.train(was_training)
         return out

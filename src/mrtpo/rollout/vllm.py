@@ -186,6 +186,7 @@ class VLLMEngine(RolloutEngine):
         self._needs_sync = False
         self._asleep = False
         self._detokenize_kwarg = True
+        self.logprobs_mode: str | None = None  # known once the engine has started
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -239,10 +240,25 @@ class VLLMEngine(RolloutEngine):
         elif mode == "load_weights":
             # The legacy path reaches into the model, so the engine must run in this process.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Sampled-token log-probs after temperature (vLLM >= 0.10.2), i.e. those of the
+        # distribution sampled from, which the trainer compares with its own.
+        kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs.update(self.engine_kwargs)
         log.info("starting vLLM for %s (weight sync: %s)", self.model, mode)
         t0 = time.perf_counter()
-        self.llm = self._vllm.LLM(model=self.model, **kwargs)
+        try:
+            self.llm = self._vllm.LLM(model=self.model, **kwargs)
+        except TypeError as exc:
+            if "logprobs_mode" not in str(exc) or "logprobs_mode" in self.engine_kwargs:
+                raise
+            kwargs.pop("logprobs_mode")
+            log.warning(
+                "this vLLM has no logprobs_mode: its log-probs are the untempered model's, so "
+                "the engine-trainer gap (train/rollout/logp_gap) is measured only at "
+                "rollout.sampling.temperature=1"
+            )
+            self.llm = self._vllm.LLM(model=self.model, **kwargs)
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         self.startup_seconds = time.perf_counter() - t0
         self.weight_sync = WeightSync(
             self.llm,
@@ -303,17 +319,32 @@ class VLLMEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
     ) -> list[Generation]:
-        gens, _ = self._generate(prompts, n, sampling, seed, logprobs=False)
+        """Sample; each Generation carries vLLM's log-prob of its sampled tokens when they are
+        those of the sampling distribution (see :meth:`reports_sampling_logprobs`)."""
+        want = self.reports_sampling_logprobs(sampling)
+        gens, lps = self._generate(prompts, n, sampling, seed, logprobs=want)
+        if lps is not None:
+            for g, lp in zip(gens, lps):
+                g.logprobs = lp
         return gens
 
     def generate_with_logprobs(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
     ) -> tuple[list[Generation], list[list[float]]]:
-        """Like :meth:`generate`, plus vLLM's log-probability of each sampled token (under
-        the unmodified model distribution), for checking engine/trainer agreement."""
+        """Like :meth:`generate`, plus vLLM's log-probability of each sampled token, as
+        ``logprobs_mode`` defines it (``processed_logprobs``: after temperature)."""
         gens, lps = self._generate(prompts, n, sampling, seed, logprobs=True)
         assert lps is not None
         return gens, lps
+
+    def reports_sampling_logprobs(self, sampling: SamplingConfig) -> bool:
+        """Whether vLLM's sampled-token log-probs are ``log softmax(z / temperature)``: with
+        ``logprobs_mode=processed_logprobs`` (the default here) they are; a vLLM without that
+        switch reports the untempered model's, which are that only at temperature 1."""
+        if sampling.greedy or sampling.temperature <= 0 or sampling.truncated:
+            return False
+        self.start()
+        return self.logprobs_mode == "processed_logprobs" or float(sampling.temperature) == 1.0
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -327,11 +358,23 @@ class VLLMEngine(RolloutEngine):
     def sampling_params(
         self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
     ) -> Any:
-        """The ``vllm.SamplingParams`` for one request (greedy means temperature 0)."""
+        """The ``vllm.SamplingParams`` for one request (greedy means temperature 0).
+
+        Every field that changes the distribution is set, so nothing else applies: no
+        penalties, no minimum length, and top-k / min-p off unless ``sampling`` asks (as the
+        HF engine does; RL training refuses truncation)."""
+        greedy = sampling.greedy or sampling.temperature <= 0
         kwargs: dict[str, Any] = {
             "n": int(n),
-            "temperature": 0.0 if sampling.greedy else float(sampling.temperature),
-            "top_p": 1.0 if sampling.greedy else float(sampling.top_p),
+            "temperature": 0.0 if greedy else float(sampling.temperature),
+            "top_p": 1.0 if greedy else float(sampling.top_p),
+            # -1 disables top-k in every vLLM release (recent ones also accept 0)
+            "top_k": -1 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
+            "min_p": 0.0 if greedy else float(sampling.min_p),
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "min_tokens": 0,
             "max_tokens": int(sampling.max_new_tokens),
             "detokenize": False,  # the protocol returns token ids only
         }
