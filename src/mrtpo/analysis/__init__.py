@@ -7,6 +7,7 @@ the toy-replication harness behind ``make replicate``.
     relevance    where each reward's relevance lands (the checker's tokens or elsewhere)
     plots        learning curves and relevance pictures
     replication  the harness: warm starts, RL jobs, analysis, report
+    sweep        per-job records, a multirun's summary.csv/.md, and src/report.py's tables
 
 ``stats`` and ``runs`` import nothing heavy, so any comparison of runs can use them.
 """
