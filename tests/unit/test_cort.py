@@ -320,3 +320,20 @@ def test_bench_replay_section_times_cort(tmp_path, monkeypatch) -> None:
     doc = render({"replay": rep})
     assert "CoRT (one criteria-free replay per response)" in doc
     assert "nan" not in doc.lower().replace("nano", "")
+
+
+def test_relevance_dumps_use_cort_weights_not_mrtpo_weights():
+    """The relevance dump asks the method for its weights: CoRT's come from the contrasts."""
+    from mrtpo.credit.cort import CoRT, cort_weights
+    from mrtpo.credit.relevance import relevance_weights
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 1, 6, generator=g)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    replayed = torch.tensor([[True], [True], [False], [True]])
+    method = CoRT(beta=1.0, beta_warmup_steps=0)
+    got = method.token_weights(q, mask, replayed, step=5)
+    want = cort_weights(q, mask, replayed, 1.0, method.contrast_clip, method.max_weight)
+    assert torch.equal(got[:, 0], want)
+    assert not torch.allclose(got, relevance_weights(q.abs(), mask, replayed, 1.0))

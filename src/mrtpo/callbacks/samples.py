@@ -10,8 +10,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mrtpo.credit import relevance_weights
-
 
 def _run_dir(trainer) -> Path:
     # The run folder itself (as the README says), not a logger's subfolder. Not
@@ -108,7 +106,8 @@ class RelevanceDump(L.Callback):
             return
         roll, tok = scored.rollout, pl_module.tokenizer
         beta = pl_module.method.beta(step - 1)
-        w = relevance_weights(scored.q, roll.response_mask, scored.replayed, beta)
+        # the method's own weights (MRTPO's from JSD, CoRT's from log-likelihood contrasts)
+        w = pl_module.method.token_weights(scored.q, roll.response_mask, scored.replayed, step - 1)
         names = scored.reward_names if scored.q.shape[1] == len(scored.reward_names) else ("joint",)
         picked = scored.replayed.any(-1).nonzero().flatten().tolist()[: self.num]
         with open(_run_dir(trainer) / "relevance.jsonl", "a", encoding="utf-8") as f:

@@ -146,6 +146,11 @@ class CoRT(_RewardWeighted):
         info = has_block.to(torch.bool).any(-1, keepdim=True)
         return replay_mask(total, group, info)
 
+    def token_weights(self, q, mask, replayed, step: int):
+        """CoRT's weights (one profile for the response), as ``[N, 1, T]``."""
+        w = cort_weights(q, mask, replayed, self.beta(step), self.contrast_clip, self.max_weight)
+        return w[:, None, :]
+
     def __call__(self, inputs: CreditInputs) -> CreditOutput:
         beta = self.beta(inputs.step)
         c, stats = self._coefficients(inputs)

@@ -114,6 +114,11 @@ class AdvantageMethod(ABC):
         """Share of the advantage that follows relevance at ``step`` (0 for uniform methods)."""
         return 0.0
 
+    def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor:
+        """The per-token weights this method derives from replay's ``q`` (for the relevance
+        dumps and pictures). Default: MRTPO's ``(1 - β) + β q / mean q``."""
+        return relevance_weights(q, mask, replayed, self.beta(step))
+
     @abstractmethod
     def __call__(self, inputs: CreditInputs) -> CreditOutput: ...
 
