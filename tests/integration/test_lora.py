@@ -210,3 +210,33 @@ def test_the_cli_command_trains_lora_and_exports_the_checkpointed_policy(tmp_pat
     base = load_file(Path(cache_dir) / "models" / "tiny-qwen2" / "model.safetensors")
     assert not torch.equal(exported["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+
+
+@pytest.mark.slow  # two gloo processes: ~30 s on 2 CPU cores
+def test_lora_under_ddp_keeps_ranks_equal_and_checkpoints_adapters_only(tmp_path, cache_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(key, None)  # Lightning launches the ranks itself
+    cmd = [
+        sys.executable,
+        "src/train.py",
+        "trainer=ddp",
+        "model.lora.r=4",
+        "rl.kl_coef=0.1",
+        "trainer.max_steps=2",
+        "rl.prompts_per_step=2",
+        "rl.group_size=4",
+        "rollout.sampling.max_new_tokens=8",
+        "callbacks.progress=null",
+        f"paths.log_dir={tmp_path}/logs",
+        f"paths.cache_dir={cache_dir}",
+        *LORA[1:],
+    ]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (run,) = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2
+    assert ckpt["state_dict"] and all(".lora_" in k for k in ckpt["state_dict"])
+    assert any(float(v.abs().max()) > 0 for k, v in ckpt["state_dict"].items() if "lora_B" in k)
+    assert (run / "policy" / "model.safetensors").is_file()
