@@ -91,7 +91,10 @@ def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
             gen.do_sample = True
             gen.temperature = float(s.get("temperature", 1.0))
             gen.top_p = float(s.get("top_p", 1.0))
-            gen.top_k = 0  # the trainer samples from the full distribution (no top-k cut)
+            # 0 switches top-k off; RL trains on the untruncated distribution
+            gen.top_k = int(s.get("top_k") or 0)
+            if float(s.get("min_p") or 0.0) > 0:
+                gen.min_p = float(s["min_p"])
         if s.get("max_new_tokens"):
             gen.max_new_tokens = int(s["max_new_tokens"])
     return gen
