@@ -58,7 +58,8 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
             assert job["error"] is None
             curve = rl_curves(job["csv"])
             assert len(curve["success"]) == 3
-            assert set(curve) == {"success", "first", "last"}
+            # K = 2 with the toy presets' few-token constraint: first word, closing mark
+            assert set(curve) == {"success", "first", "mark"}
             first_success.setdefault(seed, set()).add(curve["success"][0])
     # same warm start, prompts and sampling seed: every method's first batch is the same
     assert all(len(v) == 1 for v in first_success.values()), first_success
@@ -70,7 +71,17 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
         assert f"| {method} | 2 |" in report
     assert "MRTPO − GDPO, AUC" in report
     assert "Where the relevance lands" in report and "| first |" in report
-    for name in ("replication_k2.png", "relevance_k2.png", "relevance_k2.html"):
+    assert "## The claims, one line each" in report and "## Design (fixed before any" in report
+    assert "1. **The gain over GDPO grows" in report and "One K only" in report
+    assert "2. **A reward a few tokens decide (`mark`)" in report
+    assert "| 2 | 12 (target NOT reached)" not in report  # both passes met their target
+    # the rerun of one configuration, compared value by value
+    det = json.loads((logs / "determinism.json").read_text())
+    assert det["steps"] == 3 and det["values"] > 20 and det["method"] == "mrtpo"
+    assert "was run a second time" in report
+    names = ("replication_k2.png", "relevance_k2.png", "relevance_k2.html", "gain_vs_k.png",
+             "replay_share.png")  # fmt: skip
+    for name in names:
         assert (docs / "figures" / name).stat().st_size > 1000, name
     assert "title=" in (docs / "figures" / "relevance_k2.html").read_text()
 

@@ -127,3 +127,57 @@ def test_source_commit_marks_dirty_configs_and_src_only(tmp_path):
     (tmp_path / "configs" / "new.yaml").write_text("x: 1")  # untracked config: dirty
     assert source_commit(tmp_path) == head + "+dirty"
     assert source_commit(tmp_path / "docs" / "nowhere").startswith("unknown")
+
+
+def test_claim_lines_open_the_report(report):
+    head = report.split("## Design")[0]
+    assert "## The claims, one line each" in head
+    lines = [x for x in head.splitlines() if x[:2] in {f"{i}." for i in range(1, 7)}]
+    assert [x[:2] for x in lines] == ["1.", "2.", "3.", "4.", "5.", "6."]
+    # claim 1: the same six points as test_across_k_trend; the gain shrinks: contradicted
+    assert lines[0].startswith(
+        "1. **The gain over GDPO grows with the number of rewards K** — **not reproduced**: "
+        "slope of MRTPO − GDPO Δ AUC in K -0.1458 [-0.2037, -0.0880] (n = 6) per added reward"
+    )
+    # no few-token reward, no joint ablation, no replay metrics in these runs
+    for i in (1, 2, 4, 5):
+        assert "— **inconclusive**: not measured (" in lines[i], lines[i]
+    # claim 4: β = 0.5 is mrtpo; pooled Δ AUC .25 .25 .375 0 0 0: mean .14583, sd .16615,
+    # half t(.975, 5) * sd / sqrt(6) = .17436
+    assert "— **inconclusive**: Δ AUC vs GDPO β = 0.5: +0.146 [-0.029, +0.320] (n = 6)" in lines[3]
+    assert "Only β = 0.5 ran" in lines[3]
+
+
+def test_design_section_states_rules_modes_and_history(report):
+    design = report.split("## Design (fixed before any result)")[1].split("## Starting points")[0]
+    assert "full = K 2, 4, 8, 8 seeds" in design
+    assert "mrtpo@beta=0.25, mrtpo@beta=0.75" in design
+    assert "- not run: opsd (no configs/method/<name>.yaml" in design
+    assert "(2) the few-token reward `mark`'s compliance after 10 RL steps" in design
+    assert "- decided after looking at a run: " in design
+    assert "- pairing: every method runs every seed" in design
+
+
+def test_starting_points_table(report):
+    starts = report.split("## Starting points per K")[1].split("## K = 2")[0]
+    # gdpo starts .167 .333 0 and mrtpo .333 .5 .333 at K=2: six runs, mean .27778,
+    # sd .17213, half t(.975, 5) * sd / sqrt(6) = .18064
+    assert "| 2 | 300 | 0.610 | 200 | 0.200 | 0.278 ± 0.181 | – |" in starts
+
+
+def test_determinism_line(tmp_path):
+    import json
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    opts = Options(k_values=[2], seeds=3, methods=["gdpo", "mrtpo"], threshold=0.5,
+                   logdir=logs, docs=tmp_path / "docs", commit="abc1234")  # fmt: skip
+    res = [_result(2, MRTPO)]
+    text = write_report(res, opts, {}, 60.0, tmp_path / "r.md").read_text()
+    assert "No rerun was made for this report" in text
+    (logs / "determinism.json").write_text(json.dumps(
+        {"k": 2, "method": "mrtpo", "seed": 0, "steps": 50, "values": 1500,
+         "max_abs_diff": 0.0, "column": None, "success_max_abs_diff": 0.0}))  # fmt: skip
+    text = write_report(res, opts, {}, 60.0, tmp_path / "r.md").read_text()
+    assert "(K = 2, mrtpo, seed 0) was run a second time: all 1500 logged values" in text
+    assert "are identical" in text

@@ -16,6 +16,8 @@ COLORS = {
     "mrtpo_shuffle": "#ff7f0e",
     "mrtpo_joint": "#2ca02c",
     "cort": "#9467bd",
+    "mrtpo@beta=0.25": "#f7a3a3",
+    "mrtpo@beta=0.75": "#7b0d0d",
 }
 
 
@@ -28,7 +30,8 @@ def plot_curves(curves: dict[str, list[dict[str, list[float]]]], k: int, path: P
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    rewards = [n for n in next(iter(curves.values()))[0] if n != "success"]
+    # reward series only ("replay/...", "time/..." are per-step costs, drawn elsewhere)
+    rewards = [n for n in next(iter(curves.values()))[0] if n != "success" and "/" not in n]
     ncols = min(4, len(rewards))
     nrows = 1 + math.ceil(len(rewards) / ncols)
     fig = plt.figure(figsize=(3.2 * ncols, 3.0 * nrows), constrained_layout=True)
@@ -136,3 +139,74 @@ def plot_relevance(rec: dict, png: Path, page: Path) -> None:
         f"(β={rec.get('beta', 0):g}).</p>"
         f"<table>{''.join(rows)}</table>\n"
     )
+
+
+def _band(series: list[list[float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Per step: mean and 95% t band over runs (finite values), up to the shortest run."""
+    n = min(len(y) for y in series)
+    x, mean, lo, hi = [], [], [], []
+    for t in range(n):
+        m, h, _ = mean_ci([y[t] for y in series])
+        if math.isnan(m):
+            continue
+        h = 0.0 if math.isnan(h) else h
+        x.append(t + 1)
+        mean.append(m)
+        lo.append(m - h)
+        hi.append(m + h)
+    return x, mean, lo, hi
+
+
+def plot_gain_vs_k(gains: dict[str, dict[int, tuple[float, float]]], path: Path) -> None:
+    """Paired Δ AUC against GDPO per K, one line per method, with 95% interval bars;
+    ``gains = {method: {K: (mean, half-width)}}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), constrained_layout=True)
+    methods = [m for m in gains if gains[m]]
+    for i, m in enumerate(methods):
+        ks = sorted(gains[m])
+        off = (i - (len(methods) - 1) / 2) * 0.06  # side by side, not on top of each other
+        ys = [gains[m][k][0] for k in ks]
+        err = [0.0 if math.isnan(gains[m][k][1]) else gains[m][k][1] for k in ks]
+        ax.errorbar([k + off for k in ks], ys, yerr=err, color=COLORS.get(m), label=m,
+                    marker="o", ms=4, capsize=3, lw=2 if m == "mrtpo" else 1)  # fmt: skip
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set_xlabel("K (rewards per response)")
+    ax.set_ylabel("Δ AUC of success vs GDPO (paired, 95% CI)")
+    ks = sorted({k for g in gains.values() for k in g})
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncols=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_replay_share(shares: dict[int, list[list[float]]], path: Path) -> None:
+    """Share of candidate (response, reward) pairs replayed per RL step, mean and 95% band
+    over MRTPO's seeds, one line per K; ``shares = {K: [per-step series per seed]}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), constrained_layout=True)
+    for k, runs in sorted(shares.items()):
+        runs = [r for r in runs if r]
+        if not runs:
+            continue
+        x, mean, lo, hi = _band(runs)
+        (line,) = ax.plot(x, mean, lw=2, label=f"K = {k}")
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("share of pairs replayed (MRTPO)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -54,6 +54,10 @@ def relevance_stats(records: list[dict], task, tokenizer) -> dict[str, dict[str,
                 continue
             wanted = set(decisive[name])
             toks = [t for t, w in enumerate(word_of) if w is not None and w in wanted]
+            if name == "mark":  # the checker reads the last visible token, then the end
+                last = [t for t, i in enumerate(ids)
+                        if i not in special and tokenizer.decode([i]).strip()]  # fmt: skip
+                toks = sorted(set(toks) | set(last[-1:]))
             total = sum(q)
             if not toks or total <= 0:
                 continue

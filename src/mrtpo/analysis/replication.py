@@ -1,4 +1,4 @@
-"""Toy replication of MRTPO's learning-speed claim, on a CPU, in minutes (``make replicate``).
+"""Toy replication of the paper's claims, on a CPU (``make replicate``; ``--full`` for K = 2, 4, 8).
 
 For each K (number of rewards): one warm start in two SFT passes — ``experiment=toy_sft`` learns
 the task from clean references until held-out success reaches a target, then
@@ -11,8 +11,15 @@ since both follow ``seed``). Runs go through ``mrtpo.pipeline.build`` in worker 
 under the success curve (mean and 95% interval over seeds, and paired differences against
 GDPO), learning-curve PNGs, and the relevance statistics — how much of each reward's
 Jensen–Shannon relevance falls on the tokens its checker reads — with a picture of one
-response shaded by each reward's relevance (PNG and HTML). Nothing in the report is written
-by hand: every number and verdict comes from the runs.
+response shaded by each reward's relevance (PNG and HTML).
+
+The report opens with the design (from the composed presets and this module's constants,
+fixed before any result) and one line per claim of the paper — reproduced, not reproduced or
+inconclusive, by a rule stated in the design — with its statistic and 95% interval: the gain
+over GDPO and its trend in K, the few-token reward's compliance after ``COMPLIANCE_STEP``
+steps, the ablation order, the β curve, the replayed share over training, and how
+concentrated each reward's relevance is. Nothing in the report is written by hand: every
+number and verdict comes from the runs.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mrtpo.analysis import claims as claims_mod
 from mrtpo.analysis.jobs import Job, quiet, run_all
-from mrtpo.analysis.plots import plot_curves, plot_relevance
+from mrtpo.analysis.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
 from mrtpo.analysis.relevance import pick_record, relevance_stats, replay_records
-from mrtpo.analysis.runs import read_jsonl, rl_curves
+from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series
 from mrtpo.analysis.stats import (
     FINAL_WINDOW,
     SMOOTH,
@@ -47,21 +55,87 @@ from mrtpo.config import CONFIG_DIR, compose
 
 #: The source checkout (configs/ lives beside src/).
 ROOT = CONFIG_DIR.parent
+#: Quick mode's methods (``make replicate``).
 METHODS = ("grpo", "gdpo", "mrtpo", "mrtpo_shuffle", "mrtpo_joint")
+#: The β curve: MRTPO at the paper's other two values (β = 0.5 is plain ``mrtpo``).
+BETA_METHODS = ("mrtpo@beta=0.25", "mrtpo@beta=0.75")
+#: Baselines that join the full mode once their method config exists.
+OPTIONAL_METHODS = ("cort", "opsd")
 BASELINE = "gdpo"
 #: Methods whose token weights are phased in, and the share of the run the phase-in takes in
 #: these short runs (CoRT: configs/method/cort.yaml's 30 steps are 10% of the 300-step
 #: instruction-following presets; here the same 10% of the RL steps).
 WARMUP_SHARE = {"cort": 0.1}
 SFT_PHASES = ("sft", "sft_noisy")  # folder names; experiment=toy_<name>
+QUICK_K, FULL_K = (4,), (2, 4, 8)
+QUICK_SEEDS, FULL_SEEDS = 5, 8
+#: The few-token reward (``task.closing_mark``): the response's closing mark.
+FEW_TOKEN = "mark"
+#: Claim 2: the few-token reward's compliance "after N steps" (the paper's tool-calling
+#: format reward: 97% under MRTPO after 10 steps, 2% under GDPO).
+COMPLIANCE_STEP = 10
+#: Claim 6: the paper finds 80% of a reward's distance on 13–29% of the tokens.
+CONCENTRATION = (0.13, 0.29)
+#: What was decided about the design after a look at any run, in the order it happened.
+#: (The report repeats this list.)
+DESIGN_HISTORY = (
+    "The second warm-start pass (20% clean references, stop at held-out success ≤ 0.25 "
+    "checked every 5 steps on 128 × 4 samples, at least 20 steps) was chosen before any run "
+    "so that every K crosses the target and stops near it; it replaces 35% clean references "
+    "and at least 200 steps, which stopped wherever step 200 left the policy.",
+    "The few-token constraint first replaced each layout's last constraint. A calibration "
+    "run of the SFT passes alone (no RL) showed K = 4's clean pass learning `last` slowly "
+    "without the word count (0.23 after 1000 steps), so `mark` takes the last `include` "
+    "slot instead and the count stays.",
+    "A second SFT-only calibration showed `first` and `last` both stuck near 0.5 at K = 4 "
+    "after 1900 steps (the two words mixed up) while the mark's sentence read 'Put the mark "
+    "! at the end.'; it now reads 'Add the mark ! after the words.' (no 'end'), a change not "
+    "calibrated again before these runs. The same calibration had K = 8's clean pass at "
+    "0.004 held-out success after 1225 steps; the clean pass's step limit went from 4000 to "
+    "2500 to bound the warm start's time.",
+    "No RL result had been seen when the design was fixed, and nothing was changed after "
+    "the RL runs.",
+)
+
+
+def available_methods(full: bool) -> list[str]:
+    """The methods a mode runs: quick, or quick + the β curve + baselines that exist now."""
+    if not full:
+        return list(METHODS)
+    extra = [m for m in OPTIONAL_METHODS if (CONFIG_DIR / "method" / f"{m}.yaml").exists()]
+    return [*METHODS, *BETA_METHODS, *extra]
+
+
+def parse_method(spec: str) -> tuple[str, list[str]]:
+    """``"mrtpo@beta=0.25,beta_warmup_steps=5"`` -> ``("mrtpo", ["method.beta=0.25", ...])``:
+    a method config and overrides of its keys."""
+    name, sep, rest = spec.partition("@")
+    overrides = []
+    for kv in rest.split(",") if sep else []:
+        key, eq, value = kv.partition("=")
+        if not (name and key.strip() and eq and value.strip()):
+            raise ValueError(
+                f"method spec {spec!r}: expected <method>[@<key>=<value>[,<key>=<value>]] "
+                "(e.g. mrtpo@beta=0.25)"
+            )
+        overrides.append(f"method.{key.strip()}={value.strip()}")
+    if not name:
+        raise ValueError(f"method spec {spec!r} names no method (e.g. mrtpo@beta=0.25)")
+    return name, overrides
+
+
+def method_dir(spec: str) -> str:
+    """Folder of a method spec's runs: ``mrtpo@beta=0.25`` -> ``mrtpo_beta0.25``."""
+    name, overrides = parse_method(spec)
+    return name + "".join("_" + o.removeprefix("method.").replace("=", "") for o in overrides)
 
 
 @dataclass
 class Options:
     """What one replication runs (the command line of ``scripts/replicate.py``)."""
 
-    k_values: list[int] = field(default_factory=lambda: [4])
-    seeds: int = 5
+    k_values: list[int] = field(default_factory=lambda: list(QUICK_K))
+    seeds: int = QUICK_SEEDS
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     steps: int | None = None  # RL steps (None: the preset's)
     threshold: float | None = (
@@ -81,6 +155,7 @@ class Options:
     sft_override: list[str] = field(default_factory=list)  # extra overrides of both SFT passes
     full: bool = False
     commit: str | None = None  # the source commit the runs were made with (run.json)
+    determinism: bool = True  # rerun one configuration and compare (determinism.json)
 
 
 # What a run was made with: --report-only reads these back from the log folder.
@@ -152,12 +227,17 @@ def run_warm_starts(opts: Options, console, workers: int) -> bool:
     return True
 
 
-def rl_job(k: int, method: str, seed: int, opts: Options) -> Job:
-    out = opts.logdir / f"k{k}" / method / f"s{seed}"
+def rl_job(k: int, method: str, seed: int, opts: Options, out: Path | None = None) -> Job:
+    """RL run of a method spec (``mrtpo@beta=0.25``: method=mrtpo method.beta=0.25); ``out``:
+    another folder than the run's own (the determinism rerun)."""
+    key = f"k{k}/{method}/s{seed}" + ("" if out is None else "/again")
+    out = out or opts.logdir / f"k{k}" / method_dir(method) / f"s{seed}"
+    name, method_ov = parse_method(method)
     ov = [
         "experiment=toy_replication",
         f"task.num_constraints={k}",
-        f"method={method}",
+        f"method={name}",
+        *method_ov,
         f"seed={seed}",
         f"model.name_or_path={warm_start(k, opts.logdir)}",
         "model.tiny=null",
@@ -172,10 +252,63 @@ def rl_job(k: int, method: str, seed: int, opts: Options) -> Job:
         if opts.steps is not None
         else int(compose("train.yaml", ov + opts.override).trainer.max_steps)
     )
-    if method in WARMUP_SHARE:  # before opts.override, so an explicit setting wins
-        ov.append(f"method.beta_warmup_steps={max(1, round(WARMUP_SHARE[method] * steps))}")
+    if name in WARMUP_SHARE and not any("beta_warmup_steps" in o for o in method_ov):
+        # before opts.override, so an explicit setting wins
+        ov.append(f"method.beta_warmup_steps={max(1, round(WARMUP_SHARE[name] * steps))}")
     ov += opts.override
-    return Job(f"k{k}/{method}/s{seed}", ov, out, steps)
+    return Job(key, ov, out, steps)
+
+
+#: Columns of metrics.csv that measure time, not the computation: left out of the rerun check.
+_TIMING = ("time/", "tokens_per_s")
+
+
+def determinism_check(opts: Options, console) -> dict[str, Any] | None:
+    """Run one configuration (smallest K, ``mrtpo`` or the first method, seed 0) a second time
+    and compare every logged value with the first run, step by step (``determinism.json``)."""
+    k = min(opts.k_values)
+    method = "mrtpo" if "mrtpo" in opts.methods else opts.methods[0]
+    first = opts.logdir / f"k{k}" / method_dir(method) / "s0" / "job.json"
+    if not first.exists():
+        return None
+    again = opts.logdir / "determinism" / f"k{k}_{method_dir(method)}_s0"
+    job = rl_job(k, method, 0, opts, out=again)
+    res = run_all([job], 1, opts.threads, console, "Determinism (one run again)")[job.key]
+    a_csv = json.loads(first.read_text()).get("csv")
+    if res.get("error") or not a_csv or not res.get("csv"):
+        return None
+    out = compare_metrics(a_csv, res["csv"])
+    out.update(k=k, method=method, seed=0)
+    (opts.logdir / "determinism.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def compare_metrics(a: str | Path, b: str | Path) -> dict[str, Any]:
+    """Largest absolute difference between two runs' logged values (timing columns aside),
+    over every step and column both logged, and the column where it occurred."""
+    ra = {r["step"]: r for r in read_metrics(a) if "step" in r and "train/success" in r}
+    rb = {r["step"]: r for r in read_metrics(b) if "step" in r and "train/success" in r}
+    worst, where, values, success = 0.0, None, 0, 0.0
+    for step in sorted(ra.keys() & rb.keys()):
+        for col, va in ra[step].items():
+            vb = rb[step].get(col)
+            if vb is None or col == "step" or any(t in col for t in _TIMING):
+                continue
+            if math.isnan(va) and math.isnan(vb):
+                continue
+            values += 1
+            d = math.inf if math.isnan(va) or math.isnan(vb) else abs(va - vb)
+            if col == "train/success":
+                success = max(success, d)
+            if d > worst:
+                worst, where = d, col
+    return {
+        "steps": len(ra.keys() & rb.keys()),
+        "values": values,
+        "max_abs_diff": worst,
+        "column": where,
+        "success_max_abs_diff": success,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,13 +346,13 @@ def analyse(opts: Options, console) -> list[KResult]:
         r = KResult(k=k, sft={ph: read_summary(kdir / ph / "policy") for ph in SFT_PHASES})
         for m in opts.methods:
             for s in range(opts.seeds):
-                job = kdir / m / f"s{s}" / "job.json"
+                job = kdir / method_dir(m) / f"s{s}" / "job.json"
                 if not job.exists():
                     continue
                 info = json.loads(job.read_text())
                 if info.get("error") or not info.get("csv"):
                     continue
-                c = rl_curves(info["csv"])
+                c = run_series(info["csv"])
                 if c["success"]:
                     r.curves.setdefault(m, []).append(c)
                     r.seeds.setdefault(m, []).append(s)
@@ -282,13 +415,27 @@ def describe(opts: Options) -> dict[str, Any]:
             f"SFT on {noisy.task.num_train} generated prompts, RL on the first "
             f"{task.num_train} of them; SFT checks and the direct replay on held-out (val) prompts"
         ),
+        "rewards per K": "; ".join(
+            f"K = {k}: {', '.join(instantiate(cfg.task, num_constraints=k).reward_names)}"
+            for k in opts.k_values
+        ),
+        "few-token reward": (
+            f"`{FEW_TOKEN}` (task.closing_mark={bool(cfg.task.get('closing_mark', False))}): "
+            "the prompt says which mark (!, ? or .) must close the response; the checker reads "
+            "the response's last visible character and nothing else, so one token (the mark) "
+            "and where the response stops decide it"
+        ),
         "SFT (warm start)": (
             f"(1) clean references, lr {sft.lr}, batch {sft.batch_size}, until held-out success "
             f"≥ {sft.target_success} (checked every {sft.eval_every} steps from step "
             f"{sft.min_steps}); (2) from there, references of which "
             f"{noisy.task.reference_success:.0%} meet every constraint (each constraint broken "
-            f"independently), lr {noisy.stage.sft.lr}, at least {noisy.stage.sft.min_steps} steps "
-            f"and until held-out success ≤ {noisy.stage.sft.target_success}"
+            f"independently, so the share is the same at every K), lr {noisy.stage.sft.lr}, at "
+            f"least {noisy.stage.sft.min_steps} steps and until held-out success ≤ "
+            f"{noisy.stage.sft.target_success}, checked every {noisy.stage.sft.eval_every} "
+            f"steps on {noisy.stage.sft.eval_prompts} prompts × {noisy.stage.sft.eval_samples} "
+            f"samples: the references' rate is below the target, so every K crosses it, and "
+            f"RL starts at about the same success rate for every K (measured below)"
         ),
         "RL": (
             f"{cfg.trainer.max_steps} steps × {cfg.rl.prompts_per_step} prompts × "
@@ -396,7 +543,12 @@ def write_report(
     lines: list[str] = []
     add = lines.append
     mode = "full" if opts.full else "quick"
-    add("# Toy replication: does MRTPO learn faster than GDPO?")
+    thr = DEFAULT_THRESHOLD if opts.threshold is None else opts.threshold
+    runs = {r.k: {m: dict(zip(r.seeds[m], c, strict=True)) for m, c in r.curves.items()}
+            for r in results}  # fmt: skip
+    tab = claims_mod.table(runs, thr, FEW_TOKEN, COMPLIANCE_STEP)
+    found = claims_mod.evaluate(tab, opts.methods, FEW_TOKEN, COMPLIANCE_STEP, CONCENTRATION[1])
+    add("# Toy replication: the paper's claims at toy scale")
     add("")
     add(
         "_Generated by `scripts/replicate.py` "
@@ -418,12 +570,28 @@ def write_report(
         "method). *Success* is the share of sampled responses meeting all K constraints."
     )
     add("")
-    add("## Setup")
+    _claim_lines(add, found)
+    add("## Design (fixed before any result)")
     add("")
     add(f"- mode: **{mode}**, K = {', '.join(str(r.k) for r in results)}; "
         f"seeds: {opts.seeds}; methods: {', '.join(opts.methods)}")  # fmt: skip
+    add(
+        "- pairing: every method runs every seed from the same warm start of its K; a seed "
+        "fixes the RL prompts and the sampling seed, so all methods' first batches are the "
+        "same, and every comparison is a paired difference by seed"
+    )
+    add(f"- modes: quick = K {', '.join(map(str, QUICK_K))}, {QUICK_SEEDS} seeds, "
+        f"{', '.join(available_methods(False))}; full = K {', '.join(map(str, FULL_K))}, "
+        f"{FULL_SEEDS} seeds, {', '.join(available_methods(True))}")  # fmt: skip
+    missing = [m for m in OPTIONAL_METHODS if m not in available_methods(True)]
+    if missing:
+        add(f"- not run: {', '.join(missing)} (no configs/method/<name>.yaml in this checkout: "
+            "the method does not exist yet)")  # fmt: skip
     for k, v in settings.items():
         add(f"- {k}: {v}")
+    _rules(add, thr)
+    for line in DESIGN_HISTORY:
+        add(f"- decided after looking at a run: {line}")
     add(
         f"- wall time: **{wall_s / 60:.1f} min** for the whole run on {os.cpu_count()} CPU "
         f"cores ({opts.workers} worker processes, {opts.threads} thread each; "
@@ -437,6 +605,7 @@ def write_report(
         "threshold counts as the number of steps it ran (a lower bound), so its mean is too."
     )
     add("")
+    _starts(add, results, tab)
     by_k: dict[int, dict[str, tuple[Interval, Interval, Interval]]] = {}
     auc_gain: dict[int, list[float]] = {}  # K -> MRTPO − GDPO Δ AUC per seed (trend in K)
     for r in results:
@@ -464,7 +633,6 @@ def write_report(
                 f"constraint: {rates}."
             )
             add("")
-        thr = DEFAULT_THRESHOLD if opts.threshold is None else opts.threshold
         # method -> {seed: run summary}
         stats = {
             m: dict(zip(r.seeds[m], (run_stats(c["success"], thr) for c in runs), strict=True))
@@ -569,6 +737,7 @@ def write_report(
             add("")
     if len(by_k) > 1:
         _across_k(add, by_k, auc_gain, opts)
+    _claim_details(add, found, tab, opts, results)
     add("## Caveats")
     add("")
     add(
@@ -602,6 +771,210 @@ def write_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     return out
+
+
+def _claim_lines(add, found: list[claims_mod.Claim]) -> None:
+    add("## The claims, one line each")
+    add("")
+    add(
+        "Each verdict follows the rule stated under *Design*: **reproduced** when the 95% "
+        "interval lies wholly on the claimed side, **not reproduced** when wholly on the "
+        "other side, **inconclusive** otherwise. [brackets] are 95% t intervals; n counts "
+        "(K, seed) pairs or runs."
+    )
+    add("")
+    for c in found:
+        add(c.line())
+    add("")
+
+
+def _rules(add, thr: float) -> None:
+    add(
+        "- claims and their rules (each statistic pools the paired differences of every "
+        "(K, seed); t intervals at 95%): "
+        "(1) the slope, in K, of each seed's MRTPO − GDPO Δ AUC (least squares over all "
+        "points) is positive; the slope of Δ steps to success ≥ "
+        f"{thr:g} is reported beside it (claimed negative); "
+        f"(2) the few-token reward `{FEW_TOKEN}`'s compliance after {COMPLIANCE_STEP} RL steps "
+        f"(its trailing {SMOOTH}-step mean at step {COMPLIANCE_STEP}) is higher under MRTPO "
+        "than under GDPO; "
+        "(3) MRTPO − joint and joint − GDPO, Δ AUC, are both positive; "
+        "(4) MRTPO at β = 0.5 beats GDPO in AUC (the curve over β = 0.25 / 0.5 / 0.75 and each "
+        "β against 0.5 are reported); "
+        "(5) the share of candidate pairs replayed falls from the first "
+        f"{claims_mod.REPLAY_WINDOW} to the last {claims_mod.REPLAY_WINDOW} steps of MRTPO runs "
+        "(overall share reported); "
+        "(6) in MRTPO runs, the share of a response's tokens that hold 80% of a reward's "
+        "Jensen–Shannon distance (`train/replay/top80_token_share/<reward>`, mean over steps "
+        f"and rewards per run) is at most {CONCENTRATION[1]:g}, the top of the paper's "
+        f"{CONCENTRATION[0]:g}–{CONCENTRATION[1]:g}: reproduced when the whole interval is at "
+        "or below it, not reproduced when it is wholly above"
+    )
+
+
+def _starts(add, results: list[KResult], tab) -> None:
+    add("## Starting points per K")
+    add("")
+    add(
+        "The design asks for the same starting success at every K. Held-out success where "
+        "each warm-start pass stopped, and the success of RL's first 3 steps (training "
+        "samples, every run of every method from that warm start):"
+    )
+    add("")
+    add(f"| K | pass 1 (clean) steps | pass 1 held-out success | pass 2 (noisy) steps | "
+        f"pass 2 held-out success | RL start, all runs | `{FEW_TOKEN}` at RL start |")  # fmt: skip
+    add("|---|---|---|---|---|---|---|")
+    for r in results:
+        cells = [str(r.k)]
+        for phase in SFT_PHASES:
+            sm = r.sft.get(phase) or {}
+            last = sm["history"][-1] if sm.get("history") else {}
+            cells.append(
+                f"{sm.get('steps', '–')}{'' if sm.get('reached', True) else ' (target NOT reached)'}"
+            )
+            cells.append(f"{last.get('success', math.nan):.3f}")
+        allruns = [x for by_s in tab.get(r.k, {}).values() for x in by_s.values()]
+        cells.append(fmt(*mean_ci([x["start"] for x in allruns])[:2]))
+        cells.append(fmt(*mean_ci([x["compliance_start"] for x in allruns])[:2]))
+        add("| " + " | ".join(cells) + " |")
+    add("")
+
+
+def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> None:
+    figs = opts.docs / "figures"
+    by_n = {c.number: c for c in found}
+    # 1. gain vs K, every method against GDPO
+    gains = {}
+    for m in opts.methods:
+        if m == BASELINE:
+            continue
+        d = claims_mod.per_k(claims_mod.paired(tab, m, BASELINE, "auc"))
+        gains[m] = {k: (iv.mean, iv.half) for k, iv in d.items()}
+    if any(gains.values()):
+        plot_gain_vs_k(gains, figs / "gain_vs_k.png")
+        add("## Claim 1: gain over GDPO against K")
+        add("")
+        add("| K | MRTPO − GDPO Δ AUC | MRTPO − GDPO Δ steps to threshold |")
+        add("|---|---|---|")
+        c1 = by_n[1].details
+        for k, iv in c1.get("auc", {}).items():
+            st = c1.get("steps", {}).get(k, Interval(math.nan, math.nan, 0))
+            add(f"| {k} | {claims_mod.ci_text(iv)} | {claims_mod.ci_text(st, 1)} |")
+        add("")
+        add("![gain vs K](figures/gain_vs_k.png)")
+        add("")
+    # 2. the few-token reward
+    c2 = by_n[2].details
+    if c2.get("levels"):
+        add(f"## Claim 2: the few-token reward `{FEW_TOKEN}`")
+        add("")
+        add(f"Compliance = share of samples meeting `{FEW_TOKEN}`; at start = first 3 RL steps; "
+            f"after {COMPLIANCE_STEP} = mean of steps {COMPLIANCE_STEP - SMOOTH + 1}–"
+            f"{COMPLIANCE_STEP}; Δ = paired difference against GDPO.")  # fmt: skip
+        add("")
+        add("| K | method | at start | after "
+            f"{COMPLIANCE_STEP} steps | Δ vs gdpo after {COMPLIANCE_STEP} |")  # fmt: skip
+        add("|---|---|---|---|---|")
+        for k in sorted(tab):
+            for m in opts.methods:
+                if m not in tab[k]:
+                    continue
+                xs = list(tab[k][m].values())
+                d = mean_ci(claims_mod.paired({k: tab[k]}, m, BASELINE, "compliance").values())
+                add(f"| {k} | {m} | {fmt(*mean_ci(x['compliance_start'] for x in xs)[:2])} | "
+                    f"{fmt(*mean_ci(x['compliance'] for x in xs)[:2])} | "
+                    f"{'–' if m == BASELINE else claims_mod.ci_text(d)} |")  # fmt: skip
+        add("")
+    # 3 and 4: ablations and beta per K
+    rows = [("MRTPO − joint", "mrtpo", "mrtpo_joint"), ("joint − GDPO", "mrtpo_joint", "gdpo"),
+            ("MRTPO − shuffle", "mrtpo", "mrtpo_shuffle")]  # fmt: skip
+    rows += [(f"β = {b:g} − GDPO", m, "gdpo") for b, m in claims_mod.BETAS.items()]
+    rows += [(f"β = {b:g} − β = 0.5", m, "mrtpo") for b, m in claims_mod.BETAS.items() if b != 0.5]
+    if "cort" in opts.methods:
+        rows += [("CoRT − GDPO", "cort", "gdpo"), ("MRTPO − CoRT", "mrtpo", "cort")]
+    ks = sorted(tab)
+    lines = []
+    for label, a, b in rows:
+        d = claims_mod.paired(tab, a, b, "auc")
+        if not d:
+            continue
+        pk = claims_mod.per_k(d)
+        cells = [claims_mod.ci_text(pk[k]) if k in pk else "–" for k in ks]
+        lines.append(
+            f"| {label} | " + " | ".join(cells) + f" | {claims_mod.ci_text(mean_ci(d.values()))} |"
+        )
+    if lines:
+        add("## Claims 3 and 4: ablations and the β curve (paired Δ AUC)")
+        add("")
+        add("| comparison | " + " | ".join(f"K = {k}" for k in ks) + " | pooled |")
+        add("|---|" + "---|" * (len(ks) + 1))
+        for line in lines:
+            add(line)
+        add("")
+    # 5. replayed share
+    shares = {r.k: [c.get("replay/share", []) for c in r.curves.get("mrtpo", [])] for r in results}
+    shares = {k: v for k, v in shares.items() if any(v)}
+    c5 = by_n[5].details
+    if shares:
+        plot_replay_share(shares, figs / "replay_share.png")
+        add("## Claim 5: what replay costs over training")
+        add("")
+        add("| K | replayed, first steps | replayed, last steps | replayed, all steps | "
+            "replay's share of step time |")  # fmt: skip
+        add("|---|---|---|---|---|")
+        for k in sorted(tab):
+            xs = list(tab[k].get("mrtpo", {}).values())
+            cells = [fmt(*mean_ci(x.get(key, math.nan) for x in xs)[:2])
+                     for key in ("replay_early", "replay_late", "replay_overall", "time_replay")]  # fmt: skip
+            add(f"| {k} | " + " | ".join(cells) + " |")
+        add("")
+        if c5:
+            add(f"Pooled: first − last {claims_mod.ci_text(c5['drop'])}; overall "
+                f"{claims_mod.level_text(c5['overall'])}.")  # fmt: skip
+            add("")
+        add("![replayed share per step](figures/replay_share.png)")
+        add("")
+    # 6. concentration per reward and K
+    names = sorted({n for by_m in tab.values() for x in by_m.get("mrtpo", {}).values()
+                    for n in x if n.startswith("top80/")})  # fmt: skip
+    if names:
+        add("## Claim 6: how concentrated each reward's relevance is")
+        add("")
+        add("Share of a response's tokens holding 80% of the reward's Jensen–Shannon distance "
+            "(mean over the steps of each MRTPO run, then over seeds); spreading it evenly "
+            "would need about 80%.")  # fmt: skip
+        add("")
+        add("| reward | " + " | ".join(f"K = {k}" for k in ks) + " |")
+        add("|---|" + "---|" * len(ks))
+        for n in names:
+            cells = []
+            for k in ks:
+                xs = [x.get(n, math.nan) for x in tab[k].get("mrtpo", {}).values()]
+                cells.append(fmt(*mean_ci(xs)[:2]))
+            add(f"| {n.removeprefix('top80/')} | " + " | ".join(cells) + " |")
+        add("")
+    _determinism(add, opts)
+
+
+def _determinism(add, opts: Options) -> None:
+    path = opts.logdir / "determinism.json" if opts.logdir else None
+    add("## Determinism")
+    add("")
+    if path is None or not path.exists():
+        add("No rerun was made for this report (`determinism.json` absent).")
+        add("")
+        return
+    d = json.loads(path.read_text())
+    what = f"K = {d['k']}, {d['method']}, seed {d['seed']}"
+    if d["max_abs_diff"] == 0:
+        add(f"One configuration ({what}) was run a second time: all {d['values']} logged "
+            f"values over {d['steps']} steps (timing columns aside) are identical.")  # fmt: skip
+    else:
+        add(f"One configuration ({what}) was run a second time: over {d['steps']} steps and "
+            f"{d['values']} logged values (timing columns aside) the largest difference is "
+            f"{d['max_abs_diff']:.3g} (`{d['column']}`); success differs by at most "
+            f"{d['success_max_abs_diff']:.3g}.")  # fmt: skip
+    add("")
 
 
 def _across_k(add, by_k, auc_gain: dict[int, list[float]], opts: Options) -> None:
@@ -709,6 +1082,8 @@ def main(opts: Options) -> int:
             for m in opts.methods
         ]
         run_all(jobs, opts.workers, opts.threads, console, "RL runs")
+        if opts.determinism:
+            determinism_check(opts, console)
     results = analyse(opts, console)
     settings = describe(opts)
     if not opts.report_only:  # training and analysis; a resumed run adds to the earlier time

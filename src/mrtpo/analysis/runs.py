@@ -43,3 +43,28 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+#: Per-step replay metrics of a run, by the name ``run_series`` gives them.
+REPLAY_KEYS = {
+    "train/replay/share": "replay/share",  # share of candidate (response, reward) pairs replayed
+    "train/time/replay_share": "time/replay_share",  # share of the step's time spent replaying
+}
+
+
+def run_series(path: str | Path) -> dict[str, list[float]]:
+    """``rl_curves`` plus what replay cost and found, per step: ``replay/share``,
+    ``time/replay_share`` and ``replay/top80/<reward>`` (share of a response's tokens holding
+    80% of that reward's relevance). NaN where a step did not log it (GDPO never replays)."""
+    rows = [r for r in read_metrics(path) if "train/success" in r]
+    rows.sort(key=lambda r: r["step"])
+    out = rl_curves(path)
+    keys = {k for r in rows for k in r}
+    for col, name in REPLAY_KEYS.items():
+        if col in keys:
+            out[name] = [r.get(col, math.nan) for r in rows]
+    for col in sorted(keys):
+        m = re.fullmatch(r"train/replay/top80_token_share/(.+)", col)
+        if m:
+            out[f"replay/top80/{m.group(1)}"] = [r.get(col, math.nan) for r in rows]
+    return out

@@ -11,6 +11,12 @@ them break constraints on purpose, so that a warm-started policy is able to meet
 constraint but does so only part of the time — the headroom the toy replication's RL runs
 need (docs/replication.md). With the toy tokenizer (``model=toy``) every word is one token,
 so each constraint is decided by identifiable tokens (``decisive_words``).
+
+With ``closing_mark=True`` one constraint of every layout (``with_mark``) becomes ``mark``: the
+response must end with a given punctuation mark (``!``, ``?`` or ``.``). Its checker reads the
+final character and nothing else, so the reward is decided by one or two tokens (the mark
+and where the response stops) — the toy's stand-in for a format reward such as tool
+calling's. Off by default: prompts, references and rewards are then exactly as without it.
 """
 
 from __future__ import annotations
@@ -46,7 +52,10 @@ WORDS = [
 ]
 
 # Order in which reference corruption touches constraints: length first, then the middle.
-_CORRUPT_ORDER = {"count": 0, "include": 1, "exclude": 2, "first": 3, "last": 4}
+_CORRUPT_ORDER = {"count": 0, "include": 1, "exclude": 2, "first": 3, "last": 4, "mark": 5}
+
+#: Closing marks of the optional ``mark`` constraint; each is one token of the toy tokenizer.
+MARKS = ("!", "?", ".")
 
 BASE_PROMPT = "Write a short sequence of lowercase words separated by spaces."
 
@@ -76,10 +85,17 @@ class Constraint:
             "include": f"Include the word {self.value}.",
             "exclude": f"Do not use the word {self.value}.",
             "count": f"Use exactly {self.value} words.",
+            "mark": f"Add the mark {self.value} after the words.",
         }[base]
 
-    def check(self, words: list[str]) -> tuple[bool, str]:
+    def check(self, words: list[str], text: str = "") -> tuple[bool, str]:
+        """Whether ``words`` (the response's words) or, for ``mark``, ``text`` (the response)
+        meet the constraint, and why not."""
         base = self.kind.split("_")[0]
+        if base == "mark":  # the last visible character, nothing else
+            end = text.rstrip()[-1:]
+            ok = end == self.value
+            return ok, "" if ok else f"ends with {end or 'nothing'!r}, not {self.value!r}"
         if base == "first":
             ok = bool(words) and words[0] == self.value
             return ok, "" if ok else f"first word is {words[0] if words else 'missing'!r}"
@@ -94,6 +110,15 @@ class Constraint:
             return ok, "" if ok else f"{self.value!r} used"
         ok = len(words) == int(self.value)
         return ok, "" if ok else f"{len(words)} words instead of {self.value}"
+
+
+def with_mark(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The layout with its last ``include`` constraint (or, with none, its last constraint)
+    replaced by ``mark``, in the same slot: K stays K, and the word count (which tells the
+    policy where to stop, hence where the last word goes) is kept where the layout has it."""
+    slots = [i for i, k in enumerate(kinds) if k.startswith("include")] or [len(kinds) - 1]
+    i = slots[-1]
+    return (*kinds[:i], "mark", *kinds[i + 1 :])
 
 
 def response_words(text: str) -> list[str]:
@@ -121,6 +146,7 @@ class SyntheticTask(Task):
         max_words: int = 7,
         system_prompt: str | None = None,
         reference_success: float = 1.0,
+        closing_mark: bool = False,
     ) -> None:
         if num_constraints not in LAYOUTS:
             raise ValueError(
@@ -128,6 +154,9 @@ class SyntheticTask(Task):
                 f"{sorted(LAYOUTS)}"
             )
         self.kinds = LAYOUTS[num_constraints]
+        self.closing_mark = bool(closing_mark)
+        if self.closing_mark:
+            self.kinds = with_mark(self.kinds)
         self.reward_names = tuple(self.kinds)
         self.num_train, self.num_val, self.seed = num_train, num_val, seed
         self.min_words, self.max_words = min_words, max_words
@@ -158,9 +187,11 @@ class SyntheticTask(Task):
     def _make(self, uid: str, rng: random.Random, noise: random.Random) -> Example:
         words = WORDS[:]
         rng.shuffle(words)
-        needs = {k: words.pop() for k in self.kinds if k.split("_")[0] != "count"}
+        needs = {k: words.pop() for k in self.kinds if k not in ("count", "mark")}
         n_required = sum(1 for k in needs if not k.startswith("exclude"))
         count = rng.randint(max(self.min_words, n_required), max(self.max_words, n_required))
+        if "mark" in self.kinds:  # drawn only when on: the other prompts stay as they were
+            needs["mark"] = rng.choice(MARKS)
         cons = [Constraint(k, str(count) if k == "count" else needs[k]) for k in self.kinds]
         order = list(range(len(cons)))
         rng.shuffle(order)  # sentences in random order: the policy must read them
@@ -180,7 +211,7 @@ class SyntheticTask(Task):
         return msgs
 
     def _reference(self, cons, count, rng, spare) -> str:
-        by = {c.kind: c.value for c in cons}
+        by = {c.kind: c.value for c in cons if c.kind != "mark"}
         middle = [v for k, v in by.items() if k.startswith("include")]
         banned = {v for k, v in by.items() if k.startswith("exclude")}
         fillers = [w for w in spare if w not in banned]
@@ -193,17 +224,22 @@ class SyntheticTask(Task):
         while len(middle) < n - ("first" in by) - ("last" in by):
             middle.append(rng.choice(fillers))
         rng.shuffle(middle)
-        return " ".join(
+        text = " ".join(
             ([by["first"]] if "first" in by else [])
             + middle
             + ([by["last"]] if "last" in by else [])
         )
+        marks = [c.value for c in cons if c.kind == "mark"]
+        return text + (marks[0] if marks else "")
 
     def _corrupt(self, ref: str, cons, fillers, rng: random.Random) -> str:
         """Break each constraint of a reference with probability ``reference_noise``, each in
         its own part of the response, so that the violations stay independent."""
+        mark = next((c.value for c in cons if c.kind == "mark"), None)
+        if mark is not None:
+            ref = ref[: -len(mark)]  # words first; the mark is put back (or broken) at the end
         words = ref.split()
-        by = {c.kind: c.value for c in cons}
+        by = {c.kind: c.value for c in cons if c.kind != "mark"}
         lo, hi = int("first" in by), int("last" in by)  # words held by first / last
         taken = set(by.values())
 
@@ -231,7 +267,9 @@ class SyntheticTask(Task):
                 words[0] = rng.choice(fillers)
             elif base == "last" and words:
                 words[-1] = rng.choice(fillers)
-        return " ".join(words)
+        if mark is not None and rng.random() < self.reference_noise:
+            mark = rng.choice(["", *(m for m in MARKS if m != mark)])  # none, or another
+        return " ".join(words) + (mark or "")
 
     # ---- rewards ------------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
@@ -239,7 +277,7 @@ class SyntheticTask(Task):
         rewards: dict[str, float | None] = {}
         reasons: dict[str, str] = {}
         for c in example.data["constraints"]:
-            ok, why = c.check(words)
+            ok, why = c.check(words, response)
             rewards[c.kind] = float(ok)
             if why:
                 reasons[c.kind] = why
@@ -265,7 +303,9 @@ class SyntheticTask(Task):
 
         ``first``/``last``: that word; ``include``/``exclude``: every occurrence of the word
         (none when absent); ``count``: ``[len(words)]``, standing for the end of the response
-        (the EOS token), since where the response stops decides the count. Used to measure
+        (the EOS token), since where the response stops decides the count; ``mark``: also
+        ``[len(words)]`` — the checker reads the final character, i.e. the last token before
+        the end (``mrtpo.analysis.relevance`` adds that token). Used to measure
         whether replay relevance lands where the verifier looks (docs/replication.md).
         """
         words = response_words(response)
@@ -278,7 +318,7 @@ class SyntheticTask(Task):
                 out[c.kind] = [len(words) - 1] if words else []
             elif base in ("include", "exclude"):
                 out[c.kind] = [i for i, w in enumerate(words) if w == c.value]
-            else:
+            else:  # count, mark: the end of the response
                 out[c.kind] = [len(words)]
         return out
 
