@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mrtpo.tasks.synthetic.task import WORDS
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -89,26 +91,7 @@ _CORPUS_WORDS = [
     "eight",
     "nine",
     "ten",
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "music",
-    "garden",
-    "light",
-    "forest",
-    "ocean",
-    "winter",
-    "summer",
-    "bright",
-    "quiet",
-    "happy",
-    "green",
-    "blue",
-    "red",
-    "yellow",
-    "small",
-    "large",
+    *WORDS,  # the synthetic task's vocabulary, in its order
     "fast",
     "slow",
     "warm",
@@ -350,8 +333,17 @@ def load_policy(
             "Without network, set model.name_or_path to a local folder holding the weights "
             "(e.g. `model.name_or_path=/models/Qwen2.5-7B-Instruct`), or use model=tiny."
         ) from exc
+    if tokenizer.eos_token_id is None and not eos_token_ids(tokenizer, model):
+        raise ValueError(
+            f"the tokenizer of {name_or_path} has no EOS token (and its generation_config names "
+            "none): responses could never end. Use a tokenizer with an eos_token (chat models "
+            "have one), or set it in the model folder's tokenizer_config.json"
+        )
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        # padding is masked everywhere; any token will do, the EOS is the usual choice
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(
+            eos_token_ids(tokenizer, model)[0]
+        )
     tokenizer.padding_side = "left"
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()

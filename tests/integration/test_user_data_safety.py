@@ -237,3 +237,29 @@ def test_runs_started_together_get_their_own_folders_and_a_cli_refusal_changes_n
     assert "method='mrtpo'" in out and "method='gdpo'" in out
     assert tree_hash(run) == before
     assert (run / ".hydra" / "overrides.yaml").read_text() == original
+
+
+def test_a_tokenizer_without_eos_or_pad_fails_at_load_naming_it(tiny, tmp_path):
+    """It used to crash in the HF engine at the first rollout."""
+    import json
+
+    model, tok = tiny
+    folder = tmp_path / "no_eos"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token"] = None
+    cfg["pad_token"] = None
+    cfg_path.write_text(json.dumps(cfg))
+    gen = folder / "generation_config.json"
+    g = json.loads(gen.read_text())
+    g.pop("eos_token_id", None)
+    g.pop("pad_token_id", None)
+    gen.write_text(json.dumps(g))
+    conf = folder / "config.json"
+    c = json.loads(conf.read_text())
+    c["eos_token_id"] = None
+    conf.write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="has no EOS token"):
+        load_policy(str(folder))
