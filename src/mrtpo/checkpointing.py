@@ -75,6 +75,8 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     One device synchronization for the whole set (the per-tensor flags are stacked first),
     so this is cheap enough to run after every update.
     """
+    # A sharded (FSDP2) tensor is checked on this rank's shard: the caller decides jointly.
+    named = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
     items = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
     if not items:
         return None

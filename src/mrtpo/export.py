@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 MARKER = "mrtpo_export.json"
 
 
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The policy's weights under the base model's checkpoint names, LoRA merged.
 
     The merged tensors are new ones (``W + scale * B @ A``): the policy itself is not
@@ -56,7 +58,8 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if delta is not None:
                 merged[f"{name}.base_layer.weight"] = (base.detach() + delta).to(base.dtype)
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in model.state_dict().items():
+    # ``state``: the model's full state dict gathered from its shards (FSDP), read instead
+    for key, tensor in (model.state_dict() if state is None else state).items():
         name = hf_name(key, peft)
         if name is not None:
             out[name] = merged.get(key, tensor).detach()
@@ -139,17 +142,19 @@ def save_policy(
     sampling: Mapping[str, Any] | None = None,
     info: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``out``.
 
-    ``dtype`` casts the floating-point weights (default: as trained). Returns ``out``.
+    ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full
+    state dict of a sharded ``model`` (``mrtpo.sharding.full_state_dict``). Returns ``out``.
     """
     from mrtpo.lora import is_lora
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ValueError(f"{out} is not empty and is no previous export; refusing to replace it")
-    state = merged_state_dict(model)
+    state = merged_state_dict(model, state)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     target = hf_model(model)

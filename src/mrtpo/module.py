@@ -589,3 +589,11 @@ class PolicyModule(L.LightningModule):
         budget = state.get("replay_token_budget")
         if budget is not None and int(budget) < int(self.replayer.token_budget):
             self.replayer.token_budget = int(budget)
+
+    # ---- sharding ----------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp``: ``fully_shard`` the policy (and a reference copy) per decoder
+        layer, then the root (``mrtpo.sharding``); a no-op under any other strategy."""
+        from mrtpo.sharding import shard_module_policies
+
+        shard_module_policies(self)

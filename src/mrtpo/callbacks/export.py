@@ -60,7 +60,13 @@ class ExportPolicy(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         from mrtpo.module import PolicyModule
 
-        if not isinstance(pl_module, PolicyModule) or not trainer.is_global_zero:
+        if not isinstance(pl_module, PolicyModule):
+            return
+        from mrtpo.sharding import full_state_dict, is_sharded
+
+        # Sharded weights are gathered by every rank together (a collective); rank 0 writes.
+        state = full_state_dict(pl_module.policy) if is_sharded(pl_module.policy) else None
+        if not trainer.is_global_zero:
             return
         if getattr(self, "skip", None) or self._refusal(pl_module):
             return
@@ -72,7 +78,12 @@ class ExportPolicy(L.Callback):
             **pl_module.identity(),
         }
         self.path = save_policy(
-            pl_module.policy, pl_module.tokenizer, self.dirpath, sampling=self.sampling, info=info
+            pl_module.policy,
+            pl_module.tokenizer,
+            self.dirpath,
+            sampling=self.sampling,
+            info=info,
+            state=state,
         )
         log.info(
             "exported the policy to %s (evaluate: src/eval.py model.name_or_path=%s)",
