@@ -145,6 +145,39 @@ def test_replay_jsd_is_between_tempered_distributions(tiny):
     assert max_raw_diff > 1e-3  # tempering changes q: the oracle would catch its absence
 
 
+def test_replay_logp_diff_compares_tempered_logprobs(tiny):
+    from mrtpo.credit.methods import RelevanceRequest
+
+    model, tok = tiny
+    task = BlockTask()
+    eos = [tok.eos_token_id]
+    engine = HFEngine()
+    engine.bind(model, tok, eos)
+    sampling = SamplingConfig(temperature=TAU, max_new_tokens=10)
+    roll = build_rollout(engine, tok, task.examples("train")[:1], 2, sampling, 2, eos)
+    scores = task.score_many(roll.examples, roll.texts)
+    scored = ScoredBatch(roll, scores, task.reward_names, rewards_tensor(scores, task.reward_names))
+    pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
+    request = RelevanceRequest(contexts="per_reward", score="logp_diff")
+    res = Replayer(tok).run(model, task, scored, pairs, request)
+
+    def logp(messages, response):
+        ids = torch.tensor([chat_ids(tok, messages) + response])
+        with torch.no_grad():
+            z = model(input_ids=ids).logits[0].double()
+        p = ids.shape[1] - len(response)
+        lp = torch.log_softmax(z[p - 1 : p - 1 + len(response)] / TAU, -1)
+        return lp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+    for j in range(roll.n):
+        t = int(roll.response_mask[j].sum())
+        response = roll.response_ids[j, :t].tolist()
+        ctx = task.contexts(roll.examples[j], scores[j])
+        for k, name in enumerate(task.reward_names):
+            want = (logp(ctx.all, response) - logp(ctx.without[name], response)).float()
+            torch.testing.assert_close(res.q[j, k, :t], want, atol=1e-5, rtol=0)
+
+
 # ---- the checkpoint's generation_config does not apply ---------------------------------------
 
 
