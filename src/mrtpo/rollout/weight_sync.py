@@ -35,6 +35,15 @@ were computed with the old weights and would otherwise be reused for matching pr
 Weights leave the trainer in Hugging Face checkpoint naming (``model.state_dict()``). A PEFT
 model is merged first (``merge_adapter``), exported under the base model's names, and
 unmerged afterwards so training continues on the adapter.
+
+Under ``trainer=fsdp`` each rank holds 1/N of every tensor (DTensor shards) and drives its
+own colocated engine. A sync walks the weights in buckets of at most ``bucket_bytes`` (full
+size): every rank casts its shards to the engine's dtype, all-gathers one bucket
+(``DTensor.full_tensor``, a collective all ranks run in the same order), pushes it into its
+engine and frees it before the next bucket. A rank's extra memory is one bucket, never the
+whole model; the traffic is one all-gather of the model per sync, like one sharded forward.
+The weight-transfer and in-process ``load_weights`` paths stream buckets; ``reload_weights``
+must get every tensor in one call, so there the gathered buckets collect in CPU memory.
 """
 
 from __future__ import annotations
@@ -131,10 +140,29 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t
 
 
+def is_shard(t: torch.Tensor) -> bool:
+    """A DTensor (an FSDP2 parameter): this rank holds a piece, ``full_tensor`` gathers it."""
+    return callable(getattr(t, "full_tensor", None)) and callable(getattr(t, "to_local", None))
+
+
+def gathered(
+    group: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """One bucket with every shard all-gathered into its full tensor, cast to ``dtype`` first
+    (so an fp32 trainer moves bf16 bytes). A collective when the bucket holds shards: every
+    rank must call it with the same bucket."""
+    out = []
+    for name, t in group:
+        t = _cast(t, dtype)
+        out.append((name, t.full_tensor() if is_shard(t) else t))
+    return out
+
+
 def buckets(
     pairs: Sequence[tuple[str, torch.Tensor]], max_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Split the weights into groups of at most ``max_bytes`` (a larger tensor goes alone)."""
+    """Split the weights into groups of at most ``max_bytes`` (a larger tensor goes alone);
+    a shard counts at its full size (``numel`` of a DTensor is the global one)."""
     group: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in pairs:
@@ -246,8 +274,9 @@ class WeightSync:
         mode: ``auto`` (detect) or one of ``MODES`` to force a path.
         dtype: cast floating tensors to the engine's dtype before sending (halves the
             transfer for an fp32 trainer and a bf16 engine); None keeps them as they are.
-        bucket_bytes: weight-transfer path only: tensors per ``update_weights`` call are
-            capped at this many bytes, bounding the extra GPU memory of the cast copies.
+        bucket_bytes: tensors per ``update_weights`` call are capped at this many bytes,
+            bounding the extra GPU memory of the cast copies; under FSDP it also bounds what
+            one all-gather materializes (every path gathers shards a bucket at a time).
         transfer_configured: whether the engine was built with a ``weight_transfer_config``
             (the API exists on ``LLM`` either way but only works when configured); None
             reads it from the engine's config when reachable.
@@ -375,10 +404,10 @@ class WeightSync:
         cuda = torch.cuda.is_available()
         for group in buckets(pairs, self.bucket_bytes):
             # IPC shares device memory, so every tensor must live on this GPU, contiguous; the
-            # copies must stay referenced until update_weights has returned.
+            # copies must stay referenced until update_weights has returned. Shards are
+            # gathered here, one bucket at a time (a collective over the FSDP ranks).
             staged = []
-            for name, t in group:
-                t = _cast(t, self.dtype)
+            for name, t in gathered(group, self.dtype):
                 if cuda and not t.is_cuda:
                     t = t.to("cuda", non_blocking=True)
                 staged.append((name, t.contiguous()))
@@ -407,8 +436,13 @@ class WeightSync:
 
     def _sync_reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         # One call with every tensor: a reload restarts the model's layer-wise loading, so a
-        # partial set would leave layers without weights.
-        weights = [(n, _cast(t, self.dtype).to("cpu").contiguous()) for n, t in pairs]
+        # partial set would leave layers without weights. Shards are gathered a bucket at a
+        # time and each bucket moves to CPU memory before the next is gathered.
+        weights = [
+            (n, t.to("cpu").contiguous())
+            for group in buckets(pairs, self.bucket_bytes)
+            for n, t in gathered(group, self.dtype)
+        ]
         kwargs: dict[str, Any] = {"weights_iterator": weights}
         if self._reload_params and "is_checkpoint_format" in self._reload_params:
             kwargs["is_checkpoint_format"] = True
@@ -416,4 +450,13 @@ class WeightSync:
 
     def _sync_load_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         # Same process: the vLLM weight loaders copy (and cast) from our tensors directly.
-        driver_model(self.llm).load_weights(iter(pairs))
+        # Shards are gathered lazily, a bucket at a time, as the loader consumes them.
+        if not any(is_shard(t) for _, t in pairs):
+            driver_model(self.llm).load_weights(iter(pairs))
+            return
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for group in buckets(pairs, self.bucket_bytes):
+                yield from gathered(group, self.dtype)
+
+        driver_model(self.llm).load_weights(stream())
