@@ -203,8 +203,24 @@ def make_rlla(data_dir: Path) -> Path:
     return data_dir
 
 
+def make_omnisql(data_dir: Path) -> Path:
+    """``omnisql/train_spider_enhanced_with_cot.json``: OmniSQL's layout (Spider train rows with
+    a ``cot`` ending in a SQL block) for every usable concert_singer training question of
+    ``make_spider``. Returns the file."""
+    rows = [
+        {"db_id": "concert_singer", "question": q, "query": s,
+         "cot": f"Step 1: read the question.\nStep 2: write it.\n```sql\n{s}\n```"}
+        for q, s in CONCERT_QUESTIONS
+    ]  # fmt: skip
+    path = data_dir / "omnisql" / "train_spider_enhanced_with_cot.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
 def make_public_data(data_dir: Path) -> Path:
     """Every stand-in above under one ``paths.data_dir``."""
     make_spider(data_dir)
+    make_omnisql(data_dir)
     make_rlla(data_dir)
     return data_dir

@@ -13,6 +13,12 @@ from mrtpo.credit.advantages import (
     saw_weights,
 )
 from mrtpo.credit.cort import CoRT, cort_weights
+from mrtpo.credit.distill import (
+    TeacherScores,
+    generalized_jsd,
+    generalized_jsd_chunked,
+    sampled_token_scores,
+)
 from mrtpo.credit.methods import (
     GDPO,
     GDPOSAW,
@@ -26,7 +32,9 @@ from mrtpo.credit.methods import (
     MRTPOJoint,
     MRTPOShuffle,
     RelevanceRequest,
+    TeacherRequest,
 )
+from mrtpo.credit.opsd import OPSD
 from mrtpo.credit.relevance import (
     beta_schedule,
     js_distance,
@@ -44,6 +52,7 @@ __all__ = [
     "METHODS",
     "MRTPO",
     "MRTPOSAW",
+    "OPSD",
     "AdvantageMethod",
     "CoRT",
     "CreditInputs",
@@ -51,10 +60,14 @@ __all__ = [
     "MRTPOJoint",
     "MRTPOShuffle",
     "RelevanceRequest",
+    "TeacherRequest",
+    "TeacherScores",
     "batch_moments",
     "beta_schedule",
     "cort_weights",
     "gdpo_advantages",
+    "generalized_jsd",
+    "generalized_jsd_chunked",
     "group_advantages",
     "grpo_advantages",
     "js_distance",
@@ -63,6 +76,7 @@ __all__ = [
     "mrtpo_advantages_from_weights",
     "relevance_weights",
     "replay_mask",
+    "sampled_token_scores",
     "saw_weights",
     "shuffle_weights",
 ]

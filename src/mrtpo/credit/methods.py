@@ -41,6 +41,9 @@ class CreditInputs:
     replayed: Tensor | None = None  # [N, K] / [N, 1] bool; pairs whose q was computed
     process_group: Any = None  # torch.distributed group for global batch statistics
     generator: torch.Generator | None = None  # randomness of the shuffle ablation
+    # the frozen teacher's scores of the sampled tokens (``credit.distill.TeacherScores``),
+    # when the method's ``teacher`` request asks for them; None otherwise
+    teacher: Any = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,22 @@ class RelevanceRequest:
         return self.contexts == "joint"
 
 
+@dataclass(frozen=True)
+class TeacherRequest:
+    """What a method needs from a frozen teacher: the initial model, reading each response
+    after the task's teacher context (``Task.teacher_messages``). The trainer hands it on
+    without reading the method's name.
+
+    ``sampled``: before the advantages, the teacher's log-prob of every sampled token (and the
+    student's, at the sampling parameters) arrive as ``CreditInputs.teacher``.
+    ``full``: in every update micro-batch, the student's logits and the teacher's full
+    next-token distributions go to ``method.token_loss``, whose term joins the loss.
+    """
+
+    sampled: bool = True
+    full: bool = False
+
+
 PER_REWARD_JSD = RelevanceRequest("per_reward", "jsd")
 JOINT_JSD = RelevanceRequest("joint", "jsd")
 
@@ -87,6 +106,8 @@ class AdvantageMethod(ABC):
 
     #: What replay must compute for this method (None: no replay).
     relevance: ClassVar[RelevanceRequest | None] = None
+    #: What a frozen teacher must compute for this method (None: no teacher).
+    teacher: ClassVar[TeacherRequest | None] = None
 
     def check_task(self, task) -> None:  # noqa: B027  (optional hook)
         """Refuse, before the model loads, a task that lacks what this method needs (e.g.
@@ -118,6 +139,23 @@ class AdvantageMethod(ABC):
         """The per-token weights this method derives from replay's ``q`` (for the relevance
         dumps and pictures). Default: MRTPO's ``(1 - β) + β q / mean q``."""
         return relevance_weights(q, mask, replayed, self.beta(step))
+
+    def token_loss(
+        self,
+        student_logits: Tensor,
+        teacher_logits,
+        response_ids: Tensor,
+        mask: Tensor,
+        temperature: float,
+        agg: str,
+        denom: float,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """An extra loss term for one update micro-batch, added to the surrogate (methods whose
+        ``teacher.full`` is set). ``student_logits [n, T, V]`` carry gradient;
+        ``teacher_logits`` is ``[n, T, V]`` or ``f(s, e)`` (no grad); ``mask`` covers the
+        tokens the term applies to; ``agg``/``denom`` aggregate as the surrogate does.
+        Returns (the term, per-token statistics logged under ``train/``)."""
+        raise NotImplementedError(f"{type(self).__name__} adds no token loss")
 
     @abstractmethod
     def __call__(self, inputs: CreditInputs) -> CreditOutput: ...

@@ -133,6 +133,24 @@ class Task(ABC):
             none=[dict(m) for m in example.messages],
         )
 
+    # ---- teacher context (self-distillation) ---------------------------------------------
+    def teacher_messages(self, example: Example) -> Messages | None:
+        """The context a self-distillation teacher reads a response after (``method=opsd``):
+        the sampling prompt, the example's reference as the assistant's earlier answer, then
+        the last user message again. None when the example has no reference."""
+        if not example.reference:
+            return None
+        last_user = next((m for m in reversed(example.messages) if m.get("role") == "user"), None)
+        if last_user is None:
+            raise ValueError(
+                f"example {example.id}: the prompt has no user message to ask the teacher again"
+            )
+        return [
+            *(dict(m) for m in example.messages),
+            {"role": "assistant", "content": example.reference},
+            dict(last_user),
+        ]
+
     # ---- evaluation -----------------------------------------------------------------------
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
         """Aggregate metrics of scored responses (evaluation). Default: mean of each reward."""

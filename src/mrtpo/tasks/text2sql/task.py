@@ -16,6 +16,7 @@ Verifier blocks, appended in this order by the default ``Task.contexts`` (method
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -32,6 +33,7 @@ from mrtpo.tasks.base import Example, Score, Task
 from .data import Question, SplitConfig, find_database, read_questions
 from .executor import RESULT_CAP_KINDS, ExecJob, ExecOutcome, SQLExecutor
 from .match import clean_query, order_matters, prepare_for_match
+from .omnisql import ReferenceSolutions
 from .rewards import (
     FORMAT_BLOCK,
     NO_SQL_BLOCK,
@@ -102,6 +104,9 @@ class Text2SQLTask(Task):
         system_prompt: replaces the default system message (None: default; "": none).
         cache_dir: where the list of failing training references is remembered between
             runs (None: check them at every start, ~10 s for Spider train).
+        reference_solutions: the self-distillation teacher's references (``method=opsd``):
+            the path of OmniSQL's Spider-train solutions, ``"gold"`` (the gold query in the
+            answer format), or None (``method=opsd`` refused). See ``.omnisql``.
     """
 
     name = "text2sql"
@@ -118,6 +123,7 @@ class Text2SQLTask(Task):
         executor: Mapping[str, Any] | None = None,
         system_prompt: str | None = None,
         cache_dir: str | None = None,
+        reference_solutions: str | None = None,
     ) -> None:
         self.splits = {
             name: SplitConfig.from_mapping(name, cfg or {}) for name, cfg in _plain(splits).items()
@@ -131,6 +137,7 @@ class Text2SQLTask(Task):
         self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self._executor: SQLExecutor | None = None
+        self.solutions = ReferenceSolutions(reference_solutions)
         self._cache: dict[str, list[Example]] = {}
         #: Per split: how many questions were read, kept and dropped, and why.
         self.load_stats: dict[str, dict[str, Any]] = {}
@@ -336,6 +343,14 @@ class Text2SQLTask(Task):
             data=data,
             reference=reference_response(q.question, q.query, tables),
         )
+
+    def teacher_messages(self, example: Example):
+        """The base class's teacher context around ``task.reference_solutions``' solution."""
+        d = example.data
+        ref = self.solutions.reference(d["db_id"], d["question"], example.reference)
+        if ref is None:
+            return None
+        return super().teacher_messages(dataclasses.replace(example, reference=ref))
 
     # ---- rewards -----------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
