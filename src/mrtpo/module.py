@@ -31,7 +31,7 @@ import torch
 
 from mrtpo import step_metrics
 from mrtpo.batch import PromptBatch, ScoredBatch, rewards_tensor
-from mrtpo.checkpointing import assert_finite_state
+from mrtpo.checkpointing import NonFiniteStateError, assert_finite_state
 from mrtpo.credit.methods import AdvantageMethod, CreditInputs
 from mrtpo.distributed import Ranks
 from mrtpo.faults import FaultTracker
@@ -41,6 +41,7 @@ from mrtpo.loss import engine_gap, policy_loss
 from mrtpo.replay import Replayer
 from mrtpo.scoring import score_batch
 from mrtpo.settings import OptimConfig, ReplayConfig, RLConfig
+from mrtpo.sharding import dummy_batch, is_sharded
 from mrtpo.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,8 @@ class PolicyModule(L.LightningModule):
     def _logprobs(self, model, roll, micro: int) -> torch.Tensor:
         """log-probs of the sampled tokens under ``model`` at the sampling temperature."""
         out = []
+        # Sharded: as many forwards as the busiest rank, agreed before the first one.
+        idle = self._idle_forwards(model, -(-roll.n // micro))
         for s in range(0, roll.n, micro):
             idx = torch.arange(s, min(roll.n, s + micro))
             sub = roll.select(idx)
@@ -267,6 +270,10 @@ class PolicyModule(L.LightningModule):
                     temperature=roll.temperature,
                 ).cpu()
             )
+        for _ in range(idle):
+            self._idle_logprobs(model, roll.temperature)
+        if not out:  # a sharded rank with no rows left to score
+            return torch.zeros((0, roll.response_ids.shape[1]), dtype=torch.float32)
         return torch.cat(out)
 
     def _old_logprobs(self, roll, res, micro: int) -> torch.Tensor:
@@ -278,7 +285,8 @@ class PolicyModule(L.LightningModule):
                 return self._logprobs(self.policy, roll, micro)
             old = res.logp.clone() * roll.response_mask
             rest = (~res.logp_rows).nonzero().flatten()
-            if len(rest):
+            # sharded: every rank takes part in the forwards, with rows to score or not
+            if len(rest) or is_sharded(self.policy):
                 old[rest] = self._logprobs(self.policy, roll.select(rest), micro)
             return old
         finally:
@@ -300,9 +308,10 @@ class PolicyModule(L.LightningModule):
         """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
 
         The smaller budget is kept for the rest of the run (the next batch would fail the
-        same way). Replay runs no collectives, so a retry on one rank alone is safe.
+        same way). Replay runs no collectives, so a retry on one rank alone is safe; under
+        sharding every forward is a collective and a rank cannot retry alone: no retry.
         """
-        retries = int(self.rl.replay_oom_retries)
+        retries = 0 if is_sharded(self.policy) else int(self.rl.replay_oom_retries)
         for attempt in range(retries + 1):
             failed = None
             try:
@@ -345,7 +354,10 @@ class PolicyModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         n = roll.n
-        mini = max(1, min(int(rl.mini_batch_size), n))
+        # Sharded: loop over the busiest rank's rows (one collective); a rank out of rows runs
+        # idle forward+backward passes so that every gradient reduce-scatter has all ranks.
+        rows = self.ranks.max(n) if is_sharded(self.policy) else n
+        mini = max(1, min(int(rl.mini_batch_size), rows))
         micro = max(1, min(int(rl.micro_batch_size), mini))
         world = self.ranks.world_size
         tau = roll.temperature
@@ -353,12 +365,12 @@ class PolicyModule(L.LightningModule):
         losses: list[float] = []  # one per update
         sums: dict[str, float] = {}  # token-weighted sums of the per-token statistics
         tokens = 0.0
-        n_updates = int(rl.ppo_epochs) * ((n + mini - 1) // mini)
+        n_updates = int(rl.ppo_epochs) * ((rows + mini - 1) // mini)
         lr = float(sched.get_last_lr()[0])
         u = 0
         for _ in range(int(rl.ppo_epochs)):
             perm = torch.randperm(n, generator=g)
-            for s in range(0, n, mini):
+            for s in range(0, rows, mini):
                 u += 1
                 mb = perm[s : s + mini]
                 if rl.loss_agg == "token-mean":
@@ -371,8 +383,13 @@ class PolicyModule(L.LightningModule):
                 )
                 opt.zero_grad(set_to_none=True)
                 update_loss = 0.0
-                for ms in range(0, len(mb), micro):
+                for ms in range(0, min(mini, rows - s), micro):
                     idx = mb[ms : ms + micro]
+                    if len(idx) == 0:  # sharded and out of rows: an idle pass, loss 0
+                        if not self._idle_backward(tau):
+                            opt.zero_grad(set_to_none=True)
+                            return None
+                        continue
                     sub = roll.select(idx)
                     logp = response_logprobs(
                         self.policy,
@@ -417,12 +434,54 @@ class PolicyModule(L.LightningModule):
                 self._optimizer_step(opt, counted=(u == n_updates))
                 # NaN/inf weights or moments must stop here, not reach a checkpoint. Under
                 # DDP every rank holds the same values, so every rank raises alike.
-                assert_finite_state(self.policy, opt)
+                self._assert_finite(opt)
         sched.step()  # once per RL step: the warm-up counts RL steps
         out = {k: v / max(tokens, 1.0) for k, v in sums.items()}
         out["loss"] = sum(losses) / max(len(losses), 1)
         out["lr"] = lr
         return out
+
+    # ---- lockstep under sharding (trainer=fsdp) ------------------------------------------
+    # Every forward of a sharded policy all-gathers its weights and every backward
+    # reduce-scatters its gradients, with all ranks. A loop whose work differs between ranks
+    # agrees on the busiest rank's count first (one collective, before its first forward) and
+    # pads with the cheapest batch there is: one row, one token; its result is discarded.
+    def _idle_forwards(self, model, count: int) -> int:
+        """How many idle forwards this rank adds to its ``count`` (0 unless sharded)."""
+        if not is_sharded(model):
+            return 0
+        return self.ranks.max(count) - count
+
+    def _idle_logprobs(self, model, temperature: float) -> None:
+        response_logprobs(model, *dummy_batch(self.tokenizer.pad_token_id), temperature=temperature)
+
+    def _idle_backward(self, temperature: float) -> bool:
+        """An update micro-batch without rows: forward, the joint finiteness check and a
+        backward of 0 x the log-probs (zero gradients). False when another rank's loss was
+        not finite (the update stops on every rank)."""
+        logp = response_logprobs(
+            self.policy, *dummy_batch(self.tokenizer.pad_token_id), temperature=temperature
+        )
+        if self.ranks.any(False):
+            return False
+        self.manual_backward(logp.sum() * 0.0)
+        return True
+
+    def _assert_finite(self, opt) -> None:
+        """``assert_finite_state``; sharded, each rank checks its shards and all raise together."""
+        if not is_sharded(self.policy):
+            assert_finite_state(self.policy, opt)
+            return
+        err = None
+        try:
+            assert_finite_state(self.policy, opt)
+        except NonFiniteStateError as exc:
+            err = exc
+        if self.ranks.any(err is not None):
+            raise err or NonFiniteStateError(
+                "non-finite training state on another rank (its log names the tensor); lower "
+                "optim.lr or rl.max_grad_norm, and resume from the last checkpoint"
+            )
 
     @staticmethod
     def _optimizer_step(opt, counted: bool) -> None:

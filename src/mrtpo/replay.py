@@ -21,7 +21,10 @@ Cost and memory (docs/benchmarks.md measures both):
 * the model returns hidden states, not logits; the LM head, log-softmax and JSD run in
   float32 on chunks of at most ``jsd_chunk`` (row, position) pairs, so the float32 working
   set is ``jsd_chunk x V`` whatever the response length, and ``[rows, T, V]`` logits are never
-  held. Architectures with a non-plain head fall back to logits (``forward.split_head``).
+  held. Architectures with a non-plain head fall back to logits (``forward.split_head``);
+* under ``trainer=fsdp`` every forward is a collective: each micro-batch is one call of the
+  root module (logits, no prefix sharing), and every rank runs the busiest rank's number of
+  micro-batches (``mrtpo.sharding``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import Tensor
 from mrtpo.batch import ScoredBatch
 from mrtpo.credit import js_distance
 from mrtpo.credit.methods import RelevanceRequest
+from mrtpo.distributed import Ranks
 from mrtpo.forward import (
     pad_left,
     response_hidden,
@@ -45,6 +49,7 @@ from mrtpo.forward import (
     split_head,
 )
 from mrtpo.rollout.build import chat_ids
+from mrtpo.sharding import dummy_batch, is_sharded
 from mrtpo.tasks.base import Contexts, Task
 
 log = logging.getLogger(__name__)
@@ -169,14 +174,21 @@ class Replayer:
         for j, jobs in jobs_by_resp.items():
             p0 = roll.prompt_ids[j][roll.prompt_mask[j]].tolist()
             logp_rows[j] = jobs[0].ids == p0
-        split = split_head(model)
+        # Sharded (trainer=fsdp): the decoder and head cannot be called apart from the root
+        # module, whose forward gathers their weights, and every rank must run as many
+        # forwards: one root forward per micro-batch (the logits path, no prefix sharing),
+        # padded to the busiest rank's count. A rank that replays nothing still runs them.
+        sharded = is_sharded(model)
+        split = None if sharded else split_head(model)
         tau = roll.temperature
 
         was_training = model.training
         model.eval()
         forwards = tokens = computed = shared = 0
         try:
-            for chunk in self._pack(jobs_by_resp, roll.response_mask):
+            chunks = self._pack(jobs_by_resp, roll.response_mask)
+            idle = Ranks(lambda: device).max(len(chunks)) - len(chunks) if sharded else 0
+            for chunk in chunks:
                 states, head, cost, was_shared = self._forward(
                     model, split, chunk, roll.response_ids, roll.response_mask
                 )
@@ -193,6 +205,8 @@ class Replayer:
                     if job.key != ALL:
                         k = 0 if mode == "joint" else batch.reward_names.index(job.key)
                         replayed[job.response, k] = True
+            for _ in range(idle):  # discarded: only keeps this rank in step
+                response_logits(model, *dummy_batch(self.tokenizer.pad_token_id))
         finally:
             model.train(was_training)
         stats = {"tokens_computed": float(computed), "shared_prefix_batches": float(shared)}
