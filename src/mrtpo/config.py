@@ -60,12 +60,15 @@ def hydra_subdir(resume) -> str | None:
 
 
 def job_log(resume, output_dir: str, job_name: str) -> str:
-    """Hydra's job log file: in the run folder, except for a resume not yet validated (then a
-    file beside the runs, see ``record_resume``)."""
+    """Hydra's job log file: in the run folder, except for a resume not yet validated. That
+    one logs to ``<log_dir>/<job>/resume-logs/`` until ``record_resume`` accepts the resume
+    and moves what was logged into the run's own log (a refused resume's log stays there)."""
     if not resume:
         return str(Path(output_dir) / f"{job_name}.log")
     folder = Path(str(resume)).resolve()
-    return str(folder.parent / f".{folder.name}.resume-{os.getpid()}.log")
+    pending = folder.parent.parent / "resume-logs"
+    pending.mkdir(parents=True, exist_ok=True)
+    return str(pending / f"{folder.name}.{os.getpid()}.log")
 
 
 def register_resolvers() -> None:

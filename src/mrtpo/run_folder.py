@@ -13,6 +13,7 @@ recorded beside the original under ``.hydra/resumes/<time>/`` and appended to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -124,11 +125,28 @@ def record_resume(cfg: DictConfig, run: str | Path) -> None:
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "resume": True, "overrides": overrides}
     with open(Path(run) / ".hydra" / "history.yaml", "a", encoding="utf-8") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
-    # Hydra's job log of a resume goes outside the folder until it is validated; from here on
-    # the run's own log gets the rest.
-    handler = logging.FileHandler(Path(run) / "train.log", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    logging.getLogger().addHandler(handler)
+    # Hydra's job log of a resume went outside the folder until now (mrtpo.config.job_log):
+    # move what it holds into the run's own log and log there from here on.
+    target = Path(run) / "train.log"
+    root = logging.getLogger()
+    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    for h in list(root.handlers):
+        name = getattr(h, "baseFilename", "")
+        if isinstance(h, logging.FileHandler) and Path(name).parent.name == "resume-logs":
+            h.flush()
+            h.close()
+            root.removeHandler(h)
+            fmt = h.formatter or fmt
+            pending = Path(name)
+            if pending.is_file():
+                with open(target, "ab") as out:
+                    out.write(pending.read_bytes())
+                pending.unlink()
+                with contextlib.suppress(OSError):  # kept while another resume is pending
+                    pending.parent.rmdir()
+    handler = logging.FileHandler(target, encoding="utf-8")
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
 
 
 def record_invocation(cfg: DictConfig) -> None:

@@ -169,6 +169,13 @@ def _cmd(log_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+def _saved_step(path: Path) -> int:
+    try:
+        return int(torch.load(path, weights_only=False, map_location="cpu")["global_step"])
+    except Exception:  # not there yet
+        return -1
+
+
 def test_sigkill_then_resume_continues_the_run(tmp_path, cache_dir):
     steps = 6
     # An uninterrupted reference run.
@@ -198,7 +205,9 @@ def test_sigkill_then_resume_continues_the_run(tmp_path, cache_dir):
         target = None
         while time.monotonic() < deadline and proc.poll() is None:
             found = list(logs.glob("train/runs/*/checkpoints/step000003.ckpt"))
-            if found:
+            # last.ckpt is written (atomically) just after the step checkpoint: kill once it
+            # holds step 3 too, so the resume starts from there
+            if found and _saved_step(found[0].parent / "last.ckpt") >= 3:
                 target = found[0]
                 break
             time.sleep(0.05)
