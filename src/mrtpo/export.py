@@ -74,32 +74,17 @@ def hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
-    """The model's generation config with the training sampling settings and EOS ids."""
-    import copy
-
-    from transformers import GenerationConfig
-
+    """A generation config that samples as training did: built whole from the training
+    sampling settings (``mrtpo.rollout.hf.generation_config``), so none of the checkpoint's
+    own defaults (a repetition penalty, top-k) come back with the exported model."""
     from mrtpo.models import eos_token_ids
+    from mrtpo.rollout.base import SamplingConfig
+    from mrtpo.rollout.hf import generation_config as sampling_generation_config
 
-    base = getattr(hf_model(model), "generation_config", None)
-    gen = copy.deepcopy(base) if base is not None else GenerationConfig()
+    s = SamplingConfig(**dict(sampling or {}))
     eos = eos_token_ids(tokenizer, model)
+    gen = sampling_generation_config(s, eos, tokenizer.pad_token_id)
     gen.eos_token_id = eos if len(eos) != 1 else eos[0]
-    gen.pad_token_id = tokenizer.pad_token_id
-    if sampling:
-        s = dict(sampling)
-        if s.get("greedy"):
-            gen.do_sample = False
-        else:
-            gen.do_sample = True
-            gen.temperature = float(s.get("temperature", 1.0))
-            gen.top_p = float(s.get("top_p", 1.0))
-            # 0 switches top-k off; RL trains on the untruncated distribution
-            gen.top_k = int(s.get("top_k") or 0)
-            if float(s.get("min_p") or 0.0) > 0:
-                gen.min_p = float(s["min_p"])
-        if s.get("max_new_tokens"):
-            gen.max_new_tokens = int(s["max_new_tokens"])
     return gen
 
 

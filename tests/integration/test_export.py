@@ -201,3 +201,20 @@ def test_the_end_of_run_export_never_overwrites_the_starting_model(
     assert trainer.global_step == 1
     assert _tree_digest(start) == before
     assert "callbacks.export.dirpath" in caplog.text and "started from" in caplog.text
+
+
+def test_the_exported_generation_config_drops_the_checkpoints_own_defaults(tiny):
+    """A Qwen-style checkpoint ships a repetition penalty and top-k; the exported policy must
+    sample as training did, so none of them may come back."""
+    import copy
+
+    from mrtpo.export import generation_config
+
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 2
+    gen = generation_config(model, tok, {"temperature": 0.7, "max_new_tokens": 12})
+    assert gen.repetition_penalty == 1.0 and gen.no_repeat_ngram_size == 0
+    assert gen.do_sample and gen.temperature == 0.7 and gen.max_new_tokens == 12
+    assert gen.top_k in (0, None) and gen.top_p == 1.0
