@@ -517,6 +517,8 @@ class PolicyModule(L.LightningModule):
         # Count the step without an optimizer update (Lightning's manual-optimization hooks).
         opt._on_before_step()
         opt._on_after_step()
+        # The learning-rate warm-up counts RL steps, like β's: a skipped step counts for both.
+        self.lr_schedulers().step()
         self.iteration += 1
         self.last = None
         self.log_dict(

@@ -222,6 +222,8 @@ def test_inf_reward_skips_the_step_and_the_run_goes_on(train_cfg, caplog):
     assert col(rs, "train/skipped")[0] == 1.0
     assert col(rs, "train/nonfinite_skips") == [1.0, 1.0, 1.0]
     assert module.iteration == 3 and trainer.global_step == 3
+    # the learning-rate warm-up counts the skipped step too, as β's warm-up does
+    assert module.lr_schedulers().last_epoch == 3
     assert any("non-finite rewards at step 0" in r.getMessage() for r in caplog.records)
 
 
