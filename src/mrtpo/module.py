@@ -255,7 +255,7 @@ class PolicyModule(L.LightningModule):
     def _logprobs(self, model, roll, micro: int) -> torch.Tensor:
         """log-probs of the sampled tokens under ``model`` at the sampling temperature."""
         out = []
-        # Sharded: as many forwards as the busiest rank, agreed before the first one.
+        # Several ranks: as many forwards as the busiest, agreed before the first one.
         idle = self._idle_forwards(model, -(-roll.n // micro))
         for s in range(0, roll.n, micro):
             idx = torch.arange(s, min(roll.n, s + micro))
@@ -285,8 +285,8 @@ class PolicyModule(L.LightningModule):
                 return self._logprobs(self.policy, roll, micro)
             old = res.logp.clone() * roll.response_mask
             rest = (~res.logp_rows).nonzero().flatten()
-            # sharded: every rank takes part in the forwards, with rows to score or not
-            if len(rest) or is_sharded(self.policy):
+            # several ranks: every rank takes part in the forwards, with rows to score or not
+            if len(rest) or self.ranks.world_size > 1:
                 old[rest] = self._logprobs(self.policy, roll.select(rest), micro)
             return old
         finally:
@@ -354,9 +354,10 @@ class PolicyModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         n = roll.n
-        # Sharded: loop over the busiest rank's rows (one collective); a rank out of rows runs
-        # idle forward+backward passes so that every gradient reduce-scatter has all ranks.
-        rows = self.ranks.max(n) if is_sharded(self.policy) else n
+        # Several ranks: loop over the busiest rank's rows (one collective); a rank out of rows
+        # runs idle forward+backward passes so every gradient all-reduce / reduce-scatter has
+        # all ranks.
+        rows = self.ranks.max(n) if self.ranks.world_size > 1 else n
         mini = max(1, min(int(rl.mini_batch_size), rows))
         micro = max(1, min(int(rl.micro_batch_size), mini))
         world = self.ranks.world_size
@@ -385,7 +386,7 @@ class PolicyModule(L.LightningModule):
                 update_loss = 0.0
                 for ms in range(0, min(mini, rows - s), micro):
                     idx = mb[ms : ms + micro]
-                    if len(idx) == 0:  # sharded and out of rows: an idle pass, loss 0
+                    if len(idx) == 0:  # out of rows (several ranks): an idle pass, loss 0
                         if not self._idle_backward(tau):
                             opt.zero_grad(set_to_none=True)
                             return None
@@ -441,14 +442,16 @@ class PolicyModule(L.LightningModule):
         out["lr"] = lr
         return out
 
-    # ---- lockstep under sharding (trainer=fsdp) ------------------------------------------
+    # ---- lockstep over ranks (trainer=fsdp, trainer=ddp) ---------------------------------
     # Every forward of a sharded policy all-gathers its weights and every backward
-    # reduce-scatters its gradients, with all ranks. A loop whose work differs between ranks
-    # agrees on the busiest rank's count first (one collective, before its first forward) and
-    # pads with the cheapest batch there is: one row, one token; its result is discarded.
+    # reduce-scatters (DDP: all-reduces) its gradients, with all ranks. A loop whose work
+    # differs between ranks agrees on the busiest rank's count first (one collective, before
+    # its first forward) and pads with the cheapest batch there is: one row, one token; its
+    # result is discarded. DDP runs the same counts (its forwards are local, so this costs a
+    # rank only time it would spend waiting at the next all-reduce) and the same numbers.
     def _idle_forwards(self, model, count: int) -> int:
-        """How many idle forwards this rank adds to its ``count`` (0 unless sharded)."""
-        if not is_sharded(model):
+        """How many idle forwards this rank adds to its ``count`` (0 in one process)."""
+        if self.ranks.world_size == 1:
             return 0
         return self.ranks.max(count) - count
 

@@ -23,8 +23,8 @@ Cost and memory (docs/benchmarks.md measures both):
   set is ``jsd_chunk x V`` whatever the response length, and ``[rows, T, V]`` logits are never
   held. Architectures with a non-plain head fall back to logits (``forward.split_head``);
 * under ``trainer=fsdp`` every forward is a collective: each micro-batch is one call of the
-  root module (logits, no prefix sharing), and every rank runs the busiest rank's number of
-  micro-batches (``mrtpo.sharding``).
+  root module (logits, no prefix sharing); with several ranks (FSDP or DDP) every rank runs
+  the busiest rank's number of forwards, padding with a discarded one-token batch.
 """
 
 from __future__ import annotations
@@ -177,7 +177,10 @@ class Replayer:
         # Sharded (trainer=fsdp): the decoder and head cannot be called apart from the root
         # module, whose forward gathers their weights, and every rank must run as many
         # forwards: one root forward per micro-batch (the logits path, no prefix sharing),
-        # padded to the busiest rank's count. A rank that replays nothing still runs them.
+        # padded to the busiest rank's count, agreed before the first. Under DDP forwards are
+        # local: the same count is agreed after them (an out-of-memory retry stays local).
+        # A rank that replays nothing still runs them.
+        ranks = Ranks(lambda: device)
         sharded = is_sharded(model)
         split = None if sharded else split_head(model)
         tau = roll.temperature
@@ -187,12 +190,14 @@ class Replayer:
         forwards = tokens = computed = shared = 0
         try:
             chunks = self._pack(jobs_by_resp, roll.response_mask)
-            idle = Ranks(lambda: device).max(len(chunks)) - len(chunks) if sharded else 0
+            idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0
+            calls = 0  # decoder calls (two for a micro-batch that shares its prefix)
             for chunk in chunks:
                 states, head, cost, was_shared = self._forward(
                     model, split, chunk, roll.response_ids, roll.response_mask
                 )
                 shared += was_shared
+                calls += 2 if was_shared else 1
                 forwards += len(chunk)
                 tokens += sum(
                     len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
@@ -205,6 +210,8 @@ class Replayer:
                     if job.key != ALL:
                         k = 0 if mode == "joint" else batch.reward_names.index(job.key)
                         replayed[job.response, k] = True
+            if ranks.world_size > 1 and not sharded:
+                idle = ranks.max(calls) - calls
             for _ in range(idle):  # discarded: only keeps this rank in step
                 response_logits(model, *dummy_batch(self.tokenizer.pad_token_id))
         finally:

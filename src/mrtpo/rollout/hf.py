@@ -10,10 +10,11 @@ from the sampling description, and the model's own config is swapped for a bare 
 ``generate`` runs (transformers copies model defaults into any field a caller left unset).
 One warning names the checkpoint settings this overrides.
 
-Under ``trainer=fsdp`` every forward is a collective: ``generate`` runs with
-``synced_gpus=True`` (a rank whose responses have ended keeps stepping until every rank's
-have), and every rank makes as many ``generate`` calls as the busiest one (a one-token dummy
-prompt, discarded).
+With several ranks (``trainer=fsdp``, where every forward is a collective, and
+``trainer=ddp`` alike) ``generate`` runs with ``synced_gpus=True``: a rank whose responses
+have ended keeps stepping, without sampling, until every rank's have. Every rank also makes
+as many ``generate`` calls as the busiest one (a one-token dummy prompt, discarded). The
+samples are those a lone rank would draw.
 
 Each sampled token's log-prob is recorded during generation from the model's raw logits:
 ``log_softmax(z / temperature)``, the distribution sampled from (RL training refuses
@@ -28,7 +29,6 @@ import torch
 
 from mrtpo.distributed import Ranks
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
-from mrtpo.sharding import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -199,13 +199,14 @@ class HFEngine(RolloutEngine):
         own_config = getattr(model, "generation_config", None)
         model.eval()
         out: list[Generation] = []
-        sharded = is_sharded(model)
+        ranks = Ranks(lambda: device)
+        lockstep = ranks.world_size > 1
         calls = -(-len(flat) // self.batch_size)
-        idle = Ranks(lambda: device).max(calls) - calls if sharded else 0
+        idle = ranks.max(calls) - calls if lockstep else 0
         try:
             # transformers fills unset fields from model.generation_config: leave it nothing
             model.generation_config = GenerationConfig()
-            for _ in range(idle):  # sharded: keep in step with busier ranks, output discarded
+            for _ in range(idle):  # keep in step with busier ranks, output discarded
                 model.generate(
                     input_ids=torch.full((1, 1), pad, dtype=torch.long, device=device),
                     attention_mask=torch.ones((1, 1), dtype=torch.long, device=device),
@@ -229,7 +230,7 @@ class HFEngine(RolloutEngine):
                     attention_mask=attn.to(device),
                     generation_config=config,
                     logits_processor=[recorder] if recorder is not None else None,
-                    synced_gpus=sharded,
+                    synced_gpus=lockstep,
                 )
                 new = seqs[:, width:]
                 table = None
