@@ -35,14 +35,15 @@ from mrtpo.checkpointing import NonFiniteStateError, assert_finite_state
 from mrtpo.credit.methods import AdvantageMethod, CreditInputs
 from mrtpo.distributed import Ranks
 from mrtpo.faults import FaultTracker
-from mrtpo.forward import response_logprobs
+from mrtpo.forward import response_logits, response_logprobs
 from mrtpo.lora import checkpoint_keys, is_lora
-from mrtpo.loss import engine_gap, policy_loss
+from mrtpo.loss import engine_gap, policy_loss, token_logprobs
 from mrtpo.replay import Replayer
 from mrtpo.scoring import score_batch
 from mrtpo.settings import OptimConfig, ReplayConfig, RLConfig
 from mrtpo.sharding import dummy_batch, is_sharded
 from mrtpo.tasks.base import Task
+from mrtpo.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,20 @@ class PolicyModule(L.LightningModule):
         # Under LoRA the reference is the base model itself, adapters off: no second copy.
         if self.rl.kl_coef > 0 and not is_lora(policy):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+        # A method's frozen teacher (method.teacher) has the initial weights too: the KL
+        # reference where there is one, the base with adapters off under LoRA, else a copy
+        # kept outside the module (not checkpointed: it is model.name_or_path's weights).
+        self.teacher = None
+        if method.teacher is not None:
+            frozen = self.ref_policy
+            if frozen is None and not is_lora(policy):
+                frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.teacher = Teacher(
+                frozen if frozen is not None else policy,
+                tokenizer,
+                adapters_off=frozen is None,
+                token_budget=rcfg.token_budget,
+            )
         # Under LoRA a checkpoint holds the adapters only (the frozen base is reloaded from
         # model.name_or_path); None: every tensor.
         self._checkpoint_keys = (
@@ -188,6 +203,12 @@ class PolicyModule(L.LightningModule):
             )
         if self.rl.kl_coef > 0:
             scored.ref_logp = self.reference_logprobs(roll, micro)
+        teacher_scores = None
+        if self.method.teacher is not None and self.method.teacher.sampled:
+            student = old if old is not None else self._old_logprobs(roll, res, micro)
+            teacher_scores = self.teacher.score(
+                self.task, roll, student, self.replayer.jsd_chunk, device=self.device
+            )
         times["old_logp"] = time.perf_counter() - t0
 
         # 5. token advantages. Group ids are local to this rank (0..B-1): a group never spans
@@ -209,6 +230,7 @@ class PolicyModule(L.LightningModule):
                 replayed=on_dev(scored.replayed),
                 process_group=self.ranks.group,
                 generator=gen,
+                teacher=teacher_scores,
             )
         )
         scored.advantages, scored.stats = out.advantages.cpu(), dict(out.stats)
@@ -392,14 +414,7 @@ class PolicyModule(L.LightningModule):
                             return None
                         continue
                     sub = roll.select(idx)
-                    logp = response_logprobs(
-                        self.policy,
-                        sub.prompt_ids,
-                        sub.prompt_mask,
-                        sub.response_ids,
-                        sub.response_mask,
-                        temperature=tau,
-                    )
+                    logp, logits = self._policy_logprobs(sub, tau)
                     dev = logp.device
                     loss, st = policy_loss(
                         logp,
@@ -415,6 +430,10 @@ class PolicyModule(L.LightningModule):
                         rl.kl_coef,
                         scored.tis_weights[idx].to(dev) if scored.tis_weights is not None else None,
                     )
+                    if logits is not None:  # the method's own term (method.teacher.full)
+                        extra, extra_st = self._token_loss(logits, sub, tau, rl.loss_agg, denom)
+                        loss, st = loss + extra, {**st, **extra_st}
+                    del logits
                     # Decided jointly: a rank that skipped backward would leave the others
                     # waiting in DDP's gradient all-reduce.
                     if self.ranks.any(not bool(torch.isfinite(loss))):
@@ -500,6 +519,36 @@ class PolicyModule(L.LightningModule):
             opt.step()
         finally:
             opt._on_before_step, opt._on_after_step = before, after
+
+    # ---- a method's frozen teacher ---------------------------------------------------------
+    def _policy_logprobs(self, sub, tau: float):
+        """(log-probs of the sampled tokens [n, T], the logits [n, T, V] when the method adds
+        a token loss over them, else None), with gradient."""
+        if self.method.teacher is None or not self.method.teacher.full:
+            logp = response_logprobs(
+                self.policy,
+                sub.prompt_ids,
+                sub.prompt_mask,
+                sub.response_ids,
+                sub.response_mask,
+                temperature=tau,
+            )
+            return logp, None
+        logits = response_logits(
+            self.policy, sub.prompt_ids, sub.prompt_mask, sub.response_ids, sub.response_mask
+        )
+        ids = sub.response_ids.to(logits.device)
+        logp = token_logprobs(logits, ids, temperature=tau) * sub.response_mask.to(logits.device)
+        return logp, logits
+
+    def _token_loss(self, logits, sub, tau: float, agg: str, denom: float):
+        """The method's loss term on one micro-batch, against the frozen teacher's
+        distributions (rows without a teacher context are left out)."""
+        teacher_logits, rows = self.teacher.logits(self.task, sub, device=self.device)
+        mask = sub.response_mask.to(logits.device) & rows.to(logits.device)[:, None]
+        return self.method.token_loss(
+            logits, teacher_logits, sub.response_ids, mask, tau, agg, denom
+        )
 
     # ---- faults ------------------------------------------------------------------------
     def _skip_nonfinite(self, what: str, scored: ScoredBatch | None = None):
