@@ -181,3 +181,48 @@ def test_opsd_on_text_to_sql_needs_reference_solutions(train_cfg, tmp_path):
         assert module.task.teacher_messages(ex)[-2]["content"] == ex.reference
     finally:
         module.task.close()
+
+
+@pytest.mark.parametrize("variant", ["full", "sampled"])
+def test_under_lora_the_teacher_is_the_base_with_adapters_off(train_cfg, variant):
+    from mrtpo.lora import is_lora
+
+    cfg = train_cfg(*OPSD_SMALL, f"method.variant={variant}", "model.lora.r=4", "optim.lr=0.02")
+    trainer, module, dm = build(cfg)
+    assert is_lora(module.policy) and module.teacher.model is module.policy
+    assert module.teacher.adapters_off
+    trainer.fit(module, datamodule=dm)
+    assert module.iteration == 2
+    rows = _rows(trainer)
+    key = "train/distill/divergence" if variant == "full" else "train/adv/divergence"
+    assert all(math.isfinite(_num(r, key)) for r in rows)
+    # the adapters moved the policy, so the teacher (adapters off) now differs from it
+    tok, task = module.tokenizer, module.task
+    eos = [tok.eos_token_id]
+    engine = HFEngine()
+    engine.bind(module.policy, tok, eos)
+    roll = build_rollout(
+        engine, tok, task.examples("train")[:1], 2, SamplingConfig(max_new_tokens=6), 0, eos
+    )
+    with torch.no_grad():
+        with module.policy.disable_adapter():
+            base = response_logits(
+                module.policy, *_ctx(tok, task, roll), roll.response_ids, roll.response_mask
+            )
+        adapted = response_logits(
+            module.policy, *_ctx(tok, task, roll), roll.response_ids, roll.response_mask
+        )
+    t_logits, _ = module.teacher.logits(task, roll)
+    t_all = (
+        t_logits if isinstance(t_logits, torch.Tensor) else t_logits(0, roll.response_ids.shape[1])
+    )
+    torch.testing.assert_close(t_all.float(), base.float(), atol=1e-4, rtol=0)
+    assert not torch.allclose(t_all.float(), adapted.float(), atol=1e-4)
+
+
+def _ctx(tok, task, roll):
+    from mrtpo.forward import pad_left
+
+    return pad_left(
+        [chat_ids(tok, task.teacher_messages(e)) for e in roll.examples], tok.pad_token_id
+    )
