@@ -152,9 +152,13 @@ def test_design_section_states_rules_modes_and_history(report):
     design = report.split("## Design (fixed before any result)")[1].split("## Starting points")[0]
     assert "full = K 2, 4, 8, 8 seeds" in design
     assert "mrtpo@beta=0.25, mrtpo@beta=0.75" in design
-    assert "- not run: opsd (no configs/method/<name>.yaml" in design
+    from mrtpo.analysis.replication import OPTIONAL_METHODS, available_methods
+
+    for m in OPTIONAL_METHODS:  # a baseline joins the full mode once its config exists
+        listed = m in available_methods(True)
+        assert (f"- not run: {m}" in design) != listed and (f", {m}" in design) == listed
     assert "(2) the few-token reward `mark`'s compliance after 10 RL steps" in design
-    assert "- decided after looking at a run: " in design
+    assert "- how the design came about, in order" in design and "  - Before any run: " in design
     assert "- pairing: every method runs every seed" in design
 
 

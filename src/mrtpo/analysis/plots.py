@@ -16,6 +16,7 @@ COLORS = {
     "mrtpo_shuffle": "#ff7f0e",
     "mrtpo_joint": "#2ca02c",
     "cort": "#9467bd",
+    "opsd": "#8c564b",
     "mrtpo@beta=0.25": "#f7a3a3",
     "mrtpo@beta=0.75": "#7b0d0d",
 }

@@ -79,22 +79,26 @@ CONCENTRATION = (0.13, 0.29)
 #: What was decided about the design after a look at any run, in the order it happened.
 #: (The report repeats this list.)
 DESIGN_HISTORY = (
-    "The second warm-start pass (20% clean references, stop at held-out success ≤ 0.25 "
-    "checked every 5 steps on 128 × 4 samples, at least 20 steps) was chosen before any run "
-    "so that every K crosses the target and stops near it; it replaces 35% clean references "
-    "and at least 200 steps, which stopped wherever step 200 left the policy.",
-    "The few-token constraint first replaced each layout's last constraint. A calibration "
-    "run of the SFT passes alone (no RL) showed K = 4's clean pass learning `last` slowly "
-    "without the word count (0.23 after 1000 steps), so `mark` takes the last `include` "
-    "slot instead and the count stays.",
-    "A second SFT-only calibration showed `first` and `last` both stuck near 0.5 at K = 4 "
-    "after 1900 steps (the two words mixed up) while the mark's sentence read 'Put the mark "
-    "! at the end.'; it now reads 'Add the mark ! after the words.' (no 'end'), a change not "
-    "calibrated again before these runs. The same calibration had K = 8's clean pass at "
-    "0.004 held-out success after 1225 steps; the clean pass's step limit went from 4000 to "
-    "2500 to bound the warm start's time.",
-    "No RL result had been seen when the design was fixed, and nothing was changed after "
-    "the RL runs.",
+    "Before any run: the second warm-start pass was set to 20% clean references and a stop "
+    "at held-out success ≤ 0.25, so that every K crosses the target; it replaces 35% clean "
+    "references and at least 200 steps, which stopped wherever step 200 left the policy.",
+    "After an SFT-only calibration (no RL): the few-token constraint first replaced each "
+    "layout's last constraint, and K = 4's clean pass learned `last` slowly without the word "
+    "count (0.23 after 1000 steps), so `mark` takes the last `include` slot instead and the "
+    "count stays.",
+    "After a second SFT-only calibration (no RL): `first` and `last` were both stuck near "
+    "0.5 at K = 4 after 1900 steps (the two words mixed up) while the mark's sentence read "
+    "'Put the mark ! at the end.'; it now reads 'Add the mark ! after the words.' (no "
+    "'end'). K = 8's clean pass was at 0.004 after 1225 steps; the clean pass's step limit "
+    "went from 4000 to 2500 to bound the warm start's time.",
+    "After the first quick-mode run (commit 43b4a91), whose RL results had been seen: its "
+    "second pass (lr 0.001, checks every 5 steps from step 20) stopped at its first check "
+    "with held-out success 0.105, far below the 0.25 target, so the target did not set the "
+    "start. The pass now runs at lr 0.0003 and checks every 2 steps from step 2. Nothing "
+    "else changed; that run's claim lines read: Δ AUC MRTPO − GDPO +0.013 [+0.008, +0.017], "
+    "`mark` compliance after 10 steps MRTPO − GDPO −0.026 [−0.064, +0.013], MRTPO − joint "
+    "+0.015 [+0.009, +0.022], joint − GDPO −0.002 [−0.005, +0.000], replayed share falling "
+    "from 87% to 19%, top-80% token share 0.465 [0.458, 0.473] (K = 4, 5 seeds).",
 )
 
 
@@ -560,8 +564,8 @@ def write_report(
     add(
         "The paper's tables need 7B models and GPUs. This miniature asks the same question on a "
         "CPU: a small policy learns to write word sequences under K programmatically checked "
-        "constraints (first word, last word, words to include or avoid, word count), each a "
-        "binary reward decided by different tokens of the response. Per K, one warm start in "
+        "constraints (first word, last word, words to include or avoid, word count, the closing "
+        "mark), each a binary reward decided by different tokens of the response. Per K, one warm start in "
         "two SFT passes — first on clean reference responses until the policy has learned to "
         "read the constraints off the prompt, then on references that often break a "
         "constraint until its success rate has fallen to a low target — so that RL starts "
@@ -590,8 +594,9 @@ def write_report(
     for k, v in settings.items():
         add(f"- {k}: {v}")
     _rules(add, thr)
+    add("- how the design came about, in order (what was seen before each change):")
     for line in DESIGN_HISTORY:
-        add(f"- decided after looking at a run: {line}")
+        add(f"  - {line}")
     add(
         f"- wall time: **{wall_s / 60:.1f} min** for the whole run on {os.cpu_count()} CPU "
         f"cores ({opts.workers} worker processes, {opts.threads} thread each; "
@@ -890,8 +895,9 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
             ("MRTPO − shuffle", "mrtpo", "mrtpo_shuffle")]  # fmt: skip
     rows += [(f"β = {b:g} − GDPO", m, "gdpo") for b, m in claims_mod.BETAS.items()]
     rows += [(f"β = {b:g} − β = 0.5", m, "mrtpo") for b, m in claims_mod.BETAS.items() if b != 0.5]
-    if "cort" in opts.methods:
-        rows += [("CoRT − GDPO", "cort", "gdpo"), ("MRTPO − CoRT", "mrtpo", "cort")]
+    for m, label in (("cort", "CoRT"), ("opsd", "OPSD")):
+        if m in opts.methods:
+            rows += [(f"{label} − GDPO", m, "gdpo"), (f"MRTPO − {label}", "mrtpo", m)]
     ks = sorted(tab)
     lines = []
     for label, a, b in rows:
