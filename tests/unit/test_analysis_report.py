@@ -185,3 +185,18 @@ def test_determinism_line(tmp_path):
     text = write_report(res, opts, {}, 60.0, tmp_path / "r.md").read_text()
     assert "(K = 2, mrtpo, seed 0) was run a second time: all 1500 logged values" in text
     assert "are identical" in text
+
+
+def test_claim_1_flags_unequal_starts_and_missed_warm_starts(report, tmp_path):
+    line = next(x for x in report.splitlines() if x.startswith("1. "))
+    # RL starts (first 3 steps): K=2 mean of .167 .333 0 .333 .5 .333 = .278; K=4 gdpo twice
+    # = .167; apart by more than START_SPREAD (0.1)
+    assert "RL starts differ across K (K = 2: 0.28, K = 4: 0.17)" in line
+    assert "never reached its target" not in line
+    k4 = _result(4, GDPO)
+    k4.sft["sft"]["reached"] = False
+    opts = Options(k_values=[2, 4], seeds=3, methods=["gdpo", "mrtpo"], threshold=0.5,
+                   logdir=tmp_path / "l", docs=tmp_path / "d", commit="abc1234")  # fmt: skip
+    text = write_report([_result(2, MRTPO), k4], opts, {}, 1.0, tmp_path / "r.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("1. "))
+    assert "At K = 4 the first warm-start pass never reached its target" in line
