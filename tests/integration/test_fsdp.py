@@ -128,8 +128,27 @@ def _cmd(trainer: str, log_dir: Path, cache_dir: Path, *extra: str) -> list[str]
 
 
 def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run to completion; on timeout kill both ranks (a deadlocked run ignores SIGTERM, and
+    killing rank 0 alone would leave rank 1 waiting in its collective)."""
     t0 = time.monotonic()
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=timeout)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(
+            f"the run did not finish in {timeout} s (ranks out of step?)"
+        ) from None
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     res.seconds = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-4000:]
     return res
@@ -155,7 +174,9 @@ def _policy_state(path: Path) -> dict[str, torch.Tensor]:
 def fsdp_run(tmp_path_factory, cache_dir) -> Path:
     """3 MRTPO steps under trainer=fsdp in the uneven setup (checkpoints after every step)."""
     logs = tmp_path_factory.mktemp("fsdp")
-    res = _run(_cmd("fsdp", logs, cache_dir, "trainer.max_steps=3"), timeout=240)
+    # one validation pass at the end (3 prompts: the sampler pads rank 1's share)
+    extra = ("trainer.max_steps=3", "data.val_prompts=3", "trainer.val_check_interval=3")
+    res = _run(_cmd("fsdp", logs, cache_dir, *extra), timeout=240)
     run = _one_run(logs)
     (run / "wall_seconds").write_text(f"{res.seconds:.1f}")
     return run
@@ -230,6 +251,9 @@ def test_fsdp_trains_in_the_uneven_setup_and_matches_one_process(fsdp_run, train
     rows = _rows(run)
     assert [r["step"] for r in rows] == ["0", "1", "2"]
     assert list(run.parent.parent.parent.rglob("metrics.csv")) == [run / "csv" / "metrics.csv"]
+    with open(run / "csv" / "metrics.csv") as f:
+        val = [r for r in csv.DictReader(f) if r.get("val/synthetic/n_responses")]
+    assert len(val) == 1 and float(val[0]["val/synthetic/n_responses"]) == 3.0
     assert (run / "policy" / "model.safetensors").is_file()  # the end-of-run export
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["last.ckpt", "step000002.ckpt", "step000003.ckpt"]
