@@ -58,6 +58,22 @@ class RLStage(Stage):
         SamplingConfig(**_container(cfg.rollout.sampling)).check_for_training()
         self._method = instantiate(cfg.method)
         self._method.check_task(task)
+        strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "")
+        if strategy.endswith("FSDP2Strategy"):
+            # Combinations whose sharded forwards are not yet in lockstep, or whose adapter
+            # merges would meet sharded tensors: refused rather than left to hang or crash.
+            if getattr(self._method, "teacher", None) is not None:
+                raise ValueError(
+                    f"method={getattr(self._method, 'config_name', '?')} needs a frozen teacher, "
+                    "whose forwards are not sharded in lockstep yet: use trainer=ddp (or "
+                    "trainer=gpu), or another method with trainer=fsdp"
+                )
+            if int(OmegaConf.select(cfg, "model.lora.r", default=0) or 0) > 0:
+                raise ValueError(
+                    "model.lora.r > 0 with trainer=fsdp is not supported yet (adapter merges "
+                    "for export and vLLM sync would meet sharded tensors): LoRA trains a 7B "
+                    "model on one GPU, so use trainer=gpu or trainer=ddp"
+                )
 
     def build(self, cfg, policy, tokenizer, task, prompts):
         from hydra.utils import instantiate

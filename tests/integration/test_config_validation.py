@@ -121,3 +121,18 @@ def test_cli_refuses_a_bad_value_in_seconds_naming_it(tmp_path):
     )
     assert out.returncode != 0
     assert "rl.ppo_epochs=0 is not allowed: >= 1" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("method=opsd", "frozen teacher"),
+        ("model.lora.r=4", r"model\.lora\.r > 0 with trainer=fsdp"),
+    ],
+)
+def test_fsdp_refuses_what_it_cannot_shard_yet_before_the_model_loads(
+    train_cfg, no_model_load, override, message
+):
+    cfg = train_cfg("trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", override)
+    with pytest.raises(ValueError, match=message):
+        prepare(cfg)
