@@ -39,30 +39,16 @@ def merged_state_dict(
     an unmerge would leave rounding residue in them).
     """
     from mrtpo.lora import is_lora
-    from mrtpo.rollout.weight_sync import hf_name
+    from mrtpo.rollout.weight_sync import hf_name, merged_weights
 
     peft = is_lora(model)
-    merged: dict[str, torch.Tensor] = {}
-    if peft:
-        from peft.tuners.lora import LoraLayer
-
-        for name, mod in model.named_modules():
-            if not isinstance(mod, LoraLayer) or getattr(mod, "merged", False):
-                continue
-            base = mod.get_base_layer().weight
-            delta = None
-            for adapter in mod.active_adapters:
-                if adapter in mod.lora_A:
-                    d = mod.get_delta_weight(adapter)
-                    delta = d if delta is None else delta + d
-            if delta is not None:
-                merged[f"{name}.base_layer.weight"] = (base.detach() + delta).to(base.dtype)
+    merged = merged_weights(model) if peft else {}
     out: dict[str, torch.Tensor] = {}
     # ``state``: the model's full state dict gathered from its shards (FSDP), read instead
     for key, tensor in (model.state_dict() if state is None else state).items():
         name = hf_name(key, peft)
         if name is not None:
-            out[name] = merged.get(key, tensor).detach()
+            out[name] = (merged[key].materialize() if key in merged else tensor).detach()
     return out
 
 

@@ -141,6 +141,17 @@ class MergedWeight:
         return w if delta is None else (w + delta).to(w.dtype)
 
 
+def merged_weights(model: torch.nn.Module) -> dict[str, MergedWeight]:
+    """State-dict key of each adapted layer's base weight -> its ``MergedWeight``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        f"{name}.base_layer.weight": MergedWeight(mod, mod.get_base_layer().weight)
+        for name, mod in model.named_modules()
+        if isinstance(mod, LoraLayer) and not getattr(mod, "merged", False)
+    }
+
+
 def _materialized(t):
     return t.materialize() if isinstance(t, MergedWeight) else t
 
@@ -153,13 +164,7 @@ def exported_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, object]
     delta, made out of place when its bucket is gathered); the model is never modified.
     """
     peft = is_peft_model(model)
-    merged: dict[str, MergedWeight] = {}
-    if peft:
-        from peft.tuners.lora import LoraLayer
-
-        for name, mod in model.named_modules():
-            if isinstance(mod, LoraLayer) and not getattr(mod, "merged", False):
-                merged[f"{name}.base_layer.weight"] = MergedWeight(mod, mod.get_base_layer().weight)
+    merged = merged_weights(model) if peft else {}
     pairs: list[tuple[str, object]] = []
     for key, tensor in model.state_dict().items():
         name = hf_name(key, peft)
