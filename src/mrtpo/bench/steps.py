@@ -110,7 +110,7 @@ def fuse_old_logp(module) -> None:
                 return super()._logprobs(model, roll, micro)
             t0 = time.perf_counter()
             scored = self._scored
-            pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_block(scored))
+            pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_info(scored))
             res = self._replayer.run(self.policy, self.task, scored, pairs, self.method.relevance)
             self._pre, self._pre_time = res, time.perf_counter() - t0
             out = res.logp.clone()
