@@ -106,7 +106,12 @@ def fuse_old_logp(module) -> None:
             return self._scored
 
         def _logprobs(self, model, roll, micro):
-            if not self.fuse or model is not self.policy or self.method.relevance is None:
+            if (
+                not self.fuse
+                or model is not self.policy
+                or self.method.relevance is None
+                or roll.n != self._scored.rollout.n  # the module's own rest-rows pass
+            ):
                 return super()._logprobs(model, roll, micro)
             t0 = time.perf_counter()
             scored = self._scored
