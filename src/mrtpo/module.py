@@ -192,12 +192,15 @@ class PolicyModule(L.LightningModule):
                 "that reports them (rollout=hf, rollout=vllm)"
             )
         old = None
-        if several or roll.engine_logp is not None:
+        gap = roll.engine_logp is not None and (
+            several or rl.tis_cap is not None or rl.measure_logp_gap
+        )
+        if several or gap:
             old = self._old_logprobs(roll, res, micro)
         if several:
             scored.old_logp = old
         rollout_stats: dict[str, float] = {}
-        if roll.engine_logp is not None:
+        if gap:
             rollout_stats, scored.tis_weights = engine_gap(
                 old, roll.engine_logp, roll.response_mask, rl.tis_cap
             )

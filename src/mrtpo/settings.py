@@ -74,6 +74,9 @@ class RLConfig(_Section):
     # min(pi_trainer_old / pi_engine, tis_cap), correcting for an engine (vLLM, bf16) whose
     # sampling distribution differs from the trainer's. null: off; a cap of 2 is common.
     tis_cap: Optional[float] = None  # noqa: UP045
+    # Log train/rollout/logp_gap/* every step. With one update per step and no TIS this costs
+    # an extra no-grad forward (the old-policy pass is otherwise skipped); false skips it then.
+    measure_logp_gap: bool = True
 
     def __post_init__(self) -> None:
         s = self.section

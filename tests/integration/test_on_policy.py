@@ -409,3 +409,21 @@ def test_eval_sampling_is_greedy_or_at_the_stated_temperature(tmp_path):
     s = eval_sampling(cfg, 4)
     assert not s.greedy and s.temperature == 0.6 and s.top_p == 0.9  # eval may truncate
     assert copy.copy(s).truncated
+
+
+def test_the_gap_measurement_can_be_skipped_when_it_costs_a_forward(train_cfg, tmp_path):
+    """One update per step and no TIS: rl.measure_logp_gap=false skips the extra old-policy
+    pass (and so the gap); by default the gap is logged every step."""
+    import csv
+
+    from mrtpo.pipeline import train
+
+    cols = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        train(train_cfg("method=gdpo", f"rl.measure_logp_gap={flag}", f"paths.output_dir={out}"))
+        with open(out / "csv" / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        cols[flag] = [r.get("train/rollout/logp_gap/mean", "") for r in rows]
+    assert all(v not in ("", "nan") for v in cols["true"]), cols
+    assert all(v in ("", "nan") for v in cols["false"]), cols
