@@ -29,7 +29,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -40,7 +39,7 @@ from mrtpo.analysis import claims as claims_mod
 from mrtpo.analysis.jobs import Job, quiet, run_all
 from mrtpo.analysis.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
 from mrtpo.analysis.relevance import pick_record, relevance_stats, replay_records
-from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series
+from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
 from mrtpo.analysis.stats import (
     FINAL_WINDOW,
     SMOOTH,
@@ -166,23 +165,6 @@ class Options:
 _RUN_KEYS = ("k_values", "seeds", "methods", "steps", "full", "override", "sft_override",
              "sft_max_steps", "sft_seed", "workers", "threads", "commit", "threshold")  # fmt: skip
 DEFAULT_THRESHOLD = 0.5
-
-
-def source_commit(root: Path = ROOT) -> str:
-    """Short hash of HEAD, with ``+dirty`` when ``configs/`` or ``src/`` have uncommitted
-    changes (untracked files included): what a reader needs to rerun the same code."""
-    try:
-
-        def git(*a: str) -> str:
-            return subprocess.run(
-                ["git", *a], cwd=root, capture_output=True, text=True, check=True, timeout=30
-            ).stdout.strip()
-
-        head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "configs", "src")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
-    return head + ("+dirty" if dirty else "")
 
 
 # ---------------------------------------------------------------------------------------------

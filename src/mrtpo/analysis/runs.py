@@ -7,7 +7,28 @@ import csv
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
+
+#: the project root of a source checkout (src/mrtpo/analysis/runs.py -> <root>)
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def source_commit(root: Path = ROOT) -> str:
+    """Short hash of HEAD, with ``+dirty`` when ``configs/`` or ``src/`` have uncommitted
+    changes (untracked files included): what a reader needs to rerun the same code."""
+    try:
+
+        def git(*a: str) -> str:
+            return subprocess.run(
+                ["git", *a], cwd=root, capture_output=True, text=True, check=True, timeout=30
+            ).stdout.strip()
+
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "configs", "src")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return head + ("+dirty" if dirty else "")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

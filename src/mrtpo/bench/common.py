@@ -245,7 +245,14 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     out = bench_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    data = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **data}
+    from mrtpo.analysis.runs import source_commit
+
+    data = {
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": source_commit(),  # the code that produced these numbers
+        "machine": machine(),
+        **data,
+    }
     path.write_text(json.dumps(data, indent=2, default=float))
     return path
 

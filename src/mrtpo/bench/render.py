@@ -125,7 +125,8 @@ def _how_to_read(present: list[dict[str, Any]]) -> list[str]:
         dev = m.get("gpu") or f"CPU ({m['cpu_count']} cores)"
         load = f", load average {m['loadavg_1m']}" if "loadavg_1m" in m else ""
         out.append(
-            f"- {d['generated']} · {d.get('mode', '?')} mode · {dev}, {m['threads']} torch "
+            f"- {d['generated']} · commit `{d.get('commit', 'not recorded')}` · "
+            f"{d.get('mode', '?')} mode · {dev}, {m['threads']} torch "
             f"thread(s){load} · torch {m['torch']}, transformers {m['transformers']} · "
             f"{d.get('wall_s', 0):.0f} s"
         )
