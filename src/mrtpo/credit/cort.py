@@ -38,6 +38,7 @@ from mrtpo.credit.methods import (
     _adv_stats,
     _broadcast,
     _RewardWeighted,
+    checked_beta,
 )
 from mrtpo.credit.relevance import beta_schedule
 
@@ -103,16 +104,11 @@ class CoRT(_RewardWeighted):
         reward_weights: Mapping[str, float] | None = None,
     ):
         super().__init__(eps=eps, reward_weights=reward_weights)
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"method.beta must be in [0, 1], got {beta}")
-        if beta_warmup_steps < 0:
-            raise ValueError(f"method.beta_warmup_steps must be >= 0, got {beta_warmup_steps}")
+        self.beta_max, self.beta_warmup_steps = checked_beta(beta, beta_warmup_steps)
         if not contrast_clip > 0:
             raise ValueError(f"method.contrast_clip must be > 0 (nats), got {contrast_clip}")
         if not max_weight >= 1:
             raise ValueError(f"method.max_weight must be >= 1, got {max_weight}")
-        self.beta_max = float(beta)
-        self.beta_warmup_steps = int(beta_warmup_steps)
         self.contrast_clip = float(contrast_clip)
         self.max_weight = float(max_weight)
 

@@ -166,6 +166,15 @@ class AdvantageMethod(ABC):
 # --------------------------------------------------------------------------------------------
 
 
+def checked_beta(beta: float, warmup_steps: int) -> tuple[float, int]:
+    """``method.beta`` in [0, 1] and ``method.beta_warmup_steps`` >= 0, or a config error."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"method.beta must be in [0, 1], got {beta}")
+    if warmup_steps < 0:
+        raise ValueError(f"method.beta_warmup_steps must be >= 0, got {warmup_steps}")
+    return float(beta), int(warmup_steps)
+
+
 def _lower_bounds(
     reward_names: tuple[str, ...], reward_ranges: Mapping[str, tuple[float, float]] | None
 ) -> tuple[float, ...]:
@@ -344,12 +353,7 @@ class MRTPO(_RewardWeighted):
         reward_weights: Mapping[str, float] | None = None,
     ):
         super().__init__(eps=eps, reward_weights=reward_weights)
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"method.beta must be in [0, 1], got {beta}")
-        if beta_warmup_steps < 0:
-            raise ValueError(f"method.beta_warmup_steps must be >= 0, got {beta_warmup_steps}")
-        self.beta_max = float(beta)
-        self.beta_warmup_steps = int(beta_warmup_steps)
+        self.beta_max, self.beta_warmup_steps = checked_beta(beta, beta_warmup_steps)
 
     def beta(self, step: int) -> float:
         return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
