@@ -13,9 +13,11 @@ so the text-to-SQL and tool-calling verifiers are fuzzed on a user's clone too. 
 task and the instruction task's generated prompts need no files. A task that still cannot
 load is skipped on its own tests only, with the reason.
 
-Every parser of model output must run in time linear in its length: the worst inputs found
+Every parser of model output must run in time linear in its length: on the worst inputs found
 so far (an unclosed code fence followed by spaces, a long digit run ending in a letter, ...)
-each finish under ``LINEAR_BOUND_S`` at 64k characters.
+making the input ``GROWTH`` times longer may cost at most ``MAX_SLOWDOWN`` times more. This is
+a ratio of two timings taken back to back, so a loaded machine slows both alike; a quadratic
+parser costs ``GROWTH**2`` times more and fails by a wide margin.
 
 ``Task.score`` and ``Task.contexts`` must never raise. Parse helpers may signal bad input
 with a ``ValueError`` (their callers catch it); any other exception is a bug.
@@ -366,52 +368,86 @@ def test_parse_helpers_survive_generated_text(name):
 
 # ---- linear worst cases ---------------------------------------------------------------------
 
-LINEAR_BOUND_S = 0.5
-N = 64_000
+SMALL_N = 8_000
+GROWTH = 8
+MAX_SLOWDOWN = 24  # linear costs ~8x, quadratic 64x
+FAST_ENOUGH_S = 0.05  # below this at the large size nothing is worth timing
 
 
-def _worst_cases() -> dict[str, Callable[[], object]]:
-    """Inputs that made a model-output parser of these tasks quadratic (or could)."""
+def _worst_cases() -> dict[str, Callable[[int], object]]:
+    """Inputs of ``n`` characters that made a model-output parser quadratic (or could)."""
     from mrtpo.tasks.text2sql.executor import Limits, precheck
     from mrtpo.tasks.text2sql.match import clean_query, prepare_for_match
     from mrtpo.tasks.text2sql.rewards import parse_response
     from mrtpo.tasks.toolcall.parsing import coerce_value
     from mrtpo.tasks.toolcall.rewards import correctness_reward, format_reward
 
-    unlimited = Limits(max_query_chars=10 * N)
+    unlimited = Limits(max_query_chars=10 * SMALL_N * GROWTH)
     return {
         # issue 15: 64k spaces after an unclosed fence took 22 s
-        "text2sql/unclosed-fence-spaces": lambda: parse_response("<answer>```" + " " * N),
-        "text2sql/unclosed-labelled-fence": lambda: parse_response("<answer>```sql" + " " * N),
-        "text2sql/fence-tabs-then-text": lambda: parse_response("<answer>```" + "\t" * N + "x"),
-        "text2sql/inline-label-spaces": lambda: parse_response("<answer>```\n" + " " * N + "x```"),
-        "text2sql/many-fences": lambda: parse_response("<answer>" + "```" * (N // 3)),
-        "text2sql/backticks": lambda: parse_response("<answer>" + "`" * N),
-        "text2sql/distinct-after-is": lambda: prepare_for_match("is" + " " * N),
-        "text2sql/unclosed-comments": lambda: prepare_for_match("/*" * (N // 2)),
-        "text2sql/quotes": lambda: prepare_for_match("'" * N),
-        "text2sql/curdate-spaces": lambda: clean_query("YEAR(" + " " * N),
-        "text2sql/precheck-comments": lambda: precheck("/*" * (N // 2), unlimited),
-        "text2sql/precheck-parens": lambda: precheck("(" * N, unlimited),
-        # issue 15: 40k digits ending in a non-digit took 44 s (float and int schemas)
-        "toolcall/float-digits": lambda: coerce_value("1" * N + "x", {"type": "float"}),
-        "toolcall/float-digits-exponent": lambda: coerce_value("1" * N + "e", {"type": "number"}),
-        "toolcall/int-digits": lambda: coerce_value("1" * N + "x", {"type": "int"}),
-        "toolcall/format-repeated-openings": lambda: format_reward(
-            "<think>" + "</think>\n<tool_call>\n" * (N // 20), ("tool_call",)
+        "text2sql/unclosed-fence-spaces": lambda n: parse_response("<answer>```" + " " * n),
+        "text2sql/unclosed-labelled-fence": lambda n: parse_response("<answer>```sql" + " " * n),
+        "text2sql/fence-tabs-then-text": lambda n: parse_response("<answer>```" + "\t" * n + "x"),
+        "text2sql/inline-label-spaces": lambda n: parse_response(
+            "<answer>```\n" + " " * n + "x```"
         ),
-        "toolcall/format-think-only": lambda: format_reward("<think>" + "</think>x" * (N // 9), ()),
-        "toolcall/digit-call-line": lambda: correctness_reward(
-            [{"name": "f", "parameters": {}}], "<tool_call>\n" + "1" * N + "x\n</tool_call>", {}
+        "text2sql/many-fences": lambda n: parse_response("<answer>" + "```" * (n // 3)),
+        "text2sql/backticks": lambda n: parse_response("<answer>" + "`" * n),
+        "text2sql/distinct-after-is": lambda n: prepare_for_match("is" + " " * n),
+        "text2sql/unclosed-comments": lambda n: prepare_for_match("/*" * (n // 2)),
+        "text2sql/quotes": lambda n: prepare_for_match("'" * n),
+        "text2sql/curdate-spaces": lambda n: clean_query("YEAR(" + " " * n),
+        "text2sql/precheck-comments": lambda n: precheck("/*" * (n // 2), unlimited),
+        "text2sql/precheck-parens": lambda n: precheck("(" * n, unlimited),
+        # issue 15: 40k digits ending in a non-digit took 44 s (float and int schemas)
+        "toolcall/float-digits": lambda n: coerce_value("1" * n + "x", {"type": "float"}),
+        "toolcall/float-digits-exponent": lambda n: coerce_value("1" * n + "e", {"type": "number"}),
+        "toolcall/int-digits": lambda n: coerce_value("1" * n + "x", {"type": "int"}),
+        "toolcall/format-repeated-openings": lambda n: format_reward(
+            "<think>" + "</think>\n<tool_call>\n" * (n // 20), ("tool_call",)
+        ),
+        "toolcall/format-think-only": lambda n: format_reward(
+            "<think>" + "</think>x" * (n // 9), ()
+        ),
+        "toolcall/digit-call-line": lambda n: correctness_reward(
+            [{"name": "f", "parameters": {}}], "<tool_call>\n" + "1" * n + "x\n</tool_call>", {}
         ),
     }
 
 
+def _best_of(fn: Callable[[int], object], n: int, repeats: int = 3) -> float:
+    return min(_timed(fn, n)[1] for _ in range(repeats))
+
+
+def _superlinear(fn: Callable[[int], object], small_n: int = SMALL_N) -> str | None:
+    """Why ``fn`` looks worse than linear in ``n``, or None."""
+    large = _best_of(fn, small_n * GROWTH)
+    if large < FAST_ENOUGH_S:
+        return None  # a quadratic parser takes seconds here (22 s and 44 s before the fixes)
+    small = _best_of(fn, small_n)
+    if large < MAX_SLOWDOWN * small:
+        return None
+    return (
+        f"{GROWTH}x longer input took {large / small:.0f}x longer "
+        f"({small:.3f}s at {small_n} characters, {large:.3f}s at {small_n * GROWTH})"
+    )
+
+
 @pytest.mark.parametrize("case", sorted(_worst_cases()))
 def test_model_output_parsers_run_in_linear_time(case):
-    fn = _worst_cases()[case]
-    _, took = _timed(fn)
-    assert took < LINEAR_BOUND_S, f"{case}: {took:.2f}s at {N} characters"
+    why = _superlinear(_worst_cases()[case])
+    assert why is None, f"{case}: {why}"
+
+
+def test_the_linearity_check_catches_a_quadratic_parser():
+    """A trailing-whitespace regex backtracks quadratically on spaces followed by a letter."""
+    import re
+
+    def quadratic(n: int) -> object:
+        return re.search(r"\s+$", " " * n + "x")
+
+    assert _superlinear(quadratic, small_n=1_500) is not None
+    assert _superlinear(lambda n: ("x" * n).rstrip(), small_n=1_500) is None
 
 
 def test_the_harness_finds_real_helpers():
