@@ -93,20 +93,7 @@ class PolicyModule(L.LightningModule):
         # Under LoRA the reference is the base model itself, adapters off: no second copy.
         if self.rl.kl_coef > 0 and not is_lora(policy):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-        # A method's frozen teacher (method.teacher) has the initial weights too: the KL
-        # reference where there is one, the base with adapters off under LoRA, else a copy
-        # kept outside the module (not checkpointed: it is model.name_or_path's weights).
-        self.teacher = None
-        if method.teacher is not None:
-            frozen = self.ref_policy
-            if frozen is None and not is_lora(policy):
-                frozen = copy.deepcopy(policy).eval().requires_grad_(False)
-            self.teacher = Teacher(
-                frozen if frozen is not None else policy,
-                tokenizer,
-                adapters_off=frozen is None,
-                token_budget=rcfg.token_budget,
-            )
+        self.teacher = None if method.teacher is None else self.frozen_teacher(rcfg.token_budget)
         # Under LoRA a checkpoint holds the adapters only (the frozen base is reloaded from
         # model.name_or_path); None: every tensor.
         self._checkpoint_keys = (
@@ -524,6 +511,21 @@ class PolicyModule(L.LightningModule):
             opt._on_before_step, opt._on_after_step = before, after
 
     # ---- a method's frozen teacher ---------------------------------------------------------
+    def frozen_teacher(self, token_budget: int) -> Teacher:
+        """A frozen teacher holding the policy's weights as they are now (the initial ones when
+        the module is built): the KL reference where there is one, the base with adapters off
+        under LoRA, else a copy kept outside the module (not checkpointed: it is
+        model.name_or_path's weights)."""
+        frozen = self.ref_policy
+        if frozen is None and not is_lora(self.policy):
+            frozen = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        return Teacher(
+            frozen if frozen is not None else self.policy,
+            self.tokenizer,
+            adapters_off=frozen is None,
+            token_budget=token_budget,
+        )
+
     def _policy_logprobs(self, sub, tau: float):
         """(log-probs of the sampled tokens [n, T], the logits [n, T, V] when the method adds
         a token loss over them, else None), with gradient."""

@@ -20,7 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # B=2 prompts x K=2 rewards = 4 (prompt, reward) cells; share 0.5 makes exactly 2 vary.
 TOY = {
-    "replay": [dict(size="tiny", prompts=2, group=2, rewards=2, new_tokens=8, share=0.5, pairs=1)],
+    "replay": [
+        dict(
+            size="tiny",
+            prompts=2,
+            group=2,
+            rewards=2,
+            new_tokens=8,
+            share=0.5,
+            pairs=1,
+            compare=("opsd",),  # a method with a frozen teacher the bench must attach
+        )
+    ],
     "kernel": dict(
         vocab=[256],
         lengths=[8, 16],
@@ -84,17 +95,22 @@ def test_replay_section(results):
     (case,) = rep["cases"]
     c = case["case"]
     assert (c["model"], c["B"], c["G"], c["K"], c["max_new_tokens"]) == ("tiny", 2, 2, 2, 8)
-    # 3 variants x (1 measured + 1 warm-up round), each variant once per round
+    # 4 variants x (1 measured + 1 warm-up round), each variant once per round
     recs = case["records"]
-    assert len(recs) == 6 and sum(r["warmup"] for r in recs) == 3
+    assert len(recs) == 8 and sum(r["warmup"] for r in recs) == 4
     for rnd in (0, 1):
         assert sorted(r["variant"] for r in recs if r["round"] == rnd) == [
             "gdpo",
             "mrtpo",
             "mrtpo_fused",
+            "opsd",
         ]
     _check_variants(case["summary"], with_floor=True)
-    assert "mrtpo_fused" in case["summary"]["variants"]
+    v = case["summary"]["variants"]
+    assert "mrtpo_fused" in v
+    # OPSD replays nothing; its teacher forward runs inside the update
+    assert v["opsd"]["replay"] < 0.1 * v["mrtpo"]["replay"] and v["opsd"]["update"] > 0
+    assert 0.1 < v["opsd"]["ratio_step_paired"] < 20
     # the profile is of an MRTPO step's replay even when GDPO ran last
     assert case["profile"] and all(0 <= p["share"] <= 1 for p in case["profile"])
 

@@ -36,7 +36,7 @@ QUICK: dict[str, Any] = {
             new_tokens=32,
             share=0.15,
             pairs=4,
-            compare=("cort",),
+            compare=("cort", "opsd"),
         ),
         dict(
             size="small",
@@ -46,7 +46,7 @@ QUICK: dict[str, Any] = {
             new_tokens=32,
             share=0.15,
             pairs=6,
-            compare=("cort",),
+            compare=("cort", "opsd"),
         ),
     ],
     "kernel": dict(
@@ -89,7 +89,7 @@ FULL: dict[str, Any] = {
             new_tokens=256,
             share=0.15,
             pairs=4,
-            compare=("cort",),
+            compare=("cort", "opsd"),
         ),
         dict(
             size="medium",
@@ -99,7 +99,7 @@ FULL: dict[str, Any] = {
             new_tokens=256,
             share=0.15,
             pairs=4,
-            compare=("cort",),
+            compare=("cort", "opsd"),
         ),
         dict(
             size="large",
@@ -109,7 +109,7 @@ FULL: dict[str, Any] = {
             new_tokens=256,
             share=0.15,
             pairs=4,
-            compare=("cort",),
+            compare=("cort", "opsd"),
         ),
     ],
     "kernel": dict(

@@ -259,7 +259,9 @@ def _replay(rep) -> list[str]:
         "work for every variant, so this removes its noise from the comparison). "
         "*MRTPO fused* re-applies, by patching in the benchmark, the fused old-policy pass "
         "that `src/` now does itself, so both MRTPO columns run the same path and their "
-        "difference is run-to-run noise. *floor* = the replay's "
+        "difference is run-to-run noise. *OPSD* gets the frozen teacher the trainer would "
+        "build for it (a copy of the initial weights); its forward runs inside *update*. "
+        "*floor* = the replay's "
         "(context, response) sequences run as plain no-grad forwards, packed the same way and "
         "already tokenized: what replay cannot go below without skipping tokens.",
         "",
@@ -267,12 +269,13 @@ def _replay(rep) -> list[str]:
     for case in rep["cases"]:
         c, s = case["case"], case["summary"]
         v = s["variants"]
-        names = [n for n in ("gdpo", "mrtpo", "mrtpo_fused", "cort") if n in v]
+        names = [n for n in ("gdpo", "mrtpo", "mrtpo_fused", "cort", "opsd") if n in v]
         label = {
             "gdpo": "GDPO",
             "mrtpo": "MRTPO",
             "mrtpo_fused": "MRTPO fused (repeat)",
             "cort": "CoRT (one criteria-free replay per response)",
+            "opsd": "OPSD (a frozen-teacher forward per micro-batch)",
         }
         rows = []
         for ph in ("rollout", "reward", "old_logp", "replay", "update", "other", "train", "step"):
