@@ -216,10 +216,17 @@ class SFTConfig(_Section):
     eval_temperature: float = 0.0  # 0: greedy; > 0: sample at this temperature
     eval_max_new_tokens: int = 32
     save_dir: Optional[str] = None  # noqa: UP045  (null: <run folder>/policy)
+    # Share of training examples shown after the task's self-distillation teacher context
+    # (Task.teacher_messages: the reference as an earlier answer, then the question again)
+    # instead of the plain prompt, the target still being the reference. A small model learns
+    # there to read a reference in its context, which a pretrained LLM already does: OPSD's
+    # teacher is this policy reading such a context.
+    teacher_share: float = 0.0
 
     def __post_init__(self) -> None:
         s = self.section
         _need(self.lr > 0, s, "lr", self.lr, "> 0")
+        _need(0 <= self.teacher_share <= 1, s, "teacher_share", self.teacher_share, "in [0, 1]")
         _need(self.batch_size >= 1, s, "batch_size", self.batch_size, ">= 1")
         _need(
             self.target_success is None or 0 <= self.target_success <= 1,

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,12 +197,22 @@ class SFTModule(L.LightningModule):
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
         return batch
 
+    def context(self, e: Example) -> list[dict]:
+        """What the policy reads before the reference: the prompt, or for a fixed, seeded
+        ``teacher_share`` of the examples the task's teacher context (where it has one)."""
+        share = float(self.cfg["teacher_share"])
+        if share > 0 and zlib.crc32(f"{self.seed}:{e.id}".encode()) < share * 2**32:
+            teacher = self.task.teacher_messages(e)
+            if teacher is not None:
+                return teacher
+        return e.messages
+
     def encode(self, examples: Sequence[Example]) -> SFTBatch:
         prompts, responses = [], []
         for e in examples:
             if e.id not in self._tok_cache:
                 self._tok_cache[e.id] = (
-                    chat_ids(self.tokenizer, e.messages),
+                    chat_ids(self.tokenizer, self.context(e)),
                     response_token_ids(self.tokenizer, e.reference or "", self.eos_id),
                 )
             p, r = self._tok_cache[e.id]

@@ -109,3 +109,37 @@ def test_unknown_target_metric_lists_the_task_metrics(train_cfg, tmp_path):
     )
     with pytest.raises(ValueError, match=r"stage.sft.target_metric='accuracy'.*success"):
         _fit(cfg)
+
+
+def test_teacher_share_trains_on_the_teacher_context(train_cfg, tmp_path):
+    """A seeded share of examples reads the task's teacher context; the target stays the
+    reference."""
+    from mrtpo.rollout.build import chat_ids
+
+    cfg = _sft(train_cfg, tmp_path, "stage.sft.teacher_share=0.5")
+    _, module, dm = build(cfg)
+    dm.setup("fit")
+    examples = dm.train_examples[:200]
+    batch_forms = []
+    for e in examples:
+        ctx = module.context(e)
+        teacher = module.task.teacher_messages(e)
+        assert ctx in (e.messages, teacher)
+        batch_forms.append(ctx == teacher)
+        # the same example always gets the same form (the token cache relies on it)
+        assert module.context(e) == ctx
+    share = sum(batch_forms) / len(batch_forms)
+    assert 0.35 < share < 0.65, share
+    # the encoded batch holds those contexts, then the reference and EOS
+    e = next(x for x, t in zip(examples, batch_forms, strict=True) if t)
+    sft = module.encode([e])
+    n_ctx = len(chat_ids(module.tokenizer, module.task.teacher_messages(e)))
+    assert sft.input_ids[0, :n_ctx].tolist() == chat_ids(
+        module.tokenizer, module.task.teacher_messages(e)
+    )
+    assert (sft.labels[0, :n_ctx] == IGNORE).all() and sft.n_targets > 0
+
+    none = build(_sft(train_cfg, tmp_path, "stage.sft.teacher_share=0.0"))[1]
+    assert all(none.context(x) == x.messages for x in examples)
+    with pytest.raises(ValueError, match=r"stage.sft.teacher_share"):
+        build(_sft(train_cfg, tmp_path, "stage.sft.teacher_share=1.5"))
