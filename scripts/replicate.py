@@ -1,7 +1,7 @@
 """Toy replication of the paper's claims, on a CPU (docs/replication.md).
 
     make replicate                       # quick: K=4, 5 seeds, grpo/gdpo/mrtpo/mrtpo_shuffle/mrtpo_joint
-    make replicate ARGS=--full           # K = 2, 4, 8; 8 seeds; + mrtpo@beta=0.25/0.75, cort
+    make replicate ARGS=--full           # K = 2, 4, 8; 8 seeds; + mrtpo@beta=0.25/0.75, cort, opsd
     python scripts/replicate.py --methods gdpo,mrtpo,mrtpo@beta=0.25   # a method with overrides
     python scripts/replicate.py --report-only --logdir logs/replicate/<run>   # redo the report
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere

@@ -200,3 +200,24 @@ def test_claim_1_flags_unequal_starts_and_missed_warm_starts(report, tmp_path):
     text = write_report([_result(2, MRTPO), k4], opts, {}, 1.0, tmp_path / "r.md").read_text()
     line = next(x for x in text.splitlines() if x.startswith("1. "))
     assert "At K = 4 the first warm-start pass never reached its target" in line
+
+
+def test_opsd_teacher_section(tmp_path):
+    """The teacher check of each K's warm start sits beside OPSD's paired gap to GDPO."""
+    opsd = [[0, 0, 0.5, 0.5], [0, 0.5, 0.5, 0.5], [0, 0, 0, 0.25]]  # AUC .25 .375 .0625
+    r = _result(2, MRTPO)
+    r.curves["opsd"] = [{"success": c, "first": c} for c in opsd]
+    r.seeds["opsd"] = [0, 1, 2]
+    r.teacher = {"prompts": 64.0, "success_plain": 1.0, "copy_plain": 0.0,
+                 "success_teacher": 0.84375, "copy_teacher": 0.015625}  # fmt: skip
+    opts = Options(k_values=[2], seeds=3, methods=["gdpo", "mrtpo", "opsd"], threshold=0.5,
+                   logdir=tmp_path / "l", docs=tmp_path / "d", commit="abc1234")  # fmt: skip
+    text = write_report([r], opts, {}, 1.0, tmp_path / "r.md").read_text()
+    assert "## OPSD's teacher" in text and "64 held-out prompts" in text
+    row = next(x for x in text.splitlines() if x.startswith("| 2 | 1.00 |"))
+    # Δ AUC per seed: 0, 0, -0.0625 -> mean -0.021
+    assert row.startswith("| 2 | 1.00 | 0.84 | 0.02 | -0.021 [")
+    # without a teacher check (no OPSD runs) there is no section
+    r.teacher = {}
+    text = write_report([r], opts, {}, 1.0, tmp_path / "r2.md").read_text()
+    assert "## OPSD's teacher" not in text

@@ -353,6 +353,50 @@ class KResult:
     relevance_sft: dict[str, dict[str, float]] = field(default_factory=dict)
     relevance_rl: dict[str, dict[str, float]] = field(default_factory=dict)
     picture: str | None = None
+    teacher: dict[str, float] = field(default_factory=dict)  # teacher_check of the warm start
+
+
+#: Held-out prompts of the OPSD teacher check (greedy, one response each).
+TEACHER_PROMPTS = 64
+
+
+def teacher_check(policy: Path, k: int, n: int = TEACHER_PROMPTS) -> dict[str, float]:
+    """What OPSD's teacher knows: the warm start's greedy held-out success after the plain
+    prompt and after the teacher's context (``Task.teacher_messages``: the reference as an
+    earlier answer, then the question again), and how often it then repeats the reference."""
+    import dataclasses
+
+    from hydra.utils import instantiate
+
+    from mrtpo.evaluation import evaluate_examples
+    from mrtpo.models import eos_token_ids, load_policy
+    from mrtpo.rollout.base import SamplingConfig
+    from mrtpo.rollout.build import build_rollout
+    from mrtpo.rollout.hf import HFEngine
+
+    cfg = compose("train.yaml", ["experiment=toy_replication", f"task.num_constraints={k}"])
+    task = instantiate(cfg.task)
+    model, tok = load_policy(str(policy))
+    model.eval()
+    plain = [e for e in task.examples("val") if task.teacher_messages(e) is not None][:n]
+    shown = [dataclasses.replace(e, messages=task.teacher_messages(e)) for e in plain]
+    eos = eos_token_ids(tok, model)
+    engine = HFEngine()
+    engine.bind(model, tok, eos)
+    sampling = SamplingConfig(
+        temperature=1e-6, max_new_tokens=int(cfg.rollout.sampling.max_new_tokens), greedy=True
+    )
+    key = task.success_check or "success"
+    out: dict[str, float] = {"prompts": float(len(plain))}
+    for name, examples in (("plain", plain), ("teacher", shown)):
+        roll = build_rollout(engine, tok, examples, 1, sampling, 0, eos)
+        metrics, _ = evaluate_examples(task, roll.examples, roll.texts)
+        out[f"success_{name}"] = float(metrics[key])
+        out[f"copy_{name}"] = sum(
+            t.strip() == (e.reference or "").strip()
+            for e, t in zip(roll.examples, roll.texts, strict=True)
+        ) / max(len(examples), 1)
+    return out
 
 
 def analyse(opts: Options, console) -> list[KResult]:
@@ -403,6 +447,11 @@ def analyse(opts: Options, console) -> list[KResult]:
             for path in sorted((kdir / "mrtpo" / f"s{s}").rglob("relevance.jsonl")):
                 rl_recs += read_jsonl(path)
         r.relevance_rl = relevance_stats(rl_recs, task, tok)
+        if any(parse_method(m)[0] == "opsd" for m in opts.methods):
+            cached = kdir / "teacher_check.json"
+            if not cached.exists():
+                cached.write_text(json.dumps(teacher_check(policy, k)))
+            r.teacher = json.loads(cached.read_text())
         rec = pick_record([x for x in rl_recs if x.get("step", 0) <= 5] or rl_recs or sft_recs)
         if rec is not None:
             plot_relevance(rec, figs / f"relevance_k{k}.png", figs / f"relevance_k{k}.html")
@@ -890,6 +939,33 @@ def _rules(add, thr: float) -> None:
     )
 
 
+def _teacher_section(add, results: list[KResult], tab) -> None:
+    """OPSD learns only what its teacher knows: the warm start's check beside OPSD's gap."""
+    rows = [r for r in results if r.teacher]
+    if not rows:
+        return
+    add("## OPSD's teacher")
+    add("")
+    add(
+        "OPSD's teacher is the warm start reading the reference as an earlier answer before "
+        "the question again; the student only gains where that teacher knows more than it "
+        f"does. Greedy answers to {int(rows[0].teacher.get('prompts', 0))} held-out prompts "
+        "from each K's warm start, after the plain prompt and after the teacher's context, "
+        "beside OPSD's paired Δ AUC against GDPO:"
+    )
+    add("")
+    add("| K | success, plain prompt | success, teacher's context | reference repeated exactly "
+        "| OPSD − GDPO Δ AUC |")  # fmt: skip
+    add("|---|---|---|---|---|")
+    for r in rows:
+        t = r.teacher
+        d = claims_mod.paired({r.k: tab.get(r.k, {})}, "opsd", BASELINE, "auc")
+        gap = claims_mod.ci_text(mean_ci(d.values())) if d else "–"
+        add(f"| {r.k} | {t['success_plain']:.2f} | {t['success_teacher']:.2f} | "
+            f"{t['copy_teacher']:.2f} | {gap} |")  # fmt: skip
+    add("")
+
+
 def _starts(add, results: list[KResult], tab) -> None:
     add("## Starting points per K")
     add("")
@@ -990,6 +1066,7 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
         for line in lines:
             add(line)
         add("")
+    _teacher_section(add, results, tab)
     # 5. replayed share
     shares = {r.k: [c.get("replay/share", []) for c in r.curves.get("mrtpo", [])] for r in results}
     shares = {k: v for k, v in shares.items() if any(v)}
