@@ -272,6 +272,27 @@ _TARGET_KEYS = (
 )
 
 
+def answer(
+    policy: torch.nn.Module,
+    tokenizer,
+    examples: Sequence[Example],
+    samples: int = 1,
+    temperature: float = 0.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+):
+    """The policy's answers to ``examples`` with the HF engine: one each, greedy, at
+    ``temperature`` 0; else ``samples`` each at that temperature (a ``RolloutBatch``)."""
+    engine = HFEngine()
+    eos = eos_token_ids(tokenizer, policy)
+    engine.bind(policy, tokenizer, eos)
+    greedy = temperature <= 0
+    sampling = SamplingConfig(
+        temperature=max(temperature, 1e-6), max_new_tokens=max_new_tokens, greedy=greedy
+    )
+    return build_rollout(engine, tokenizer, examples, 1 if greedy else samples, sampling, seed, eos)
+
+
 def evaluate_policy(
     module: SFTModule,
     examples: Sequence[Example],
@@ -281,15 +302,8 @@ def evaluate_policy(
     seed: int = 0,
 ) -> dict[str, float]:
     """The task's metrics (``Task.summarize``) of the policy's answers to ``examples``."""
-    engine = HFEngine()
-    eos = eos_token_ids(module.tokenizer, module.policy)
-    engine.bind(module.policy, module.tokenizer, eos)
-    greedy = temperature <= 0
-    sampling = SamplingConfig(
-        temperature=max(temperature, 1e-6), max_new_tokens=max_new_tokens, greedy=greedy
-    )
-    roll = build_rollout(
-        engine, module.tokenizer, examples, 1 if greedy else samples, sampling, seed, eos
+    roll = answer(
+        module.policy, module.tokenizer, examples, samples, temperature, max_new_tokens, seed
     )
     metrics, _ = evaluate_examples(module.task, roll.examples, roll.texts)
     metrics["finished_frac"] = float(roll.finished.float().mean())
@@ -463,6 +477,7 @@ __all__ = [
     "SFTModule",
     "SFTTarget",
     "SavePolicy",
+    "answer",
     "collate_sft",
     "evaluate_policy",
     "read_summary",

@@ -369,27 +369,21 @@ def teacher_check(policy: Path, k: int, n: int = TEACHER_PROMPTS) -> dict[str, f
     from hydra.utils import instantiate
 
     from mrtpo.evaluation import evaluate_examples
-    from mrtpo.models import eos_token_ids, load_policy
-    from mrtpo.rollout.base import SamplingConfig
-    from mrtpo.rollout.build import build_rollout
-    from mrtpo.rollout.hf import HFEngine
+    from mrtpo.models import load_policy
+    from mrtpo.sft import answer
 
     cfg = compose("train.yaml", ["experiment=toy_replication", f"task.num_constraints={k}"])
     task = instantiate(cfg.task)
     model, tok = load_policy(str(policy))
     model.eval()
-    plain = [e for e in task.examples("val") if task.teacher_messages(e) is not None][:n]
-    shown = [dataclasses.replace(e, messages=task.teacher_messages(e)) for e in plain]
-    eos = eos_token_ids(tok, model)
-    engine = HFEngine()
-    engine.bind(model, tok, eos)
-    sampling = SamplingConfig(
-        temperature=1e-6, max_new_tokens=int(cfg.rollout.sampling.max_new_tokens), greedy=True
-    )
+    pairs = [(e, task.teacher_messages(e)) for e in task.examples("val")]
+    pairs = [(e, t) for e, t in pairs if t is not None][:n]
+    plain = [e for e, _ in pairs]
+    shown = [dataclasses.replace(e, messages=t) for e, t in pairs]
     key = task.success_check or "success"
     out: dict[str, float] = {"prompts": float(len(plain))}
     for name, examples in (("plain", plain), ("teacher", shown)):
-        roll = build_rollout(engine, tok, examples, 1, sampling, 0, eos)
+        roll = answer(model, tok, examples, max_new_tokens=int(cfg.rollout.sampling.max_new_tokens))
         metrics, _ = evaluate_examples(task, roll.examples, roll.texts)
         out[f"success_{name}"] = float(metrics[key])
         out[f"copy_{name}"] = sum(

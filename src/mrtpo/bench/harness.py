@@ -24,6 +24,8 @@ from typing import Any
 from mrtpo.bench.common import DOC, read_json, set_threads, write_json
 
 SECTIONS = ("replay", "kernel", "trl", "scaling")
+#: The baselines timed beside MRTPO and GDPO in the replay section (their method configs).
+COMPARED = ("cort", "opsd")
 
 # ---- what each mode runs ----------------------------------------------------------------
 QUICK: dict[str, Any] = {
@@ -36,7 +38,7 @@ QUICK: dict[str, Any] = {
             new_tokens=32,
             share=0.15,
             pairs=4,
-            compare=("cort", "opsd"),
+            compare=COMPARED,
         ),
         dict(
             size="small",
@@ -46,7 +48,7 @@ QUICK: dict[str, Any] = {
             new_tokens=32,
             share=0.15,
             pairs=6,
-            compare=("cort", "opsd"),
+            compare=COMPARED,
         ),
     ],
     "kernel": dict(
@@ -89,7 +91,7 @@ FULL: dict[str, Any] = {
             new_tokens=256,
             share=0.15,
             pairs=4,
-            compare=("cort", "opsd"),
+            compare=COMPARED,
         ),
         dict(
             size="medium",
@@ -99,7 +101,7 @@ FULL: dict[str, Any] = {
             new_tokens=256,
             share=0.15,
             pairs=4,
-            compare=("cort", "opsd"),
+            compare=COMPARED,
         ),
         dict(
             size="large",
@@ -109,7 +111,7 @@ FULL: dict[str, Any] = {
             new_tokens=256,
             share=0.15,
             pairs=4,
-            compare=("cort", "opsd"),
+            compare=COMPARED,
         ),
     ],
     "kernel": dict(

@@ -269,7 +269,6 @@ def _replay(rep) -> list[str]:
     for case in rep["cases"]:
         c, s = case["case"], case["summary"]
         v = s["variants"]
-        names = [n for n in ("gdpo", "mrtpo", "mrtpo_fused", "cort", "opsd") if n in v]
         label = {
             "gdpo": "GDPO",
             "mrtpo": "MRTPO",
@@ -277,6 +276,7 @@ def _replay(rep) -> list[str]:
             "cort": "CoRT (one criteria-free replay per response)",
             "opsd": "OPSD (a frozen-teacher forward per micro-batch)",
         }
+        names = [n for n in label if n in v]  # columns in this order
         rows = []
         for ph in ("rollout", "reward", "old_logp", "replay", "update", "other", "train", "step"):
             rows.append([ph, *(_f(v[n][ph]) for n in names)])
