@@ -15,6 +15,7 @@ from mrtpo.credit import (
     MRTPOSAW,
     CreditInputs,
     MRTPOJoint,
+    MRTPOShuffle,
     gdpo_advantages,
     mrtpo_advantages,
     replay_mask,
@@ -51,10 +52,13 @@ def compute_all(b: dict[str, torch.Tensor], pg: object) -> dict[str, torch.Tenso
         ("mrtpo", MRTPO(beta=0.5), q, rep),
         ("mrtpo_saw", MRTPOSAW(beta=0.75), q, rep),
         ("mrtpo_joint", MRTPOJoint(beta=0.5), q[:, :1], rep.any(-1, keepdim=True)),
+        ("mrtpo_shuffle", MRTPOShuffle(beta=0.5), q, rep),
         ("gdpo_saw", GDPOSAW(), None, None),
     ):
         method.setup(names, False, reward_ranges={"b": (-1.0, 2.0)})
-        res = method(CreditInputs(r, g, mask, q=qq, replayed=rr, process_group=pg))
+        # the same generator seed on every rank, as the module seeds it
+        gen = torch.Generator().manual_seed(2024)
+        res = method(CreditInputs(r, g, mask, q=qq, replayed=rr, process_group=pg, generator=gen))
         out[key] = res.advantages
         if "cap_s" in res.stats:
             out[key + "_cap"] = torch.tensor(res.stats["cap_s"])
@@ -86,6 +90,8 @@ def test_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     # Sanity: the batch statistics matter (a local-only computation would differ).
     local_only = compute_all({k: v[:SPLIT] for k, v in make_batch().items()}, None)
     assert not torch.allclose(local_only["gdpo"], full["gdpo"][:SPLIT])
+    # ... and the shuffle moves weights (so its rank invariance below is not trivial)
+    assert (full["mrtpo_shuffle"] - full["mrtpo"]).abs().max() > 0.1
     for key, ref in full.items():
         if key.startswith("saw") or key.endswith("_cap"):  # global quantities: same on both ranks
             for got in (r0[key], r1[key]):

@@ -50,6 +50,21 @@ def all_reduce_sum(t: Tensor, process_group: Any = None) -> Tensor:
     return t
 
 
+def global_row_index(n: int, process_group: Any = None, device=None) -> Tensor:
+    """``[n]`` long: each local row's index in the global batch, ranks in order (rank 0's
+    rows first); ``arange(n)`` outside DDP. One all-gather of the row counts."""
+    offset = 0
+    if process_group is not None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            mine = torch.tensor([n], dtype=torch.long, device=device)
+            counts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(process_group))]
+            dist.all_gather(counts, mine, group=process_group)
+            offset = int(sum(int(c) for c in counts[: dist.get_rank(process_group)]))
+    return torch.arange(offset, offset + n)
+
+
 def batch_moments(
     x: Tensor, valid: Tensor | None = None, process_group: Any = None
 ) -> tuple[Tensor, Tensor, Tensor]:

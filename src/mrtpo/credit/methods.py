@@ -19,6 +19,7 @@ from torch import Tensor
 from mrtpo.credit.advantages import (
     compute_dtype,
     gdpo_advantages,
+    global_row_index,
     grpo_advantages,
     replay_mask,
     saw_weights,
@@ -40,7 +41,9 @@ class CreditInputs:
     q: Tensor | None = None  # [N, K, T] relevance (per_reward) or [N, 1, T] (joint); None if none
     replayed: Tensor | None = None  # [N, K] / [N, 1] bool; pairs whose q was computed
     process_group: Any = None  # torch.distributed group for global batch statistics
-    generator: torch.Generator | None = None  # randomness of the shuffle ablation
+    # randomness of the shuffle ablation: the same on every rank (each response's permutation
+    # is then keyed by its index in the global batch)
+    generator: torch.Generator | None = None
     # the frozen teacher's scores of the sampled tokens (``credit.distill.TeacherScores``),
     # when the method's ``teacher`` request asks for them; None otherwise
     teacher: Any = None
@@ -380,7 +383,8 @@ class MRTPO(_RewardWeighted):
                 )
             w = relevance_weights(q, inputs.mask, replayed, beta)
             if self.shuffle:
-                w = shuffle_weights(w, inputs.mask, replayed, inputs.generator)
+                rows = global_row_index(n, inputs.process_group, inputs.rewards.device)
+                w = shuffle_weights(w, inputs.mask, replayed, inputs.generator, rows)
         tok, cap_stats = mrtpo_advantages_from_weights(
             inputs.rewards,
             inputs.group,

@@ -126,18 +126,32 @@ def shuffle_weights(
     mask: Tensor,
     replayed: Tensor | None = None,
     generator: torch.Generator | None = None,
+    row_index: Tensor | None = None,
 ) -> Tensor:
     """Shuffle ablation: permute each (response, reward)'s weights over its valid tokens.
 
     The multiset of weights of every pair is kept; only which token gets which weight is
     lost. Pads (and pairs not replayed, whose weights are all 1) are left as they are.
+
+    Each response's permutation is drawn from its own stream, seeded by one number taken from
+    ``generator`` and the response's index in the global batch (``row_index [N]``; default
+    its row here): it depends on the response, not on which rank holds it or how wide this
+    rank's padding is, so a 2-process run permutes as a 1-process run over the same batch.
     """
     n, k, t = w.shape
-    valid = mask.to(torch.bool)[:, None, :].expand(n, k, t)
+    valid_tok = mask.to(device=w.device, dtype=torch.bool)
+    valid = valid_tok[:, None, :].expand(n, k, t)
     if replayed is not None:
         valid = valid & replayed.to(device=w.device, dtype=torch.bool)[:, :, None]
-    gen_device = generator.device if generator is not None else w.device
-    keys = torch.rand((n, k, t), generator=generator, device=gen_device).to(w.device)
+    base = int(torch.randint(0, 2**62, (1,), generator=generator))
+    rows = torch.arange(n) if row_index is None else row_index.detach().cpu().long()
+    keys = torch.full((n, k, t), 2.0)
+    lengths = valid_tok.sum(-1).cpu().tolist()
+    cols = [valid_tok[j].nonzero().flatten().cpu() for j in range(n)]
+    for j in range(n):
+        g = torch.Generator().manual_seed((base + int(rows[j])) % 2**63)
+        keys[j][:, cols[j]] = torch.rand((k, int(lengths[j])), generator=g)
+    keys = keys.to(w.device)
     # Valid positions first, in random order (source) / in position order (destination).
     src = torch.argsort(torch.where(valid, keys, torch.full_like(keys, 2.0)), dim=-1)
     dst = torch.argsort((~valid).to(torch.uint8), dim=-1, stable=True)
