@@ -112,6 +112,11 @@ def test_reward_weights_by_name() -> None:
 def test_invalid_knobs_name_the_config_key() -> None:
     with pytest.raises(ValueError, match=r"method\.beta "):
         MRTPO(beta=1.5)
+    # the paper's range is [0, 1): at 1 a token of zero relevance would lose all its credit
+    for cls in (MRTPO, MRTPOSAW, MRTPOShuffle, MRTPOJoint):
+        with pytest.raises(ValueError, match=r"method\.beta must be in \[0, 1\)"):
+            cls(beta=1.0)
+    assert MRTPO(beta=0.999).beta_max == 0.999
     with pytest.raises(ValueError, match=r"method\.beta_warmup_steps"):
         MRTPO(beta_warmup_steps=-1)
     with pytest.raises(ValueError, match=r"method\.eps"):

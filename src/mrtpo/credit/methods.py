@@ -169,10 +169,14 @@ class AdvantageMethod(ABC):
 # --------------------------------------------------------------------------------------------
 
 
-def checked_beta(beta: float, warmup_steps: int) -> tuple[float, int]:
-    """``method.beta`` in [0, 1] and ``method.beta_warmup_steps`` >= 0, or a config error."""
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"method.beta must be in [0, 1], got {beta}")
+def checked_beta(
+    beta: float, warmup_steps: int, below_one: bool = False, why: str = ""
+) -> tuple[float, int]:
+    """``method.beta`` in [0, 1] ([0, 1) with ``below_one``) and ``method.beta_warmup_steps``
+    >= 0, or a config error (``why`` says what the range comes from)."""
+    top = "1)" if below_one else "1]"
+    if not (0.0 <= beta < 1.0 if below_one else 0.0 <= beta <= 1.0):
+        raise ValueError(f"method.beta must be in [0, {top}{why}, got {beta}")
     if warmup_steps < 0:
         raise ValueError(f"method.beta_warmup_steps must be >= 0, got {warmup_steps}")
     return float(beta), int(warmup_steps)
@@ -356,7 +360,13 @@ class MRTPO(_RewardWeighted):
         reward_weights: Mapping[str, float] | None = None,
     ):
         super().__init__(eps=eps, reward_weights=reward_weights)
-        self.beta_max, self.beta_warmup_steps = checked_beta(beta, beta_warmup_steps)
+        self.beta_max, self.beta_warmup_steps = checked_beta(
+            beta,
+            beta_warmup_steps,
+            below_one=True,
+            why=" (the paper's range: every token keeps at least 1 - beta of its credit, "
+            "so at beta = 1 a token with zero relevance would get none)",
+        )
 
     def beta(self, step: int) -> float:
         return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
