@@ -6,6 +6,11 @@ Every returned ``Score`` is then cleaned: each reward becomes a float or ``None`
 ("does not apply"), and what cannot be used is recorded as that sample's error with a reason.
 A reward name the task did not declare is a bug in the task, not a property of one sample:
 it stops the run at the first step, naming the key and the declared ones.
+
+A ``SystemExit`` raised while scoring is a scoring failure like any exception (the batch is
+scored one response at a time); a ``KeyboardInterrupt`` stops the run, logged with the task
+(a custom task also names the reward function). A verifier block longer than the task's
+``max_block_chars`` is cut to that length, with a note in the block and in the log.
 """
 
 from __future__ import annotations
@@ -26,8 +31,14 @@ class UndeclaredReward(KeyError):
     pass
 
 
-def clean_score(score: object, names: Sequence[str], task_name: str = "task") -> Score:
-    """A ``Score`` whose rewards are floats (finite or +-inf) or ``None``, one per name."""
+def clean_score(
+    score: object,
+    names: Sequence[str],
+    task_name: str = "task",
+    max_block_chars: int | None = None,
+) -> Score:
+    """A ``Score`` whose rewards are floats (finite or +-inf) or ``None``, one per name, and
+    whose blocks are at most ``max_block_chars`` long (None: any length)."""
     if not isinstance(score, Score):
         return Score(
             rewards=dict.fromkeys(names),
@@ -58,7 +69,12 @@ def clean_score(score: object, names: Sequence[str], task_name: str = "task") ->
             problems.append(f"reward {k!r} is {type(v).__name__} {v!r:.40}, not a number")
             score.rewards[k] = None
             continue
-        f = float(v)
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond any float: 10**400
+            problems.append(f"reward {k!r} is an int of {v.bit_length()} bits, beyond float32")
+            score.rewards[k] = None
+            continue
         if math.isnan(f):
             f = None  # NaN means "does not apply", like None
         elif math.isfinite(f) and abs(f) > _F32_MAX:
@@ -67,7 +83,31 @@ def clean_score(score: object, names: Sequence[str], task_name: str = "task") ->
         score.rewards[k] = f
     if problems:
         score.error = _join(score.error, "; ".join(problems))
+    if max_block_chars is not None and isinstance(score.blocks, dict):
+        _cap_blocks(score, max_block_chars, task_name)
     return score
+
+
+_CAPPED: set[tuple[str, str]] = set()  # (task, reward) whose cut block was logged
+
+
+def _cap_blocks(score: Score, limit: int, task_name: str) -> None:
+    for k, text in score.blocks.items():
+        if not isinstance(text, str) or len(text) <= limit:
+            continue
+        note = f"\n[block cut to {limit} of its {len(text)} characters (task.max_block_chars)]"
+        score.blocks[k] = text[: max(limit - len(note), 0)] + note
+        if (task_name, k) not in _CAPPED:
+            _CAPPED.add((task_name, k))
+            log.warning(
+                "task %s: the verifier block of reward %r has %d characters; cut to "
+                "task.max_block_chars=%d (the block's text says so); further cuts of it are "
+                "not logged",
+                task_name,
+                k,
+                len(text),
+                limit,
+            )
 
 
 def _join(a: str | None, b: str) -> str:
@@ -83,7 +123,15 @@ def score_batch(
         scores = list(scores) if scores is not None else []
         if len(scores) != len(texts):
             raise RuntimeError(f"returned {len(scores)} scores for {len(texts)} responses")
-    except Exception as exc:
+    except KeyboardInterrupt as exc:
+        if not getattr(exc, "mrtpo_logged", False):
+            log.error(
+                "KeyboardInterrupt while task %s scored a batch: the run stops (Ctrl-C, or "
+                "the task's scoring code raised it)",
+                task.name,
+            )
+        raise
+    except (Exception, SystemExit) as exc:
         faults.count("score_many_fallbacks")
         log.warning(
             "task %s: score_many failed (%s: %s); scoring the %d responses one at a time",
@@ -93,4 +141,5 @@ def score_batch(
             len(texts),
         )
         scores = [task.safe_score(e, t) for e, t in zip(examples, texts, strict=True)]
-    return [clean_score(s, task.reward_names, task.name) for s in scores]
+    cap = getattr(task, "max_block_chars", None)
+    return [clean_score(s, task.reward_names, task.name, cap) for s in scores]

@@ -113,3 +113,62 @@ def test_all_failed_steps_stop_after_the_configured_streak():
     faults.check_scoring(bad, [_ex()], 0, Ranks())
     with pytest.raises(RuntimeError, match=r"rl\.max_consecutive_score_failures"):
         faults.check_scoring(bad, [_ex()], 1, Ranks())
+
+
+# ---- issue 25: integers beyond float, exits from scoring code, runaway blocks ----------------
+
+
+def test_an_int_beyond_any_float_costs_only_its_reward():
+    s = clean_score(Score(rewards={"a": 10**400, "b": 1}), NAMES, "scripted")
+    assert s.rewards == {"a": None, "b": 1.0}
+    assert "'a' is an int of 1329 bits, beyond float32" in s.error
+
+
+def test_system_exit_in_scoring_code_is_a_scoring_error_not_the_end_of_the_run():
+    class Exits(Scripted):
+        def score(self, example, response):
+            if response == "bye":
+                raise SystemExit(0)
+            return Score(rewards={"a": 1.0, "b": 0.0})
+
+    class PoolExits(Exits):
+        def score_many(self, examples, responses):
+            raise SystemExit(3)
+
+    for task, fallbacks in ((Exits([]), 0), (PoolExits([]), 1)):
+        faults = FaultTracker(3, 3)
+        scores = score_batch(task, [_ex(0), _ex(1)], ["hi", "bye"], faults)
+        assert faults.counters.get("score_many_fallbacks", 0) == fallbacks
+        assert scores[0].rewards == {"a": 1.0, "b": 0.0} and scores[0].error is None
+        assert scores[1].rewards == {"a": None, "b": None}
+        assert scores[1].error == "SystemExit: 0"
+
+
+def test_keyboard_interrupt_in_scoring_stops_with_a_message(caplog):
+    class Interrupted(Scripted):
+        def score(self, example, response):
+            raise KeyboardInterrupt
+
+    caplog.set_level(logging.ERROR, logger="mrtpo.scoring")
+    with pytest.raises(KeyboardInterrupt):
+        score_batch(Interrupted([]), [_ex()], ["x"], FaultTracker(3, 3))
+    assert any("KeyboardInterrupt while task scripted scored" in r.message for r in caplog.records)
+
+
+def test_a_huge_block_is_cut_with_a_note_in_its_text_and_the_log(caplog):
+    class Blocks(Scripted):
+        max_block_chars = 1000
+
+    huge = "z" * 10_000_000
+    outputs = [Score(rewards={"a": 1.0, "b": 0.0}, blocks={"a": huge, "b": "short"})] * 2
+    caplog.set_level(logging.WARNING, logger="mrtpo.scoring")
+    scores = score_batch(Blocks(outputs), [_ex(0), _ex(1)], ["r", "r"], FaultTracker(3, 3))
+    for s in scores:
+        assert len(s.blocks["a"]) == 1000 and s.blocks["b"] == "short"
+        assert s.blocks["a"].startswith("zzz")
+        assert s.blocks["a"].endswith(
+            "[block cut to 1000 of its 10000000 characters (task.max_block_chars)]"
+        )
+    logged = [r for r in caplog.records if "task.max_block_chars=1000" in r.message]
+    assert len(logged) == 1  # once per task and reward
+    assert Task.max_block_chars == 16384  # every task has a cap by default

@@ -87,6 +87,10 @@ class Task(ABC):
     #: SAW shifts a reward whose range reaches below 0 to non-negative values before its
     #: coefficient of variation (ToolRL's correctness: -3..3).
     reward_ranges: ClassVar[Mapping[str, tuple[float, float]]] = {}
+    #: Longest verifier block kept, in characters; a longer one is cut to this length with a
+    #: note saying so (``mrtpo.scoring``): replay tokenizes every block for every pair, and
+    #: a runaway block function must not cost gigabytes. None: no cap.
+    max_block_chars: int | None = 16384
 
     # ---- data -------------------------------------------------------------------------
     @abstractmethod
@@ -108,10 +112,11 @@ class Task(ABC):
         return [self.safe_score(e, r) for e, r in zip(examples, responses, strict=True)]
 
     def safe_score(self, example: Example, response: str) -> Score:
-        """``score`` with fault isolation: an exception gives every reward ``None``."""
+        """``score`` with fault isolation: an exception gives every reward ``None``. So does a
+        ``SystemExit`` from scoring code (``sys.exit()`` in a verifier must not end a run)."""
         try:
             return self.score(example, response)
-        except Exception as exc:  # a verifier bug must not kill a long run
+        except (Exception, SystemExit) as exc:  # a verifier bug must not kill a long run
             msg = f"{type(exc).__name__}: {exc}"
             log.warning("scoring failed for example %s: %s", example.id, msg)
             return Score(rewards=dict.fromkeys(self.reward_names), error=msg)
