@@ -45,6 +45,16 @@ def even_length_block(prompt, response, **row):
 
 def broken(prompt, response, **row):
     raise KeyError("no_such_column")
+
+
+def exits_on_odd(prompt, response, **row):
+    if len(response) % 2:
+        raise SystemExit(0)  # a user's sys.exit() inside a reward
+    return 1.0
+
+
+def interrupts(prompt, response, **row):
+    raise KeyboardInterrupt
 '''
 
 ROWS = [
@@ -98,7 +108,8 @@ def rows_of(trainer) -> list[dict[str, str]]:
 @pytest.mark.parametrize("method", ["mrtpo", "gdpo"])
 def test_trains_two_steps_with_user_rewards(method, user, train_cfg, tmp_path):
     before = digest(user / "prompts.jsonl")
-    cfg = train_cfg(*custom(user, f"method={method}", "rl.group_size=4"))
+    warm = ["method.beta_warmup_steps=0"] if method == "mrtpo" else []  # replay from step 0
+    cfg = train_cfg(*custom(user, f"method={method}", "rl.group_size=4", *warm))
     trainer, module, dm = build(cfg)
     assert module.task.reward_names == ("even_length", "mentions")
     trainer.fit(module, datamodule=dm)
@@ -155,6 +166,56 @@ def test_raising_reward_costs_only_its_value_and_is_named(user, train_cfg):
     s = task.safe_score(task.examples("train")[0], "abcd")
     assert s.rewards == {"even_length": 1.0, "broken": None}
     assert f"{MODULE}.broken" in s.error and "KeyError" in s.error
+
+
+def test_system_exit_in_a_reward_does_not_end_the_run(user, train_cfg):
+    """Issue 25 item 7: sys.exit(0) in a reward ended fit() with rc 0 after no step."""
+    cfg = train_cfg(
+        *custom(user, blocks="null"),
+        f"task.rewards=[{MODULE}.even_length,{MODULE}.exits_on_odd]",
+        "rl.group_size=4",
+    )
+    trainer, module, dm = build(cfg)
+    trainer.fit(module, datamodule=dm)
+    assert module.iteration == 2
+    rows = rows_of(trainer)
+    errors = [float(r["train/scoring_errors"]) for r in rows]
+    assert sum(errors) > 0  # the exits were counted as scoring errors (odd lengths occur)
+    assert module.fault_tracker.counters["scoring_errors_total"] == sum(errors)
+
+
+def test_keyboard_interrupt_in_a_reward_stops_the_run_naming_it(user, tmp_path, cache_dir):
+    """Issue 25 item 7: a KeyboardInterrupt from a reward gave rc 1 and no message."""
+    import os
+    import subprocess
+
+    from tests.conftest import ROOT, SHARED_DATA
+
+    args = [
+        *custom(user, blocks="null"),
+        f"task.rewards=[{MODULE}.even_length,{MODULE}.interrupts]",
+        f"paths.log_dir={tmp_path}/logs",
+        f"paths.cache_dir={cache_dir}",
+        f"paths.data_dir={SHARED_DATA}",
+        "trainer.max_steps=2",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "rollout.sampling.max_new_tokens=4",
+        "callbacks.progress=null",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), str(ROOT)])}
+    out = subprocess.run(
+        [sys.executable, "src/train.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,  # a hang guard only
+    )
+    said = out.stdout + out.stderr
+    assert out.returncode != 0, said[-2000:]
+    want = f"KeyboardInterrupt while reward interrupts ({MODULE}.interrupts) scored example"
+    assert want in said, said[-3000:]
 
 
 def test_success_rule_and_names(user, train_cfg):

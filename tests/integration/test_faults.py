@@ -262,7 +262,8 @@ def test_non_finite_loss_stops_after_the_limit(train_cfg, caplog):
 
 
 def test_replay_out_of_memory_retries_with_half_the_budget(train_cfg, tiny, caplog):
-    cfg = train_cfg("method=mrtpo", "trainer.max_steps=2")
+    # no beta warm-up: both steps replay
+    cfg = train_cfg("method=mrtpo", "method.beta_warmup_steps=0", "trainer.max_steps=2")
     oom = OOMReplayer(tiny[1], token_budget=4096, fail=2)
     with caplog.at_level(logging.WARNING):
         trainer, module = fit_with(cfg, replayer=oom)

@@ -108,6 +108,7 @@ def _cmd(trainer: str, log_dir: Path, cache_dir: Path, *extra: str) -> list[str]
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         "method=mrtpo",
+        "method.beta_warmup_steps=0",  # every step replays (rank 0)
         f"task._target_={HERE}.UnevenSynthetic",
         f"rollout.engine._target_={HERE}.UnevenEngine",
         f"rl.prompts_per_step={B}",
@@ -262,7 +263,7 @@ def test_fsdp_trains_in_the_uneven_setup_and_matches_one_process(fsdp_run, train
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["last.ckpt", "step000002.ckpt", "step000003.ckpt"]
 
-    cfg = train_cfg("method=mrtpo")
+    cfg = train_cfg("method=mrtpo", "method.beta_warmup_steps=0")
     task = SyntheticTask()
     for step in range(3):
         records = [

@@ -26,3 +26,14 @@ def test_beta_one_is_refused_before_the_model_loads(train_cfg, no_model_load, me
     with pytest.raises(Exception, match=r"method\.beta must be in \[0, 1\)") as err:
         train(cfg)
     assert "got 1.0" in str(err.value)
+
+
+def test_mrtpo_presets_state_their_warm_up(train_cfg):
+    """Every MRTPO preset ramps β over the same documented number of steps."""
+    assert set(MRTPO_PRESETS) == {"mrtpo", "mrtpo_saw", "mrtpo_shuffle", "mrtpo_joint"}
+    doc = (ROOT / "docs" / "method.md").read_text()
+    for name in MRTPO_PRESETS:
+        method = OmegaConf.to_container(train_cfg(f"method={name}").method, resolve=True)
+        assert method["beta_warmup_steps"] == 10, name
+        assert method["beta"] == 0.5, name
+    assert "`beta_warmup_steps: 10`" in doc
