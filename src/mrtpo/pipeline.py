@@ -44,9 +44,11 @@ def prepare(cfg: DictConfig):
     from hydra.utils import instantiate
 
     from mrtpo.loggers import check_loggers
-    from mrtpo.settings import validate
+    from mrtpo.settings import check_placement, resolve_batch, validate
 
     validate(cfg)
+    # the trainer this machine can start, and the global batch divided over its ranks
+    resolve_batch(cfg, check_placement(cfg))
     check_loggers(cfg.get("logger"))
     stage = instantiate(cfg.stage, _convert_="all")
     task = instantiate(cfg.task)
@@ -156,10 +158,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("print_config"):
         print_config(cfg)
     from mrtpo.callbacks.console import header, quiet_libraries
-    from mrtpo.settings import validate
+    from mrtpo.settings import check_placement, validate
 
     quiet_libraries()
     validate(cfg)  # typed settings and their ranges, before anything loads or runs
+    check_placement(cfg)  # and a trainer this machine can start, before any warm start runs
     if cfg.get("warm_start"):
         cmd = command_line()
         if cmd:

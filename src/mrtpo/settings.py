@@ -52,15 +52,26 @@ class _Section:
         return cls(**given)
 
 
+#: RL batch keys that have a per-rank and a global form, with the per-rank default.
+PER_RANK_DEFAULTS = {"prompts_per_step": 4, "mini_batch_size": 16}
+
+
 @dataclass
 class RLConfig(_Section):
     """One RL step: B prompts x G samples, scored, then clipped-surrogate updates."""
 
     section: ClassVar[str] = "rl"
-    prompts_per_step: int = 4  # B
+    # B, per rank. null: 4, or global_prompts_per_step divided over the ranks.
+    prompts_per_step: Optional[int] = None  # noqa: UP045
+    # B over all ranks (trainer.devices x trainer.num_nodes), divided over them when the run
+    # starts (resolve_batch); a total that does not divide is refused. Set this or
+    # prompts_per_step; both are accepted only when they agree.
+    global_prompts_per_step: Optional[int] = None  # noqa: UP045
     group_size: int = 4  # G
     ppo_epochs: int = 1
-    mini_batch_size: int = 16  # responses per optimizer step
+    # Responses per optimizer step, per rank (null: 16, or global_mini_batch_size / ranks).
+    mini_batch_size: Optional[int] = None  # noqa: UP045
+    global_mini_batch_size: Optional[int] = None  # noqa: UP045  (over all ranks)
     micro_batch_size: int = 8  # responses per forward/backward (gradient accumulation)
     clip_low: float = 0.2  # epsilon_low
     clip_high: float = 0.28  # epsilon_high
@@ -80,7 +91,12 @@ class RLConfig(_Section):
 
     def __post_init__(self) -> None:
         s = self.section
-        _need(self.prompts_per_step >= 1, s, "prompts_per_step", self.prompts_per_step, ">= 1")
+        for key, default in PER_RANK_DEFAULTS.items():
+            for name in (key, "global_" + key):
+                value = getattr(self, name)
+                _need(value is None or value >= 1, s, name, value, ">= 1 or null")
+            if getattr(self, key) is None and getattr(self, "global_" + key) is None:
+                setattr(self, key, default)
         _need(
             self.group_size >= 2,
             s,
@@ -89,7 +105,6 @@ class RLConfig(_Section):
             ">= 2 (advantages are relative to a prompt's group; with 1 sample every one is 0)",
         )
         _need(self.ppo_epochs >= 1, s, "ppo_epochs", self.ppo_epochs, ">= 1")
-        _need(self.mini_batch_size >= 1, s, "mini_batch_size", self.mini_batch_size, ">= 1")
         _need(self.micro_batch_size >= 1, s, "micro_batch_size", self.micro_batch_size, ">= 1")
         _need(0 <= self.clip_low < 1, s, "clip_low", self.clip_low, "in [0, 1)")
         _need(self.clip_high >= 0, s, "clip_high", self.clip_high, ">= 0")
@@ -128,6 +143,33 @@ class RLConfig(_Section):
             self.tis_cap,
             "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)",
         )
+
+    def per_rank(self, ranks: int) -> RLConfig:
+        """This config for one of ``ranks`` processes: each ``global_*`` batch key divided
+        over them into its per-rank key (the global one cleared). Refused, naming the keys,
+        when a total does not divide or disagrees with a per-rank value also given."""
+        import dataclasses
+
+        out = dataclasses.replace(self)
+        for key in PER_RANK_DEFAULTS:
+            total, given = getattr(self, "global_" + key), getattr(self, key)
+            if total is None:
+                continue
+            if total % ranks:
+                raise ConfigError(
+                    f"rl.global_{key}={total} does not divide over {ranks} ranks "
+                    f"(trainer.devices x trainer.num_nodes): set it to a multiple of {ranks}, "
+                    "or change trainer.devices"
+                )
+            if given is not None and given != total // ranks:
+                raise ConfigError(
+                    f"rl.{key}={given} (per rank) disagrees with rl.global_{key}={total} "
+                    f"({total // ranks} per rank over {ranks} ranks): set one of them "
+                    f"(rl.global_{key}=null keeps the per-rank value)"
+                )
+            setattr(out, key, total // ranks)
+            setattr(out, "global_" + key, None)
+        return out
 
 
 @dataclass
@@ -316,3 +358,171 @@ def check_overrides(argv: Sequence[str]) -> None:
                         f"unknown key {key!r}: '{name}' has no key {leaf!r}; valid keys: "
                         f"{sorted(schema.field_names())}"
                     )
+
+
+# ---- Where a run runs: its ranks, the global batch, trainer/model refusals -------------------
+# Checked by the pipeline before anything loads (mrtpo.pipeline.prepare).
+
+#: Models at least this large (parameters) are refused on the CPU trainer unless +allow_cpu=true.
+CPU_PARAMS_LIMIT = 1.0e9
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _on_gpu(trainer, gpus: int) -> bool:
+    accelerator = str(trainer.get("accelerator", "auto")).lower()
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
+
+
+def _devices_per_node(value: Any, on_gpu: bool, gpus: int) -> int:
+    """Processes per node that ``trainer.devices`` starts, counted as Lightning counts them."""
+    if not isinstance(value, (str, int)) and hasattr(value, "__len__"):
+        return len(value)  # a list of GPU ids
+    text = str(value).strip()
+    if text in ("auto", "-1"):
+        if text == "-1" and not on_gpu:
+            raise ConfigError(
+                "trainer.devices=-1 means every GPU; on the CPU trainer give a number of "
+                "processes (trainer.devices=1, 2, ...)"
+            )
+        return max(gpus, 1) if on_gpu else 1
+    if "," in text:
+        return len([t for t in text.split(",") if t.strip()])
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(
+            f"trainer.devices={value!r} is not allowed: a count >= 1, a list of GPU ids, "
+            "-1 (every GPU) or auto"
+        )
+    return int(text)
+
+
+def world_size(cfg, gpus: int | None = None) -> int:
+    """How many training processes ``cfg.trainer`` starts: devices per node x nodes."""
+    from omegaconf import OmegaConf
+
+    trainer = OmegaConf.select(cfg, "trainer")
+    if trainer is None:
+        return 1
+    gpus = visible_gpus() if gpus is None else gpus
+    per_node = _devices_per_node(trainer.get("devices", "auto"), _on_gpu(trainer, gpus), gpus)
+    return per_node * int(trainer.get("num_nodes", 1) or 1)
+
+
+def _parameter_count(d: Mapping) -> float | None:
+    """Parameters of a decoder-only transformer from its config.json sizes (None if absent)."""
+    try:
+        h, layers, vocab = int(d["hidden_size"]), int(d["num_hidden_layers"]), int(d["vocab_size"])
+        heads = int(d.get("num_attention_heads") or 1)
+        kv = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or h // heads)
+        inter = int(d.get("intermediate_size") or 4 * h)
+    except (KeyError, TypeError, ValueError):
+        return None
+    attention = h * head_dim * 2 * (heads + kv)  # q and o, k and v
+    embeddings = vocab * h * (1 if d.get("tie_word_embeddings") else 2)
+    return float(layers * (attention + 3 * h * inter) + embeddings)
+
+
+def model_parameters(model) -> float | None:
+    """About how many parameters ``cfg.model`` has, without loading it: from the tiny model's
+    sizes, a local folder's config.json, or the size in a hub id (``Qwen2.5-7B-Instruct``)."""
+    import json
+    import re
+    from pathlib import Path
+
+    if model is None:
+        return None
+    if model.get("tiny"):
+        return _parameter_count(model.tiny)
+    name = str(model.get("name_or_path") or "")
+    config = Path(name) / "config.json"
+    if config.is_file():
+        try:
+            return _parameter_count(json.loads(config.read_text()))
+        except (OSError, ValueError):
+            return None
+    m = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)[Bb](?![A-Za-z0-9])", Path(name).name)
+    return float(m.group(1)) * 1e9 if m else None
+
+
+def _preset(cfg) -> str:
+    """``experiment=<name>`` of a composed config, for messages ('' when none)."""
+    from omegaconf import OmegaConf
+
+    name = OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None)
+    if name is None:
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            name = HydraConfig.get().runtime.choices.get("experiment")
+        except (ValueError, AttributeError):
+            name = None
+    return f"experiment={name} " if name and name != "null" else ""
+
+
+def check_placement(cfg, gpus: int | None = None) -> int:
+    """Refuse, before anything loads, a trainer this machine cannot start (GPUs it lacks) or
+    a model too large for the CPU trainer (unless ``+allow_cpu=true``); return the number
+    of ranks. ``gpus``: the GPUs to assume (default: those visible)."""
+    from omegaconf import OmegaConf
+
+    trainer = OmegaConf.select(cfg, "trainer")
+    if trainer is None:
+        return 1
+    gpus = visible_gpus() if gpus is None else gpus
+    on_gpu = _on_gpu(trainer, gpus)
+    per_node = _devices_per_node(trainer.get("devices", "auto"), on_gpu, gpus)
+    if on_gpu and per_node > gpus:
+        fix = (
+            f"lower trainer.devices to {gpus} where docs/scaling.md says the model fits"
+            if gpus
+            else "run it on a GPU machine"
+        )
+        raise ConfigError(
+            f"{_preset(cfg)}trains on {per_node} GPU(s) per node (trainer.accelerator="
+            f"{trainer.get('accelerator')}, trainer.devices={trainer.get('devices')}), but this "
+            f"machine has {gpus or 'no'} CUDA GPU(s): {fix}, or try the pipeline on the CPU "
+            "with trainer=cpu trainer.devices=1 model=tiny"
+        )
+    if not on_gpu and not OmegaConf.select(cfg, "allow_cpu", default=False):
+        n = model_parameters(OmegaConf.select(cfg, "model"))
+        if n is not None and n >= CPU_PARAMS_LIMIT:
+            raise ConfigError(
+                f"model.name_or_path={cfg.model.name_or_path} has about {n / 1e9:.1f}B "
+                f"parameters: on the CPU trainer its training state in float32 (weights, "
+                f"gradients and AdamW moments, 16 B each) is about {16 * n / 1e9:.0f} GB and a "
+                "step takes hours. Train it on GPUs (the paper presets compose their trainer; "
+                "docs/scaling.md), or add +allow_cpu=true to run it on the CPU anyway"
+            )
+    return per_node * int(trainer.get("num_nodes", 1) or 1)
+
+
+def resolve_batch(cfg, ranks: int) -> None:
+    """Set ``cfg.rl``'s per-rank batch keys for ``ranks`` processes (``RLConfig.per_rank``):
+    a global batch is divided over them, and a per-rank one on several ranks is logged with
+    the total it makes."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "rl")
+    if node is None:
+        return
+    rl = section(cfg, "rl")
+    mine = rl.per_rank(ranks)
+    log = logging.getLogger(__name__)
+    for key in PER_RANK_DEFAULTS:
+        total, share = getattr(rl, "global_" + key), getattr(mine, key)
+        if total is not None:
+            log.info("rl.global_%s=%d over %d rank(s): %d per rank", key, total, ranks, share)
+        elif ranks > 1:
+            log.info(
+                "rl.%s=%d is per rank: %d ranks make %d (rl.global_%s states the total instead)",
+                *(key, share, ranks, share * ranks, key),
+            )
+        node[key] = share
+        node["global_" + key] = None

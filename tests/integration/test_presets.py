@@ -1,8 +1,13 @@
-"""Every paper preset (configs/experiment/) runs one RL step end to end: the preset as written,
-with only the model swapped to ``tiny``, the engine to ``hf`` and the sizes shrunk (2 prompts,
-2 samples, 4 new tokens) on the CPU trainer. The toy presets (demo, toy_*) have their own
-tests (test_replication.py, test_sft.py). Nothing here needs ../shared: text-to-SQL and tool
-calling train on tests/task_fixtures.py's data, instruction following on its generated set."""
+"""The paper presets (configs/experiment/ but the toy ones, which have their own tests in
+test_replication.py and test_sft.py).
+
+Each composes the GPU trainer its model needs (the memory arithmetic of docs/scaling.md), and
+its batch is global: divided over the ranks, so one node of 8 GPUs is ``trainer.devices=8``.
+Trainers that cannot work are refused before anything loads. And each runs one RL step end to
+end: the preset as written, with only the model swapped to ``tiny``, the engine to ``hf``, the
+trainer explicitly back to one CPU process and the sizes shrunk (2 prompts, 2 samples, 4 new
+tokens). Nothing here needs ../shared: text-to-SQL and tool calling train on
+tests/task_fixtures.py's data, instruction following on its generated set."""
 
 from __future__ import annotations
 
@@ -12,10 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from tests.conftest import CONFIG_DIR
+from tests.conftest import CONFIG_DIR, compose_config
 from tests.task_fixtures import make_public_data, rlla_rows
 
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.pipeline import build, metrics_csv, prepare
+from mrtpo.settings import ConfigError, check_placement, model_parameters, resolve_batch
 
 TOY = ("demo", "toy_")
 PRESETS = sorted(
@@ -24,9 +30,10 @@ PRESETS = sorted(
 SMALL = [
     "model=tiny",
     "rollout=hf",
-    "trainer=cpu",
+    "trainer=cpu",  # the presets compose GPU trainers: back to one CPU process, explicitly
+    "trainer.devices=1",
     "trainer.max_steps=1",
-    "rl.prompts_per_step=2",
+    "rl.global_prompts_per_step=2",
     "rl.group_size=2",
     "rollout.sampling.max_new_tokens=4",
     "callbacks.progress=null",
@@ -55,7 +62,7 @@ def test_preset_runs_one_step(preset, train_cfg, data_dir, tmp_path):
     assert cfg.model.name_or_path.endswith("tiny-qwen2") and cfg.rollout.engine._target_.endswith(
         "HFEngine"
     )
-    assert cfg.optim.lr == 1.0e-6 and cfg.rl.mini_batch_size in (256, 512)
+    assert cfg.optim.lr == 1.0e-6 and cfg.rl.global_mini_batch_size in (256, 512)
     assert cfg.hydra.runtime.choices.task == task
     trainer, module, dm = build(cfg)
     try:
@@ -72,3 +79,105 @@ def test_preset_runs_one_step(preset, train_cfg, data_dir, tmp_path):
     values = [rows[0].get(f"train/reward/{k}/mean") for k in names]
     assert any(v not in (None, "") and not math.isnan(float(v)) for v in values), rows[0]
     assert (tmp_path / "policy" / "config.json").is_file()  # the end-of-run export
+
+
+#: GPU memory the arithmetic of docs/scaling.md budgets per 80 GB GPU besides training state:
+#: vLLM's share (0.3 x 80 GB) and ~10 GB for activations, CUDA context and fragmentation.
+GPU_GB, OTHER_GB = 80, 0.3 * 80 + 10
+
+
+def _paper(preset: str, *overrides: str):
+    return compose_config("train.yaml", [f"experiment={preset}", *overrides])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_composes_a_gpu_trainer_its_model_fits(preset):
+    cfg = _paper(preset)
+    t = cfg.trainer
+    fsdp = str(t.get("strategy", {}).get("_target_", "")).endswith("FSDP2Strategy")
+    assert t.accelerator == "gpu" and cfg.rollout.engine._target_.endswith("VLLMEngine")
+    # bf16 compute over fp32 master weights: Lightning's bf16-mixed, or FSDP's own policy
+    if fsdp:
+        assert t.precision == "32-true" and t.strategy.master_dtype == "fp32"
+    else:
+        assert t.precision == "bf16-mixed"
+    # training state (16 B per parameter, sharded under FSDP) + the rest fits one GPU
+    params = model_parameters(cfg.model)
+    per_gpu = 16 * params / 1e9 / (t.devices if fsdp else 1)
+    assert per_gpu + OTHER_GB <= GPU_GB, (preset, per_gpu)
+    # and without FSDP it would not fit whenever the preset chose FSDP
+    assert fsdp == (16 * params / 1e9 + OTHER_GB > GPU_GB), preset
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_batch_is_global_over_one_node_of_eight(preset):
+    one = _paper(preset)
+    cfg = _paper(preset, "trainer.devices=8")
+    ranks = check_placement(cfg, gpus=8)
+    resolve_batch(cfg, ranks)
+    assert ranks == 8
+    assert cfg.rl.prompts_per_step * 8 == one.rl.global_prompts_per_step
+    assert cfg.rl.mini_batch_size * 8 == one.rl.global_mini_batch_size
+    assert cfg.rl.global_prompts_per_step is None  # divided once: resolving again changes nothing
+    resolve_batch(cfg, ranks)
+    assert cfg.rl.prompts_per_step * 8 == one.rl.global_prompts_per_step
+
+
+def test_preset_on_a_machine_without_the_gpus_is_refused_before_anything_loads():
+    cfg = _paper("text2sql_coder7b")
+    with pytest.raises(ConfigError, match=r"experiment=text2sql_coder7b trains on 4 GPU.*no CUDA"):
+        check_placement(cfg, gpus=0)
+    with pytest.raises(ConfigError, match=r"lower trainer\.devices to 2"):
+        check_placement(cfg, gpus=2)
+    assert check_placement(cfg, gpus=4) == 4
+
+
+def test_large_model_on_the_cpu_trainer_needs_an_explicit_override():
+    cfg = _paper("text2sql_coder7b", "trainer=cpu", "trainer.devices=1")
+    with pytest.raises(ConfigError, match=r"about 7\.0B parameters.*\+allow_cpu=true"):
+        check_placement(cfg, gpus=0)
+    cfg = _paper("text2sql_coder7b", "trainer=cpu", "trainer.devices=1", "+allow_cpu=true")
+    assert check_placement(cfg, gpus=0) == 1
+    # the swap the one-step test makes: the tiny model is no reason to refuse
+    assert check_placement(_paper("text2sql_coder7b", *SMALL), gpus=0) == 1
+
+
+def test_global_batch_that_does_not_divide_is_refused_naming_the_keys():
+    cfg = _paper("text2sql_coder7b", "trainer.devices=3")
+    with pytest.raises(ConfigError, match=r"rl.global_prompts_per_step=64 does not divide over 3"):
+        resolve_batch(cfg, check_placement(cfg, gpus=3))
+    # an old command line's per-rank batch that agrees with the global one is accepted
+    cfg = _paper("text2sql_coder7b", "trainer.devices=8", "rl.prompts_per_step=8")
+    resolve_batch(cfg, check_placement(cfg, gpus=8))
+    assert cfg.rl.prompts_per_step == 8
+    cfg = _paper("text2sql_coder7b", "trainer.devices=8", "rl.prompts_per_step=4")
+    with pytest.raises(ConfigError, match=r"rl.prompts_per_step=4 \(per rank\) disagrees"):
+        resolve_batch(cfg, check_placement(cfg, gpus=8))
+
+
+@pytest.mark.parametrize(
+    ("preset", "extra", "refusal"),
+    [
+        # LoRA's adapter merges would meet sharded tensors
+        ("text2sql_coder7b", ["model.lora.r=16"], r"model.lora.r > 0 with trainer=fsdp"),
+        # OPSD's frozen teacher is not sharded in lockstep (its preset says what runs today)
+        ("text2sql_opsd_coder7b", [], r"method=opsd needs a frozen teacher"),
+    ],
+)
+def test_preset_combinations_fsdp_cannot_run_are_refused_before_the_model_loads(
+    preset, extra, refusal, data_dir, tmp_path
+):
+    # the preset's FSDP trainer on 2 CPU processes (gloo): the same refusal, no GPU needed
+    cfg = _paper(
+        preset,
+        *extra,
+        "model=tiny",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        f"paths.data_dir={data_dir}",
+        f"paths.output_dir={tmp_path}",
+        "model.name_or_path=/nonexistent/model",  # proves nothing was loaded
+        "model.tiny=null",
+    )
+    with pytest.raises(ValueError, match=refusal):
+        prepare(cfg)
