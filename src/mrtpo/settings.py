@@ -17,6 +17,7 @@ integer >= 2, and the code that needs the value would have to repeat the default
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, List, Optional  # noqa: UP035  (OmegaConf reads these annotations)
@@ -26,7 +27,18 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and what is allowed."""
 
 
+def _finite(value: Any) -> bool:
+    """False for a NaN or infinite number, or a list holding one; True for anything else."""
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def _need(ok: bool, section: str, key: str, value: Any, allowed: str) -> None:
+    # NaN fails every comparison, but inf passes ">= 0": a number is also refused when it is
+    # not finite (rl.kl_coef=inf skipped every update and the run still ended with rc 0).
+    if not _finite(value):
+        raise ConfigError(f"{section}.{key}={value!r} is not allowed: a finite value, {allowed}")
     if not ok:
         raise ConfigError(f"{section}.{key}={value!r} is not allowed: {allowed}")
 
@@ -268,6 +280,14 @@ class SFTConfig(_Section):
     def __post_init__(self) -> None:
         s = self.section
         _need(self.lr > 0, s, "lr", self.lr, "> 0")
+        _need(self.weight_decay >= 0, s, "weight_decay", self.weight_decay, ">= 0")
+        _need(
+            self.max_grad_norm is None or self.max_grad_norm >= 0,
+            s,
+            "max_grad_norm",
+            self.max_grad_norm,
+            ">= 0 or null",
+        )
         _need(0 <= self.teacher_share <= 1, s, "teacher_share", self.teacher_share, "in [0, 1]")
         _need(self.batch_size >= 1, s, "batch_size", self.batch_size, ">= 1")
         _need(
@@ -330,13 +350,79 @@ def section(cfg, name: str):
     return schema.from_mapping(OmegaConf.to_container(node, resolve=True))
 
 
+#: numpy's (and so Lightning's ``seed_everything``'s) range of seeds
+SEED_RANGE = (0, 2**32 - 1)
+#: untyped groups whose numbers go straight into training: none may be NaN or infinite
+NUMERIC_GROUPS = ("method", "rollout", "trainer", "stage")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_run(cfg) -> None:
+    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
+    from omegaconf import OmegaConf
+
+    lo, hi = SEED_RANGE
+    seed = OmegaConf.select(cfg, "seed", default=0)
+    if not (_is_int(seed) and lo <= seed <= hi):
+        raise ConfigError(f"seed={seed!r} is not allowed: an integer in [{lo}, {hi}]")
+    if OmegaConf.select(cfg, "trainer") is None:
+        return
+    steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
+    if not (_is_int(steps) and steps >= 1):
+        raise ConfigError(
+            f"trainer.max_steps={steps!r} is not allowed: a positive step count (an integer "
+            ">= 1); a run without a step limit would never end"
+        )
+    every = OmegaConf.select(cfg, "trainer.val_check_interval", default=None)
+    val = OmegaConf.select(cfg, "data.val_prompts", default=0) or 0
+    if val and not (_is_int(every) and every >= 1):
+        raise ConfigError(
+            f"trainer.val_check_interval={every!r} is not allowed with data.val_prompts={val}: "
+            "an integer >= 1 (validate every N RL steps); data.val_prompts=0 turns validation off"
+        )
+
+
+def _nonfinite_leaves(node: Any, key: str):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _nonfinite_leaves(v, f"{key}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _nonfinite_leaves(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        yield key, node
+
+
+def check_finite(cfg, groups: Sequence[str] = NUMERIC_GROUPS) -> None:
+    """Refuse a NaN or infinite number anywhere in ``groups`` (``method.reward_weights``,
+    ``rollout.sampling``, ...), naming its key. Interpolations are left as they are."""
+    from omegaconf import OmegaConf
+
+    for name in groups:
+        node = OmegaConf.select(cfg, name)
+        if node is None:
+            continue
+        raw = OmegaConf.to_container(node, resolve=False)
+        for key, value in _nonfinite_leaves(raw, name):
+            raise ConfigError(
+                f"{key}={value!r} is not allowed: a finite number (NaN and infinity cannot "
+                "be trained with)"
+            )
+
+
 def validate(cfg) -> None:
-    """Check every typed section present in ``cfg`` (before any model or data loads)."""
+    """Check every typed section present in ``cfg`` (before any model or data loads), the
+    seed, the trainer's step limit and validation interval, and that no number is NaN/inf."""
     from omegaconf import OmegaConf
 
     for name in SCHEMAS:
         if OmegaConf.select(cfg, name) is not None:
             section(cfg, name)
+    check_run(cfg)
+    check_finite(cfg)
 
 
 def check_overrides(argv: Sequence[str]) -> None:

@@ -47,6 +47,21 @@ def no_model_load(monkeypatch):
         ("optim.betas=[0.9]", "optim.betas"),
         ("replay.token_budget=0", "replay.token_budget"),
         ("data.val_batch_size=0", "data.val_batch_size"),
+        # not finite: inf passes ">= 0" (rl.kl_coef=inf skipped every update, rc 0)
+        ("rl.kl_coef=inf", "rl.kl_coef"),
+        ("rl.clip_high=inf", "rl.clip_high"),
+        ("rl.max_grad_norm=inf", "rl.max_grad_norm"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.betas=[0.9,nan]", "optim.betas"),
+        # a run without a step limit never ended, without a word
+        ("trainer.max_steps=-1", "trainer.max_steps"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        # numpy's or int()'s messages named no key
+        ("seed=-1", "seed"),
+        ("seed=99999999999", "seed"),
+        ("seed=abc", "seed"),
+        ("seed=1.5", "seed"),
     ],
 )
 def test_out_of_range_values_fail_before_the_model_loads(train_cfg, no_model_load, override, key):
@@ -77,6 +92,10 @@ def test_values_of_the_wrong_type_fail_while_composing_naming_the_key(train_cfg,
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
         ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p"),
         ("method.beta=2", "method.beta"),
+        ("rollout.sampling.temperature=inf", "rollout.sampling.temperature"),
+        ("method.eps=inf", "method.eps"),
+        ("method.reward_weights={count:nan}", "method.reward_weights.count=nan"),
+        ("method.reward_weights={count:-inf}", "method.reward_weights.count=-inf"),
     ],
 )
 def test_sampling_and_method_values_are_checked_before_the_model_loads(
@@ -85,6 +104,36 @@ def test_sampling_and_method_values_are_checked_before_the_model_loads(
     with pytest.raises(Exception) as err:
         train(train_cfg(override))
     assert key in str(err.value) + str(err.value.__cause__)
+
+
+def test_validation_interval_zero_is_refused_when_validation_is_on(train_cfg, no_model_load):
+    """It used to fail with a ZeroDivisionError after the first step."""
+    with pytest.raises(ConfigError) as err:
+        train(train_cfg("trainer.val_check_interval=0", "data.val_prompts=4"))
+    msg = str(err.value)
+    assert msg.startswith("trainer.val_check_interval=0 is not allowed with data.val_prompts=4")
+    assert "an integer >= 1" in msg and "data.val_prompts=0" in msg
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_every_number_of_every_typed_section_must_be_finite(value):
+    """A float key added later without a range check is still refused when NaN or infinite."""
+    import dataclasses
+    import typing
+
+    from mrtpo.settings import SCHEMAS
+
+    checked = 0
+    for name, schema in SCHEMAS.items():
+        hints = typing.get_type_hints(schema)
+        for f in dataclasses.fields(schema):
+            if "float" not in str(hints[f.name]).lower():
+                continue
+            bad = [0.9, value] if "List" in str(hints[f.name]) else value
+            with pytest.raises(ConfigError, match=rf"^{name}\.{f.name}=.* a finite value"):
+                schema(**{f.name: bad})
+            checked += 1
+    assert checked >= 14  # rl 5, optim 3, stage.sft 6
 
 
 def test_settings_that_lived_only_in_code_can_be_set_plainly(train_cfg):
@@ -121,6 +170,19 @@ def test_cli_refuses_a_bad_value_in_seconds_naming_it(tmp_path):
     )
     assert out.returncode != 0
     assert "rl.ppo_epochs=0 is not allowed: >= 1" in out.stdout + out.stderr
+
+
+def test_cli_refuses_a_run_without_a_step_limit_naming_it(tmp_path):
+    """``trainer.max_steps=-1`` used to train forever without a word."""
+    out = subprocess.run(
+        [sys.executable, "src/train.py", "trainer.max_steps=-1", f"paths.log_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "trainer.max_steps=-1 is not allowed: a positive step count" in out.stdout + out.stderr
 
 
 @pytest.mark.parametrize(
