@@ -184,6 +184,7 @@ def test_system_exit_in_a_reward_does_not_end_the_run(user, train_cfg):
     assert module.fault_tracker.counters["scoring_errors_total"] == sum(errors)
 
 
+@pytest.mark.slow  # a full `python src/train.py` (about a minute here)
 def test_keyboard_interrupt_in_a_reward_stops_the_run_naming_it(user, tmp_path, cache_dir):
     """Issue 25 item 7: a KeyboardInterrupt from a reward gave rc 1 and no message."""
     import os
@@ -203,7 +204,8 @@ def test_keyboard_interrupt_in_a_reward_stops_the_run_naming_it(user, tmp_path, 
         "rollout.sampling.max_new_tokens=4",
         "callbacks.progress=null",
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), str(ROOT)])}
+    path = [str(user), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     out = subprocess.run(
         [sys.executable, "src/train.py", *args],
         cwd=ROOT,

@@ -9,7 +9,9 @@ the user's HF cache, never beside the data).
 from __future__ import annotations
 
 import csv
+import io
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +23,19 @@ FILE_FORMATS = {
     ".csv": "csv",
 }
 FORMATS = ("jsonl", "json", "parquet", "csv", "hf")
+CSV_FIELD_LIMIT = 1 << 30  # characters in one CSV field
 
 
-def detect_format(path: str, given: str | None, key: str) -> str:
+def detect_format(path: str, given: str | None, key: str, path_key: str = "task.data.path") -> str:
     """The reader for ``path``: ``given`` if set, else from the extension; a path that is
-    not on disk is taken to be a hub dataset id."""
+    not on disk is taken to be a hub dataset id. ``key`` / ``path_key`` are the config keys
+    of the format and of the path, for error messages."""
     if given:
         if given not in FORMATS:
             raise ValueError(f"{key}={given!r} is not a supported format; use one of {FORMATS}")
         return given
     p = Path(path)
+    _refuse_special(path, path_key)
     if p.is_file():
         fmt = FILE_FORMATS.get(p.suffix.lower())
         if fmt is None:
@@ -42,6 +47,22 @@ def detect_format(path: str, given: str | None, key: str) -> str:
     return "hf"  # a saved dataset folder, a folder of data files, or a hub id
 
 
+def _refuse_special(path: str, key: str) -> None:
+    """A FIFO, socket or device is on disk but is no data file: say so (never open it: a
+    FIFO blocks until something writes to it)."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise ValueError(
+            f"{key}={path} is {kind}; the data is read more than once, so give a regular file "
+            "(copy the stream to one first)"
+        )
+
+
 def read_rows(
     path: str,
     fmt: str,
@@ -51,37 +72,92 @@ def read_rows(
     key: str,
 ) -> list[dict[str, Any]]:
     """All rows of one source. ``split`` / ``name`` apply to HF datasets only; ``key`` is the
-    config key that set ``path``, for error messages."""
-    if fmt != "hf" and not Path(path).is_file():
-        raise FileNotFoundError(f"{key}={path}: no such file")
+    config key that set ``path``, for error messages. Text files are UTF-8, with or without a
+    byte-order mark; every error names the file (and the line where there is one)."""
+    if fmt != "hf":
+        _refuse_special(path, key)
+        if not Path(path).is_file():
+            what = "a folder, not a file" if Path(path).is_dir() else "no such file"
+            raise FileNotFoundError(f"{key}={path}: {what}")
     if fmt == "jsonl":
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg})") from exc
-        return _check_dicts(rows, path)
+        return _check_dicts(_read_jsonl(path), path)
     if fmt == "json":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if isinstance(data, dict):  # {"data": [...]} or a single list-valued field
-            lists = [v for v in data.values() if isinstance(v, list)]
-            if len(lists) != 1:
-                raise ValueError(f"{path}: expected a JSON list of rows (or one list field)")
-            data = lists[0]
-        return _check_dicts(data, path)
+        return _check_dicts(_read_json(path), path)
     if fmt == "csv":
-        with open(path, encoding="utf-8", newline="") as f:
-            return list(csv.DictReader(f))
+        return _read_csv(path)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's errors do not name the file
+            raise ValueError(f"{path}: not a readable parquet file ({exc})") from exc
     return _read_hf(path, split=split, name=name, key=key)
+
+
+def _decode(raw: bytes, path: str, first_line: int = 1) -> str:
+    """``raw`` as UTF-8, or an error naming the line. A byte-order mark is dropped at the
+    start of the file only (``first_line`` 1), as the evaluation's readers do."""
+    try:
+        return raw.decode("utf-8-sig" if first_line == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw.count(b"\n", 0, exc.start)
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(
+            f"{path}:{line}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}); "
+            "save the file as UTF-8"
+        ) from None
+
+
+def _read_jsonl(path: str) -> list[Any]:
+    rows = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = _decode(raw, path, n)
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg})") from exc
+            except RecursionError:
+                raise ValueError(f"{path}:{n}: JSON nested too deeply to read") from None
+    return rows
+
+
+def _read_json(path: str) -> Any:
+    text = _decode(Path(path).read_bytes(), path)
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; expected a JSON list of rows")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+        ) from exc
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
+    if isinstance(data, dict):  # {"data": [...]} or a single list-valued field
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise ValueError(f"{path}: expected a JSON list of rows (or one list field)")
+        data = lists[0]
+    return data
+
+
+def _read_csv(path: str) -> list[dict[str, Any]]:
+    """CSV rows. Fields may be as long as ``CSV_FIELD_LIMIT`` (``csv``'s own default of
+    128 KiB is too short for long prompts); the module-wide limit is restored afterwards."""
+    text = _decode(Path(path).read_bytes(), path)
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, CSV_FIELD_LIMIT))
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        return list(reader)
+    except csv.Error as exc:
+        raise ValueError(f"{path}:{reader.reader.line_num}: not valid CSV ({exc})") from exc
+    finally:
+        csv.field_size_limit(old)
 
 
 def _check_dicts(rows, path: str) -> list[dict[str, Any]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -102,8 +101,12 @@ class CustomTask(Task):
         rewards_vary_per_prompt: bool = False,
         import_dirs: Sequence[str] = (),
         name: str = "custom",
+        max_block_chars: int = 16384,
     ) -> None:
         self.name = name
+        if int(max_block_chars) < 1:
+            raise ValueError(f"task.max_block_chars must be >= 1, got {max_block_chars}")
+        self.max_block_chars = int(max_block_chars)
         self.cfg = DataConfig.from_mapping(data)
         for d in import_dirs or ():  # so that 'mymod.r1' is found in the user's folder
             d = str(Path(d).expanduser().resolve())
@@ -241,7 +244,7 @@ class CustomTask(Task):
         raise FileNotFoundError(f"{key}={value}: no such file")
 
     def _rows(self, path: str, hf_split: str | None, key: str, fmt: str | None) -> list[dict]:
-        fmt = detect_format(path, fmt, "task.data.format")
+        fmt = detect_format(path, fmt, "task.data.format", path_key=key)
         return read_rows(path, fmt, split=hf_split, name=self.cfg.name, key=key)
 
     def _to_examples(self, rows: list[dict], split: str, source: str) -> list[Example]:
@@ -315,16 +318,23 @@ class CustomTask(Task):
                 f"{where}: column {col!r} must hold text or a list of chat messages, got "
                 f"{type(raw).__name__} {str(raw)[:80]!r}"
             )
+        for i, m in enumerate(msgs):
+            what = f"column {col!r}" + (f" (message {i})" if len(msgs) > 1 else "")
+            _check_text(m["content"], where, what)
         if self.cfg.system_prompt and msgs[0]["role"] != "system":  # a user's own one wins
+            _check_text(self.cfg.system_prompt, "task.data.system_prompt", "the text")
             msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
         return msgs
 
     def _reference(self, raw: Any, where: str) -> str | None:
+        what = f"column {self.cfg.reference_column!r}"
         if raw is None or isinstance(raw, str):
+            _check_text(raw or "", where, what)
             return raw or None
         if isinstance(raw, list):  # TRL's conversational completions: [{"role": "assistant", ...}]
             said = [m.get("content") for m in raw if isinstance(m, Mapping)]
             if said and all(isinstance(s, str) for s in said):
+                _check_text("".join(said), where, what)
                 return "".join(said)
         raise ValueError(
             f"{where}: column {self.cfg.reference_column!r} must hold text (or assistant "
@@ -333,29 +343,27 @@ class CustomTask(Task):
 
     # ---- rewards ------------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
-        prompt, row = example.data["prompt"], example.data["row"]
         rewards: dict[str, float | None] = {}
         blocks: dict[str, str | None] = dict.fromkeys(self.reward_names)
         reasons: dict[str, str] = {}
         errors: list[str] = []
         for r in self._rewards:
-            try:
-                value = r.fn(prompt, response, **row)
-            except Exception as exc:  # costs this reward of this sample only
+            who = f"reward {r.name} ({r.label})"
+            value, failed = self._call(r.fn, who, example, response)
+            if failed:  # costs this reward of this sample only
                 rewards[r.name] = None
-                errors.append(f"reward {r.name} ({r.label}) raised {type(exc).__name__}: {exc}")
+                errors.append(f"{who} {failed}")
                 continue
             rewards[r.name], problem = _as_reward(value)
             if problem:
-                errors.append(f"reward {r.name} ({r.label}) returned {problem}")
+                errors.append(f"{who} returned {problem}")
         for name, b in self._blocks.items():
             if rewards.get(name) is None:
                 continue  # a reward that does not apply is never replayed
-            try:
-                text = b.fn(prompt, response, **row)
-            except Exception as exc:
-                self._warn_once(b.label, f"{type(exc).__name__}: {exc}")
-                reasons[f"block/{name}"] = f"{b.label} raised {type(exc).__name__}"
+            text, failed = self._call(b.fn, f"block {name} ({b.label})", example, response)
+            if failed:
+                self._warn_once(b.label, failed)
+                reasons[f"block/{name}"] = f"{b.label} {failed}"[:200]
                 continue
             if text is not None and not isinstance(text, str):
                 self._warn_once(b.label, f"returned a {type(text).__name__}, not str or None")
@@ -363,7 +371,7 @@ class CustomTask(Task):
             blocks[name] = text or None
         checks: dict[str, Any] = {}
         if self._success is not None:
-            checks["success"] = self._succeeded(prompt, response, row, rewards)
+            checks["success"] = self._succeeded(example, response, rewards)
         return Score(
             rewards=rewards,
             blocks=blocks,
@@ -372,7 +380,31 @@ class CustomTask(Task):
             error="; ".join(errors) or None,
         )
 
-    def _succeeded(self, prompt, response, row, rewards) -> bool | None:
+    @staticmethod
+    def _call(fn: Callable, who: str, example: Example, response: str) -> tuple[Any, str | None]:
+        """``fn(prompt, response, **row)`` and None, or None and why it failed.
+
+        A ``SystemExit`` from a user's function (``sys.exit()`` in a reward) is a failure of
+        that call, not the end of the run. A ``KeyboardInterrupt`` (Ctrl-C, or raised by the
+        function) stops the run, with the function named in the log and on the exception.
+        """
+        try:
+            return fn(example.data["prompt"], response, **example.data["row"]), None
+        except KeyboardInterrupt as exc:
+            msg = f"KeyboardInterrupt while {who} scored example {example.id}: the run stops"
+            log.error("%s (Ctrl-C, or the function raised KeyboardInterrupt)", msg)
+            exc.add_note(msg)
+            exc.mrtpo_logged = True  # type: ignore[attr-defined]
+            raise
+        except SystemExit as exc:
+            return None, (
+                f"raised SystemExit({exc.code!r}): a reward function must return a value "
+                "(or None), not exit; the run goes on and counts a scoring error"
+            )
+        except Exception as exc:
+            return None, f"raised {type(exc).__name__}: {exc}"
+
+    def _succeeded(self, example: Example, response: str, rewards) -> bool | None:
         rule, t = self._success, self.success_threshold
         if rule == "all":
             vals = [v for v in rewards.values() if v is not None]
@@ -380,10 +412,9 @@ class CustomTask(Task):
         if isinstance(rule, str):
             v = rewards.get(rule)
             return None if v is None else v >= t
-        try:
-            out = rule(prompt, response, **row)
-        except Exception as exc:
-            self._warn_once(label(rule), f"{type(exc).__name__}: {exc}")
+        out, failed = self._call(rule, f"task.success ({label(rule)})", example, response)
+        if failed:
+            self._warn_once(label(rule), failed)
             return None
         return None if out is None else bool(out)
 
@@ -402,16 +433,41 @@ class CustomTask(Task):
 
 
 def _as_reward(value: Any) -> tuple[float | None, str | None]:
-    """A reward function's return value as a float or None, and what was wrong with it."""
+    """A reward function's return value as a float or None, and what was wrong with it.
+
+    Text is never read as a number (``"1.0"`` is a mistake in the function, not 1.0); a
+    number too large for a float (``10**400``) is refused with that reason.
+    """
     if value is None:
         return None, None
     if isinstance(value, bool):
         return float(value), None
-    if isinstance(value, numbers.Real):
-        f = float(value)
-        return (None, None) if math.isnan(f) else (f, None)
-    try:  # 0-d tensors and numpy scalars
-        f = float(value)
-    except (TypeError, ValueError):
+    if isinstance(value, (str, bytes, bytearray)):
         return None, f"a {type(value).__name__} ({str(value)[:40]!r}), not a number or None"
+    try:  # plain numbers, 0-d tensors, numpy scalars
+        f = float(value)
+    except OverflowError:
+        size = f"{value.bit_length()} bits" if isinstance(value, int) else "its magnitude"
+        return None, f"an {type(value).__name__} too large for a float ({size})"
+    except (TypeError, ValueError):
+        return None, f"a {type(value).__name__} ({_preview(value)}), not a number or None"
     return (None, None) if math.isnan(f) else (f, None)
+
+
+def _preview(value: Any) -> str:
+    try:
+        return repr(str(value)[:40])
+    except Exception:  # an object whose str() fails (or an int too long to print)
+        return "unprintable"
+
+
+def _check_text(text: str, where: str, what: str) -> None:
+    """Refuse text that cannot be encoded (a lone surrogate such as ``"\\ud800"`` from a JSON
+    escape): no tokenizer takes it, and it would fail only after the model has loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{where}: {what} holds U+{ord(text[exc.start]):04X} at character {exc.start}, a "
+            "lone surrogate that is not text (no tokenizer can encode it); fix or drop that row"
+        ) from None
