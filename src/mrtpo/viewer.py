@@ -1,0 +1,444 @@
+"""A run's per-token relevance as an HTML page and a PNG (``python src/relevance.py <run>``).
+
+``relevance.jsonl`` (written by ``mrtpo.callbacks.samples.RelevanceDump``) holds, for a few
+responses every N steps, each replayed reward's relevance ``q`` of every response token and
+the token weight ``w`` the method derived from it. The page shows every record it is given:
+one block per response, two rows per reward (q, then w), each token shaded on one scale for
+the whole page, so that shades compare across tokens, rewards, responses and steps:
+
+* q (Jensen–Shannon distance, in [0, 1]) from 0 to the largest q on the page, sequential;
+* w around 1, the even share GDPO gives every token, on a log scale: below 1 (less credit
+  than even) and above 1 (more) in two hues.
+
+A legend gives both scales; hovering a token shows its reward, position, q and w; the step and
+reward filters hide the rest. The PNG draws one response the same way, for a paper or a note.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mrtpo.analysis.runs import read_jsonl
+
+FILE = "relevance.jsonl"
+Q_CMAP, W_CMAP = "YlOrRd", "PRGn"
+#: the w scale spans at most 2^-W_OCTAVES .. 2^W_OCTAVES (larger weights get the end colour)
+W_OCTAVES = 4.0
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def find_file(source: str | Path) -> Path:
+    """``relevance.jsonl`` of a run folder, or the file itself; a clear error otherwise."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such run folder or file")
+    if (path / FILE).is_file():
+        return path / FILE
+    below = sorted(path.rglob(FILE))
+    if below:
+        listed = "\n  ".join(str(p.parent) for p in below[:10])
+        more = f"\n  ... and {len(below) - 10} more" if len(below) > 10 else ""
+        raise FileNotFoundError(
+            f"{path} holds no {FILE} itself, but {len(below)} run folder(s) below it do; give "
+            f"one of them:\n  {listed}{more}"
+        )
+    raise FileNotFoundError(
+        f"{path} has no {FILE}: a run writes it when its method replays (MRTPO and its "
+        "variants, CoRT) and callbacks.relevance_dump is on (configs/callbacks/default.yaml)"
+    )
+
+
+def _problem(rec) -> str | None:
+    """Why a record cannot be drawn (None when it can)."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    tokens, q, w = rec.get("tokens"), rec.get("q"), rec.get("w", {})
+    if not isinstance(tokens, list) or not isinstance(q, dict) or not isinstance(w, dict):
+        return "needs 'tokens' (a list) and 'q' and 'w' (objects by reward name)"
+    for kind, rows in (("q", q), ("w", w)):
+        for name, values in rows.items():
+            if not isinstance(values, list) or len(values) != len(tokens):
+                return f"{kind}[{name!r}] does not have one number per token ({len(tokens)})"
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+                return f"{kind}[{name!r}] holds a value that is not a finite number"
+    return None
+
+
+def load_records(path: Path) -> tuple[list[dict], list[str]]:
+    """The drawable records of ``path`` and, for each one left out, why (naming its line)."""
+    try:
+        records = read_jsonl(path)
+    except json.JSONDecodeError as exc:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        bad = next(i for i, line in enumerate(lines, 1) if line.strip() and not _parses(line))
+        raise ValueError(f"{path}, line {bad}: not valid JSON ({exc.msg})") from exc
+    kept, skipped = [], []
+    for i, rec in enumerate(records, 1):
+        why = _problem(rec)
+        if why:
+            skipped.append(f"{path.name} record {i}: {why}")
+        elif rec["q"]:
+            kept.append(rec)
+    return kept, skipped
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def choose_steps(
+    records: list[dict], steps: Sequence[int] | None = None, max_steps: int = 25
+) -> tuple[list[dict], str]:
+    """The records of ``steps`` (all when None, thinned to ``max_steps`` evenly spaced steps
+    including the first and last); and a note saying what was left out ('' when nothing)."""
+    have = sorted({int(r.get("step", 0)) for r in records})
+    if steps:
+        missing = sorted(set(steps) - set(have))
+        if missing:
+            raise ValueError(f"--steps: no records at step(s) {missing}; the file has {have}")
+        keep = set(steps)
+    elif len(have) > max_steps >= 1:
+        idx = {round(i * (len(have) - 1) / max(1, max_steps - 1)) for i in range(max_steps)}
+        keep = {have[i] for i in idx}
+    else:
+        keep = set(have)
+    out = [r for r in records if int(r.get("step", 0)) in keep]
+    note = ""
+    if len(keep) < len(have):
+        note = (
+            f"{len(keep)} of the file's {len(have)} steps are shown (--steps or --max-steps "
+            "choose others)"
+        )
+    return out, note
+
+
+# ---- one scale for the whole page --------------------------------------------------------------
+@dataclass(frozen=True)
+class Scales:
+    q_max: float  # q is shaded from 0 to q_max
+    w_octaves: float  # w from 2^-w_octaves to 2^w_octaves, 1 in the middle
+
+    @classmethod
+    def of(cls, records: list[dict]) -> Scales:
+        qs = [v for r in records for row in r["q"].values() for v in row]
+        ws = [v for r in records for row in r.get("w", {}).values() for v in row]
+        q_max = max([*qs, 0.0]) or 1.0
+        spread = max([abs(math.log2(max(v, 2**-W_OCTAVES))) for v in ws] + [0.0])
+        return cls(q_max=q_max, w_octaves=min(W_OCTAVES, max(0.25, spread)))
+
+    def q_pos(self, v: float) -> float:
+        return min(1.0, max(0.0, v / self.q_max))
+
+    def w_pos(self, v: float) -> float:
+        octave = math.log2(max(v, 2**-self.w_octaves))
+        return min(1.0, max(0.0, 0.5 + 0.5 * octave / self.w_octaves))
+
+
+_LUTS: dict[str, list[str]] = {}
+
+
+def colour(cmap: str, pos: float) -> str:
+    """The colour at ``pos`` in [0, 1] of a matplotlib colormap, as #rrggbb."""
+    if cmap not in _LUTS:
+        import matplotlib
+
+        m = matplotlib.colormaps[cmap]
+        _LUTS[cmap] = [matplotlib.colors.to_hex(m(i / 255)) for i in range(256)]
+    return _LUTS[cmap][round(pos * 255)]
+
+
+def ink(background: str) -> str:
+    """Black or white text, whichever reads on ``background``."""
+    r, g, b = (int(background[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "#fff"
+
+
+def visible(token: str) -> str:
+    """A token as drawn: line breaks and tabs as signs, an empty token as a dot."""
+    return token.replace("\n", "\u21b5").replace("\t", "\u2192").replace("\r", "") or "\u00b7"
+
+
+# ---- the page ---------------------------------------------------------------------------------
+def _row(rec: dict, name: str, kind: str, scales: Scales) -> str:
+    values = rec[kind].get(name)
+    if values is None:
+        return ""
+    cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
+    cells = []
+    for tok, v in zip(rec["tokens"], values):
+        bg = colour(cmap, pos(v))
+        cells.append(
+            f'<span class="t" style="background:{bg};color:{ink(bg)}">'
+            f"{html.escape(visible(tok))}</span>"
+        )
+    return (
+        f'<div class="row" data-kind="{kind}"><span class="kind">{kind}</span>'
+        f'<span class="toks">{"".join(cells)}</span></div>'
+    )
+
+
+def _record(rec: dict, scales: Scales) -> str:
+    step = int(rec.get("step", 0))
+    pairs = []
+    for name in rec["q"]:
+        r = rec.get("rewards", {}).get(name)
+        shown = "none" if r is None else f"{r:g}"
+        data = (
+            f'data-reward="{html.escape(name)}" data-q="{html.escape(json.dumps(rec["q"][name]))}"'
+            f' data-w="{html.escape(json.dumps(rec.get("w", {}).get(name, [])))}"'
+        )
+        pairs.append(
+            f'<div class="pair" {data}><div class="lab">{html.escape(name)} '
+            f'<span class="r">reward {shown}</span></div>'
+            f"{_row(rec, name, 'q', scales)}{_row(rec, name, 'w', scales)}</div>"
+        )
+    beta = rec.get("beta")
+    tokens = html.escape(json.dumps(rec["tokens"], ensure_ascii=False))
+    head = f"step {step} · prompt {html.escape(str(rec.get('id', '?')))}"
+    if isinstance(beta, (int, float)):
+        head += f" · β = {beta:g}"
+    return (
+        f'<section class="rec" data-step="{step}" data-tokens="{tokens}"><h2>{head}</h2>'
+        f"<details><summary>prompt</summary><pre>{html.escape(str(rec.get('prompt', '')))}</pre>"
+        f"</details>{''.join(pairs)}</section>"
+    )
+
+
+def _legend(scales: Scales) -> str:
+    def bar(cmap: str, ticks: list[tuple[float, str]], label: str, kind: str) -> str:
+        stops = ",".join(colour(cmap, i / 10) for i in range(11))
+        marks = "".join(f'<span style="left:{p * 100:.1f}%">{t}</span>' for p, t in ticks)
+        return (
+            f'<div class="legend" id="legend-{kind}"><b>{label}</b>'
+            f'<div class="bar" style="background:linear-gradient(to right,{stops})"></div>'
+            f'<div class="ticks">{marks}</div></div>'
+        )
+
+    q_ticks = [(i / 4, f"{scales.q_max * i / 4:.3g}") for i in range(5)]
+    o = scales.w_octaves
+    w_ticks = [(scales.w_pos(2.0**e), f"{2.0**e:.3g}") for e in (-o, -o / 2, 0.0, o / 2, o)]
+    return bar(
+        Q_CMAP, q_ticks, "q: relevance (Jensen–Shannon distance), 0 to the page's largest", "q"
+    ) + bar(W_CMAP, w_ticks, "w: token weight (1 = GDPO's even share; log scale)", "w")
+
+
+def _controls(records: list[dict]) -> str:
+    steps = sorted({int(r.get("step", 0)) for r in records})
+    names = list(dict.fromkeys(n for r in records for n in r["q"]))
+    options = "".join(f'<option value="{s}">{s}</option>' for s in steps)
+    boxes = "".join(
+        f'<label><input type="checkbox" class="reward" value="{html.escape(n)}" checked> '
+        f"{html.escape(n)}</label>"
+        for n in names
+    )
+    return (
+        '<div id="controls"><label>step <select id="step"><option value="">all</option>'
+        f"{options}</select></label> <span>rewards {boxes}</span> <span>rows "
+        '<label><input type="checkbox" class="kind" value="q" checked> q</label>'
+        '<label><input type="checkbox" class="kind" value="w" checked> w</label></span>'
+        ' <span id="count"></span></div>'
+    )
+
+
+SCRIPT = """
+const tip = document.getElementById('tip');
+document.addEventListener('mouseover', (e) => {
+  const t = e.target.closest('.t');
+  if (!t) { tip.hidden = true; return; }
+  const pair = t.closest('.pair');
+  const i = Array.prototype.indexOf.call(t.parentNode.children, t);
+  const q = JSON.parse(pair.dataset.q), w = JSON.parse(pair.dataset.w);
+  const tokens = JSON.parse(t.closest('.rec').dataset.tokens);
+  tip.textContent = pair.dataset.reward + ', token ' + i + ': ' + JSON.stringify(tokens[i]) +
+    '\\nq = ' + q[i].toFixed(5) + (i < w.length ? '\\nw = ' + w[i].toFixed(4) : '');
+  const box = t.getBoundingClientRect();
+  tip.style.left = (window.scrollX + box.left) + 'px';
+  tip.style.top = (window.scrollY + box.bottom + 4) + 'px';
+  tip.hidden = false;
+});
+function apply() {
+  const step = document.getElementById('step').value;
+  const rewards = new Set([...document.querySelectorAll('input.reward:checked')].map(b => b.value));
+  const kinds = new Set([...document.querySelectorAll('input.kind:checked')].map(b => b.value));
+  let shown = 0, all = 0;
+  for (const rec of document.querySelectorAll('section.rec')) {
+    all += 1;
+    let any = false;
+    for (const pair of rec.querySelectorAll('.pair')) {
+      const on = rewards.has(pair.dataset.reward);
+      pair.hidden = !on;
+      any = any || on;
+    }
+    for (const row of rec.querySelectorAll('.row')) row.hidden = !kinds.has(row.dataset.kind);
+    rec.hidden = !any || (step !== '' && rec.dataset.step !== step);
+    if (!rec.hidden) shown += 1;
+  }
+  document.getElementById('count').textContent = shown + ' of ' + all + ' responses';
+}
+for (const el of document.querySelectorAll('#controls select, #controls input')) {
+  el.addEventListener('change', apply);
+}
+apply();
+"""
+
+STYLE = """
+body{font-family:sans-serif;margin:0 1.5em 2em}
+header{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd;z-index:1}
+h1{font-size:1.2em;margin:.3em 0} h2{font-size:1em;margin:1.2em 0 .3em}
+.legends{display:flex;gap:3em;flex-wrap:wrap;margin:.4em 0}
+.legend{width:22em;font-size:.8em} .bar{height:.9em;border:1px solid #999}
+.ticks{position:relative;height:1.2em} .ticks span{position:absolute;transform:translateX(-50%)}
+#controls{font-size:.9em} #controls label{margin-right:.6em} #count{color:#555}
+.pair{margin:.4em 0 .8em} .lab{font-size:.85em;color:#333} .r{color:#777}
+.row{display:flex;align-items:flex-start} .kind{width:1.5em;color:#777;font-size:.8em}
+.toks{display:flex;flex-wrap:wrap} .t{font-family:monospace;white-space:pre;padding:1px 2px;
+margin:0 1px 1px 0;cursor:default}
+#tip{position:absolute;background:#222;color:#fff;font:12px monospace;white-space:pre;
+padding:4px 6px;border-radius:3px;pointer-events:none;z-index:2}
+pre{white-space:pre-wrap;font-size:.85em;background:#f6f6f6;padding:.5em}
+.note{color:#a33;font-size:.85em}
+"""
+
+
+def render_html(records: list[dict], title: str, notes: Sequence[str] = ()) -> str:
+    """The page for ``records`` (all on one scale), with ``notes`` (what was left out)."""
+    scales = Scales.of(records)
+    note = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
+    body = "".join(_record(r, scales) for r in records)
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>Relevance: {html.escape(title)}</title>"
+        '<link rel="icon" href="data:,"><style>' + STYLE + "</style></head><body><header>"
+        f"<h1>Per-token relevance: {html.escape(title)}</h1>"
+        f'<div class="legends">{_legend(scales)}</div>{_controls(records)}{note}</header>'
+        f'<main>{body}</main><div id="tip" role="tooltip" hidden></div>'
+        "<script>" + SCRIPT + "</script></body></html>\n"
+    )
+
+
+# ---- the picture ------------------------------------------------------------------------------
+def pick(records: list[dict]) -> dict:
+    """The response the PNG draws: the most rewards replayed, met and unmet ones among them,
+    then the latest step."""
+
+    def key(r):
+        vals = [v for v in r.get("rewards", {}).values() if isinstance(v, (int, float))]
+        mixed = 0 < sum(1 for v in vals if v > 0) < len(vals)
+        return (len(r["q"]), mixed, int(r.get("step", 0)))
+
+    return max(records, key=key)
+
+
+def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: int = 240) -> None:
+    """One response: a q row and a w row per reward, ``width`` tokens a line (at most
+    ``limit`` tokens), shaded on the page's scales, with both colour bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    toks = [visible(t) for t in rec["tokens"][:limit]]
+    rows = [(n, k) for n in rec["q"] for k in ("q", "w") if rec[k].get(n) is not None]
+    lines = max(1, math.ceil(len(toks) / width))
+    height = len(rows) + 1  # a blank row between lines of tokens
+    fig, ax = plt.subplots(figsize=(min(width, len(toks)) * 0.62 + 2.6, lines * height * 0.3 + 2))
+    for line in range(lines):
+        for r, (name, kind) in enumerate(rows):
+            y = line * height + r
+            cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
+            values = rec[kind][name]
+            for c in range(width):
+                t = line * width + c
+                if t >= len(toks):
+                    break
+                bg = colour(cmap, pos(values[t]))
+                ax.add_patch(plt.Rectangle((c, y), 1, 1, facecolor=bg, edgecolor="white", lw=0.5))
+                ax.text(c + 0.5, y + 0.5, toks[t], ha="center", va="center", fontsize=6,
+                        color=ink(bg), family="monospace")  # fmt: skip
+            ax.text(-0.2, y + 0.5, f"{name} {kind}", ha="right", va="center", fontsize=7)
+    ax.set_xlim(0, min(width, len(toks)))
+    ax.set_ylim(lines * height - 1, 0)
+    ax.axis("off")
+    cut = f" (first {limit} of {len(rec['tokens'])} tokens)" if len(rec["tokens"]) > limit else ""
+    ax.set_title(f"step {rec.get('step', 0)}, prompt {rec.get('id', '?')}{cut}", fontsize=9)
+    _colourbars(fig, ax, scales)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _colourbars(fig, ax, scales: Scales) -> None:
+    import matplotlib
+
+    q = matplotlib.cm.ScalarMappable(
+        norm=matplotlib.colors.Normalize(0, scales.q_max), cmap=matplotlib.colormaps[Q_CMAP]
+    )
+    o = scales.w_octaves
+    w = matplotlib.cm.ScalarMappable(
+        norm=matplotlib.colors.LogNorm(2.0**-o, 2.0**o), cmap=matplotlib.colormaps[W_CMAP]
+    )
+    fig.colorbar(q, ax=ax, orientation="horizontal", fraction=0.04, pad=0.02, label="q")
+    bar = fig.colorbar(w, ax=ax, orientation="horizontal", fraction=0.04, pad=0.08, label="w")
+    bar.ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    bar.ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+# ---- the command ------------------------------------------------------------------------------
+def parse_steps(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError as exc:
+        raise ValueError(f"--steps takes step numbers separated by commas, got {text!r}") from exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python src/relevance.py",
+        description="Render a run's relevance.jsonl (each reward's per-token relevance q and "
+        "weight w) as an HTML page (one colour scale, legend, hover values, step and reward "
+        "filters) and a PNG of one response.",
+    )
+    p.add_argument("run", help="a run folder (or its relevance.jsonl)")
+    p.add_argument("--out", type=Path, help="folder for relevance.html and relevance.png "
+                   "(default: the folder holding relevance.jsonl)")  # fmt: skip
+    p.add_argument("--steps", help="only these steps, e.g. 1,51,101")
+    p.add_argument("--max-steps", type=int, default=25,
+                   help="without --steps, at most this many evenly spaced steps (default 25)")  # fmt: skip
+    a = p.parse_args(argv)
+    try:
+        path = find_file(a.run)
+        records, skipped = load_records(path)
+        if not records:
+            raise ValueError(f"{path}: no record with a replayed reward to draw")
+        records, note = choose_steps(records, parse_steps(a.steps), a.max_steps)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    out = a.out or path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    notes = [n for n in (note, *skipped[:5]) if n]
+    if len(skipped) > 5:
+        notes.append(f"... and {len(skipped) - 5} more records left out")
+    for n in notes:
+        print(f"note: {n}")
+    page, png = out / "relevance.html", out / "relevance.png"
+    title = path.parent.name if path.name == FILE else path.name
+    page.write_text(render_html(records, title, notes), encoding="utf-8")
+    render_png(pick(records), Scales.of(records), png)
+    print(f"wrote {page} ({len(records)} responses) and {png}")
+    return 0
