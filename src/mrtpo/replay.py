@@ -74,7 +74,9 @@ class ReplayResult:
     stats: dict[str, float] = field(default_factory=dict)
     # log pi(y_t | P_all, y_<t) [N, T], valid on ``logp_rows`` [N] bool: the responses whose
     # P_all is token-for-token their sampling prompt P0 (in-prompt information), where it
-    # equals the old-policy log-prob and can stand in for that forward.
+    # equals the old-policy log-prob and can stand in for that forward. In 16-bit forwards only
+    # rows computed without a shared prefix qualify (a cached prefix moves bf16 log-probs by
+    # up to ~1e-2 nats against the plain pass; fp32 agrees to 1e-6).
     logp: Tensor | None = None
     logp_rows: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
@@ -87,6 +89,14 @@ def _sliding_window(model) -> bool:
     if types:
         return any(t != "full_attention" for t in types)
     return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True)
+
+
+def _low_precision(model, device: torch.device) -> bool:
+    """True when the forwards run in a 16-bit float type (the weights' own, or autocast's)."""
+    param = next(model.parameters())
+    if param.dtype in (torch.bfloat16, torch.float16):
+        return True
+    return torch.is_autocast_enabled(device.type)
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:
@@ -118,6 +128,8 @@ class Replayer:
         self.min_shared_fraction = 0.1
         self.min_shared_tokens: float | None = None
         self._n_params: int | None = None
+        #: the shared-prefix layouts ``_shared_layout`` may choose from (tests pin one)
+        self.layouts: tuple[str, ...] = ("common", "branch")
 
     # -- planning -------------------------------------------------------------------------
     def plan(
@@ -185,6 +197,7 @@ class Replayer:
         split = None if sharded else split_head(model)
         tau = roll.temperature
 
+        low_precision = _low_precision(model, device)
         was_training = model.training
         model.eval()
         forwards = tokens = computed = shared = 0
@@ -197,6 +210,11 @@ class Replayer:
                     model, split, chunk, roll.response_ids, roll.response_mask
                 )
                 shared += was_shared
+                if was_shared and low_precision:
+                    # the cached prefix splits the attention sums differently from the plain
+                    # pass: in bf16 the log-probs move by up to ~1e-2 nats, too far to stand in
+                    # for pi_old, so these rows get their own plain forward
+                    logp_rows[[job.response for job in chunk]] = False
                 calls += 2 if was_shared else 1
                 forwards += len(chunk)
                 tokens += sum(
@@ -309,8 +327,7 @@ class Replayer:
             least = 2e9 / max(self._n_params, 1)
         return saved >= self.min_shared_fraction * plain_cost and saved >= least
 
-    @staticmethod
-    def _shared_layout(chunk: list[_Job], t: int):
+    def _shared_layout(self, chunk: list[_Job], t: int):
         """The cheaper of two shared-prefix layouts of a micro-batch (None if nothing is
         shared): (prefixes, each row's prefix index, how much of it each row sees, suffixes,
         padded token cost).
@@ -329,7 +346,7 @@ class Replayer:
         index = {j: n for n, j in enumerate(groups)}
         row_prefix = torch.tensor([index[job.response] for job in chunk])
         best = None
-        for layout in ("common", "branch"):
+        for layout in self.layouts:
             prefixes: list[list[int]] = []
             keep = [0] * len(chunk)
             for j, members in groups.items():
