@@ -230,7 +230,7 @@ def eval_sampling(cfg: DictConfig, n: int):
 def run(cfg: DictConfig) -> dict[str, float]:
     from hydra.utils import instantiate
 
-    from mrtpo.evaluation import evaluate_examples, score_responses, write_results
+    from mrtpo.evaluation import check_outputs, evaluate_examples, score_responses, write_results
 
     ev = cfg.eval
     limit = _positive_int(ev, "limit", allow_null=True)
@@ -243,6 +243,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if limit:
         examples = examples[:limit]
     out = Path(ev.output or cfg.paths.output_dir)
+    # before anything is scored or written: the predictions file is input only
+    check_outputs(out, {"eval.responses": ev.responses})
     scored: dict[str, Any] = {
         "task": task.name,
         "split": ev.split,

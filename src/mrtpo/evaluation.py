@@ -138,11 +138,40 @@ def _write_atomic(path: Path, data: bytes) -> Path:
     return Path(tmp)
 
 
+#: The files ``write_results`` writes into its output folder.
+OUTPUT_FILES = ("results.jsonl", "metrics.json")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_outputs(output: str | Path, inputs: dict[str, Any]) -> None:
+    """Refuse an output folder where writing would replace one of ``inputs`` (config key ->
+    path, e.g. ``{"eval.responses": preds}``): nothing the user points at is written to."""
+    out = Path(output)
+    for key, given in inputs.items():
+        if not given:
+            continue
+        for name in OUTPUT_FILES:
+            if _same_file(out / name, Path(str(given))):
+                raise ValueError(
+                    f"{key}={given} would be overwritten: eval.output={out} writes its {name} "
+                    "there. Choose another eval.output folder (nothing was written)"
+                )
+
+
 def write_results(
     output: str | Path,
     metrics: dict[str, Any],
     rows: list[dict[str, Any]],
     scored: dict[str, Any] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``results.jsonl`` and ``metrics.json`` into ``output``: both or neither.
 
@@ -152,6 +181,7 @@ def write_results(
     split, sampling, counts) goes into ``metrics.json`` under ``"scored"``.
     """
     out = Path(output)
+    check_outputs(out, inputs or {})
     out.mkdir(parents=True, exist_ok=True)
     results = b"".join(_json_line(row) for row in rows)
     clean: dict[str, Any] = {
@@ -185,8 +215,10 @@ def score_responses(
     Several lines may share an id (several samples per prompt); metrics are then averaged
     over all lines, as the benchmarks do for n samples per prompt. An empty file is an
     error; a file that covers only some examples warns, records ``coverage`` (covered
-    examples / examples) and, with ``require_complete``, is an error.
+    examples / examples) and, with ``require_complete``, is an error. ``responses_file``
+    itself is never written to.
     """
+    check_outputs(output, {"eval.responses": responses_file})
     by_id = {str(e.id): e for e in examples}
     lines = read_jsonl(responses_file)
     if not lines:
@@ -237,5 +269,5 @@ def score_responses(
         "responses_scored": len(lines),
         "coverage": coverage,
     }
-    write_results(output, metrics, rows, info)
+    write_results(output, metrics, rows, info, inputs={"eval.responses": responses_file})
     return metrics

@@ -270,3 +270,30 @@ def test_help_lists_only_evals_groups():
         assert g in groups
     for g in ("method:", "trainer:", "logger:", "callbacks:", "stage:", "experiment:"):
         assert g not in groups, groups
+
+
+# ---- issue 25 item 3: the predictions file is input only ----
+
+
+@pytest.mark.parametrize("name", ["results.jsonl", "metrics.json", "link"])
+def test_eval_never_writes_over_its_predictions_file(tmp_path, cache_dir, val_ids, name):
+    """eval.responses=<dir>/results.jsonl eval.output=<dir> replaced the predictions with the
+    results (every field but id and response lost). Refused now, the file untouched; also
+    through a symbolic link named like an output."""
+    folder = tmp_path / "preds"
+    folder.mkdir()
+    lines = [json.dumps({"id": i, "response": "a b c", "model": "mine"}) for i in val_ids]
+    data = ("\n".join(lines) + "\n").encode()
+    if name == "link":
+        preds = tmp_path / "elsewhere.jsonl"
+        preds.write_bytes(data)
+        (folder / "results.jsonl").symlink_to(preds)
+        given = folder / "results.jsonl"
+    else:
+        preds = given = folder / name
+        preds.write_bytes(data)
+    with pytest.raises(ValueError, match=r"eval\.output") as info:
+        run(_eval_cfg(tmp_path, cache_dir, f"eval.responses={given}", f"eval.output={folder}"))
+    assert str(given) in str(info.value)
+    assert preds.read_bytes() == data
+    assert sorted(p.name for p in folder.iterdir()) == ["results.jsonl" if name == "link" else name]
