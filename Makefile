@@ -2,7 +2,8 @@
 #   make train   builds .venv if missing, then `python src/train.py experiment=demo`: a short SFT
 #                warm start and MRTPO on the synthetic task (toy model, CPU, ~4 min), printing
 #                the success rate as it rises (configs/experiment/demo.yaml says everything)
-#   make test    builds .venv if missing, then runs the test suite (no `slow`, no `gpu` tests)
+#   make test    builds .venv if missing, then runs the test suite (no `slow`, `gpu` or
+#                `harness` tests; `make test-harness` runs the benchmark and replication ones)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,10 +17,10 @@ export TOKENIZERS_PARALLELISM ?= false
 # The tiny CPU models run fastest on one torch thread; set OMP_NUM_THREADS for bigger ones.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env train test test-all lint format bench replicate clean help
+.PHONY: env train test test-all test-harness lint format bench replicate clean help
 
 help:
-	@echo "make train | test | test-all | lint | format | bench | replicate | clean"
+	@echo "make train | test | test-all | test-harness | lint | format | bench | replicate | clean"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,10 +36,14 @@ train: $(STAMP)
 	$(PY) src/train.py experiment=demo $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not harness" $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+
+# The harnesses behind make bench / make replicate and the GPU runner's dry run (scripts/).
+test-harness: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" tests/harness $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts

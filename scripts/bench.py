@@ -5,14 +5,15 @@
     python scripts/bench.py --only replay,trl    # some sections; the doc keeps the others
     python scripts/bench.py --render             # only rewrite docs/benchmarks.md from JSON
 
-The harness is ``mrtpo.bench`` (sections, timing, rendering); this file parses the flags.
+The harness is the package beside this file, ``scripts/benchmarks`` (sections, timing,
+rendering); this file parses the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mrtpo.bench.harness import SECTIONS, main
+from benchmarks.harness import SECTIONS, main
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
     PYTHONPATH=src python scripts/gpu_check.py --dry-run              # toy sizes on CPU
     PYTHONPATH=src python scripts/gpu_check.py --stages environment,vllm   # the vLLM check
 
-The stages and what they measure are in ``mrtpo.bench.gpu`` and docs/gpu/README.md; this
+The stages and what they measure are in ``scripts/benchmarks/gpu.py`` and docs/gpu/README.md; this
 file parses the flags. Exit code 0 when no stage failed (skipped stages do not fail).
 """
 
@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from mrtpo.bench.gpu import STAGES, run
+from benchmarks.gpu import STAGES, run
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@
     python scripts/replicate.py --report-only --logdir logs/replicate/<run>   # redo the report
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere
 
-The harness is mrtpo.analysis.replication; this file only reads the command line.
+The harness is the package beside this file, ``scripts/replication``; this file only reads
+the command line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mrtpo.analysis.replication import (
+from mrtpo.config import CONFIG_DIR
+from replication.harness import (
     FULL_K,
     FULL_SEEDS,
     QUICK_K,
@@ -27,8 +29,7 @@ from mrtpo.analysis.replication import (
     available_methods,
     parse_method,
 )
-from mrtpo.analysis.replication import main as replicate
-from mrtpo.config import CONFIG_DIR
+from replication.harness import main as replicate
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mrtpo.bench import gpu  # noqa: E402
+from benchmarks import gpu  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,6 @@ the task check and the configs. Expected values are worked out by hand in the co
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -257,69 +256,6 @@ def test_ifeval_preset_is_the_ifeval_setting_with_cort() -> None:
     for key in ("method", "hydra"):  # hydra: the choice and override names
         a.pop(key), b.pop(key)
     assert a == b
-
-
-# ---- the toy replication ---------------------------------------------------------------------
-def test_toy_replication_composes_a_cort_row(tmp_path) -> None:
-    import importlib.util
-
-    from mrtpo.analysis.replication import Options, rl_job
-    from mrtpo.config import compose
-
-    spec = importlib.util.spec_from_file_location(
-        "replicate", CONFIG.parent / "scripts" / "replicate.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    opts = script.parse_args(["--methods=gdpo,mrtpo,cort", "--seeds=1", f"--logdir={tmp_path}"])
-    assert opts.methods == ["gdpo", "mrtpo", "cort"]
-    for steps, warmup in ((None, 5), (20, 2)):  # the preset's 50 steps, or --steps
-        job = rl_job(4, "cort", 0, Options(methods=opts.methods, logdir=tmp_path, steps=steps))
-        cfg = compose("train.yaml", job.overrides)
-        method, task = instantiate(cfg.method), instantiate(cfg.task)
-        assert isinstance(method, CoRT) and method.beta_warmup_steps == warmup
-        method.check_task(task)
-        method.setup(tuple(task.reward_names), task.rewards_vary_per_prompt)
-        assert job.steps == (steps or 50) and cfg.trainer.max_steps == job.steps
-    # other methods are composed as before
-    gdpo = compose("train.yaml", rl_job(4, "gdpo", 0, Options(logdir=tmp_path)).overrides)
-    assert "beta_warmup_steps" not in gdpo.method
-    explicit = Options(logdir=tmp_path, override=["method.beta_warmup_steps=7"])
-    assert (
-        compose("train.yaml", rl_job(4, "cort", 0, explicit).overrides).method["beta_warmup_steps"]
-        == 7
-    )
-
-
-# ---- cost: make bench times CoRT against GDPO on the same rollout ----------------------------
-def test_bench_replay_section_times_cort(tmp_path, monkeypatch) -> None:
-    from mrtpo.bench import harness
-    from mrtpo.bench.render import render
-
-    monkeypatch.setenv("MRTPO_BENCH_DIR", str(tmp_path / "out"))
-    monkeypatch.setenv("MRTPO_CACHE_DIR", str(tmp_path / "cache"))
-    case = dict(size="tiny", prompts=2, group=2, rewards=2, new_tokens=8, share=0.5, pairs=1)
-    (path,) = harness.run_sections(
-        ["replay"], {"replay": [{**case, "compare": ("cort",)}]}, full=False, threads=1
-    )
-    rep = json.loads(path.read_text())
-    (res,) = rep["cases"]
-    # 4 variants x (1 warm-up + 1 measured round)
-    assert sorted(r["variant"] for r in res["records"] if r["round"] == 1) == [
-        "cort", "gdpo", "mrtpo", "mrtpo_fused",
-    ]  # fmt: skip
-    v = res["summary"]["variants"]
-    c = v["cort"]
-    assert c["replay"] > 0 and v["gdpo"]["replay"] < 0.1 * c["replay"]
-    assert 0 < c["share"] <= 1 and c["responses_replayed"] >= 1  # share of responses
-    assert c["floor"] > 0 and c["replay_tokens"] > 0
-    for key in ("ratio_step_paired", "ratio_train_paired", "ratio_step_pooled"):
-        assert 0.1 < c[key] < 20, (key, c[key])
-    # the profile is of an MRTPO step's replay
-    assert res["profile"] and all(0 <= p["share"] <= 1 for p in res["profile"])
-    doc = render({"replay": rep})
-    assert "CoRT (one criteria-free replay per response)" in doc
-    assert "nan" not in doc.lower().replace("nano", "")
 
 
 def test_relevance_dumps_use_cort_weights_not_mrtpo_weights():

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def source_commit(root: Path = ROOT) -> str:
-    """Short hash of HEAD, with ``+dirty`` when ``configs/`` or ``src/`` have uncommitted
-    changes (untracked files included): what a reader needs to rerun the same code."""
+    """Short hash of HEAD, with ``+dirty`` when ``configs/``, ``src/`` or ``scripts/`` (the
+    harnesses) have uncommitted changes, untracked files included: what a reader needs to
+    rerun the same code."""
     try:
 
         def git(*a: str) -> str:
@@ -25,7 +26,7 @@ def source_commit(root: Path = ROOT) -> str:
             ).stdout.strip()
 
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "configs", "src")
+        dirty = git("status", "--porcelain", "--", "configs", "src", "scripts")
     except (OSError, subprocess.SubprocessError):
         return "unknown (not a git checkout)"
     return head + ("+dirty" if dirty else "")

@@ -7,8 +7,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-from mrtpo.analysis.replication import teacher_check
 from mrtpo.models import load_policy
+from replication.harness import teacher_check
 
 
 def test_teacher_check_scores_both_contexts(cache_dir):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mrtpo.bench.common import DOC, read_json, set_threads, write_json
+from benchmarks.common import DOC, read_json, set_threads, write_json
 
 SECTIONS = ("replay", "kernel", "trl", "scaling")
 #: The baselines timed beside MRTPO and GDPO in the replay section (their method configs).
@@ -140,7 +140,7 @@ FULL: dict[str, Any] = {
 
 # ---- sections ---------------------------------------------------------------------------
 def section_replay(plan, gpu: bool) -> dict[str, Any]:
-    from mrtpo.bench.steps import print_case, run_case
+    from benchmarks.steps import print_case, run_case
 
     print("1. replay overhead (MRTPO vs GDPO, same rollout, alternating)", flush=True)
     cases = []
@@ -154,7 +154,7 @@ def section_replay(plan, gpu: bool) -> dict[str, Any]:
 
 
 def section_kernel(plan, threads: int) -> dict[str, Any]:
-    from mrtpo.bench import kernel as bench_kernel
+    from benchmarks import kernel as bench_kernel
 
     print("2. relevance kernel (JSD over the full vocabulary)", flush=True)
     p = dict(plan)
@@ -172,7 +172,7 @@ def section_kernel(plan, threads: int) -> dict[str, Any]:
 
 
 def section_trl(plan, gpu: bool) -> dict[str, Any]:
-    from mrtpo.bench.against_trl import print_result, run
+    from benchmarks.against_trl import print_result, run
 
     print("3. against TRL's GRPOTrainer (same work, alternating steps)", flush=True)
     cases = []
@@ -186,7 +186,7 @@ def section_trl(plan, gpu: bool) -> dict[str, Any]:
 
 
 def section_scaling(plan, gpu: bool) -> dict[str, Any]:
-    from mrtpo.bench.steps import print_case, run_case
+    from benchmarks.steps import print_case, run_case
 
     print("4. scaling with G, K and response length (MRTPO vs GDPO)", flush=True)
     base = plan["base"]
@@ -271,7 +271,7 @@ def run_sections(
 
 def render_doc(doc: Path = DOC) -> Path:
     """Rewrite ``doc`` from the JSON of every section that has some."""
-    from mrtpo.bench.render import render
+    from benchmarks.render import render
 
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(render({s: read_json(s) for s in SECTIONS}))

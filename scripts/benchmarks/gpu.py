@@ -4,7 +4,8 @@ Written for the machine a cluster or a cloud image hands out: a CUDA torch, tran
 lightning, peft, rich and torchmetrics preinstalled, no network, no Hydra, no vLLM. It runs
 from the source tree (``PYTHONPATH=src``) and imports nothing that needs Hydra or OmegaConf:
 the trainer is built by hand here (``PolicyModule``, ``PromptDataModule``, a Lightning
-``Trainer``), the methods from their YAML files (``mrtpo.bench.common.method_from_config``).
+``Trainer``), the methods from their classes' defaults (``gpu_method``; a harness test checks
+that they equal what Hydra composes from ``configs/method/``).
 
 Stages, each timed and each allowed to fail without stopping the others (the JSON report is
 rewritten after every stage, so a crash still leaves what ran):
@@ -18,9 +19,9 @@ rewritten after every stage, so a crash still leaves what ran):
 4. ``numerics``: relevance q of the same pairs in bf16 against float32 (max and mean
    difference, rank correlation), and the shared-prefix path against the plain path;
 5. ``jsd_memory``: the chunked JSD and replay's scoring at V = 151,936 for T = 1k and 4k
-   (peak memory should be flat in T), one process per configuration (``mrtpo.bench.kernel``);
+   (peak memory should be flat in T), one process per configuration (``benchmarks.kernel``);
 6. ``generation``: the HF engine's tokens/s at a realistic batch;
-7. ``vllm``: ``mrtpo.bench.gpu_vllm`` (weight sync proven by log-prob agreement) in a
+7. ``vllm``: ``benchmarks.gpu_vllm`` (weight sync proven by log-prob agreement) in a
    subprocess, only when vLLM is importable; otherwise recorded as "not installed".
 
 A stage whose torch / transformers feature is missing is skipped with the feature named.
@@ -47,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mrtpo.bench.common import ROOT
+from benchmarks.common import ROOT, child_pythonpath
 from mrtpo.rollout.base import Generation, RolloutEngine
 
 STAGES = ("environment", "model", "steps", "numerics", "jsd_memory", "generation", "vllm")
@@ -97,6 +98,7 @@ class Sizes:
     jsd_vocab: int
     jsd_lengths: tuple[int, ...]
     jsd_chunk: int
+    jsd_one_process: bool  # every JSD configuration in one worker (dry run: plumbing only)
     gen_prompts: int
     gen_samples: int
     gen_prompt_tokens: int
@@ -120,6 +122,7 @@ FULL = Sizes(
     jsd_vocab=151936,
     jsd_lengths=(1024, 4096),
     jsd_chunk=256,
+    jsd_one_process=False,
     gen_prompts=32,
     gen_samples=8,
     gen_prompt_tokens=256,
@@ -142,6 +145,7 @@ DRY = Sizes(
     jsd_vocab=512,
     jsd_lengths=(16, 32),
     jsd_chunk=8,
+    jsd_one_process=True,
     gen_prompts=2,
     gen_samples=2,
     gen_prompt_tokens=16,
@@ -523,20 +527,27 @@ def _normal_token_range(tok) -> tuple[int, int]:
     return low, len(tok)
 
 
+def gpu_method(name: str):
+    """MRTPO or GDPO from its class's defaults with the β schedule off, as the bench builds it
+    (``benchmarks.common.build_method``): this machine has no Hydra to compose
+    ``configs/method/<name>.yaml``; a test checks that both give the same method."""
+    from benchmarks.common import schedule_off
+    from mrtpo.credit.methods import GDPO, MRTPO
+
+    return schedule_off({"mrtpo": MRTPO, "gdpo": GDPO}[name]())
+
+
 def build_trainer(sizes: Sizes, state: dict[str, Any], max_steps: int, root: Path):
     """(trainer, module, datamodule) built by hand, as ``pipeline.build`` would from a config."""
     import lightning as L
 
-    from mrtpo.bench.common import method_from_config
     from mrtpo.callbacks.rollout import RolloutCallback
     from mrtpo.data import PromptDataModule
     from mrtpo.module import PolicyModule
 
     tok, model = state["tok"], state["model"]
     task = long_context_task(sizes, tok)
-    module = PolicyModule(
-        model, tok, task, method_from_config("mrtpo"), rl=_rl_config(sizes), seed=0
-    )
+    module = PolicyModule(model, tok, task, gpu_method("mrtpo"), rl=_rl_config(sizes), seed=0)
     dm = PromptDataModule(
         task,
         prompts_per_step=sizes.prompts,
@@ -569,8 +580,8 @@ def build_trainer(sizes: Sizes, state: dict[str, Any], max_steps: int, root: Pat
 
 # ---- 3. steps --------------------------------------------------------------------------
 def stage_steps(sizes: Sizes, state: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    from mrtpo.bench.common import method_from_config, set_threads
-    from mrtpo.bench.steps import alternate, step_order, summarize
+    from benchmarks.common import set_threads
+    from benchmarks.steps import alternate, step_order, summarize
 
     require("steps", sizes)
     if "model" not in state:
@@ -579,9 +590,7 @@ def stage_steps(sizes: Sizes, state: dict[str, Any], workdir: Path) -> dict[str,
         set_threads(1)
     order = step_order(["mrtpo", "gdpo"], sizes.rounds + 1)
     trainer, module, dm, _task = build_trainer(sizes, state, len(order), workdir / "steps")
-    alt = alternate(
-        trainer, module, dm, method_from_config("gdpo"), sizes.share, order, 1, True, False
-    )
+    alt = alternate(trainer, module, dm, gpu_method("gdpo"), sizes.share, order, 1, True, False)
     state["scored"] = alt.last_replayed  # stage 4 replays the same pairs
     state["task"] = module.task
     summary = summarize(alt.records)
@@ -665,8 +674,8 @@ def _scored_batch(sizes: Sizes, state: dict[str, Any]):
         return state["task"], state["scored"]
     import torch
 
+    from benchmarks.common import controlled_task
     from mrtpo.batch import ScoredBatch, rewards_tensor
-    from mrtpo.bench.common import controlled_task
     from mrtpo.models import eos_token_ids
     from mrtpo.rollout.base import SamplingConfig
     from mrtpo.rollout.build import build_rollout
@@ -751,7 +760,7 @@ def stage_numerics(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
 
 # ---- 5. JSD and replay memory ----------------------------------------------------------------
 def stage_jsd_memory(sizes: Sizes) -> dict[str, Any]:
-    from mrtpo.bench import kernel
+    from benchmarks import kernel
 
     require("jsd_memory", sizes)
     dtype = "bf16" if sizes.device == "cuda" else "fp32"
@@ -764,6 +773,7 @@ def stage_jsd_memory(sizes: Sizes) -> dict[str, Any]:
         threads=1 if sizes.device == "cpu" else (os.cpu_count() or 1),
         skip={("candidate", sizes.jsd_vocab, t) for t in sizes.jsd_lengths},
         quick=sizes.device == "cpu",
+        one_process=sizes.jsd_one_process,
     )
     flat = {}
     for impl in ("chunked", "replay", "unchunked"):
@@ -836,7 +846,7 @@ def stage_generation(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
 
 # ---- 7. vLLM ---------------------------------------------------------------------------
 def stage_vllm(sizes: Sizes, out_dir: Path, dry_run: bool, mode: str) -> dict[str, Any]:
-    """``mrtpo.bench.gpu_vllm`` in a subprocess (its engine claims GPU memory of its own)."""
+    """``benchmarks.gpu_vllm`` in a subprocess (its engine claims GPU memory of its own)."""
     if mode == "off":
         raise Skipped("--vllm off")
     if not _importable("vllm"):
@@ -844,13 +854,8 @@ def stage_vllm(sizes: Sizes, out_dir: Path, dry_run: bool, mode: str) -> dict[st
     if dry_run:
         return {"status": "installed; not run in --dry-run"}
     path = out_dir / "vllm_check.json"
-    cmd = [sys.executable, "-m", "mrtpo.bench.gpu_vllm", "--out", str(path), "--no-trainer-smoke"]
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x
-        ),
-    )
+    cmd = [sys.executable, "-m", "benchmarks.gpu_vllm", "--out", str(path), "--no-trainer-smoke"]
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=sizes.vllm_timeout_s, env=env, cwd=ROOT

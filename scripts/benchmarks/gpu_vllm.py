@@ -16,7 +16,7 @@ On one CUDA GPU, with no downloads:
 
 Every stage is caught and timed; the JSON report is rewritten after each stage, so a crash
 still leaves what ran. ``scripts/gpu_check.py`` runs it as its ``vllm`` stage when vLLM is
-importable; on its own: ``PYTHONPATH=src python -m mrtpo.bench.gpu_vllm`` (see
+importable; on its own: ``PYTHONPATH=src:scripts python -m benchmarks.gpu_vllm`` (see
 docs/gpu/README.md).
 """
 
@@ -34,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-from mrtpo.bench.common import ROOT
+from benchmarks.common import ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from mrtpo.analysis.replication import KResult, Options, source_commit, write_report
+from replication.harness import KResult, Options, source_commit, write_report
 
 # success per step; AUC = the mean; steps to 0.5 use the 5-step trailing average
 GDPO = [[0, 0, 0.5, 0.5], [0, 0.5, 0.5, 0.5], [0, 0, 0, 0.5]]  # AUC .25 .375 .125; never 0.5
@@ -111,8 +111,8 @@ def _git(repo, *args):
     )  # fmt: skip
 
 
-def test_source_commit_marks_dirty_configs_and_src_only(tmp_path):
-    for d in ("src", "configs", "docs"):
+def test_source_commit_marks_dirty_code_only(tmp_path):
+    for d in ("src", "configs", "scripts", "docs"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "f.txt").write_text("a")
     _git(tmp_path, "init", "-q")
@@ -123,6 +123,10 @@ def test_source_commit_marks_dirty_configs_and_src_only(tmp_path):
     ).stdout.strip()
     assert source_commit(tmp_path) == head
     (tmp_path / "docs" / "f.txt").write_text("b")  # a report rewritten: not a code change
+    assert source_commit(tmp_path) == head
+    (tmp_path / "scripts" / "f.txt").write_text("b")  # a harness changed: dirty
+    assert source_commit(tmp_path) == head + "+dirty"
+    _git(tmp_path, "checkout", "-q", "--", "scripts")
     assert source_commit(tmp_path) == head
     (tmp_path / "configs" / "new.yaml").write_text("x: 1")  # untracked config: dirty
     assert source_commit(tmp_path) == head + "+dirty"
@@ -152,7 +156,7 @@ def test_design_section_states_rules_modes_and_history(report):
     design = report.split("## Design (fixed before any result)")[1].split("## Starting points")[0]
     assert "full = K 2, 4, 8, 8 seeds" in design
     assert "mrtpo@beta=0.25, mrtpo@beta=0.75" in design
-    from mrtpo.analysis.replication import OPTIONAL_METHODS, available_methods
+    from replication.harness import OPTIONAL_METHODS, available_methods
 
     for m in OPTIONAL_METHODS:  # a baseline joins the full mode once its config exists
         listed = m in available_methods(True)

@@ -1,6 +1,7 @@
-"""The benchmark harness (``mrtpo.bench``) at toy size: every section runs through the same
-functions as ``make bench``, writes JSON of the shape the renderer reads, and the document
-renders from it. Seconds, not minutes: a tiny model, two prompts, a 256-token vocabulary."""
+"""The benchmark harness (``scripts/benchmarks``) at toy size: every section runs through the
+same functions as ``make bench``, writes JSON of the shape the renderer reads, and the document
+renders from it. A tiny model, two prompts, a 256-token vocabulary; the sections still train
+and spawn worker processes, so the tests that run them carry the ``harness`` marker."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.bench import harness
-from mrtpo.bench.render import render
-from mrtpo.bench.steps import PHASES
+from benchmarks import harness
+from benchmarks.render import render
+from benchmarks.steps import PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,8 @@ TOY = {
             new_tokens=8,
             share=0.5,
             pairs=1,
-            compare=("opsd",),  # a method with a frozen teacher the bench must attach
+            # OPSD: a frozen teacher the bench must attach; CoRT: one replay per response
+            compare=("opsd", "cort"),
         )
     ],
     "kernel": dict(
@@ -65,7 +67,7 @@ def bench_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def results(bench_env):
+def results(bench_env):  # every test that uses it is marked ``harness``
     """Each section run once at toy size, read back from the JSON it wrote."""
     paths = harness.run_sections(["replay", "kernel", "scaling"], TOY, full=False, threads=1)
     assert [p.name for p in paths] == ["replay.json", "kernel.json", "scaling.json"]
@@ -89,17 +91,19 @@ def _check_variants(summary: dict, with_floor: bool) -> None:
         assert m["floor"] > 0 and m["replay_tokens"] > 0 and m["replay_over_floor"] > 0
 
 
+@pytest.mark.harness
 def test_replay_section(results):
     rep = results["replay"]
     assert rep["mode"] == "quick" and rep["machine"]["device"] == "cpu"
     (case,) = rep["cases"]
     c = case["case"]
     assert (c["model"], c["B"], c["G"], c["K"], c["max_new_tokens"]) == ("tiny", 2, 2, 2, 8)
-    # 4 variants x (1 measured + 1 warm-up round), each variant once per round
+    # 5 variants x (1 measured + 1 warm-up round), each variant once per round
     recs = case["records"]
-    assert len(recs) == 8 and sum(r["warmup"] for r in recs) == 4
+    assert len(recs) == 10 and sum(r["warmup"] for r in recs) == 5
     for rnd in (0, 1):
         assert sorted(r["variant"] for r in recs if r["round"] == rnd) == [
+            "cort",
             "gdpo",
             "mrtpo",
             "mrtpo_fused",
@@ -111,10 +115,18 @@ def test_replay_section(results):
     # OPSD replays nothing; its teacher forward runs inside the update
     assert v["opsd"]["replay"] < 0.1 * v["mrtpo"]["replay"] and v["opsd"]["update"] > 0
     assert 0.1 < v["opsd"]["ratio_step_paired"] < 20
+    # CoRT replays once per response (a share of responses), against its own floor
+    c = v["cort"]
+    assert c["replay"] > 0 and v["gdpo"]["replay"] < 0.1 * c["replay"]
+    assert 0 < c["share"] <= 1 and c["responses_replayed"] >= 1
+    assert c["floor"] > 0 and c["replay_tokens"] > 0
+    for key in ("ratio_step_paired", "ratio_train_paired", "ratio_step_pooled"):
+        assert 0.1 < c[key] < 20, (key, c[key])
     # the profile is of an MRTPO step's replay even when GDPO ran last
     assert case["profile"] and all(0 <= p["share"] <= 1 for p in case["profile"])
 
 
+@pytest.mark.harness
 def test_kernel_section(results):
     kern = results["kernel"]
     assert kern["plan"]["skip"] == [["candidate", 256, 16], ["unchunked", 256, 16]]
@@ -131,6 +143,7 @@ def test_kernel_section(results):
         assert 0 < r["mean_q"] < 1
 
 
+@pytest.mark.harness
 def test_scaling_section(results):
     scal = results["scaling"]
     assert scal["size"] == "tiny" and set(scal["axes"]) == {"group", "rewards", "new_tokens"}
@@ -171,6 +184,7 @@ TRL_CASE = {
 }
 
 
+@pytest.mark.harness
 def test_render_every_section(results):
     trl = {**results["kernel"], "cases": [TRL_CASE]}  # the machine block of a real section
     trl.pop("plan"), trl.pop("results")
@@ -186,6 +200,7 @@ def test_render_every_section(results):
     ):
         assert heading in doc, heading
     assert "Replayed share of response–reward pairs: **50.0%**" in doc
+    assert "CoRT (one criteria-free replay per response)" in doc
     assert "candidate at V=256, T=16" in doc  # the skipped configurations are named
     assert "nan" not in doc.lower().replace("nano", "")
     # sections that have no JSON are left out, not rendered empty
@@ -194,6 +209,7 @@ def test_render_every_section(results):
     assert "No results yet" in render({})
 
 
+@pytest.mark.harness
 def test_main_renders_from_json_without_running(results, bench_env, tmp_path):
     doc = tmp_path / "benchmarks.md"
     assert harness.main("replay,kernel", render_only=True, doc=doc) == 0
@@ -212,15 +228,21 @@ def test_script_is_thin_and_checks_flags():
         text=True,
         env=env,
         check=True,
+        timeout=300,  # a hang guard (the plan imports no torch: about a second)
     )
     assert out.stdout.startswith("kernel {'vocab': [32768, 152064]")
     bad = subprocess.run(
-        [sys.executable, script, "--only", "nope"], capture_output=True, text=True, env=env
+        [sys.executable, script, "--only", "nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert bad.returncode == 2 and "unknown section(s) ['nope']" in bad.stderr
 
 
 @pytest.mark.slow
+@pytest.mark.harness
 def test_trl_section(bench_env):
     pytest.importorskip("trl")
     plan = {"trl": [dict(size="tiny", prompts=2, group=2, rewards=2, new_tokens=8, steps=2)]}

@@ -92,7 +92,8 @@ def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) ->
     """Run jobs on a process pool with a rich progress display; skip finished ones.
 
     Workers are fresh interpreters ("spawn": no forked torch or tokenizer state) with
-    ``threads`` torch threads each; they import this module from the installed package.
+    ``threads`` torch threads each; they start with this process's ``sys.path``, so they import
+    this module from ``scripts/`` as it was imported here.
     """
     import multiprocessing as mp
 

@@ -3,7 +3,7 @@
 Every section builds the trainer the way ``src/train.py`` does (the real Hydra configs,
 ``mrtpo.pipeline.build``), so what is timed is the code a user runs, not a re-implementation.
 Hydra is imported only inside the functions that compose a config: the GPU runner
-(``mrtpo.bench.gpu``) uses the model sizes and controlled rewards from here on machines
+(``benchmarks.gpu``) uses the model sizes and controlled rewards from here on machines
 without Hydra.
 
 Where things go: results under ``bench_dir()`` (``logs/bench``, or ``$MRTPO_BENCH_DIR``),
@@ -24,10 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-#: The source checkout (src/mrtpo/bench/common.py -> <root>).
-ROOT = Path(__file__).resolve().parents[3]
+#: The source checkout (scripts/benchmarks/common.py -> <root>).
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"
 DOC = ROOT / "docs" / "benchmarks.md"
+#: The folder that holds this package (``scripts/``): worker processes need it on their path.
+SCRIPTS = Path(__file__).resolve().parents[1]
 
 # Qwen2 shapes with random weights and the tiny byte-level tokenizer (mrtpo.models).
 # ``tiny`` is configs/model/tiny.yaml (0.1M parameters: Python overhead dominates); ``mini``
@@ -109,28 +111,34 @@ def compose(overrides: Sequence[str], run_dir: Path):
     return compose_config("train.yaml", base + list(overrides), config_dir=CONFIG_DIR)
 
 
-def method_from_config(name: str):
-    """An advantage method built from ``configs/method/<name>.yaml`` (its defaults live there
-    only). Method configs are flat ``_target_`` + scalars, so no Hydra is needed: the GPU
-    runner builds them on machines without it. A config with interpolations goes through
-    Hydra's ``instantiate``."""
-    import importlib
+def schedule_off(method):
+    """``method`` with β from the first step: the bench times a step's cost, not the schedule
+    (while a ramped β is 0 the trainer skips replay)."""
+    if getattr(method, "beta_warmup_steps", 0):
+        method.beta_warmup_steps = 0
+    return method
 
-    import yaml
 
-    path = CONFIG_DIR / "method" / f"{name}.yaml"
-    if not path.exists():
-        choices = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise FileNotFoundError(f"no method config {path}; choose from {choices}")
-    text = path.read_text()
-    spec = yaml.safe_load(text)
-    if "${" in text or any(isinstance(v, dict) and "_target_" in v for v in spec.values()):
-        from hydra.utils import instantiate
-        from omegaconf import OmegaConf
+def build_method(name: str):
+    """The advantage method ``method=<name>`` gives ``src/train.py`` — the train config
+    composed by Hydra with that choice, its ``method`` node instantiated — with its β
+    schedule off (``schedule_off``)."""
+    from hydra.utils import instantiate
 
-        return instantiate(OmegaConf.load(path))
-    module, _, cls = spec.pop("_target_").rpartition(".")
-    return getattr(importlib.import_module(module), cls)(**spec)
+    from mrtpo.config import compose as compose_config
+
+    cfg = compose_config("train.yaml", [f"method={name}"], config_dir=CONFIG_DIR)
+    return schedule_off(instantiate(cfg.method))
+
+
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a worker process: the harness packages, the ``mrtpo`` this process
+    imported (installed, or a source tree on ``PYTHONPATH``), then whatever was set."""
+    import mrtpo
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mrtpo.__file__)))
+    parts = (str(SCRIPTS), package_root, os.environ.get("PYTHONPATH"))
+    return os.pathsep.join(x for x in parts if x)
 
 
 def set_threads(n: int | None) -> int:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
+from hydra.utils import instantiate
 
-from mrtpo.analysis import replication as rep
+from mrtpo.config import compose
+from mrtpo.credit import CoRT
+from replication import harness as rep
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start(job) -> str | None:
@@ -44,3 +50,27 @@ def test_waves_run_a_parent_before_its_child_and_noisy_passes_last(monkeypatch):
 @pytest.mark.parametrize("k", sorted(rep.CURRICULUM))
 def test_every_curriculum_k_is_a_full_mode_k_or_its_parent(k):
     assert k in rep.FULL_K and rep.CURRICULUM[k] in rep.FULL_K
+
+
+def test_toy_replication_composes_a_cort_row(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location("replicate", ROOT / "scripts" / "replicate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    opts = script.parse_args(["--methods=gdpo,mrtpo,cort", "--seeds=1", f"--logdir={tmp_path}"])
+    assert opts.methods == ["gdpo", "mrtpo", "cort"]
+    for steps, warmup in ((None, 5), (20, 2)):  # the preset's 50 steps, or --steps
+        job = rep.rl_job(
+            4, "cort", 0, rep.Options(methods=opts.methods, logdir=tmp_path, steps=steps)
+        )
+        cfg = compose("train.yaml", job.overrides)
+        method, task = instantiate(cfg.method), instantiate(cfg.task)
+        assert isinstance(method, CoRT) and method.beta_warmup_steps == warmup
+        method.check_task(task)
+        method.setup(tuple(task.reward_names), task.rewards_vary_per_prompt)
+        assert job.steps == (steps or 50) and cfg.trainer.max_steps == job.steps
+    # other methods are composed as before
+    gdpo = compose("train.yaml", rep.rl_job(4, "gdpo", 0, rep.Options(logdir=tmp_path)).overrides)
+    assert "beta_warmup_steps" not in gdpo.method
+    explicit = rep.Options(logdir=tmp_path, override=["method.beta_warmup_steps=7"])
+    cort = compose("train.yaml", rep.rl_job(4, "cort", 0, explicit).overrides)
+    assert cort.method["beta_warmup_steps"] == 7

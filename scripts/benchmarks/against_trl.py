@@ -25,7 +25,7 @@ from typing import Any
 
 import lightning as L
 
-from mrtpo.bench.common import bench_dir, compose, ensure_model, med, model_overrides, model_path
+from benchmarks.common import bench_dir, compose, ensure_model, med, model_overrides, model_path
 
 WAIT_S = 1800.0
 

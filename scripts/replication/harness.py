@@ -6,7 +6,7 @@ the task from clean references until held-out success reaches a target, then
 has fallen to RL's starting level — then RL from that same checkpoint with every method and
 seed (``experiment=toy_replication``; the same prompts and sampling seeds for every method,
 since both follow ``seed``). Runs go through ``mrtpo.pipeline.build`` in worker processes
-(``mrtpo.analysis.jobs``), one CPU thread each. Then ``write_report`` writes
+(``replication.jobs``), one CPU thread each. Then ``write_report`` writes
 ``<docs>/replication.md``: per K, steps to reach a success threshold, final success and area
 under the success curve (mean and 95% interval over seeds, and paired differences against
 GDPO), learning-curve PNGs, and the relevance statistics — how much of each reward's
@@ -35,10 +35,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mrtpo.analysis import claims as claims_mod
-from mrtpo.analysis.jobs import Job, quiet, run_all
-from mrtpo.analysis.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
-from mrtpo.analysis.relevance import pick_record, relevance_stats, replay_records
 from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
 from mrtpo.analysis.stats import (
     FINAL_WINDOW,
@@ -51,6 +47,10 @@ from mrtpo.analysis.stats import (
     trend,
 )
 from mrtpo.config import CONFIG_DIR, compose
+from replication import claims as claims_mod
+from replication.jobs import Job, quiet, run_all
+from replication.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
+from replication.relevance import pick_record, relevance_stats, replay_records
 
 #: The source checkout (configs/ lives beside src/).
 ROOT = CONFIG_DIR.parent

@@ -1,6 +1,6 @@
 """Section 2: the relevance kernel — Jensen–Shannon distance over the full vocabulary.
 
-Each configuration runs in a fresh process (``python -m mrtpo.bench.kernel --worker ...``) so that its peak memory is its
+Each configuration runs in a fresh process (``python -m benchmarks.kernel --worker ...``) so that its peak memory is its
 own: on CPU the growth of the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` once the inputs exist; ``ru_maxrss`` elsewhere), on GPU
 ``torch.cuda.max_memory_allocated`` over the same baseline. Inputs are two logit tensors ``[T, V]`` (the P_all and P_\\k rows of one pair).
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from benchmarks.common import child_pythonpath
 
 IMPLS = ("unchunked", "chunked", "replay", "candidate")
 LN2 = math.log(2.0)
@@ -171,13 +173,6 @@ def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps:
     }
 
 
-def _package_root() -> str:
-    """The folder that holds the ``mrtpo`` package this module was imported from."""
-    import mrtpo
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(mrtpo.__file__)))
-
-
 def _available_bytes(device: str) -> int:
     if device == "cuda":
         import torch
@@ -192,6 +187,57 @@ def _available_bytes(device: str) -> int:
         return 8 << 30
 
 
+def _launch(configs: list[tuple], threads: int) -> list[dict[str, Any]]:
+    """Run ``configs`` — (impl, V, T, chunk, device, dtype, reps) each — one after another in
+    one fresh worker process; a result or an ``error`` record per configuration."""
+    cmd = [sys.executable, "-m", "benchmarks.kernel", "--worker"]
+    cmd += [str(x) for c in configs for x in c]
+    # A fixed mmap threshold: every large buffer is mapped and unmapped on free, so the
+    # resident set follows live memory (glibc's sliding threshold would keep some freed
+    # 32 MiB buffers on the heap and blur the peaks).
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MALLOC_MMAP_THRESHOLD_="1048576",
+        # the worker imports mrtpo the way the parent did (installed, or a source tree on
+        # PYTHONPATH), and this package from scripts/
+        PYTHONPATH=child_pythonpath(),
+    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    out = [json.loads(ln) for ln in lines]
+    for impl, v, t, *_ in configs[len(out) :]:  # the ones a crash left without a result
+        out.append({"impl": impl, "V": v, "T": t, "error": proc.stderr.strip()[-400:]})
+    return out
+
+
+def _print(res: dict[str, Any]) -> None:
+    if "positions_per_s" in res:
+        print(
+            f"  V={res['V']} T={res['T']} {res['impl']:9s} {res['positions_per_s']:10.0f} "
+            f"pos/s  peak +{res['peak_extra_bytes'] / 2**20:8.1f} MiB",
+            flush=True,
+        )
+
+
+def _too_big(impl: str, v: int, t: int, dtype: str, device: str, per_pos: float | None):
+    """A skip record when the unchunked case measured at a shorter T (``per_pos`` bytes per
+    position) predicts that this one would not fit in available memory; None to run it."""
+    if impl != "unchunked" or per_pos is None:
+        return None
+    need = per_pos * t + 2 * t * v * (4 if dtype == "fp32" else 2)
+    avail = _available_bytes(device)
+    if need <= 0.6 * avail:
+        return None
+    return {
+        "impl": impl,
+        "V": v,
+        "T": t,
+        "skipped": f"predicted {need / 2**30:.1f} GiB > 60% of the "
+        f"{avail / 2**30:.1f} GiB available",
+    }
+
+
 def run_all(
     vocab: list[int],
     lengths: list[int],
@@ -201,84 +247,54 @@ def run_all(
     threads: int,
     skip: set[tuple[str, int, int]] | None = None,
     quick: bool = False,
+    one_process: bool = False,
 ) -> list[dict[str, Any]]:
     """Every (V, T, impl) in its own process, shortest first, except those in ``skip``; an
     unchunked case is also skipped when the measurement at a shorter T predicts it would not
-    fit in available memory."""
+    fit in available memory. ``one_process`` runs them all in a single worker instead (the
+    GPU runner's dry run: it checks the plumbing, and one interpreter start is seconds where
+    one per configuration is a minute; the peaks are then not each configuration's own)."""
     skip = skip or set()
+    todo = [
+        (impl, v, t, chunk, device, dtype, 1 if quick or t * v > 5e7 else 2)
+        for v in vocab
+        for t in sorted(lengths)
+        for impl in IMPLS
+        if (impl, v, t) not in skip
+    ]
+    if one_process:
+        results = _launch(todo, threads)
+        for res in results:
+            _print(res)
+        return results
     results: list[dict[str, Any]] = []
-    for v in vocab:
-        per_pos: dict[str, float] = {}
-        for t in sorted(lengths):
-            for impl in IMPLS:
-                if (impl, v, t) in skip:
-                    continue
-                inputs = 2 * t * v * (4 if dtype == "fp32" else 2)
-                if impl == "unchunked" and impl in per_pos:
-                    need = per_pos[impl] * t + inputs
-                    avail = _available_bytes(device)
-                    if need > 0.6 * avail:
-                        results.append(
-                            {
-                                "impl": impl,
-                                "V": v,
-                                "T": t,
-                                "skipped": f"predicted {need / 2**30:.1f} GiB > 60% of the "
-                                f"{avail / 2**30:.1f} GiB available",
-                            }
-                        )
-                        continue
-                reps = 1 if quick or t * v > 5e7 else 2
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "mrtpo.bench.kernel",
-                    "--worker",
-                    impl,
-                    str(v),
-                    str(t),
-                    str(chunk),
-                    device,
-                    dtype,
-                    str(reps),
-                ]
-                # A fixed mmap threshold: every large buffer is mapped and unmapped on free,
-                # so the resident set follows live memory (glibc's sliding threshold would
-                # keep some freed 32 MiB buffers on the heap and blur the peaks).
-                env = dict(
-                    os.environ,
-                    OMP_NUM_THREADS=str(threads),
-                    MALLOC_MMAP_THRESHOLD_="1048576",
-                    # the worker imports this package the way the parent did (installed, or
-                    # a source tree on PYTHONPATH)
-                    PYTHONPATH=os.pathsep.join(
-                        x for x in (_package_root(), os.environ.get("PYTHONPATH")) if x
-                    ),
-                )
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-                if proc.returncode != 0:
-                    results.append(
-                        {"impl": impl, "V": v, "T": t, "error": proc.stderr.strip()[-400:]}
-                    )
-                    continue
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
-                per_pos[impl] = max(per_pos.get(impl, 0.0), res["peak_extra_bytes"] / t)
-                results.append(res)
-                print(
-                    f"  V={v} T={t} {impl:9s} {res['positions_per_s']:10.0f} pos/s  peak +"
-                    f"{res['peak_extra_bytes'] / 2**20:8.1f} MiB",
-                    flush=True,
-                )
+    per_pos: dict[tuple[str, int], float] = {}
+    for config in todo:
+        impl, v, t = config[:3]
+        skipped = _too_big(impl, v, t, dtype, device, per_pos.get((impl, v)))
+        if skipped:
+            results.append(skipped)
+            continue
+        (res,) = _launch([config], threads)
+        if "error" not in res:
+            key = (impl, v)
+            per_pos[key] = max(per_pos.get(key, 0.0), res["peak_extra_bytes"] / t)
+        _print(res)
+        results.append(res)
     return results
 
 
-if __name__ == "__main__":  # the per-configuration worker process of ``run_all``
-    if len(sys.argv) != 9 or sys.argv[1] != "--worker":
+if __name__ == "__main__":  # the worker process of ``run_all``: 7 arguments per configuration
+    args = sys.argv[2:]
+    if len(sys.argv) < 9 or sys.argv[1] != "--worker" or len(args) % 7:
         raise SystemExit(
-            "usage: python -m mrtpo.bench.kernel --worker IMPL V T CHUNK DEVICE DTYPE REPS"
+            "usage: python -m benchmarks.kernel --worker IMPL V T CHUNK DEVICE DTYPE REPS "
+            "[IMPL V T CHUNK DEVICE DTYPE REPS ...]"
         )
-    impl, v, t, chunk, device, dtype, reps = sys.argv[2:9]
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    print(json.dumps(worker(impl, int(v), int(t), int(chunk), device, dtype, int(reps))))
+    for i in range(0, len(args), 7):
+        impl, v, t, chunk, device, dtype, reps = args[i : i + 7]
+        res = worker(impl, int(v), int(t), int(chunk), device, dtype, int(reps))
+        print(json.dumps(res), flush=True)

@@ -1,4 +1,4 @@
-"""The claim statistics and verdicts (mrtpo.analysis.stats, mrtpo.analysis.claims) on
+"""The claim statistics and verdicts (mrtpo.analysis.stats, replication.claims) on
 hand-computed inputs: no training."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ import math
 
 import pytest
 
-from mrtpo.analysis import claims
-from mrtpo.analysis.replication import compare_metrics, method_dir, parse_method
 from mrtpo.analysis.stats import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
@@ -21,6 +19,8 @@ from mrtpo.analysis.stats import (
     mean_finite,
     value_at,
 )
+from replication import claims
+from replication.harness import compare_metrics, method_dir, parse_method
 
 T975_DF2 = 4.302652729749464
 T975_DF5 = 2.570581835636314

@@ -4,7 +4,7 @@ One Lightning run per case, built from the real configs. Every step trains on th
 scored rollout (generated once; a fresh generation is still run and timed each step, so the
 rollout time is measured under the same load as the rest), and the method alternates
 MRTPO, GDPO, GDPO, MRTPO, ... so that drift in machine load hits both alike. Rewards are
-controlled (``mrtpo.bench.common.controlled_task``) to fix the replayed share. After each MRTPO
+controlled (``benchmarks.common.controlled_task``) to fix the replayed share. After each MRTPO
 step the same replays are run as plain no-grad forwards (the floor).
 """
 
@@ -17,13 +17,13 @@ from typing import Any
 import lightning as L
 import torch
 
-from mrtpo.bench.common import (
+from benchmarks.common import (
     bench_dir,
+    build_method,
     compose,
     controlled_task,
     ensure_model,
     med,
-    method_from_config,
     model_overrides,
 )
 from mrtpo.callbacks.rollout import RolloutCallback
@@ -304,10 +304,7 @@ def run_case(
     named in ``compare``, from their configs) steps on one fixed rollout, the order rotating
     every round; per-step records + summary."""
     ensure_model(size)
-    others = {name: method_from_config(name) for name in compare}
-    for m in others.values():
-        if getattr(m, "beta_warmup_steps", 0):
-            m.beta_warmup_steps = 0  # replay from the first step: the cost, not the schedule
+    others = {name: build_method(name) for name in compare}  # β schedules off
     labels = ["mrtpo", "gdpo", *others] + (["mrtpo_fused"] if fused else [])
     order = step_order(labels, pairs + warmup_pairs)
     run_dir = bench_dir() / "runs" / f"{size}-B{prompts}G{group}K{rewards}T{new_tokens}"
@@ -316,6 +313,7 @@ def run_case(
         "task=synthetic",
         f"task.num_constraints={rewards}",
         "method=mrtpo",
+        "method.beta_warmup_steps=0",  # replay from the first step: the cost, not the schedule
         f"rl.prompts_per_step={prompts}",
         f"rl.group_size={group}",
         f"rollout.sampling.max_new_tokens={new_tokens}",
@@ -333,7 +331,7 @@ def run_case(
         trainer,
         module,
         dm,
-        method_from_config("gdpo"),
+        build_method("gdpo"),
         share,
         order,
         warmup_pairs,

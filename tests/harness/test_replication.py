@@ -21,6 +21,7 @@ def _script():
 
 
 @pytest.mark.slow
+@pytest.mark.harness
 def test_replication_miniature_end_to_end(tmp_path, cache_dir):
     rep = _script()
     docs, logs = tmp_path / "docs", tmp_path / "logs"

@@ -1,0 +1,11 @@
+"""The toy replication behind ``make replicate`` (``scripts/replicate.py``), beside the script
+that runs it; not part of the installed ``mrtpo`` package.
+
+    harness      warm starts, RL jobs, the analysis and ``docs/replication.md``
+    claims       one verdict per claim of the paper, by the rules the report states
+    jobs         composed configs trained in a pool of worker processes
+    relevance    where each reward's relevance lands (the checker's tokens or elsewhere)
+    plots        learning curves and relevance pictures
+
+The statistics and run readers it uses are the library's (``mrtpo.analysis``).
+"""
