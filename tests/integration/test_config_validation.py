@@ -166,7 +166,7 @@ def test_cli_refuses_a_bad_value_in_seconds_naming_it(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert out.returncode != 0
     assert "rl.ppo_epochs=0 is not allowed: >= 1" in out.stdout + out.stderr
@@ -179,7 +179,7 @@ def test_cli_refuses_a_run_without_a_step_limit_naming_it(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert out.returncode != 0
     assert "trainer.max_steps=-1 is not allowed: a positive step count" in out.stdout + out.stderr

@@ -184,7 +184,7 @@ def trained_run(tmp_path_factory, cache_dir) -> tuple[Path, Path]:
         "task.num_constraints=3",
         f"paths.cache_dir={cache_dir}",
     ]
-    res = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = (home / "logs" / "train" / "runs").iterdir()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
@@ -206,7 +206,7 @@ def test_eval_takes_model_and_task_from_the_checkpoints_run(trained_run, tmp_pat
         f"paths.log_dir={logs}",
         "rollout.sampling.max_new_tokens=4",
     ]
-    res = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     saved = json.loads((out / "metrics.json").read_text())
     scored = saved["scored"]
@@ -262,7 +262,7 @@ def test_help_lists_only_evals_groups():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     groups = res.stdout.split("== Config ==")[0]

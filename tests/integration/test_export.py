@@ -80,7 +80,7 @@ def _export_cmd(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=900,
     )
 
 
@@ -100,7 +100,7 @@ def lora_checkpoint(tmp_path_factory, cache_dir):
         f"paths.cache_dir={cache_dir}",
         *TRAINED,
     ]
-    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     (run,) = list((logs / "train" / "runs").iterdir())
     return run
@@ -143,7 +143,7 @@ def test_export_cli_converts_a_checkpoint_and_eval_reads_it(lora_checkpoint, tmp
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=900,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = json.loads((ev / "metrics.json").read_text())

@@ -132,7 +132,7 @@ def _cmd(trainer: str, log_dir: Path, cache_dir: Path, *extra: str) -> list[str]
     ]
 
 
-def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
     """Run to completion; on timeout kill both ranks (a deadlocked run ignores SIGTERM, and
     killing rank 0 alone would leave rank 1 waiting in its collective)."""
     t0 = time.monotonic()
@@ -181,7 +181,7 @@ def fsdp_run(tmp_path_factory, cache_dir) -> Path:
     logs = tmp_path_factory.mktemp("fsdp")
     # one validation pass at the end (3 prompts: the sampler pads rank 1's share)
     extra = ("trainer.max_steps=3", "data.val_prompts=3", "trainer.val_check_interval=3")
-    res = _run(_cmd("fsdp", logs, cache_dir, *extra), timeout=240)
+    res = _run(_cmd("fsdp", logs, cache_dir, *extra), timeout=900)
     run = _one_run(logs)
     (run / "wall_seconds").write_text(f"{res.seconds:.1f}")
     return run
@@ -241,7 +241,7 @@ def test_unsupported_architecture_fails_before_training(tmp_path, cache_dir, tin
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=180,
+        timeout=300,
     )
     assert res.returncode != 0
     assert "trainer=fsdp has no layer-wrapping rule for model_type='gpt2'" in res.stderr
@@ -451,7 +451,7 @@ def test_fsdp_sigkill_then_resume_continues_without_duplicate_steps(fsdp_run, tm
         start_new_session=True,  # both ranks in one process group: kill them together
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 900
         target = None
         while time.monotonic() < deadline and proc.poll() is None:
             found = list(logs.glob("train/runs/*/checkpoints/step000002.ckpt"))

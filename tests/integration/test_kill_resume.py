@@ -185,7 +185,7 @@ def test_sigkill_then_resume_continues_the_run(tmp_path, cache_dir):
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=600,
+        timeout=900,
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
     (ref_csv,) = (tmp_path / "ref").glob("train/runs/*/csv/metrics.csv")
@@ -201,7 +201,7 @@ def test_sigkill_then_resume_continues_the_run(tmp_path, cache_dir):
         env=_env(),
     )
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900
         target = None
         while time.monotonic() < deadline and proc.poll() is None:
             found = list(logs.glob("train/runs/*/checkpoints/step000003.ckpt"))
@@ -234,7 +234,7 @@ def test_sigkill_then_resume_continues_the_run(tmp_path, cache_dir):
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=600,
+        timeout=900,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in logs.glob("train/runs/*")) == [run.name]  # same folder

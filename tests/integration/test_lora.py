@@ -190,7 +190,7 @@ def test_the_cli_command_trains_lora_and_exports_the_checkpointed_policy(tmp_pat
         f"paths.cache_dir={cache_dir}",
         "optim.lr=0.02",
     ]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     (run,) = list((tmp_path / "logs" / "train" / "runs").iterdir())
     policy_dir, ckpt = run / "policy", run / "checkpoints" / "last.ckpt"
@@ -232,7 +232,7 @@ def test_lora_under_ddp_keeps_ranks_equal_and_checkpoints_adapters_only(tmp_path
         f"paths.cache_dir={cache_dir}",
         *LORA[1:],
     ]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     (run,) = list((tmp_path / "logs" / "train" / "runs").iterdir())
     ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt", weights_only=True)

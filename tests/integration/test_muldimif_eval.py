@@ -163,7 +163,7 @@ def test_cli_writes_accuracy_to_metrics_json(shared_data: Path, tmp_path: Path):
         f"paths.log_dir={tmp_path / 'logs'}",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["n_prompts"] == 20.0

@@ -126,7 +126,7 @@ def test_entry_point_runs(run):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "2 of the file's 3 steps are shown" in res.stdout

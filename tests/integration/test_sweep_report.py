@@ -37,7 +37,7 @@ def test_multirun_summary_then_report(tmp_path, cache_dir):
            "rl.prompts_per_step=2", "rl.group_size=2", "rollout.sampling.max_new_tokens=4",
            "callbacks.sample_table=null", "callbacks.relevance_dump=null",
            "callbacks.model_checkpoint=null", "hydra/launcher=basic"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     (sweep,) = (logs / "train" / "multiruns").iterdir()
     assert "sweep summary: " in res.stdout
@@ -62,7 +62,7 @@ def test_multirun_summary_then_report(tmp_path, cache_dir):
 
     rep = subprocess.run(
         [sys.executable, "src/report.py", str(sweep), "--baseline", "method=gdpo"],
-        cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=120,
+        cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=300,
     )  # fmt: skip
     assert rep.returncode == 0, rep.stderr[-3000:]
     final = rep.stdout.split("## Final")[1].split("## Best")[0]

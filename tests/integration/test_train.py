@@ -154,7 +154,7 @@ def test_cli_fails_before_training_on_unknown_method(tmp_path):
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=120,
+        timeout=300,
     )
     assert res.returncode != 0
     assert "Could not find 'method/nope'" in res.stderr
@@ -182,7 +182,7 @@ def test_multirun_writes_one_folder_per_job(tmp_path, cache_dir):
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=600,
+        timeout=900,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     csvs = sorted(tmp_path.glob("train/multiruns/*/*/csv/metrics.csv"))

@@ -220,7 +220,7 @@ def test_runs_started_together_get_their_own_folders_and_a_cli_refusal_changes_n
 ):
     logs = tmp_path / "logs"
     procs = [_cli(CLI, cache_dir, logs) for _ in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     runs = sorted((logs / "train" / "runs").iterdir())
     assert len(runs) == 2, runs
@@ -232,7 +232,7 @@ def test_runs_started_together_get_their_own_folders_and_a_cli_refusal_changes_n
     original = (run / ".hydra" / "overrides.yaml").read_text()
     before = tree_hash(run)
     p = _cli([*CLI, f"+resume={run}", "method=gdpo", "trainer.max_steps=2"], cache_dir, logs)
-    out = p.communicate(timeout=300)[0]
+    out = p.communicate(timeout=900)[0]
     assert p.returncode != 0
     assert "method='mrtpo'" in out and "method='gdpo'" in out
     assert tree_hash(run) == before

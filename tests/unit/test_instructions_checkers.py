@@ -51,7 +51,7 @@ def test_punkt_written_offline_and_checkers_import_without_lm_eval_task_manager(
     env = {k: v for k, v in os.environ.items() if k != "NLTK_DATA"}
     env["HOME"] = str(tmp_path)  # no ~/nltk_data to fall back on
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SENTENCES 4" in out.stdout
