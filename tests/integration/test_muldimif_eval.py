@@ -128,6 +128,32 @@ def test_verdicts_equal_the_official_check(setup, tmp_path: Path):
         assert metrics[f"category_second/{name}"] == pytest.approx(float(text.rsplit("=", 1)[1]))
 
 
+def test_a_checker_crash_is_a_failed_constraint_not_a_dropped_response(setup):
+    """Issue 25 item 11: a RecursionError in Format_Json dropped the response from the
+    denominator (2/19 instead of 2/20)."""
+    task, _, checker_dir, nltk_dir = setup
+    examples = task.examples("muldimif")
+    json_ex = next(
+        e for e in examples if any(c["id"] == "Format_Json" for c in e.data["constraints"])
+    )
+    others = [e for e in examples if e is not json_ex][:19]
+    deep = "[" * 3_000 + "]" * 3_000  # under task.max_response_chars
+    harness = load_harness(str(checker_dir), nltk_dir)
+    k = next(i for i, c in enumerate(json_ex.data["constraints"]) if c["id"] == "Format_Json")
+    with pytest.raises(RecursionError):  # the authors' checker, unchanged, crashes on it
+        harness.class_mapping["Format_Json"].check(json_ex.data["constraints"][k]["text"], deep)
+
+    crashed = task.score(json_ex, deep)
+    assert crashed.error is None and crashed.rewards[f"c{k}"] == 0.0
+    assert crashed.checks["strict"][k] is False and crashed.checks["prompt_strict"] is False
+    assert "Format_Json: checker raised RecursionError" in crashed.reasons[f"c{k}"]
+    scores = [task.score(e, "Short answer.") for e in others] + [crashed]
+    metrics = task.summarize([*others, json_ex], scores)
+    assert metrics["n_scored"] == 20.0  # the crashed response stays in the denominator
+    met = sum(s.checks["prompt_strict"] for s in scores)
+    assert metrics["accuracy"] == pytest.approx(met / 20)
+
+
 def test_think_is_stripped_as_the_harness_does():
     assert strip_think("<think>x</think>\n\nAnswer") == "Answer"
     assert strip_think("a</think>b</think>\nc") == "c"

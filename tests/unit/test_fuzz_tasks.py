@@ -376,6 +376,7 @@ FAST_ENOUGH_S = 0.05  # below this at the large size nothing is worth timing
 
 def _worst_cases() -> dict[str, Callable[[int], object]]:
     """Inputs of ``n`` characters that made a model-output parser quadratic (or could)."""
+    from mrtpo.tasks.instructions.judge import JudgeError, parse_verdicts
     from mrtpo.tasks.text2sql.executor import Limits, precheck
     from mrtpo.tasks.text2sql.match import clean_query, prepare_for_match
     from mrtpo.tasks.text2sql.rewards import parse_response
@@ -383,6 +384,13 @@ def _worst_cases() -> dict[str, Callable[[int], object]]:
     from mrtpo.tasks.toolcall.rewards import correctness_reward, format_reward
 
     unlimited = Limits(max_query_chars=10 * SMALL_N * GROWTH)
+
+    def judge_reply(text: str) -> object:
+        try:
+            return parse_verdicts(text, 1)
+        except JudgeError:  # an unusable reply: what these inputs are
+            return None
+
     return {
         # issue 15: 64k spaces after an unclosed fence took 22 s
         "text2sql/unclosed-fence-spaces": lambda n: parse_response("<answer>```" + " " * n),
@@ -399,6 +407,10 @@ def _worst_cases() -> dict[str, Callable[[int], object]]:
         "text2sql/curdate-spaces": lambda n: clean_query("YEAR(" + " " * n),
         "text2sql/precheck-comments": lambda n: precheck("/*" * (n // 2), unlimited),
         "text2sql/precheck-parens": lambda n: precheck("(" * n, unlimited),
+        # issue 25: the AdvancedIF judge's reply parser took 3.5 s on 30k "{"
+        "instructions/judge-open-braces": lambda n: judge_reply("{" * n),
+        "instructions/judge-open-brackets": lambda n: judge_reply("x" + "[" * n),
+        "instructions/judge-pairs-then-brace": lambda n: judge_reply("[]" * (n // 2) + "{"),
         # issue 15: 40k digits ending in a non-digit took 44 s (float and int schemas)
         "toolcall/float-digits": lambda n: coerce_value("1" * n + "x", {"type": "float"}),
         "toolcall/float-digits-exponent": lambda n: coerce_value("1" * n + "e", {"type": "number"}),

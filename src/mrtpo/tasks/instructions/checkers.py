@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
+
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'mrtpo[ifeval]'"
@@ -299,6 +301,7 @@ class Check:
     strict: bool
     loose: bool | None  # None when not computed
     reason: str | None  # why the strict check failed
+    timed_out: bool = False  # a checker call ran past its time budget (counted as failed)
 
 
 def loose_variants(response: str) -> list[str]:
@@ -337,6 +340,12 @@ def _follows(
         return False, f"checker raised {type(exc).__name__}: {exc}"[:200]
 
 
+def _any_loose(checker: Any, instruction_id: str, response: str, nltk_dir: str) -> bool:
+    return any(
+        _follows(checker, instruction_id, v, nltk_dir)[0] for v in loose_variants(response)[1:]
+    )
+
+
 def check(
     reg: Registry,
     instruction_id: str,
@@ -344,16 +353,31 @@ def check(
     prompt: str,
     response: str,
     loose: bool = True,
+    budget_s: float | None = None,
 ) -> Check:
-    """Strict (and optionally loose) verdict of one instruction on one response."""
+    """Strict (and optionally loose) verdict of one instruction on one response.
+
+    ``budget_s`` bounds the strict check, and the loose variants together, to that many
+    seconds each (``deadline.call_with_budget``); a check that runs past it fails, with the
+    reason. The loose variants are not tried after the strict check ran out of time.
+    """
     checker = reg.build(instruction_id, kwargs, prompt)
-    strict, error = _follows(checker, instruction_id, response, reg.nltk_dir)
+    what = f"the {reg.name} checker of {instruction_id!r}"
+    try:
+        strict, error = call_with_budget(
+            _follows, checker, instruction_id, response, reg.nltk_dir, seconds=budget_s, what=what
+        )
+    except CheckTimeout as exc:
+        return Check(False, False if loose else None, str(exc), timed_out=True)
     reason = None if strict else (error or "not followed")
-    if not loose:
-        return Check(strict, None, reason)
-    relaxed = strict or any(
-        _follows(checker, instruction_id, v, reg.nltk_dir)[0] for v in loose_variants(response)[1:]
-    )
+    if not loose or strict:
+        return Check(strict, strict if loose else None, reason)
+    try:
+        relaxed = call_with_budget(
+            _any_loose, checker, instruction_id, response, reg.nltk_dir, seconds=budget_s, what=what
+        )
+    except CheckTimeout as exc:
+        return Check(False, False, f"{reason}; loose variants: {exc}", timed_out=True)
     return Check(strict, relaxed, reason)
 
 

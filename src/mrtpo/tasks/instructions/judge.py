@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -79,17 +78,42 @@ class RubricJudge:
 
 
 def parse_verdicts(text: str, n: int) -> list[bool]:
-    """The booleans of a judge reply: ``{"verdicts": [...]}`` or a bare JSON list."""
-    for candidate in (text, *re.findall(r"\{.*\}|\[.*\]", text, flags=re.DOTALL)):
+    """The booleans of a judge reply: ``{"verdicts": [...]}`` or a bare JSON list.
+
+    Tried in order: the whole reply, then each span from an opening ``{`` or ``[`` to the
+    last matching closer after it (what a greedy ``\\{.*\\}|\\[.*\\]`` search finds,
+    found here in linear time). JSON nested too deeply to parse is not an answer.
+    """
+    for candidate in (text, *_json_spans(text)):
         try:
             obj = json.loads(candidate)
-        except (json.JSONDecodeError, TypeError):
+        except (json.JSONDecodeError, TypeError, RecursionError):
             continue
         if isinstance(obj, Mapping):
             obj = obj.get("verdicts")
         if isinstance(obj, list) and len(obj) == n and all(isinstance(v, bool) for v in obj):
             return list(obj)
     raise JudgeError(f"judge reply is not a list of {n} booleans: {text[:200]!r}")
+
+
+def _json_spans(text: str) -> list[str]:
+    """The spans ``re.findall(r"\\{.*\\}|\\[.*\\]", text, re.DOTALL)`` returns, without
+    its quadratic backtracking on many openers with no closer: each span runs from an opener
+    to the last closer of its kind, and the search goes on after that closer."""
+    last = {"{": text.rfind("}"), "[": text.rfind("]")}
+    nxt = {"{": -1, "[": -1}  # the next opener of each kind at or after i (found once each)
+    spans, i = [], 0
+    while True:
+        for kind in nxt:
+            if nxt[kind] != len(text) and nxt[kind] < i:
+                found = text.find(kind, i)
+                nxt[kind] = found if found != -1 and found < last[kind] else len(text)
+        j = min(nxt.values())
+        if j == len(text):
+            return spans
+        end = last[text[j]]
+        spans.append(text[j : end + 1])
+        i = end + 1
 
 
 def judge_from_options(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> RubricJudge:

@@ -33,7 +33,9 @@ import sys
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
 
 CHECKER_MODULES = (
     "Content_Keywords",
@@ -144,16 +146,44 @@ def load_test(path: str | Path) -> list[dict[str, Any]]:
     return data
 
 
+class Verdict(NamedTuple):
+    ok: bool
+    reason: str | None  # why the constraint failed; None when met
+    timed_out: bool = False  # the checker ran past its time budget
+
+
 def verdicts(
-    harness: types.ModuleType, constraints: Sequence[Sequence[str]], response: str
-) -> list[bool]:
-    """One official verdict per constraint, in order (``evaluation.check``'s inner loop)."""
-    out = []
+    harness: types.ModuleType,
+    constraints: Sequence[Sequence[str]],
+    response: str,
+    budget_s: float | None = None,
+) -> list[Verdict]:
+    """One official verdict per constraint, in order (``evaluation.check``'s inner loop),
+    each with the reason it failed (None when met).
+
+    A checker that raises (``RecursionError`` on deeply nested JSON, ...) or runs past
+    ``budget_s`` seconds fails that constraint: the response stays in the denominator, as a
+    response the checker cannot accept.
+    """
+    out: list[Verdict] = []
     for category, sub, text in constraints:
-        checker = harness.class_mapping.get(f"{category}_{sub}")
+        key = f"{category}_{sub}"
+        checker = harness.class_mapping.get(key)
         if checker is None:
-            raise KeyError(f"MulDimIF constraint key {category}_{sub!s} has no checker")
-        out.append(bool(checker.check(text, response)))
+            raise KeyError(f"MulDimIF constraint key {key} has no checker")
+        try:
+            ok = bool(
+                call_with_budget(
+                    checker.check, text, response, seconds=budget_s, what=f"checker {key}"
+                )
+            )
+        except CheckTimeout as exc:
+            out.append(Verdict(False, f"{key}: {exc}", timed_out=True))
+            continue
+        except Exception as exc:  # a crash on this text is a constraint it does not meet
+            out.append(Verdict(False, f"{key}: checker raised {type(exc).__name__}: {exc}"[:200]))
+            continue
+        out.append(Verdict(ok, None if ok else f"{key}: not followed"))
     return out
 
 

@@ -75,6 +75,7 @@ class InstructionTask(Task):
         judge: Mapping[str, Any] | None = None,
         muldimif: Mapping[str, Any] | None = None,
         max_response_chars: int | None = 16384,
+        checker_timeout_s: float | None = 2.0,
     ) -> None:
         if max_constraints < 1:
             raise ValueError("task.max_constraints must be >= 1")
@@ -97,6 +98,10 @@ class InstructionTask(Task):
         if max_response_chars is not None and int(max_response_chars) < 1:
             raise ValueError("task.max_response_chars must be >= 1 (or null for no cap)")
         self.max_response_chars = None if max_response_chars is None else int(max_response_chars)
+        if checker_timeout_s is not None and not float(checker_timeout_s) > 0:
+            raise ValueError("task.checker_timeout_s must be > 0 seconds (or null for no budget)")
+        self.checker_timeout_s = None if checker_timeout_s is None else float(checker_timeout_s)
+        self.n_timeouts = 0  # checker calls that ran past the budget (logged once)
         self.muldimif_cfg = {"checker_dir": DEFAULT_MULDIMIF_DIR, **dict(muldimif or {})}
         self.n_over_length = 0  # responses refused by the length cap (logged once)
         self.gen_cfg = {
@@ -342,28 +347,19 @@ class InstructionTask(Task):
             return self._over_length(example, response, limit)
         if d["registry"] == "judge":
             strict, loose, reasons = self._judge_verdicts(example, response)
+            timeouts = 0
         elif d["registry"] == "muldimif":
-            strict = muldimif.verdicts(
-                self._muldimif(), [c["triple"] for c in cons], muldimif.strip_think(response)
+            judged = muldimif.verdicts(
+                self._muldimif(),
+                [c["triple"] for c in cons],
+                muldimif.strip_think(response),
+                self.checker_timeout_s,
             )
-            loose = None
-            reasons = {
-                f"c{i}": f"{c['id']}: not followed"
-                for i, (c, ok) in enumerate(zip(cons, strict))
-                if not ok
-            }
+            strict, loose = [v.ok for v in judged], None
+            reasons = {f"c{i}": v.reason for i, v in enumerate(judged) if v.reason}
+            timeouts = sum(v.timed_out for v in judged)
         else:
-            reg = self._registry(d["registry"], d.get("checkers", "official"))
-            want_loose = bool(d.get("eval")) or self.loose_in_training
-            strict, loose, reasons = [], [], {}
-            for i, c in enumerate(cons):
-                res = checkers.check(reg, c["id"], c["kwargs"], d["prompt"], response, want_loose)
-                strict.append(res.strict)
-                loose.append(res.loose)
-                if not res.strict:
-                    reasons[f"c{i}"] = f"{c['id']}: {res.reason}"
-            if not want_loose:
-                loose = None
+            strict, loose, reasons, timeouts = self._checker_verdicts(example, response)
         rewards: dict[str, float | None] = dict.fromkeys(self.reward_names)
         for i, ok in enumerate(strict[: self.max_constraints]):
             rewards[f"c{i}"] = 1.0 if ok else 0.0
@@ -375,7 +371,48 @@ class InstructionTask(Task):
         if loose is not None:
             result["loose"] = loose
             result["prompt_loose"] = all(loose)
+        if timeouts:
+            result["timeouts"] = timeouts
+            self._note_timeouts(example, timeouts)
         return Score(rewards=rewards, blocks={}, reasons=reasons, checks=result)
+
+    def _checker_verdicts(
+        self, example: Example, response: str
+    ) -> tuple[list[bool], list[bool] | None, dict[str, str], int]:
+        """The IFEval / IFBench checkers (strict, and loose when wanted), each call under
+        ``task.checker_timeout_s``."""
+        d = example.data
+        reg = self._registry(d["registry"], d.get("checkers", "official"))
+        want_loose = bool(d.get("eval")) or self.loose_in_training
+        strict, loose, reasons, timeouts = [], [], {}, 0
+        for i, c in enumerate(d["constraints"]):
+            res = checkers.check(
+                reg,
+                c["id"],
+                c["kwargs"],
+                d["prompt"],
+                response,
+                want_loose,
+                budget_s=self.checker_timeout_s,
+            )
+            strict.append(res.strict)
+            loose.append(res.loose)
+            timeouts += res.timed_out
+            if not res.strict or res.timed_out:
+                reasons[f"c{i}"] = f"{c['id']}: {res.reason}"
+        return strict, (loose if want_loose else None), reasons, timeouts
+
+    def _note_timeouts(self, example: Example, n: int) -> None:
+        self.n_timeouts += n
+        if self.n_timeouts == n:  # the first time in this process
+            log.warning(
+                "example %s: %d checker call(s) ran past task.checker_timeout_s=%s s and count "
+                "as failed constraints (the reason is in Score.reasons; evaluation reports "
+                "n_checker_timeouts); further ones are not logged",
+                example.id,
+                n,
+                self.checker_timeout_s,
+            )
 
     def _over_length(self, example: Example, response: str, limit: int) -> Score:
         """Every constraint fails: the text is longer than the checkers are trusted to run on."""
@@ -470,6 +507,9 @@ class InstructionTask(Task):
         over = sum(bool(s.checks.get("over_length")) for _, s in rows)
         if over:
             out["n_over_length"] = float(over)
+        slow = sum(int(s.checks.get("timeouts", 0)) for _, s in rows)
+        if slow:
+            out["n_checker_timeouts"] = float(slow)
         md = [(e, s) for e, s in rows if e.data.get("registry") == "muldimif"]
         if md:
             out.update(self._muldimif_summary(md))
