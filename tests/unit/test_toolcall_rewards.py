@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -204,6 +205,24 @@ def test_model_booleans_are_compared_as_written() -> None:
     assert correctness(gold, answer(as_bool)) == 3.0
     assert correctness(gold, answer(as_text)) == pytest.approx(6 * 3 / 4 - 3)  # names 1 + 1 + 1
     assert correctness(gold, answer(as_zero)) == 3.0  # Python: 0 == False, as in ToolRL
+
+
+def test_a_boolean_for_an_int_parameter_counts_as_toolrl_counts_it() -> None:
+    """Issue 25 item 12: ``true`` against the int 1 scores like 1 itself, because ToolRL's
+    ``rlla.py`` compares with Python's ``==`` (``True == 1``) and the paper follows it. The
+    verdict is kept on purpose and documented in docs/tasks/toolcall.md."""
+    gold = [{"name": "get_weather", "parameters": {"city": "Rome", "days": "1"}}]  # -> 1
+    as_true = {"name": "get_weather", "parameters": {"city": "Rome", "days": True}}
+    as_false = {"name": "get_weather", "parameters": {"city": "Rome", "days": False}}
+    assert correctness(gold, answer(as_true)) == 3.0  # the whole call equals the reference
+    # S_max = 1 + 1 + 2 = 4; False != 1 costs the value point: names 1 + keys 1 + values 1
+    assert correctness(gold, answer(as_false)) == pytest.approx(6 * 3 / 4 - 3)
+    # in the partial-credit sum too: a wrong city, but days=true still earns its point
+    wrong_city = {"name": "get_weather", "parameters": {"city": "Oslo", "days": True}}
+    assert correctness(gold, answer(wrong_city)) == pytest.approx(6 * 3 / 4 - 3)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "tasks" / "toolcall.md").read_text()
+    doc = " ".join(doc.split())
+    assert "`true` for an `int` parameter whose reference is `1`" in doc
 
 
 def test_the_block_shows_the_converted_reference() -> None:
