@@ -297,7 +297,7 @@ body{font-family:sans-serif;margin:0 1.5em 2em}
 header{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd;z-index:1}
 h1{font-size:1.2em;margin:.3em 0} h2{font-size:1em;margin:1.2em 0 .3em}
 .legends{display:flex;gap:3em;flex-wrap:wrap;margin:.4em 0}
-.legend{width:22em;font-size:.8em} .bar{height:.9em;border:1px solid #999}
+.legend{width:26em;font-size:.8em} .bar{height:.9em;border:1px solid #999}
 .ticks{position:relative;height:1.2em} .ticks span{position:absolute;transform:translateX(-50%)}
 #controls{font-size:.9em} #controls label{margin-right:.6em} #count{color:#555}
 .pair{margin:.4em 0 .8em} .lab{font-size:.85em;color:#333} .r{color:#777}
@@ -352,7 +352,10 @@ def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: in
     rows = [(n, k) for n in rec["q"] for k in ("q", "w") if rec[k].get(n) is not None]
     lines = max(1, math.ceil(len(toks) / width))
     height = len(rows) + 1  # a blank row between lines of tokens
-    fig, ax = plt.subplots(figsize=(min(width, len(toks)) * 0.62 + 2.6, lines * height * 0.3 + 2))
+    size = (min(width, len(toks)) * 0.62 + 2.6, lines * height * 0.3 + 2)
+    fig, (ax, q_bar, w_bar) = plt.subplots(
+        3, 1, figsize=size, gridspec_kw={"height_ratios": [lines * height, 0.35, 0.35]}
+    )
     for line in range(lines):
         for r, (name, kind) in enumerate(rows):
             y = line * height + r
@@ -372,13 +375,15 @@ def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: in
     ax.axis("off")
     cut = f" (first {limit} of {len(rec['tokens'])} tokens)" if len(rec["tokens"]) > limit else ""
     ax.set_title(f"step {rec.get('step', 0)}, prompt {rec.get('id', '?')}{cut}", fontsize=9)
-    _colourbars(fig, ax, scales)
+    _colourbars(fig, q_bar, w_bar, scales)
+    fig.subplots_adjust(hspace=0.9)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
-def _colourbars(fig, ax, scales: Scales) -> None:
+def _colourbars(fig, q_axes, w_axes, scales: Scales) -> None:
+    """The page's two scales as colour bars, each on its own axes."""
     import matplotlib
 
     q = matplotlib.cm.ScalarMappable(
@@ -388,8 +393,11 @@ def _colourbars(fig, ax, scales: Scales) -> None:
     w = matplotlib.cm.ScalarMappable(
         norm=matplotlib.colors.LogNorm(2.0**-o, 2.0**o), cmap=matplotlib.colormaps[W_CMAP]
     )
-    fig.colorbar(q, ax=ax, orientation="horizontal", fraction=0.04, pad=0.02, label="q")
-    bar = fig.colorbar(w, ax=ax, orientation="horizontal", fraction=0.04, pad=0.08, label="w")
+    fig.colorbar(q, cax=q_axes, orientation="horizontal", label="q (relevance)")
+    bar = fig.colorbar(
+        w, cax=w_axes, orientation="horizontal", label="w (token weight; 1 = an even share)"
+    )
+    bar.set_ticks([2.0**e for e in (-o, -o / 2, 0.0, o / 2, o)])
     bar.ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
     bar.ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 

@@ -140,14 +140,23 @@ def chromium() -> str | None:
     return None
 
 
+def _high(fd: int) -> int:
+    """``fd`` moved to a number of 10 or more (close-on-exec, as os.pipe makes it)."""
+    import fcntl
+
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return moved
+
+
 class Browser:
     """Headless Chromium over the DevTools protocol on a pipe (fds 3 and 4 of the child)."""
 
     TIMEOUT = 120.0  # a hang guard for one reply, sized for a much slower machine
 
     def __init__(self, exe: str, profile: Path) -> None:
-        to_child, self._w = os.pipe()
-        self._r, from_child = os.pipe()
+        # every pipe end above fd 9, so that the child's dup2 onto 3 and 4 never meets one
+        to_child, self._w, self._r, from_child = (_high(fd) for fd in (*os.pipe(), *os.pipe()))
 
         def wire() -> None:
             os.dup2(to_child, 3)
