@@ -19,6 +19,24 @@ from mrtpo.tasks.base import Example, Score
 log = logging.getLogger(__name__)
 
 
+class NonFiniteLogitsError(FloatingPointError):
+    """The policy's next-token logits hold NaN or infinity where a token is to be drawn.
+
+    The parameters can all be finite and still overflow the logits (``optim.lr=1e10``: each
+    weight ~1e10, the logits past float32's range), which the post-update check of parameters
+    and optimizer state cannot see. The engine stops rather than sample from such a
+    distribution (``torch.multinomial`` would fail naming no setting). Every later step would
+    sample from the same weights, so the run stops instead of skipping the step.
+    """
+
+    def __init__(self, where: str = "while sampling responses") -> None:
+        super().__init__(
+            f"the policy's logits are not finite (NaN or infinity) {where}: its weights have "
+            "diverged, most often from too high a learning rate. Lower optim.lr and start "
+            "again (or from an earlier checkpoint)"
+        )
+
+
 class FaultTracker:
     """Counters and the stop rules; ``state``/``load`` round-trip through checkpoints."""
 

@@ -258,6 +258,48 @@ def test_non_finite_loss_stops_after_the_limit(train_cfg, caplog):
     assert any("non-finite loss at step 0" in r.getMessage() for r in caplog.records)
 
 
+def test_a_diverged_policy_stops_the_run_naming_the_learning_rate(train_cfg):
+    """``optim.lr=1e10``: the weights stay finite (the post-update check passes) but the logits
+    overflow; the next rollout used to die inside ``torch.multinomial``."""
+    cfg = train_cfg("method=gdpo", "trainer.max_steps=4", "optim.lr=1e10")
+    with pytest.raises(Exception) as err:
+        fit_with(cfg)
+    msg = str(err.value)
+    assert isinstance(err.value, FloatingPointError), f"{type(err.value).__name__}: {msg}"
+    assert "logits are not finite" in msg and "optim.lr" in msg
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.0, "greedy": True}])
+@pytest.mark.parametrize("fault", ["nan weights", "finite weights, overflowing logits"])
+def test_the_hf_engine_refuses_to_sample_from_non_finite_logits(tiny, fault, sampling):
+    import copy
+
+    from mrtpo.rollout.base import SamplingConfig
+    from mrtpo.rollout.hf import HFEngine
+
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        if fault == "nan weights":
+            head.fill_(float("nan"))
+        else:  # every weight finite; the logits pass float32's range
+            model.model.norm.weight.mul_(1e38)
+            head.mul_(100)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert finite == (fault != "nan weights")
+    engine = HFEngine(batch_size=4)
+    engine.bind(model, tok, [tok.eos_token_id])
+    cfg = SamplingConfig(max_new_tokens=4, **sampling)
+    with pytest.raises(Exception) as err:
+        engine.generate([[1, 2, 3], [4, 5]], 2, cfg, seed=0)
+    assert isinstance(err.value, FloatingPointError), f"{type(err.value).__name__}: {err.value}"
+    assert "optim.lr" in str(err.value)
+    # the same engine still samples from a healthy model
+    engine.bind(tiny[0], tok, [tok.eos_token_id])
+    out = engine.generate([[1, 2, 3]], 2, cfg, seed=0)
+    assert len(out) == 2 and all(g.token_ids for g in out)
+
+
 # ---- out of memory in replay --------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ import logging
 import torch
 
 from mrtpo.distributed import Ranks
+from mrtpo.faults import NonFiniteLogitsError
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,33 @@ class _SampledLogprobs:
         return torch.stack(self.steps, dim=1).cpu() if self.steps else torch.zeros((0, 0))
 
 
+class _FiniteLogits:
+    """A logits processor that refuses to draw from NaN or infinite logits.
+
+    A step whose logits (divided by the temperature, as the sampler divides them) hold NaN or
+    +inf, or a row with no finite logit, is recorded in ``bad`` and replaced by one that ends
+    every row (its end-of-sequence token only): ``generate`` finishes at once, in step with
+    other ranks, and ``HFEngine.generate`` then raises ``NonFiniteLogitsError``. Without it,
+    ``torch.multinomial`` fails with a message that names no setting. One flag per step is
+    read back (``generate`` already synchronizes every step for its stopping criteria).
+    """
+
+    def __init__(self, temperature: float, eos_id: int) -> None:
+        self.temperature = float(temperature) if temperature > 0 else 1.0
+        self.eos_id = int(eos_id)
+        self.bad = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        z = scores.float() / self.temperature if self.temperature != 1.0 else scores
+        ok = (~torch.isnan(z) & ~torch.isposinf(z)).all(-1) & torch.isfinite(z).any(-1)
+        if bool(ok.all()):
+            return scores
+        self.bad = True
+        end = torch.full_like(scores, float("-inf"))
+        end[:, self.eos_id] = 0.0
+        return end
+
+
 class HFEngine(RolloutEngine):
     """Batched sampling with ``model.generate`` (left padding, stop at EOS)."""
 
@@ -195,6 +223,8 @@ class HFEngine(RolloutEngine):
                 )
         # Log-probs of a truncated sampler are not softmax(z / t): none are reported.
         record = config.do_sample and not sampling.truncated
+        end = self.eos_ids[0] if self.eos_ids else (pad if pad is not None else 0)
+        guard = _FiniteLogits(sampling.temperature if config.do_sample else 0.0, end)
         was_training = model.training
         own_config = getattr(model, "generation_config", None)
         model.eval()
@@ -211,6 +241,7 @@ class HFEngine(RolloutEngine):
                     input_ids=torch.full((1, 1), pad, dtype=torch.long, device=device),
                     attention_mask=torch.ones((1, 1), dtype=torch.long, device=device),
                     generation_config=config,
+                    logits_processor=[guard],
                     synced_gpus=True,
                 )
             for start in range(0, len(flat), self.batch_size):
@@ -229,7 +260,7 @@ class HFEngine(RolloutEngine):
                     input_ids=ids.to(device),
                     attention_mask=attn.to(device),
                     generation_config=config,
-                    logits_processor=[recorder] if recorder is not None else None,
+                    logits_processor=[guard] if recorder is None else [guard, recorder],
                     synced_gpus=lockstep,
                 )
                 new = seqs[:, width:]
@@ -252,4 +283,7 @@ class HFEngine(RolloutEngine):
             if own_config is not None:
                 model.generation_config = own_config
             model.train(was_training)
+        # decided jointly: a rank that raised alone would leave the others in a collective
+        if ranks.any(guard.bad):
+            raise NonFiniteLogitsError()
         return out
