@@ -74,6 +74,21 @@ def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
     return gen
 
 
+def _save_model(target: torch.nn.Module, folder: Path, state, gen) -> None:
+    """``target.save_pretrained`` with ``gen`` standing in for the model's own generation
+    config, which ``save_pretrained`` validates strictly: a checkpoint's loose one (``top_k``
+    without ``do_sample``, which loading only warns about) would fail the export at the end of
+    a run, although none of its fields are exported."""
+    own = getattr(target, "generation_config", None)
+    if own is not None:
+        target.generation_config = gen
+    try:
+        target.save_pretrained(folder, state_dict=state)
+    finally:
+        if own is not None:
+            target.generation_config = own
+
+
 def _inside(path: Path, folder: Path) -> bool:
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
@@ -134,9 +149,10 @@ def save_policy(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        target.save_pretrained(tmp, state_dict=state)
+        gen = generation_config(model, tokenizer, sampling)
+        _save_model(target, tmp, state, gen)
         tokenizer.save_pretrained(tmp)
-        generation_config(model, tokenizer, sampling).save_pretrained(tmp)
+        gen.save_pretrained(tmp)
         record = {"lora_merged": is_lora(model), **dict(info or {})}
         (tmp / MARKER).write_text(json.dumps(record, indent=2, default=str) + "\n")
         old = None

@@ -218,3 +218,36 @@ def test_the_exported_generation_config_drops_the_checkpoints_own_defaults(tiny)
     assert gen.repetition_penalty == 1.0 and gen.no_repeat_ngram_size == 0
     assert gen.do_sample and gen.temperature == 0.7 and gen.max_new_tokens == 12
     assert gen.top_k in (0, None) and gen.top_p == 1.0
+
+
+def test_a_loose_generation_config_of_the_starting_model_does_not_fail_the_export(
+    train_cfg, tmp_path, cache_dir
+):
+    """A checkpoint whose generation_config sets ``top_k`` and ``temperature`` without
+    ``do_sample`` (transformers warns on load, refuses on save) used to train, then crash
+    exporting ``policy/``. The export writes the training sampling settings only."""
+    import shutil
+
+    start = tmp_path / "loose"
+    shutil.copytree(cache_dir / "models" / "tiny-qwen2", start)
+    (start / "mrtpo_tiny.json").unlink()  # a model of the user's, not one the project built
+    gen_file = start / "generation_config.json"
+    loose = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    loose.update(do_sample=False, top_k=5, temperature=0.3)
+    gen_file.write_text(json.dumps(loose))
+    before = _tree_digest(start)
+    out = tmp_path / "run"
+    cfg = train_cfg(
+        f"model.name_or_path={start}",
+        "model.tiny=null",
+        "trainer.max_steps=1",
+        f"paths.output_dir={out}",
+    )
+    trainer, module, dm = build(cfg)
+    assert module.policy.generation_config.top_k == 5  # the loose config was loaded
+    trainer.fit(module, datamodule=dm)
+    gen = json.loads((out / "policy" / "generation_config.json").read_text())
+    assert gen["do_sample"] is True and gen["top_k"] == 0 and gen["temperature"] == 1.0
+    assert (out / "policy" / "config.json").is_file()
+    assert module.policy.generation_config.top_k == 5  # the model's own is put back
+    assert _tree_digest(start) == before  # the user's folder is only read
