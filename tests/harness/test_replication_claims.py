@@ -1,4 +1,4 @@
-"""The claim statistics and verdicts (mrtpo.analysis.stats, replication.claims) on
+"""The claim statistics (mrtpo.analysis.stats) and verdicts (replication.claims) on
 hand-computed inputs: no training."""
 
 from __future__ import annotations
@@ -7,19 +7,16 @@ import math
 
 import pytest
 
-from mrtpo.analysis.stats import (
+from mrtpo.analysis.stats import Interval, early_minus_late, mean_finite, value_at
+from replication import claims
+from replication.claims import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
-    Interval,
     all_of,
     below_verdict,
     claim_verdict,
-    early_minus_late,
-    mean_finite,
-    value_at,
 )
-from replication import claims
 from replication.harness import compare_metrics, method_dir, parse_method
 
 T975_DF2 = 4.302652729749464

@@ -298,36 +298,3 @@ def early_minus_late(curve: Sequence[float], w: int = SMOOTH) -> float:
     if len(v) < 2 * w:
         return math.nan
     return sum(v[:w]) / w - sum(v[-w:]) / w
-
-
-#: Words of a claim's verdict.
-REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
-
-
-def claim_verdict(iv: Interval, direction: int = 1) -> str:
-    """A claim that a quantity is positive (``direction=1``) or negative (``-1``): reproduced
-    when its 95% interval lies wholly on the claimed side of zero, not reproduced when wholly
-    on the other side, inconclusive when it contains zero or there is no interval."""
-    if direction not in (1, -1):
-        raise ValueError(f"direction must be 1 or -1, got {direction}")
-    s = iv.sign * direction
-    return REPRODUCED if s > 0 else NOT_REPRODUCED if s < 0 else INCONCLUSIVE
-
-
-def all_of(verdicts: Iterable[str]) -> str:
-    """A claim made of parts (``a > b > c``): reproduced when every part is, not reproduced
-    when any part is contradicted, inconclusive otherwise."""
-    v = list(verdicts)
-    if not v:
-        return INCONCLUSIVE
-    if any(x == NOT_REPRODUCED for x in v):
-        return NOT_REPRODUCED
-    return REPRODUCED if all(x == REPRODUCED for x in v) else INCONCLUSIVE
-
-
-def below_verdict(iv: Interval, bound: float) -> str:
-    """A claim that a quantity is at most ``bound``: reproduced when the whole interval is
-    at or below it, not reproduced when the whole interval is above, else inconclusive."""
-    if math.isnan(iv.mean) or math.isnan(iv.half):
-        return INCONCLUSIVE
-    return REPRODUCED if iv.hi <= bound else NOT_REPRODUCED if iv.lo > bound else INCONCLUSIVE
