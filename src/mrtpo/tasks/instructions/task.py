@@ -17,7 +17,10 @@ prompts, the loose check as well (reported by ``summarize``, not used as a rewar
 training prompts are scored with HiR's variants of three checkers (``task.data.checkers``,
 see ``hir_checkers``). Responses longer than ``task.max_response_chars`` fail every
 constraint with that reason: some upstream checkers take time quadratic in the length of
-pathological text (e.g. 16k ``[`` characters), and the cap bounds what reaches them.
+pathological text (e.g. 16k ``[`` characters), and the cap bounds what reaches them. Below
+the cap they can still take seconds, so each checker call also runs under
+``task.checker_timeout_s`` (``mrtpo.tasks.deadline``): a call past it fails its constraint,
+with the reason, and is counted (``checks["timeouts"]``, ``n_checker_timeouts``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ DEFAULT_EVAL_FILES = {
     "muldimif": "../shared/data/muldimif/test.json",
 }
 DEFAULT_MULDIMIF_DIR = "../shared/vendor/muldimif"
+
+
+def _budget(seconds: float | None) -> float | None:
+    """``task.checker_timeout_s``: seconds per checker call, or None for no budget."""
+    if seconds is not None and not float(seconds) > 0:
+        raise ValueError("task.checker_timeout_s must be > 0 seconds (or null for no budget)")
+    return None if seconds is None else float(seconds)
 
 
 class InstructionTask(Task):
@@ -98,9 +108,7 @@ class InstructionTask(Task):
         if max_response_chars is not None and int(max_response_chars) < 1:
             raise ValueError("task.max_response_chars must be >= 1 (or null for no cap)")
         self.max_response_chars = None if max_response_chars is None else int(max_response_chars)
-        if checker_timeout_s is not None and not float(checker_timeout_s) > 0:
-            raise ValueError("task.checker_timeout_s must be > 0 seconds (or null for no budget)")
-        self.checker_timeout_s = None if checker_timeout_s is None else float(checker_timeout_s)
+        self.checker_timeout_s = _budget(checker_timeout_s)
         self.n_timeouts = 0  # checker calls that ran past the budget (logged once)
         self.muldimif_cfg = {"checker_dir": DEFAULT_MULDIMIF_DIR, **dict(muldimif or {})}
         self.n_over_length = 0  # responses refused by the length cap (logged once)
