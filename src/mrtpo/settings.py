@@ -338,16 +338,20 @@ def register_schemas() -> None:
 
 
 def section(cfg, name: str):
-    """The typed, range-checked settings of ``name`` (e.g. ``"rl"``) of a composed config."""
+    """The typed, range-checked settings of ``name`` (e.g. ``"rl"``) of a composed config.
+    ``rl`` is one rank's: a global batch divided over ``world_size(cfg)`` ranks (the config
+    itself keeps what was given, which is what a checkpoint records)."""
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, name)
     schema = SCHEMAS[name]
     if node is None:
-        return schema()
-    if isinstance(node, schema):
-        return node
-    return schema.from_mapping(OmegaConf.to_container(node, resolve=True))
+        out = schema()
+    elif isinstance(node, schema):
+        out = node
+    else:
+        out = schema.from_mapping(OmegaConf.to_container(node, resolve=True))
+    return out.per_rank(world_size(cfg)) if isinstance(out, RLConfig) else out
 
 
 #: numpy's (and so Lightning's ``seed_everything``'s) range of seeds
@@ -587,22 +591,22 @@ def check_placement(cfg, gpus: int | None = None) -> int:
     return per_node * int(trainer.get("num_nodes", 1) or 1)
 
 
-def resolve_batch(cfg, ranks: int) -> None:
-    """Set ``cfg.rl``'s per-rank batch keys for ``ranks`` processes (``RLConfig.per_rank``):
-    a global batch is divided over them, and a per-rank one on several ranks is logged with
-    the total it makes."""
+def resolve_batch(cfg, ranks: int) -> RLConfig | None:
+    """One rank's ``rl`` settings for ``ranks`` processes (``RLConfig.per_rank``), logged: a
+    global batch divided over them, or a per-rank one with the total it makes on several
+    ranks. ``cfg`` is left as given; ``section(cfg, "rl")`` divides the same way."""
     import logging
 
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, "rl")
     if node is None:
-        return
-    rl = section(cfg, "rl")
-    mine = rl.per_rank(ranks)
+        return None
+    given = RLConfig.from_mapping(OmegaConf.to_container(node, resolve=True))
+    mine = given.per_rank(ranks)
     log = logging.getLogger(__name__)
     for key in PER_RANK_DEFAULTS:
-        total, share = getattr(rl, "global_" + key), getattr(mine, key)
+        total, share = getattr(given, "global_" + key), getattr(mine, key)
         if total is not None:
             log.info("rl.global_%s=%d over %d rank(s): %d per rank", key, total, ranks, share)
         elif ranks > 1:
@@ -610,5 +614,4 @@ def resolve_batch(cfg, ranks: int) -> None:
                 "rl.%s=%d is per rank: %d ranks make %d (rl.global_%s states the total instead)",
                 *(key, share, ranks, share * ranks, key),
             )
-        node[key] = share
-        node["global_" + key] = None
+    return mine

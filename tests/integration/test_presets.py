@@ -21,7 +21,13 @@ from tests.conftest import CONFIG_DIR, compose_config
 from tests.task_fixtures import make_public_data, rlla_rows
 
 from mrtpo.pipeline import build, metrics_csv, prepare
-from mrtpo.settings import ConfigError, check_placement, model_parameters, resolve_batch
+from mrtpo.settings import (
+    ConfigError,
+    check_placement,
+    model_parameters,
+    resolve_batch,
+    section,
+)
 
 TOY = ("demo", "toy_")
 PRESETS = sorted(
@@ -111,16 +117,15 @@ def test_preset_composes_a_gpu_trainer_its_model_fits(preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_batch_is_global_over_one_node_of_eight(preset):
-    one = _paper(preset)
     cfg = _paper(preset, "trainer.devices=8")
     ranks = check_placement(cfg, gpus=8)
-    resolve_batch(cfg, ranks)
+    mine = resolve_batch(cfg, ranks)
     assert ranks == 8
-    assert cfg.rl.prompts_per_step * 8 == one.rl.global_prompts_per_step
-    assert cfg.rl.mini_batch_size * 8 == one.rl.global_mini_batch_size
-    assert cfg.rl.global_prompts_per_step is None  # divided once: resolving again changes nothing
-    resolve_batch(cfg, ranks)
-    assert cfg.rl.prompts_per_step * 8 == one.rl.global_prompts_per_step
+    assert mine.prompts_per_step * 8 == cfg.rl.global_prompts_per_step
+    assert mine.mini_batch_size * 8 == cfg.rl.global_mini_batch_size
+    # what the run reads (section) is the same share; the config keeps what was given,
+    # which is what its checkpoints record and a resume compares
+    assert section(cfg, "rl") == mine and cfg.rl.prompts_per_step is None
 
 
 def test_preset_on_a_machine_without_the_gpus_is_refused_before_anything_loads():
@@ -148,8 +153,7 @@ def test_global_batch_that_does_not_divide_is_refused_naming_the_keys():
         resolve_batch(cfg, check_placement(cfg, gpus=3))
     # an old command line's per-rank batch that agrees with the global one is accepted
     cfg = _paper("text2sql_coder7b", "trainer.devices=8", "rl.prompts_per_step=8")
-    resolve_batch(cfg, check_placement(cfg, gpus=8))
-    assert cfg.rl.prompts_per_step == 8
+    assert resolve_batch(cfg, check_placement(cfg, gpus=8)).prompts_per_step == 8
     cfg = _paper("text2sql_coder7b", "trainer.devices=8", "rl.prompts_per_step=4")
     with pytest.raises(ConfigError, match=r"rl.prompts_per_step=4 \(per rank\) disagrees"):
         resolve_batch(cfg, check_placement(cfg, gpus=8))

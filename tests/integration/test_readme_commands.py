@@ -87,9 +87,8 @@ def jobs(args: list[str]) -> list[list[str]]:
 
 def check_train(cfg) -> None:
     """What src/train.py checks before loading anything, with 8 GPUs assumed."""
-    validate(cfg)
-    resolve_batch(cfg, check_placement(cfg, gpus=8))
-    validate(cfg)  # the per-rank batch it divided is within range too
+    validate(cfg)  # typed settings, the batch divided over the trainer's ranks
+    assert resolve_batch(cfg, check_placement(cfg, gpus=8)) is not None
     if cfg.get("stage", {}).get("name", "rl") == "rl":
         instantiate(cfg.method)
 
