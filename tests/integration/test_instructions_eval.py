@@ -29,9 +29,12 @@ CASES = [
     # startend:quotation, keywords:frequency (knock >= 2), keywords:existence (cat)
     (142, '"Knock knock. Who is there? The cat."', [True, True, True], [True, True, True]),
     (142, 'Sure:\n"Knock knock. The cat."', [False, True, True], [True, True, True]),
+    # every example gets the same number of responses (evaluation refuses uneven counts)
+    (142, '"Knock, knock. The dog."', [True, True, False], [True, True, False]),
     # change_case:english_lowercase, keywords:frequency (story >= 2)
     (1153, f"{LOWER}and each story was a better story", [True, True], [True, True]),
     (1153, f"The {LOWER}and one story", [False, False], [False, False]),
+    (1153, f"{LOWER}and no tale twice", [True, False], [True, False]),
 ]
 
 
