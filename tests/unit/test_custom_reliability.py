@@ -115,7 +115,10 @@ def test_keyboard_interrupt_in_a_reward_stops_naming_the_function(tmp_path, capl
 # ---- 8: a runaway block function --------------------------------------------------------
 
 
-def test_a_10_mb_block_is_cut_to_the_cap_with_a_note(tmp_path, caplog):
+def test_a_10_mb_block_is_cut_to_the_cap_with_a_note(tmp_path, caplog, monkeypatch):
+    import mrtpo.scoring
+
+    monkeypatch.setattr(mrtpo.scoring, "_CAPPED", set())  # logged once per process otherwise
     task = _task(
         _jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]),
         blocks={"ok": huge_block},

@@ -75,7 +75,10 @@ def test_checker_errors_pass_through_and_none_means_no_budget():
     assert call_with_budget(lambda: 7, seconds=None, what="x") == 7
 
 
-def test_off_the_main_thread_the_call_runs_unbudgeted_and_says_so(caplog):
+def test_off_the_main_thread_the_call_runs_unbudgeted_and_says_so(caplog, monkeypatch):
+    from mrtpo.tasks import deadline
+
+    monkeypatch.setattr(deadline, "_WARNED", set())  # logged once per process otherwise
     caplog.set_level(logging.WARNING, logger="mrtpo.tasks.deadline")
     out: list[object] = []
     th = threading.Thread(

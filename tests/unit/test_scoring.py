@@ -155,7 +155,11 @@ def test_keyboard_interrupt_in_scoring_stops_with_a_message(caplog):
     assert any("KeyboardInterrupt while task scripted scored" in r.message for r in caplog.records)
 
 
-def test_a_huge_block_is_cut_with_a_note_in_its_text_and_the_log(caplog):
+def test_a_huge_block_is_cut_with_a_note_in_its_text_and_the_log(caplog, monkeypatch):
+    import mrtpo.scoring
+
+    monkeypatch.setattr(mrtpo.scoring, "_CAPPED", set())  # logged once per process otherwise
+
     class Blocks(Scripted):
         max_block_chars = 1000
 
