@@ -22,9 +22,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, List, Optional  # noqa: UP035  (OmegaConf reads these annotations)
 
+from hydra.errors import CompactHydraException
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and what is allowed."""
+
+class ConfigError(ValueError, CompactHydraException):
+    """A config value that cannot work; the message names the key and what is allowed.
+
+    A ``CompactHydraException``: raised in a job, Hydra prints its message alone (under the
+    line naming the job's overrides) rather than a traceback, and still records the job as
+    failed (``job.json``)."""
 
 
 def _finite(value: Any) -> bool:

@@ -170,6 +170,7 @@ def test_cli_refuses_a_bad_value_in_seconds_naming_it(tmp_path):
     )
     assert out.returncode != 0
     assert "rl.ppo_epochs=0 is not allowed: >= 1" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr  # the message, not a stack
 
 
 def test_cli_refuses_a_run_without_a_step_limit_naming_it(tmp_path):
@@ -183,6 +184,7 @@ def test_cli_refuses_a_run_without_a_step_limit_naming_it(tmp_path):
     )
     assert out.returncode != 0
     assert "trainer.max_steps=-1 is not allowed: a positive step count" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 @pytest.mark.parametrize(
