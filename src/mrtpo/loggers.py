@@ -5,16 +5,32 @@ happens after the policy has been loaded (minutes for a real model) and the run 
 been created: a missing ``tensorboard`` or ``wandb`` then costs that time and leaves an
 empty folder behind. ``check_loggers`` makes the same test on the config alone and says
 which extra of this project installs what is missing.
+
+``RunCSVLogger`` is Lightning's CSV logger made safe for resuming in place: ``metrics.csv`` is
+never deleted or truncated, only replaced atomically, so a run's history is on disk at every
+instant (``build_loggers`` uses it for ``lightning.pytorch.loggers.CSVLogger``).
 """
 
 from __future__ import annotations
 
+import csv
 import importlib.metadata
 import importlib.util
+import io
+import logging
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,3 +138,131 @@ def check_loggers(logger_cfg) -> None:
             + "; ".join(problems)
             + ". Or choose another logger (logger=csv needs nothing extra)."
         )
+
+
+# ---- a CSV logger that never loses the history of a run ------------------------------------
+
+
+def _step_of(row: dict[str, str]) -> int | None:
+    try:
+        return int(float(row.get("step", "")))
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """Header and rows of ``path``; a last line cut short by a kill (no newline) is left out."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log.warning("%s: its last line is incomplete (a killed writer?); left out", path)
+        data = data[:cut]
+    reader = csv.DictReader(io.StringIO(data.decode("utf-8"), newline=""))
+    rows = list(reader)
+    return list(reader.fieldnames or []), rows
+
+
+def _write_csv_atomic(path: Path, fields: list[str], rows: list[dict[str, Any]]) -> None:
+    """``rows`` into ``path`` through a fsynced temporary file beside it and one rename, so
+    that at every instant ``path`` holds either the old or the new table."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class KeepingWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` is never removed or
+    truncated in place.
+
+    Lightning's writer deletes the file when it is created and rewrites it in place when a
+    new column appears; a process killed in between loses every earlier row. Here the file
+    stays as it was until the first rows of this run are saved; then one atomic rename
+    replaces it by its rows of steps before ``start_step`` (the step a resumed run restarts
+    from; 0 for a new run) followed by the new rows. Later saves append, or, when a column
+    is new, rewrite the whole table atomically.
+    """
+
+    def __init__(self, log_dir: str, start_step: int | None = 0) -> None:
+        super().__init__(log_dir)
+        #: rows of steps at or after this are dropped from the old file; None: not known yet
+        #: (a resume before its checkpoint is restored), so nothing is written until set
+        self.start_step = start_step
+        self._merged = False
+        self.kept = self.dropped = 0
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's version deletes metrics.csv
+        return
+
+    def save(self) -> None:
+        if not self.metrics or self.start_step is None:
+            return
+        path = Path(self.metrics_file_path)
+        if "://" in str(self.metrics_file_path) and not str(path).startswith("file://"):
+            return super().save()  # a remote store: Lightning's writer
+        new_keys = self._record_new_keys()
+        if not self._merged or new_keys or not path.is_file():
+            old_fields, old = _read_rows(path) if path.is_file() else ([], [])
+            if not self._merged:
+                keep = [r for r in old if (s := _step_of(r)) is not None and s < self.start_step]
+                self.kept, self.dropped = len(keep), len(old) - len(keep)
+                old = keep
+            self.metrics_keys = sorted(set(self.metrics_keys) | set(old_fields))
+            _write_csv_atomic(path, self.metrics_keys, old + self.metrics)
+            self._merged = True
+        else:
+            with open(path, "a", newline="", encoding="utf-8") as f:
+                csv.DictWriter(f, fieldnames=self.metrics_keys).writerows(self.metrics)
+                f.flush()
+                os.fsync(f.fileno())
+        self.metrics = []
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` writing through ``KeepingWriter`` (see above).
+
+    ``resuming``: the run continues from a checkpoint; the step it restarts from is given
+    later (``mrtpo.callbacks.resume.ResumeMetrics``), and until then the old file is kept.
+    """
+
+    def __init__(self, *args: Any, resuming: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resuming = resuming
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> KeepingWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = KeepingWriter(self.log_dir, None if self.resuming else 0)
+        return self._experiment
+
+
+_LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "pytorch_lightning.loggers.CSVLogger")
+
+
+def build_loggers(logger_cfg, resuming: bool) -> list:
+    """The configured loggers; Lightning's own ``CSVLogger`` is built as ``RunCSVLogger``."""
+    from hydra.utils import instantiate
+
+    loggers = []
+    for node in (logger_cfg or {}).values():
+        if not node:
+            continue
+        if str(node.get("_target_", "")) in _LIGHTNING_CSV:
+            target = f"{__name__}.RunCSVLogger"
+            loggers.append(instantiate(node, _target_=target, resuming=resuming))
+        else:
+            loggers.append(instantiate(node))
+    return loggers

@@ -63,6 +63,7 @@ def build(cfg: DictConfig):
 
     from mrtpo.callbacks.resume import ResumeMetrics
     from mrtpo.data import PromptDataModule
+    from mrtpo.loggers import build_loggers
     from mrtpo.models import load_policy
     from mrtpo.settings import section
 
@@ -82,16 +83,19 @@ def build(cfg: DictConfig):
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     module, datamodule, extra = stage.build(cfg, policy, tokenizer, task, prompts)
     callbacks.extend(extra)
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
-    # Resuming into a folder that has metrics: keep its rows before the checkpoint's step.
-    callbacks.append(ResumeMetrics(loggers, resuming=resume_checkpoint(cfg) is not None))
+    resuming = resume_checkpoint(cfg) is not None
+    # metrics.csv is never deleted: a resume keeps its rows before the checkpoint's step
+    loggers = build_loggers(cfg.get("logger"), resuming=resuming)
+    callbacks.append(ResumeMetrics(loggers, resuming=resuming))
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return trainer, module, datamodule
 
 
 def metrics_csv(trainer) -> Path | None:
+    from lightning.pytorch.loggers import CSVLogger
+
     for lg in trainer.loggers:
-        if type(lg).__name__ == "CSVLogger":
+        if isinstance(lg, CSVLogger):
             return Path(lg.log_dir) / "metrics.csv"
     return None
 
