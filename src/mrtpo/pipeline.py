@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -9,10 +10,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.run_folder import (
+    RunFolderLock,
     read_checkpoint,
     record_invocation,
     record_resume,
     resume_checkpoint,
+    run_folder_of,
     validate_resume,
 )
 
@@ -158,15 +161,31 @@ def run_warm_starts(cfg: DictConfig) -> DictConfig:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run training (after the config's warm starts, if any); return the last logged metrics."""
+    """Run training (after the config's warm starts, if any); return the last logged metrics.
+
+    The run folder is locked for the whole run (``RunFolderLock``): a second process in the
+    same folder is refused at once, naming the first.
+    """
     if cfg.get("print_config"):
         print_config(cfg)
-    from mrtpo.callbacks.console import header, quiet_libraries
+    from mrtpo.callbacks.console import quiet_libraries
     from mrtpo.settings import check_placement, validate
 
     quiet_libraries()
     validate(cfg)  # typed settings and their ranges, before anything loads or runs
     check_placement(cfg)  # and a trainer this machine can start, before any warm start runs
+    folder = run_folder_of(cfg)
+    if folder is not None and not cfg.get("resume"):
+        folder.mkdir(parents=True, exist_ok=True)
+    if cfg.get("resume"):
+        resume_checkpoint(cfg)  # a folder that is not a run is refused before the lock
+    with RunFolderLock(folder) if folder is not None else contextlib.nullcontext() as lock:
+        return _train_locked(cfg, lock)
+
+
+def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, float]:
+    from mrtpo.callbacks.console import header
+
     if cfg.get("warm_start"):
         cmd = command_line()
         if cmd:
@@ -183,6 +202,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         # Nothing in the run folder has changed yet: a refused resume leaves it as it was.
         validate_resume(ckpt, module, ckpt_path)
         del ckpt
+    if lock is not None:
+        lock.accept()
     if cfg.get("resume"):
         record_resume(cfg, cfg.resume)
     else:

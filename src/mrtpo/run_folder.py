@@ -9,11 +9,15 @@ Hydra does not write the resuming command's config into the folder (``hydra.outp
 is null for a resume, see configs/hydra/default.yaml); once the resume is validated it is
 recorded beside the original under ``.hydra/resumes/<time>/`` and appended to
 ``.hydra/history.yaml``. The original ``.hydra/overrides.yaml`` is never rewritten.
+
+One process at a time runs in a run folder (``RunFolderLock``, an ``flock`` on ``run.lock``
+that the kernel drops with its process).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -169,3 +173,149 @@ def record_invocation(cfg: DictConfig) -> None:
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "overrides": list(hc.overrides.task)}
     with open(folder / "history.yaml", "a", encoding="utf-8") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
+
+
+# ---- one process at a time in a run folder -------------------------------------------------
+
+#: The lock file of a run folder: locked (``flock``) by the process that runs there, and
+#: holding who that is while it runs (empty otherwise).
+LOCK_NAME = "run.lock"
+
+_HELD: dict[str, int] = {}  # resolved run folder -> locked descriptor, in this process
+
+
+class RunFolderBusy(ResumeRefused):
+    """Another live process runs in this run folder; nothing was changed."""
+
+
+def _close_held_in_child() -> None:
+    # A forked child (a worker pool) must not keep the parent's lock alive after the parent
+    # dies; closing its copy does not release the parent's lock.
+    for fd in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def _secondary_process() -> bool:
+    """A worker of a multi-process run (DDP rank > 0, another node): the launching process
+    of the run holds the folder's lock for all of them."""
+    keys = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
+    return any(os.environ.get(k, "0").strip() not in ("", "0") for k in keys)
+
+
+def _holder() -> bytes:
+    import socket
+    import sys
+
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+    }
+    return (json.dumps(info) + "\n").encode()
+
+
+def _busy_message(folder: Path, data: bytes) -> str:
+    try:
+        h = json.loads(data.decode())
+        who = f"process {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+    except (ValueError, KeyError, UnicodeDecodeError):
+        who = "a process that is still starting (it has not recorded itself yet)"
+    return (
+        f"run folder {folder} is in use by another run ({who}); two runs in one folder would "
+        f"mix their metrics and checkpoints. Wait for it to end or stop it, then resume. "
+        f"The lock ({folder / LOCK_NAME}) is released by the system when its process dies: "
+        "there is nothing to delete"
+    )
+
+
+class RunFolderLock:
+    """An exclusive lock on a run folder for the ``with`` block (a no-op in worker ranks).
+
+    Taken with ``flock`` on ``<folder>/run.lock``, so the kernel releases it when the process
+    dies however it dies (a stale lock needs no cleaning). Another process gets
+    ``RunFolderBusy`` naming the holder. Until ``accept()`` is called, leaving the block by
+    an exception puts ``run.lock`` back as it was, so a refused run changes nothing.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.fd: int | None = None
+        self.previous: bytes | None = None  # None: this lock created run.lock
+        self.accepted = False
+
+    def accept(self) -> None:
+        self.accepted = True
+
+    def _open(self, path: Path) -> tuple[int, bool]:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            return os.open(path, os.O_RDWR), False
+
+    def __enter__(self) -> RunFolderLock:
+        import fcntl
+
+        key = str(self.folder.resolve())
+        if _secondary_process() or key in _HELD or not self.folder.is_dir():
+            return self
+        path = self.folder / LOCK_NAME
+        for _ in range(10):  # retried only when the file was replaced while we locked it
+            fd, created = self._open(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                data = os.pread(fd, 1 << 16, 0)
+                os.close(fd)
+                raise RunFolderBusy(_busy_message(self.folder, data)) from None
+            except OSError as exc:  # a filesystem without flock: run unlocked, say so
+                os.close(fd)
+                if created:
+                    path.unlink(missing_ok=True)
+                log.warning("cannot lock run folder %s (%s); running without", self.folder, exc)
+                return self
+            if os.fstat(fd).st_nlink > 0:
+                break
+            os.close(fd)
+        else:  # pragma: no cover - ten replacements in a row
+            raise RunFolderBusy(_busy_message(self.folder, b""))
+        self.previous = None if created else os.pread(fd, os.fstat(fd).st_size, 0)
+        self.fd = fd
+        _HELD[key] = fd
+        self._write(_holder())
+        return self
+
+    def _write(self, data: bytes) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        os.fsync(self.fd)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.fd is None:
+            return
+        try:
+            if exc_type is not None and not self.accepted:
+                if self.previous is None:
+                    (self.folder / LOCK_NAME).unlink(missing_ok=True)
+                else:
+                    self._write(self.previous)
+            else:
+                self._write(b"")
+        finally:
+            _HELD.pop(str(self.folder.resolve()), None)
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+def run_folder_of(cfg: DictConfig) -> Path | None:
+    """The folder a training config runs in: the resumed run's, or ``paths.output_dir``."""
+    if cfg.get("resume"):
+        return Path(str(cfg.resume))
+    out = OmegaConf.select(cfg, "paths.output_dir", default=None)
+    return Path(str(out)) if out else None

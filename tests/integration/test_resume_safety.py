@@ -1,4 +1,5 @@
-"""Resuming a run folder with real processes: the history is on disk at every instant.
+"""Resuming a run folder with real processes: the history is on disk at every instant, and one
+process at a time owns a folder.
 
 Each test runs ``python src/train.py`` as a user would, on the tiny model, and kills or races
 real processes; nothing is mocked.
@@ -144,3 +145,77 @@ def test_a_resume_killed_while_it_starts_loses_no_metrics(finished_run, cache_di
     assert [{k: r[k] for k in before[0]} for r in rows[:3]] == before
     assert all(r[k] == "" for r in rows[:3] for k in set(r) - set(before[0]))
     assert missing_at is None, f"metrics.csv was missing {missing_at}"
+
+
+# ---- issue 25 item 2: one process at a time in a run folder -------------------------------
+
+
+def test_a_second_resume_of_a_running_folder_is_refused_naming_the_first(finished_run, cache_dir):
+    """A resume while another resume of the same folder runs used to be accepted: both
+    logged steps 3, 4, ... into one metrics.csv and mixed their checkpoints. The second one
+    is refused, naming the first; once the first is killed (SIGKILL, no cleanup), its lock
+    is gone and a third resume continues the run."""
+    logs = finished_run.parent.parent.parent
+    ck = finished_run / "checkpoints"
+    first = _start(logs, cache_dir, "trainer.max_steps=1000", f"+resume={finished_run}")
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while first.poll() is None and time.monotonic() < deadline:
+            if (ck / "step000004.ckpt").is_file() and _saved_step(ck / "last.ckpt") >= 4:
+                break  # the first resume is training
+            time.sleep(0.05)
+        assert first.poll() is None, first.output_file.read_text()[-3000:]
+        second = _run(logs, cache_dir, "trainer.max_steps=6", f"+resume={finished_run}")
+        assert first.poll() is None  # still running: the second did not stop it
+    finally:
+        _kill(first)
+    out = second.stdout + second.stderr
+    assert second.returncode != 0, out[-3000:]
+    assert "in use by another run" in out and f"process {first.pid} " in out, out[-3000:]
+    # the second wrote nothing: every step once, the first's checkpoints only
+    steps = _steps(finished_run / "csv" / "metrics.csv")
+    assert steps == list(range(len(steps))), steps
+    killed_at = _saved_step(ck / "last.ckpt")
+    assert killed_at >= 4
+    # the dead process's lock is no obstacle
+    third = _run(logs, cache_dir, f"trainer.max_steps={killed_at + 1}", f"+resume={finished_run}")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert _steps(finished_run / "csv" / "metrics.csv") == list(range(killed_at + 1))
+    kept = sorted(p.name for p in ck.glob("step*.ckpt"))
+    assert len(kept) <= 2, kept  # save_top_k=2 (the default), one run's checkpoints
+
+
+def test_the_lock_names_its_holder_dies_with_it_and_a_refusal_puts_it_back(tmp_path):
+    """The folder lock itself, with a real holder process: a second taker is refused naming
+    it; SIGKILL frees the folder with nothing to clean; leaving the block by an exception
+    before ``accept()`` restores ``run.lock`` byte for byte."""
+    from mrtpo.run_folder import LOCK_NAME, RunFolderBusy, RunFolderLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    script = (
+        "import sys, time\n"
+        "from mrtpo.run_folder import RunFolderLock\n"
+        "with RunFolderLock(sys.argv[1]):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script, str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        busy = rf"process {holder.pid} on \S+, started"
+        with pytest.raises(RunFolderBusy, match=busy), RunFolderLock(run):
+            pass
+    finally:
+        _kill(holder)
+        holder.stdout.close()
+    before = (run / LOCK_NAME).read_bytes()
+    with pytest.raises(KeyError), RunFolderLock(run) as lock:
+        assert lock.fd is not None  # the dead holder's lock is gone
+        raise KeyError("refused")
+    assert (run / LOCK_NAME).read_bytes() == before
+    with RunFolderLock(run) as lock:
+        lock.accept()
+    assert (run / LOCK_NAME).read_bytes() == b""  # released: no holder recorded
