@@ -172,7 +172,8 @@ def _umask_mode() -> int:
 
 def _write_temp(folder: Path, name: str, fill) -> tuple[Path, Any]:
     """Create a temporary file in ``folder``, let ``fill(stream)`` write it, fsync it."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    # the writer's pid in the name tells a later run whether its writer is still alive
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         os.fchmod(fd, _umask_mode())  # mkstemp's 0600 would hide checkpoints from a group
         with os.fdopen(fd, "wb") as raw:
@@ -183,6 +184,51 @@ def _write_temp(folder: Path, name: str, fill) -> tuple[Path, Any]:
         Path(tmp).unlink(missing_ok=True)
         raise
     return Path(tmp), result
+
+
+#: ``.<name>.ckpt[.sha256].[<pid>.]<random>.tmp``: a temporary file of ``_write_temp``.
+_TEMP = re.compile(r"^\.(?P<name>.+\.ckpt(?:\.sha256)?)\.(?:(?P<pid>\d+)\.)?[A-Za-z0-9_]+\.tmp$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> list[Path]:
+    """Remove the temporary files that writers killed during a save left in ``folder``.
+
+    A temporary is stale when its writer (the pid in its name) is no longer alive on this
+    machine; with ``all_stale`` (the caller holds the run folder's lock, so no other writer
+    of this folder is alive) every temporary is. Returns the files removed.
+    """
+    folder = Path(folder)
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # no checkpoint folder yet
+        return removed
+    for p in entries:
+        m = _TEMP.match(p.name)
+        if m is None or not p.is_file():
+            continue
+        pid = int(m["pid"]) if m["pid"] else None
+        if not all_stale and (pid is None or pid == os.getpid() or _alive(pid)):
+            continue
+        size = p.stat().st_size
+        p.unlink(missing_ok=True)
+        removed.append(p)
+        log.warning(
+            "removed %s (%d bytes): a temporary file of a checkpoint save that was killed",
+            p,
+            size,
+        )
+    return removed
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:

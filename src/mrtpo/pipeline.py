@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.run_folder import (
     RunFolderLock,
+    park_refused_log,
     read_checkpoint,
     record_invocation,
     record_resume,
@@ -177,10 +178,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     folder = run_folder_of(cfg)
     if folder is not None and not cfg.get("resume"):
         folder.mkdir(parents=True, exist_ok=True)
-    if cfg.get("resume"):
-        resume_checkpoint(cfg)  # a folder that is not a run is refused before the lock
-    with RunFolderLock(folder) if folder is not None else contextlib.nullcontext() as lock:
-        return _train_locked(cfg, lock)
+    try:
+        if cfg.get("resume"):
+            resume_checkpoint(cfg)  # a folder that is not a run is refused before the lock
+        with RunFolderLock(folder) if folder is not None else contextlib.nullcontext() as lock:
+            return _train_locked(cfg, lock)
+    except Exception as exc:
+        if cfg.get("resume"):
+            park_refused_log(cfg, exc)
+        raise
 
 
 def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, float]:
@@ -204,6 +210,14 @@ def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, floa
         del ckpt
     if lock is not None:
         lock.accept()
+    ckpt_dir = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+    if ckpt_dir and trainer.is_global_zero:
+        from mrtpo.checkpointing import remove_stale_temporaries
+
+        # the lock proves that no other run of this folder is alive to be writing into it
+        held = lock is not None and lock.fd is not None
+        inside = held and Path(str(ckpt_dir)).resolve().is_relative_to(lock.folder.resolve())
+        remove_stale_temporaries(ckpt_dir, all_stale=inside)
     if cfg.get("resume"):
         record_resume(cfg, cfg.resume)
     else:

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -319,3 +320,39 @@ def run_folder_of(cfg: DictConfig) -> Path | None:
         return Path(str(cfg.resume))
     out = OmegaConf.select(cfg, "paths.output_dir", default=None)
     return Path(str(out)) if out else None
+
+
+def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Path | None:
+    """After a refused resume: move its pending log (``mrtpo.config.job_log``) under
+    ``<paths.log_dir>/<job>/resume-logs/`` when it was put outside the log folder.
+
+    The pending log goes beside the resumed folder's parent (``logs/train/resume-logs`` for
+    a run folder); for a folder that is not a run folder that is anywhere on the disk. The
+    emptied folder is removed. Returns the log's new path, or None when nothing moved.
+    """
+    log_dir = OmegaConf.select(cfg, "paths.log_dir", default=None)
+    if not log_dir:
+        return None
+    home = Path(str(log_dir)).resolve() / str(cfg.get("job_name") or "train") / "resume-logs"
+    root = logging.getLogger()
+    moved = None
+    for h in list(root.handlers):
+        name = Path(getattr(h, "baseFilename", "") or ".")
+        if not isinstance(h, logging.FileHandler) or name.parent.name != "resume-logs":
+            continue
+        if name.parent.resolve().is_relative_to(home.parent.parent):
+            continue  # already inside the log folder
+        h.flush()
+        h.close()
+        root.removeHandler(h)
+        home.mkdir(parents=True, exist_ok=True)
+        moved = home / name.name
+        if name.is_file():
+            shutil.move(name, moved)
+        with contextlib.suppress(OSError):
+            name.parent.rmdir()
+        handler = logging.FileHandler(moved, encoding="utf-8")
+        handler.setFormatter(h.formatter)
+        root.addHandler(handler)
+        log.error("resume refused: %s (this log: %s)", reason, moved)
+    return moved

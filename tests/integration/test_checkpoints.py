@@ -10,7 +10,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -372,3 +374,75 @@ def test_assert_finite_state_names_the_first_bad_tensor(tiny):
         p.view(-1)[1] = float("-inf")
     with pytest.raises(NonFiniteStateError, match=rf"parameter {re.escape(name)} \(0 NaN, 1 inf"):
         assert_finite_state(model, opt)
+
+
+# ---- temporaries of killed writers (issue 25 item 17) ---------------------------------------
+
+
+def _killed_writer(target: Path) -> None:
+    """A real process killed with SIGKILL in the middle of ``atomic_save(..., target)``."""
+    script = (
+        "import time, torch\n"
+        "from mrtpo.checkpointing import atomic_save\n"
+        "def stuck(obj, f, *a, **k):\n"
+        "    f.write(b'x' * 65536); f.flush(); print('writing', flush=True); time.sleep(600)\n"
+        "torch.save = stuck\n"
+        f"atomic_save({{'state_dict': {{}}}}, {str(target)!r})\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=target.parent
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+
+
+def test_a_save_killed_midway_leaves_a_temporary_the_next_start_removes(train_cfg, tmp_path):
+    from mrtpo.pipeline import train
+
+    out = tmp_path / "run"
+    train(train_cfg(*EVERY_STEP, f"paths.output_dir={out}"))
+    ck = out / "checkpoints"
+    _killed_writer(ck / "last.ckpt")
+    (temp,) = ck.glob(".*.tmp")
+    assert temp.name.startswith(".last.ckpt.") and temp.stat().st_size >= 65536
+    assert load_checkpoint(ck / "last.ckpt")["global_step"] == 2  # the old one, intact
+    train(
+        train_cfg(*EVERY_STEP, f"paths.output_dir={out}", f"+resume={out}", "trainer.max_steps=3")
+    )
+    assert list(ck.glob(".*.tmp")) == []
+    assert load_checkpoint(ck / "last.ckpt")["global_step"] == 3
+
+
+def test_only_temporaries_of_dead_writers_are_removed_without_the_lock(tmp_path):
+    from mrtpo.checkpointing import remove_stale_temporaries
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = int(done.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        names = {
+            "dead": f".last.ckpt.{dead}.ab12cd34.tmp",
+            "dead_sidecar": f".last.ckpt.sha256.{dead}.zz99yy88.tmp",
+            "live": f".step000002.ckpt.{live.pid}.ab12cd34.tmp",
+            "no_pid": ".last.ckpt.ab12cd34.tmp",
+            "other": ".notes.txt.123.tmp",
+        }
+        for n in names.values():
+            (tmp_path / n).write_bytes(b"x")
+        removed = remove_stale_temporaries(tmp_path)
+        assert sorted(p.name for p in removed) == sorted([names["dead"], names["dead_sidecar"]])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [names["live"], names["no_pid"], names["other"]]
+        )
+        # holding the run folder's lock, every temporary of a checkpoint is stale
+        remove_stale_temporaries(tmp_path, all_stale=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [names["other"]]
+    finally:
+        live.kill()
+        live.wait()

@@ -1,5 +1,5 @@
-"""Resuming a run folder with real processes: the history is on disk at every instant, and one
-process at a time owns a folder.
+"""Resuming a run folder with real processes: the history is on disk at every instant, one
+process at a time owns a folder, and a refused resume leaves nothing behind.
 
 Each test runs ``python src/train.py`` as a user would, on the tiny model, and kills or races
 real processes; nothing is mocked.
@@ -219,3 +219,24 @@ def test_the_lock_names_its_holder_dies_with_it_and_a_refusal_puts_it_back(tmp_p
     with RunFolderLock(run) as lock:
         lock.accept()
     assert (run / LOCK_NAME).read_bytes() == b""  # released: no holder recorded
+
+
+# ---- issue 25 item 17: nothing left outside logs/ by a refused resume ---------------------
+
+
+def test_a_refused_resume_of_a_folder_that_is_no_run_leaves_nothing_outside_logs(
+    tmp_path, cache_dir
+):
+    """The pending log of a resume goes beside the resumed folder's parent; for a folder that
+    is not a run (here tmp/data/notarun) that put tmp/resume-logs/notarun.<pid>.log outside
+    logs/, and a refusal left it there."""
+    folder = tmp_path / "data" / "notarun"
+    folder.mkdir(parents=True)
+    logs = tmp_path / "logs"
+    res = _run(logs, cache_dir, f"+resume={folder}")
+    assert res.returncode != 0
+    assert "no last.ckpt" in res.stderr, res.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "logs"]
+    assert list(folder.iterdir()) == []
+    (kept,) = (logs / "train" / "resume-logs").glob("notarun.*.log")
+    assert "no last.ckpt" in kept.read_text()
