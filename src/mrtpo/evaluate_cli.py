@@ -240,6 +240,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     task = instantiate(cfg.task)
     options = OmegaConf.to_container(ev, resolve=True)
     examples = list(task.eval_examples(ev.split, options))
+    beyond = [str(e.id) for e in examples[limit:]] if limit else []
     if limit:
         examples = examples[:limit]
     out = Path(ev.output or cfg.paths.output_dir)
@@ -262,6 +263,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
             out,
             require_complete=bool(ev.get("require_complete", False)),
             scored=scored,
+            beyond_limit=beyond,
+            limit=limit,
         )
         _show(metrics, f"{task.name} / {ev.split} (scored {ev.responses})")
         return metrics

@@ -202,6 +202,67 @@ def write_results(
     return out
 
 
+def _match_lines(
+    lines: list[dict[str, Any]],
+    by_id: dict[str, Example],
+    path: str | Path,
+    beyond_limit: set[str],
+) -> tuple[list[tuple[int, Example, str]], int]:
+    """(line number, example, response text) per line of an example kept; and the count of
+    lines skipped because their example is beyond ``eval.limit``."""
+    matched, skipped = [], 0
+    for i, line in enumerate(lines, 1):
+        for key in ("id", "response"):
+            if key not in line:
+                raise ValueError(f"{path}:{i}: missing field '{key}'")
+        key = str(line["id"])
+        if key in beyond_limit:
+            skipped += 1
+            continue
+        ex = by_id.get(key)
+        if ex is None:
+            raise ValueError(
+                f"{path}:{i}: id {line['id']!r} is not an example of this split "
+                f"({len(by_id) + len(beyond_limit)} ids, e.g. {next(iter(by_id), None)!r}); "
+                "check eval.split"
+            )
+        resp = line["response"]
+        matched.append((i, ex, resp if isinstance(resp, str) else json.dumps(resp)))
+    return matched, skipped
+
+
+def _samples_per_example(
+    lines: list[dict[str, Any]], matched: list[tuple[int, Example, str]], path: str | Path
+) -> int:
+    """The number of lines each covered example has; refuse uneven numbers and repeated
+    ``(id, sample)`` pairs. Metrics average over lines, so an example with more lines than
+    the others would weigh more."""
+    where: dict[str, list[int]] = {}
+    seen: dict[tuple[str, Any], int] = {}
+    for i, ex, _ in matched:
+        where.setdefault(str(ex.id), []).append(i)
+        sample = lines[i - 1].get("sample")
+        if sample is not None:
+            first = seen.setdefault((str(ex.id), sample), i)
+            if first != i:
+                raise ValueError(
+                    f"{path}:{i}: id {ex.id!r} sample {sample!r} repeats line {first}; "
+                    "remove the duplicate line"
+                )
+    counts = {k: len(v) for k, v in where.items()}
+    if len(set(counts.values())) > 1:
+        most = max(counts, key=counts.get)
+        least = min(counts, key=counts.get)
+        raise ValueError(
+            f"{path}: uneven numbers of responses per example: id {most!r} has "
+            f"{counts[most]} lines (repeated at {path}:{where[most][1]}), id {least!r} has "
+            f"{counts[least]}. Metrics average over lines, so the repeated example would "
+            "weigh more: remove repeated lines, or give every example the same number of "
+            "samples"
+        )
+    return next(iter(counts.values()), 0)
+
+
 def score_responses(
     task: Task,
     examples: Sequence[Example],
@@ -209,14 +270,17 @@ def score_responses(
     output: str | Path,
     require_complete: bool = False,
     scored: dict[str, Any] | None = None,
+    beyond_limit: Sequence[str] = (),
+    limit: int | None = None,
 ) -> dict[str, float]:
     """Score a JSONL of ``{"id", "response"}`` lines against ``examples`` (matched by id).
 
-    Several lines may share an id (several samples per prompt); metrics are then averaged
-    over all lines, as the benchmarks do for n samples per prompt. An empty file is an
-    error; a file that covers only some examples warns, records ``coverage`` (covered
-    examples / examples) and, with ``require_complete``, is an error. ``responses_file``
-    itself is never written to.
+    Several lines may share an id (several samples per prompt) when every covered example
+    has the same number of them; metrics are then averaged over all lines, as the benchmarks
+    do for n samples per prompt. Lines of ``beyond_limit`` (examples of the split left out by
+    ``eval.limit``) are skipped with a warning. An empty file is an error; a file that
+    covers only some examples warns, records ``coverage`` (covered examples / examples) and,
+    with ``require_complete``, is an error. ``responses_file`` itself is never written to.
     """
     check_outputs(output, {"eval.responses": responses_file})
     by_id = {str(e.id): e for e in examples}
@@ -226,27 +290,45 @@ def score_responses(
             f"{responses_file}: no responses (the file is empty); expected one "
             f'{{"id": ..., "response": ...}} line per example ({len(by_id)} examples)'
         )
-    matched: list[Example] = []
-    texts: list[str] = []
-    for i, line in enumerate(lines, 1):
-        for key in ("id", "response"):
-            if key not in line:
-                raise ValueError(f"{responses_file}:{i}: missing field '{key}'")
-        ex = by_id.get(str(line["id"]))
-        if ex is None:
-            raise ValueError(
-                f"{responses_file}:{i}: id {line['id']!r} is not an example of this split "
-                f"({len(by_id)} ids, e.g. {next(iter(by_id), None)!r}); check eval.split"
-            )
-        matched.append(ex)
-        resp = line["response"]
-        texts.append(resp if isinstance(resp, str) else json.dumps(resp))
-    covered = {str(e.id) for e in matched}
+    matched, skipped = _match_lines(lines, by_id, responses_file, set(map(str, beyond_limit)))
+    if skipped:
+        log.warning(
+            "%s: %d line(s) answer examples beyond the first %s kept by eval.limit=%s; they "
+            "are not scored",
+            responses_file,
+            skipped,
+            limit,
+            limit,
+        )
+    per_example = _samples_per_example(lines, matched, responses_file)
+    covered = {str(ex.id) for _, ex, _ in matched}
+    coverage = _coverage(covered, by_id, responses_file, require_complete)
+    exs = [ex for _, ex, _ in matched]
+    metrics, rows = evaluate_examples(task, exs, [t for _, _, t in matched])
+    metrics["coverage"] = coverage
+    info = {
+        **(scored or {}),
+        "responses": str(responses_file),
+        "examples": len(by_id),
+        "examples_covered": len(covered),
+        "responses_scored": len(matched),
+        "responses_skipped_by_limit": skipped,
+        "samples_per_example": per_example,
+        "coverage": coverage,
+    }
+    write_results(output, metrics, rows, info, inputs={"eval.responses": responses_file})
+    return metrics
+
+
+def _coverage(
+    covered: set[str], by_id: dict[str, Example], path: str | Path, require_complete: bool
+) -> float:
+    """Covered examples / examples; warns (or, with ``require_complete``, fails) below 1."""
     coverage = len(covered) / max(1, len(by_id))
     if len(covered) < len(by_id):
         missing = [k for k in by_id if k not in covered]
         msg = (
-            f"{responses_file} covers {len(covered)} of {len(by_id)} examples "
+            f"{path} covers {len(covered)} of {len(by_id)} examples "
             f"({100 * coverage:.1f}%; missing e.g. {missing[:3]})"
         )
         if require_complete:
@@ -259,15 +341,4 @@ def score_responses(
             msg,
             coverage,
         )
-    metrics, rows = evaluate_examples(task, matched, texts)
-    metrics["coverage"] = coverage
-    info = {
-        **(scored or {}),
-        "responses": str(responses_file),
-        "examples": len(by_id),
-        "examples_covered": len(covered),
-        "responses_scored": len(lines),
-        "coverage": coverage,
-    }
-    write_results(output, metrics, rows, info, inputs={"eval.responses": responses_file})
-    return metrics
+    return coverage

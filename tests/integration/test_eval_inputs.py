@@ -272,7 +272,7 @@ def test_help_lists_only_evals_groups():
         assert g not in groups, groups
 
 
-# ---- issue 25 item 3: the predictions file is input only ----
+# ---- issue 25 items 3, 10, 16c: the predictions file is input only; ids are counted right ----
 
 
 @pytest.mark.parametrize("name", ["results.jsonl", "metrics.json", "link"])
@@ -297,3 +297,50 @@ def test_eval_never_writes_over_its_predictions_file(tmp_path, cache_dir, val_id
     assert str(given) in str(info.value)
     assert preds.read_bytes() == data
     assert sorted(p.name for p in folder.iterdir()) == ["results.jsonl" if name == "link" else name]
+
+
+def test_uneven_duplicate_ids_are_refused(tmp_path, cache_dir, val_ids):
+    """One example answered 3 times and three others once were averaged over lines, so the
+    repeated one counted 3 times (exec_acc 0.5 for 1 correct of 4). Several samples per
+    example are fine when every example has the same number."""
+    ids = val_ids[:4]
+    path = tmp_path / "preds.jsonl"
+    path.write_bytes(b"".join(_good(i) for i in [ids[0], ids[0], ids[0], *ids[1:]]))
+    out = tmp_path / "out"
+    cfg = _eval_cfg(
+        tmp_path, cache_dir, f"eval.responses={path}", f"eval.output={out}", "eval.limit=4"
+    )
+    with pytest.raises(ValueError, match=r"uneven") as info:
+        run(cfg)
+    msg = str(info.value)
+    assert f"{ids[0]!r}" in msg and "3 lines" in msg and f"{path}:2" in msg, msg
+    assert not out.exists() or not (out / "metrics.json").exists()
+    # two samples for every example: accepted, each example weighs the same
+    path.write_bytes(b"".join(_good(i) * 2 for i in ids))
+    metrics = run(cfg)
+    assert metrics["n_responses"] == 8.0 and metrics["coverage"] == 1.0
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["scored"]["samples_per_example"] == 2
+
+
+def test_limit_applies_to_the_predictions_too(tmp_path, cache_dir, val_ids, caplog):
+    """eval.limit=4 with a predictions file for the whole split said that valid ids beyond
+    the first 4 were 'not an example of this split'."""
+    path = tmp_path / "preds.jsonl"
+    path.write_bytes(b"".join(_good(i) for i in val_ids))
+    out = tmp_path / "out"
+    cfg = _eval_cfg(
+        tmp_path, cache_dir, f"eval.responses={path}", f"eval.output={out}", "eval.limit=4"
+    )
+    with caplog.at_level(logging.WARNING, logger="mrtpo.evaluation"):
+        metrics = run(cfg)
+    assert metrics["n_responses"] == 4.0 and metrics["coverage"] == 1.0
+    skipped = len(val_ids) - 4
+    assert f"{skipped} line(s)" in caplog.text and "eval.limit=4" in caplog.text
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["scored"]["responses_skipped_by_limit"] == skipped
+    assert saved["scored"]["responses_scored"] == 4
+    # an id that is in no example of the split is still an error
+    path.write_bytes(_good(val_ids[0]) + _good("no-such-id"))
+    with pytest.raises(ValueError, match=r"preds\.jsonl:2: id 'no-such-id' is not an example"):
+        run(cfg)
