@@ -11,12 +11,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.run_folder import (
     RunFolderLock,
+    check_resume_settings,
     park_refused_log,
     read_checkpoint,
     record_invocation,
     record_resume,
     resume_checkpoint,
     run_folder_of,
+    settings_record,
     validate_resume,
 )
 
@@ -71,6 +73,8 @@ def build(cfg: DictConfig):
     from mrtpo.models import load_policy
     from mrtpo.settings import section
 
+    # the settings as given, before prepare() derives per-rank batch keys from them
+    settings = settings_record(cfg)
     stage, task = prepare(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy, tokenizer = load_policy(**_container(cfg.model))
@@ -90,7 +94,7 @@ def build(cfg: DictConfig):
     resuming = resume_checkpoint(cfg) is not None
     # metrics.csv is never deleted: a resume keeps its rows before the checkpoint's step
     loggers = build_loggers(cfg.get("logger"), resuming=resuming)
-    callbacks.append(ResumeMetrics(loggers, resuming=resuming))
+    callbacks.append(ResumeMetrics(loggers, resuming=resuming, settings=settings))
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return trainer, module, datamodule
 
@@ -201,12 +205,15 @@ def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, floa
     ckpt_path = resume_checkpoint(cfg)
     # Read the checkpoint before anything is built: a damaged file fails here, naming it.
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    settings = settings_record(cfg)  # as given: build() derives per-rank keys from them
     trainer, module, datamodule = build(cfg)
     if trainer.is_global_zero:
         print(header(cfg), flush=True)
     if ckpt is not None:
         # Nothing in the run folder has changed yet: a refused resume leaves it as it was.
         validate_resume(ckpt, module, ckpt_path)
+        if cfg.get("resume"):  # a new run from a checkpoint (ckpt_path=) may change anything
+            check_resume_settings(ckpt, settings, ckpt_path)
         del ckpt
     if lock is not None:
         lock.accept()

@@ -11,12 +11,14 @@ recorded beside the original under ``.hydra/resumes/<time>/`` and appended to
 ``.hydra/history.yaml``. The original ``.hydra/overrides.yaml`` is never rewritten.
 
 One process at a time runs in a run folder (``RunFolderLock``, an ``flock`` on ``run.lock``
-that the kernel drops with its process).
+that the kernel drops with its process), and a resume may change only the settings of
+``RESUME_MAY_CHANGE``: every checkpoint records its run's settings (``settings_record``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import os
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,127 @@ def record_invocation(cfg: DictConfig) -> None:
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "overrides": list(hc.overrides.task)}
     with open(folder / "history.yaml", "a", encoding="utf-8") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
+
+
+# ---- the settings a resume may change ------------------------------------------------------
+
+#: Where a checkpoint keeps the settings of the run that wrote it (``settings_record``).
+SETTINGS_KEY = "mrtpo_settings"
+
+#: Keys (``fnmatch`` patterns over dotted keys) that a ``+resume`` may change: where things go
+#: and how they are shown, how many steps, processes and nodes, and knobs that change memory
+#: or speed but not what is computed. Every other setting must equal the run's (the
+#: checkpoint records them); a resume that changes one is refused before anything is written.
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    "resume",
+    "ckpt_path",
+    "print_config",
+    "allow_cpu",
+    "job_name",
+    "run_name",
+    "paths.*",
+    "callbacks",
+    "callbacks.*",
+    "logger",
+    "logger.*",
+    "trainer.max_steps",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.accelerator",
+    "trainer.strategy",
+    "trainer.strategy.*",
+    "trainer.default_root_dir",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "trainer.val_check_interval",
+    "rollout.engine",
+    "rollout.engine.*",
+    "rollout.val_max_new_tokens",
+    "model.gradient_checkpointing",
+    "model.attn_implementation",
+    "model.tiny.build_root",
+    "rl.micro_batch_size",
+    "rl.max_nonfinite_steps",
+    "rl.max_consecutive_score_failures",
+    "rl.replay_oom_retries",
+    "rl.measure_logp_gap",
+    "replay.token_budget",
+    "replay.jsd_chunk",
+    "replay.share_prefix",
+    "data.val_prompts",
+    "data.val_batch_size",
+)
+
+
+def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = node
+    return out
+
+
+def settings_record(cfg: DictConfig) -> str | None:
+    """The run's resolved settings, one dotted key per leaf, as JSON (saved in checkpoints).
+
+    None when the config cannot be resolved here (a library caller's partial config).
+    """
+    try:
+        # paths.* may move between invocations: record what is derived from them by name
+        # (``<paths.data_dir>/spider``), so that a moved folder is not a changed setting
+        copy = cfg.copy()
+        OmegaConf.set_readonly(copy, False)
+        with open_dict(copy):
+            copy.pop("hydra", None)  # Hydra's own node (present in composed configs)
+            for k in list(copy.get("paths") or {}):
+                copy.paths[k] = f"<paths.{k}>"
+        tree = OmegaConf.to_container(copy, resolve=True)
+    except Exception as exc:  # no record is better than no run
+        log.debug("settings not recorded: %s", exc)
+        return None
+    flat = _flatten(tree, "", {})
+    return json.dumps({"version": 1, "settings": flat}, sort_keys=True, default=str)
+
+
+def may_change(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
+
+
+def check_resume_settings(
+    ckpt: dict[str, Any], settings: str | None, ckpt_path: str | Path
+) -> None:
+    """Refuse a resume whose settings (``settings_record`` of its config, taken before the
+    run derives anything from it) differ from the checkpoint's, except ``RESUME_MAY_CHANGE``."""
+    raw = ckpt.get(SETTINGS_KEY)
+    mine_raw = settings
+    if raw is None or mine_raw is None:
+        log.warning(
+            "%s holds no record of its run's settings (written by an older version): this "
+            "resume's settings are not compared with the run's",
+            ckpt_path,
+        )
+        return
+    theirs = json.loads(raw)["settings"]
+    mine = json.loads(mine_raw)["settings"]
+    missing = "<not set>"
+    changed = [
+        f"{k}: {theirs.get(k, missing)!r} -> {mine.get(k, missing)!r}"
+        for k in sorted(set(theirs) | set(mine))
+        if not may_change(k) and theirs.get(k, missing) != mine.get(k, missing)
+    ]
+    if changed:
+        raise ResumeRefused(
+            f"this resume changes settings of the run that wrote {ckpt_path}: "
+            + "; ".join(changed[:8])
+            + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else "")
+            + ". A resume continues the same run and may change only where things go, the "
+            "step limit, the number of processes and knobs of memory and speed (the list: "
+            "RESUME_MAY_CHANGE in mrtpo/run_folder.py, docs/reliability.md). Resume with "
+            "the run's settings (its .hydra/overrides.yaml), or start a new run from the "
+            f"checkpoint with ckpt_path={ckpt_path}"
+        )
 
 
 # ---- one process at a time in a run folder -------------------------------------------------

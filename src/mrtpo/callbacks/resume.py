@@ -6,6 +6,9 @@ resumed run saves its first rows; this callback tells it, once the checkpoint is
 the step the run restarts from. The first save then replaces the file, in one atomic rename,
 by its rows of earlier steps followed by the new rows: every step appears once, and the
 history is on disk at every instant (a resume killed while it starts loses nothing).
+
+It also records the run's settings in every checkpoint (``mrtpo.run_folder.settings_record``),
+so that a later ``+resume`` can refuse settings that would change the run.
 """
 
 from __future__ import annotations
@@ -16,20 +19,30 @@ from pathlib import Path
 import lightning as L
 
 from mrtpo.loggers import KeepingWriter, RunCSVLogger
+from mrtpo.run_folder import SETTINGS_KEY
 
 log = logging.getLogger(__name__)
 
 
 class ResumeMetrics(L.Callback):
-    """Starts a resumed run's ``metrics.csv`` at the restored step."""
+    """Starts a resumed run's ``metrics.csv`` at the restored step; records the settings.
+
+    ``settings``: the run's settings record, saved into each checkpoint (None: nothing saved).
+    """
 
     def __init__(
         self,
         loggers: list | None = None,
         resuming: bool = False,
+        settings: str | None = None,
     ) -> None:
         self.resuming = resuming
+        self.settings = settings
         self.kept = self.dropped = 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self.settings is not None:
+            checkpoint[SETTINGS_KEY] = self.settings
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
