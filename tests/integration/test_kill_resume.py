@@ -168,7 +168,6 @@ def _cmd(log_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.slow
 def _saved_step(path: Path) -> int:
     try:
         return int(torch.load(path, weights_only=False, map_location="cpu")["global_step"])
@@ -176,6 +175,7 @@ def _saved_step(path: Path) -> int:
         return -1
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_the_run(tmp_path, cache_dir):
     steps = 6
     # An uninterrupted reference run.
