@@ -386,12 +386,14 @@ def check_run(cfg) -> None:
             f"trainer.max_steps={steps!r} is not allowed: a positive step count (an integer "
             ">= 1); a run without a step limit would never end"
         )
+    # A number must be a step count (0 divided by zero after step 1, with validation on or
+    # off; a fraction of the endless epoch is refused by Lightning in its own words). A time
+    # (a string or mapping) is left to Lightning.
     every = OmegaConf.select(cfg, "trainer.val_check_interval", default=None)
-    val = OmegaConf.select(cfg, "data.val_prompts", default=0) or 0
-    if val and not (_is_int(every) and every >= 1):
+    if isinstance(every, (int, float)) and not (_is_int(every) and every >= 1):
         raise ConfigError(
-            f"trainer.val_check_interval={every!r} is not allowed with data.val_prompts={val}: "
-            "an integer >= 1 (validate every N RL steps); data.val_prompts=0 turns validation off"
+            f"trainer.val_check_interval={every!r} is not allowed: an integer >= 1 (validate "
+            "every N RL steps); data.val_prompts=0 turns validation off"
         )
 
 

@@ -106,13 +106,17 @@ def test_sampling_and_method_values_are_checked_before_the_model_loads(
     assert key in str(err.value) + str(err.value.__cause__)
 
 
-def test_validation_interval_zero_is_refused_when_validation_is_on(train_cfg, no_model_load):
-    """It used to fail with a ZeroDivisionError after the first step."""
+@pytest.mark.parametrize("val_prompts", [4, 0])
+@pytest.mark.parametrize("every", ["0", "-2", "0.5"])
+def test_a_validation_interval_that_is_no_step_count_is_refused(
+    train_cfg, no_model_load, val_prompts, every
+):
+    """``0`` used to fail with a ZeroDivisionError after the first step (validation on or off)."""
     with pytest.raises(ConfigError) as err:
-        train(train_cfg("trainer.val_check_interval=0", "data.val_prompts=4"))
+        train(train_cfg(f"trainer.val_check_interval={every}", f"data.val_prompts={val_prompts}"))
     msg = str(err.value)
-    assert msg.startswith("trainer.val_check_interval=0 is not allowed with data.val_prompts=4")
-    assert "an integer >= 1" in msg and "data.val_prompts=0" in msg
+    assert msg.startswith(f"trainer.val_check_interval={every} is not allowed: an integer >= 1")
+    assert "data.val_prompts=0" in msg
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
