@@ -29,6 +29,7 @@ from mrtpo.tasks.instructions.judge import JudgeError, parse_verdicts
 CAP = 16_384
 SMALL_BUDGET_S = 0.25  # each slow case below takes seconds at the cap (2.5 s to 13 s measured)
 HANG_GUARD_S = 300.0
+MAX_SLOWDOWN = 24  # linear costs ~8x, quadratic 64x (the fuzz tests' ratio)
 
 
 def _quadratic_regex(n: int) -> int:
@@ -144,6 +145,24 @@ def test_a_slow_official_checker_fails_its_constraint_with_the_reason(
         assert score.checks["loose"] == [False, True]  # no loose retries after a timeout
     m = task.summarize([ex], [score])
     assert m["n_checker_timeouts"] == 1.0 and m["n_scored"] == 1.0
+
+
+def test_the_budget_bounds_how_the_score_grows_with_the_text(task):
+    """Eight times the text may cost at most ``MAX_SLOWDOWN`` times more (as in the fuzz
+    tests' linear-time checks): unbounded, ``number_placeholders`` grows 64-fold; under the
+    budget the long text costs about one budget."""
+    ex = _example([SLOW[0][:2]], False)
+
+    def best_of_3(n: int) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            task.score(ex, "[" * n)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    small, large = best_of_3(CAP // 8), best_of_3(CAP)
+    assert large < MAX_SLOWDOWN * small, f"{large / small:.0f}x ({small:.3f}s -> {large:.3f}s)"
 
 
 def test_the_first_timeout_is_logged_with_the_key(tmp_path, caplog):
