@@ -10,7 +10,7 @@ check as failed, with the reason.
 
 The interrupt is a ``BaseException`` inside the checker, so a checker's own ``except
 Exception`` cannot swallow it; the caller sees an ordinary ``CheckTimeout``. No process is
-started: a timer costs two system calls per check.
+started: arming and clearing the timer costs a few system calls per check.
 
 Signals reach only the main thread. Off it (a trainer run in a thread), on a platform without
 ``SIGALRM``, or while another timer of the process is running (we never move someone else's
