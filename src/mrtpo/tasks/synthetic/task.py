@@ -17,10 +17,20 @@ response must end with a given punctuation mark (``!``, ``?`` or ``.``). Its che
 final character and nothing else, so the reward is decided by one or two tokens (the mark
 and where the response stops) — the toy's stand-in for a format reward such as tool
 calling's. Off by default: prompts, references and rewards are then exactly as without it.
+
+With ``free_tokens`` set (the long toy, docs/replication_long.md) every response opens with a
+free part the checkers never read: ``<think> w1 ... wn </think>``, n filler words (``FILLER``,
+none of them a task word) before the answer words, as the paper's ``<think>`` blocks come
+before an answer. The answer is what follows the first ``</think>``; a response that does not
+open with ``<think>`` or never closes it has no answer part, and every constraint then scores 0
+(with the reason). ``mark_success`` gives the ``mark`` constraint its own reference rate in
+noisy references, so that a warm start can make it rare while the other constraints keep the
+rate ``reference_success`` sets. Both are off by default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections.abc import Sequence
@@ -58,6 +68,18 @@ _CORRUPT_ORDER = {"count": 0, "include": 1, "exclude": 2, "first": 3, "last": 4,
 MARKS = ("!", "?", ".")
 
 BASE_PROMPT = "Write a short sequence of lowercase words separated by spaces."
+
+#: Filler words of the optional free part (``free_tokens``): neither a task word nor a word of
+#: the prompt, and each one token (after a space) of the toy tokenizer as it is (``model=toy``).
+FILLER = (
+    "and", "or", "to", "in", "on", "for", "is", "it",
+    "this", "that", "at", "from", "fast", "slow", "warm", "cold",
+)  # fmt: skip
+#: The markers around the free part, and the prompt's sentence asking for it.
+OPEN, CLOSE = "<think>", "</think>"
+THINK_PROMPT = f"Write {OPEN} {CLOSE} first."
+#: Reason given for every constraint of a response without an answer part.
+NO_ANSWER = f"no answer part: the response must open with {OPEN} and close it with {CLOSE}"
 
 # Which constraint types a prompt carries, for each supported K (slot order = reward order).
 LAYOUTS: dict[int, tuple[str, ...]] = {
@@ -125,8 +147,38 @@ def response_words(text: str) -> list[str]:
     return re.findall(r"[a-z]+", text.lower())
 
 
-def render(constraints: Sequence[Constraint]) -> str:
-    return " ".join([BASE_PROMPT, *(c.sentence() for c in constraints)])
+def render(constraints: Sequence[Constraint], think: bool = False) -> str:
+    head = [BASE_PROMPT, THINK_PROMPT] if think else [BASE_PROMPT]
+    return " ".join([*head, *(c.sentence() for c in constraints)])
+
+
+def free_range(free_tokens) -> tuple[int, int] | None:
+    """``task.free_tokens`` as (fewest, most) filler words; None when off."""
+    if free_tokens is None:
+        return None
+    vals = [free_tokens] if isinstance(free_tokens, int) else list(free_tokens)
+    ok = len(vals) in (1, 2) and all(isinstance(v, int) and not isinstance(v, bool) for v in vals)
+    if not ok or min(vals) < 0 or vals[0] > vals[-1]:
+        raise ValueError(
+            f"task.free_tokens={free_tokens!r}: expected null (no free part), a count of "
+            "filler words >= 0, or a range [fewest, most] of them"
+        )
+    return vals[0], vals[-1]
+
+
+def split_free(response: str) -> tuple[str, str] | None:
+    """``(free part, answer part)`` of a response with a free part: the free part runs from
+    the opening ``<think>`` (leading spaces aside) through the first ``</think>``, the answer
+    is everything after it. None when the response does not open with ``<think>`` or never
+    closes it."""
+    start = len(response) - len(response.lstrip())
+    if not response.startswith(OPEN, start):
+        return None
+    end = response.find(CLOSE, start + len(OPEN))
+    if end < 0:
+        return None
+    cut = end + len(CLOSE)
+    return response[:cut], response[cut:]
 
 
 class SyntheticTask(Task):
@@ -147,6 +199,8 @@ class SyntheticTask(Task):
         system_prompt: str | None = None,
         reference_success: float = 1.0,
         closing_mark: bool = False,
+        free_tokens: int | Sequence[int] | None = None,
+        mark_success: float | None = None,
     ) -> None:
         if num_constraints not in LAYOUTS:
             raise ValueError(
@@ -170,6 +224,17 @@ class SyntheticTask(Task):
         # the starting point of the toy replication.
         self.reference_success = float(reference_success)
         self.reference_noise = 1.0 - self.reference_success ** (1.0 / len(self.kinds))
+        self.free = free_range(free_tokens)
+        self.mark_noise: float | None = None
+        if mark_success is not None:
+            if not self.closing_mark:
+                raise ValueError("task.mark_success needs task.closing_mark=true (no mark)")
+            if not 0.0 <= mark_success <= 1.0:
+                raise ValueError(f"task.mark_success must be in [0, 1], got {mark_success}")
+            # mark has its own rate; the others share reference_success among themselves
+            self.mark_noise = 1.0 - float(mark_success)
+            others = max(len(self.kinds) - 1, 1)
+            self.reference_noise = 1.0 - self.reference_success ** (1.0 / others)
         self._cache: dict[str, list[Example]] = {}
 
     # ---- data ---------------------------------------------------------------------------
@@ -181,8 +246,19 @@ class SyntheticTask(Task):
             n, offset = sizes[split]
             rng = random.Random(f"{self.seed}-{offset}")
             noise = random.Random(f"{self.seed}-{offset}-noise")
-            self._cache[split] = [self._make(f"{split}-{i}", rng, noise) for i in range(n)]
+            made = [self._make(f"{split}-{i}", rng, noise) for i in range(n)]
+            if self.free is not None:  # its own stream: the prompts stay those without it
+                free = random.Random(f"{self.seed}-{offset}-free")
+                made = [self._with_free(e, free) for e in made]
+            self._cache[split] = made
         return self._cache[split]
+
+    def _with_free(self, ex: Example, rng: random.Random) -> Example:
+        """The example's reference behind a free part of filler words."""
+        lo, hi = self.free
+        words = [rng.choice(FILLER) for _ in range(rng.randint(lo, hi))]
+        free = " ".join([OPEN, *words, CLOSE])
+        return dataclasses.replace(ex, reference=f"{free} {ex.reference}")
 
     def _make(self, uid: str, rng: random.Random, noise: random.Random) -> Example:
         words = WORDS[:]
@@ -207,7 +283,7 @@ class SyntheticTask(Task):
         msgs: Messages = []
         if self.system_prompt:
             msgs.append({"role": "system", "content": self.system_prompt})
-        msgs.append({"role": "user", "content": render(constraints)})
+        msgs.append({"role": "user", "content": render(constraints, self.free is not None)})
         return msgs
 
     def _reference(self, cons, count, rng, spare) -> str:
@@ -267,25 +343,36 @@ class SyntheticTask(Task):
                 words[0] = rng.choice(fillers)
             elif base == "last" and words:
                 words[-1] = rng.choice(fillers)
-        if mark is not None and rng.random() < self.reference_noise:
+        mark_noise = self.reference_noise if self.mark_noise is None else self.mark_noise
+        if mark is not None and rng.random() < mark_noise:
             mark = rng.choice(["", *(m for m in MARKS if m != mark)])  # none, or another
         return " ".join(words) + (mark or "")
 
     # ---- rewards ------------------------------------------------------------------------
+    def answer_part(self, response: str) -> str | None:
+        """What the checkers read: the whole response, or with a free part (``free_tokens``)
+        what follows its ``</think>`` (None: the response has no answer part)."""
+        if self.free is None:
+            return response
+        parts = split_free(response)
+        return None if parts is None else parts[1]
+
     def score(self, example: Example, response: str) -> Score:
-        words = response_words(response)
+        answer = self.answer_part(response)
+        words = response_words(answer or "")
         rewards: dict[str, float | None] = {}
         reasons: dict[str, str] = {}
         for c in example.data["constraints"]:
-            ok, why = c.check(words, response)
+            ok, why = (False, NO_ANSWER) if answer is None else c.check(words, answer)
             rewards[c.kind] = float(ok)
             if why:
                 reasons[c.kind] = why
-        return Score(
-            rewards=rewards,
-            reasons=reasons,
-            checks={"success": all(v == 1.0 for v in rewards.values())},
-        )
+        checks = {"success": all(v == 1.0 for v in rewards.values())}
+        if self.mark_noise is not None:  # the constraints other than the few-token one
+            checks["success_others"] = all(v == 1.0 for k, v in rewards.items() if k != "mark")
+        if self.free is not None:
+            checks["answer_part"] = answer is not None
+        return Score(rewards=rewards, reasons=reasons, checks=checks)
 
     # ---- replay contexts: the information is in the prompt ------------------------------
     def contexts(self, example: Example, score: Score) -> Contexts:
@@ -307,7 +394,17 @@ class SyntheticTask(Task):
         ``[len(words)]`` — the checker reads the final character, i.e. the last token before
         the end (``mrtpo.analysis.relevance`` adds that token). Used to measure
         whether replay relevance lands where the verifier looks (docs/replication.md).
+        With a free part, indices still count every word of the response (the free part's
+        and its markers' too), and only answer words are ever decisive; a response without
+        an answer part has no decisive words.
         """
+        answer = self.answer_part(response)
+        if answer is None:
+            return {c.kind: [] for c in example.data["constraints"]}
+        skip = len(response_words(response[: len(response) - len(answer)]))
+        return {k: [skip + i for i in v] for k, v in self._decisive(example, answer).items()}
+
+    def _decisive(self, example: Example, response: str) -> dict[str, list[int]]:
         words = response_words(response)
         out: dict[str, list[int]] = {}
         for c in example.data["constraints"]:
@@ -325,5 +422,7 @@ class SyntheticTask(Task):
     def summarize(self, examples, scores) -> dict[str, float]:
         out = super().summarize(examples, scores)
         if scores:
-            out["success"] = sum(bool(s.checks.get("success")) for s in scores) / len(scores)
+            for key in ("success", "success_others", "answer_part"):
+                if key == "success" or key in scores[0].checks:
+                    out[key] = sum(bool(s.checks.get(key)) for s in scores) / len(scores)
         return out
