@@ -5,6 +5,8 @@
     python scripts/replicate.py --methods gdpo,mrtpo,mrtpo@beta=0.25   # a method with overrides
     python scripts/replicate.py --report-only --logdir logs/replicate/<run>   # redo the report
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere
+    make replicate ARGS=--long           # the long toy: a free part of 0, 20, 60 words at K=4
+    make replicate ARGS="--long --full"  # + K = 2 and 8 at 60 words, 8 seeds (docs/replication_long.md)
 
 The harness is the package beside this file, ``scripts/replication``; this file only reads
 the command line.
@@ -30,9 +32,32 @@ from replication.harness import (
     parse_method,
 )
 from replication.harness import main as replicate
+from replication.long import LongOptions
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Options:
+def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOptions:
+    """The long toy's options: its mode's defaults, then what the command line sets."""
+    from replication import long as L
+
+    opts = LongOptions(
+        cells=list(L.FULL_CELLS if a.full else L.QUICK_CELLS),
+        seeds=L.FULL_SEEDS if a.full else L.QUICK_SEEDS,
+        steps=None if a.full else L.QUICK_STEPS,
+        full=a.full, workers=a.workers, threads=a.threads, logdir=a.logdir, docs=a.docs,
+        report_only=a.report_only, override=a.override, sft_override=a.sft_override,
+        sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed,
+    )  # fmt: skip
+    if a.cells:
+        opts.cells = [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
+    for key in ("seeds", "steps", "threshold"):
+        if getattr(a, key) is not None:
+            setattr(opts, key, getattr(a, key))
+    if methods is not None:
+        opts.methods = methods
+    return opts
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--full", action="store_true",
@@ -49,6 +74,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "--methods", type=str, default=None,
         help="comma-separated method specs, <method>[@<key>=<value>[,...]] with ';' between "
         "specs when one has several overrides (default: the mode's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--long", action="store_true",
+        help="the long toy: a free part before the answer, a rare `mark` (replication_long.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cells", type=str, default=None,
+        help="--long: comma-separated K:free cells, e.g. 4:0,4:60 (default: the mode's)",
     )  # fmt: skip
     p.add_argument("--no-determinism", action="store_true", help="skip the rerun check")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
@@ -71,11 +104,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "--sft-override", action="append", default=[], help="extra override for both SFT passes"
     )
     a = p.parse_args(argv)
-    if a.methods is None:
-        methods = available_methods(a.full)
-    else:
+    given = None
+    if a.methods is not None:
         sep = ";" if ";" in a.methods else ","
-        methods = [m.strip() for m in a.methods.split(sep) if m.strip()]
+        given = [m.strip() for m in a.methods.split(sep) if m.strip()]
+    methods = available_methods(a.full) if given is None else given
     try:
         names = {parse_method(m)[0] for m in methods}
     except ValueError as exc:
@@ -85,6 +118,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         p.error(f"unknown method(s) {unknown}; see configs/method/")
     if a.report_only and a.logdir is None:
         p.error("--report-only needs --logdir")
+    if a.cells and not a.long:
+        p.error("--cells is a --long option")
+    if a.long:
+        try:
+            return long_options(a, given)
+        except ValueError as exc:
+            p.error(f"--cells {a.cells!r}: expected K:free pairs such as 4:0,4:60 ({exc})")
     ks = [int(x) for x in a.ks.split(",")] if a.ks else list(FULL_K if a.full else QUICK_K)
     seeds = a.seeds if a.seeds is not None else FULL_SEEDS if a.full else QUICK_SEEDS
     return Options(
@@ -97,7 +137,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return replicate(parse_args(argv))
+    opts = parse_args(argv)
+    if isinstance(opts, LongOptions):
+        from replication.long import main as replicate_long
+
+        return replicate_long(opts)
+    return replicate(opts)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,12 @@ def plot_relevance(rec: dict, png: Path, page: Path) -> None:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
+    relevance_page(rec, page)
 
+
+def relevance_page(rec: dict, page: Path) -> None:
+    """The HTML version of ``plot_relevance``: a row per reward, each token's q and w on hover."""
+    names = list(rec["q"])
     rows = []
     for name in names:
         q, w = rec["q"][name], rec["w"].get(name, [])
@@ -211,3 +216,84 @@ def plot_replay_share(shares: dict[int, list[list[float]]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_long_curves(
+    panels: dict[str, dict[str, list[dict[str, list[float]]]]], path: Path
+) -> None:
+    """The long toy's learning curves: one column per cell (``{label: {method: [series per
+    seed]}}``), success on top and the few-token reward ``mark`` below, mean and 95% band over
+    seeds of the smoothed series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ("success", "mark")
+    fig, axes = plt.subplots(
+        len(rows), len(panels), figsize=(3.6 * len(panels), 5.6), squeeze=False,
+        sharey=True, constrained_layout=True,
+    )  # fmt: skip
+    for col, (label, curves) in enumerate(panels.items()):
+        for row, series in enumerate(rows):
+            ax = axes[row][col]
+            for method, runs in curves.items():
+                ys = [smooth(r[series]) for r in runs if series in r]
+                if not ys:
+                    continue
+                x, mean, lo, hi = _band(ys)
+                c = COLORS.get(method)
+                ax.plot(x, mean, color=c, label=method, lw=2 if method == "mrtpo" else 1.2)
+                ax.fill_between(x, lo, hi, color=c, alpha=0.15, lw=0)
+            what = "all constraints met" if series == "success" else "`mark` met"
+            ax.set_title(f"{label}: {what}", fontsize=9)
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+            if row == len(rows) - 1:
+                ax.set_xlabel("RL step (moving average of 5)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    axes[0][0].set_ylabel("share of samples", fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_relevance_wrapped(rec: dict, png: Path, page: Path, width: int = 24) -> None:
+    """One long response, ``width`` tokens a line; under each line a row per reward with each
+    token shaded by that reward's relevance q (scaled by the reward's largest q over the whole
+    response). The HTML page is ``relevance_page``'s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rec["q"])
+    toks = [t.replace("\n", "\\n") for t in rec["tokens"]]
+    lines = math.ceil(len(toks) / width)
+    band = len(names) + 0.6  # rows of one line, and a gap
+    fig, ax = plt.subplots(figsize=(0.62 * width + 2.2, 0.32 * band * lines + 1.2))
+    tops = {n: (max(rec["q"][n]) or 1.0) for n in names}
+    for t, tok in enumerate(toks):
+        line, x = divmod(t, width)
+        for r, name in enumerate(names):
+            y = line * band + r
+            v = rec["q"][name][t]
+            ax.add_patch(
+                plt.Rectangle((x, y), 1, 1, color=(0.84, 0.15, 0.16, 0.04 + 0.9 * v / tops[name]))
+            )
+            ax.text(x + 0.5, y + 0.5, tok, ha="center", va="center", fontsize=6)
+    for line in range(lines):
+        for r, name in enumerate(names):
+            v = rec["rewards"].get(name)
+            ax.text(-0.2, line * band + r + 0.5, f"{name} (r={'-' if v is None else f'{v:g}'})",
+                    ha="right", va="center", fontsize=6)  # fmt: skip
+    ax.set_xlim(-4.5, width)
+    ax.set_ylim(lines * band, 0)
+    ax.axis("off")
+    ax.set_title(rec["prompt"], fontsize=7, wrap=True)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    relevance_page(rec, page)

@@ -32,6 +32,28 @@ def token_word_index(tokenizer, token_ids: Sequence[int]) -> tuple[list[int | No
     return out, len(words)
 
 
+def checker_tokens(rec: dict, example, task, tokenizer) -> dict[str, list[int]]:
+    """For each reward of a ``relevance.jsonl`` record: the positions of the response tokens
+    its checker reads (``task.decisive_words``; for ``mark`` also the last visible token)."""
+    special = set(tokenizer.all_special_ids)
+    ids = rec["token_ids"]
+    text = tokenizer.decode([i for i in ids if i not in special])
+    decisive = task.decisive_words(example, text)
+    word_of, _ = token_word_index(tokenizer, ids)
+    out: dict[str, list[int]] = {}
+    for name in rec["q"]:
+        if not decisive.get(name):
+            continue
+        wanted = set(decisive[name])
+        toks = [t for t, w in enumerate(word_of) if w is not None and w in wanted]
+        if name == "mark":  # the checker reads the last visible token, then the end
+            last = [t for t, i in enumerate(ids)
+                    if i not in special and tokenizer.decode([i]).strip()]  # fmt: skip
+            toks = sorted(set(toks) | set(last[-1:]))
+        out[name] = toks
+    return out
+
+
 def relevance_stats(records: list[dict], task, tokenizer) -> dict[str, dict[str, float]]:
     """Per constraint type: the share of its relevance on the tokens its checker reads, and
     those tokens' share of the response (means over response–reward pairs); ``enrichment`` is
@@ -39,25 +61,14 @@ def relevance_stats(records: list[dict], task, tokenizer) -> dict[str, dict[str,
     by_id = {}
     for split in ("train", "val"):
         by_id.update({e.id: e for e in task.examples(split)})
-    special = set(tokenizer.all_special_ids)
     acc: dict[str, dict[str, list[float]]] = {}
     for rec in records:
         ex = by_id.get(rec["id"])
         if ex is None:
             continue
-        ids = rec["token_ids"]
-        text = tokenizer.decode([i for i in ids if i not in special])
-        decisive = task.decisive_words(ex, text)
-        word_of, _ = token_word_index(tokenizer, ids)
+        checked = checker_tokens(rec, ex, task, tokenizer)
         for name, q in rec["q"].items():
-            if name not in decisive or not decisive[name]:
-                continue
-            wanted = set(decisive[name])
-            toks = [t for t, w in enumerate(word_of) if w is not None and w in wanted]
-            if name == "mark":  # the checker reads the last visible token, then the end
-                last = [t for t, i in enumerate(ids)
-                        if i not in special and tokenizer.decode([i]).strip()]  # fmt: skip
-                toks = sorted(set(toks) | set(last[-1:]))
+            toks = checked.get(name, [])
             total = sum(q)
             if not toks or total <= 0:
                 continue

@@ -1,0 +1,285 @@
+"""The long toy (``make replicate ARGS=--long``; docs/replication_long.md): a setting where
+per-reward credit assignment can matter.
+
+The toy replication's responses are 4–9 tokens long, so there is little to place credit on.
+Here every response opens with a free part the checkers never read (``<think>``, filler words,
+``</think>``; ``task.free_tokens``) before the answer words they read, and the few-token reward
+``mark`` starts rare (its references carry the right mark with probability
+``task.mark_success`` in the second warm-start pass). The free part's length is the design axis:
+one *cell* is a (K, free length) pair with its own warm start, and every method and seed of a
+cell runs from it.
+
+The warm starts follow the toy replication's two passes (``toy_long_sft``, then
+``toy_long_sft_noisy``, which stops when the constraints other than ``mark`` are met together
+at the toy's rate). A cell's clean pass starts from the clean policy of the cell it learns from
+(``START``): free part 0 from random weights (K = 8 from K = 4's), a longer free part from the
+same K's free-part-0 policy, which already reads the constraints.
+
+Jobs, statistics and claim rules are the toy replication's (``replication.jobs``,
+``replication.claims``); this module only lays out the cells, and ``long_report`` writes the
+report.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
+from mrtpo.config import compose
+from replication.harness import ROOT, method_dir, parse_method
+from replication.jobs import Job, quiet, run_all
+
+Cell = tuple[int, int]  # (K, free part length in filler words)
+
+#: The free part's lengths (filler words; each adds 6 marker tokens around it).
+FREE = (0, 20, 60)
+LONG_FREE = max(FREE)
+QUICK_CELLS: tuple[Cell, ...] = tuple((4, f) for f in FREE)
+FULL_CELLS: tuple[Cell, ...] = (*QUICK_CELLS, (2, LONG_FREE), (8, LONG_FREE))
+#: Methods run in every cell, and the two ablations, run only at the longest free part.
+METHODS = ("gdpo", "mrtpo")
+ABLATIONS = ("mrtpo_shuffle", "mrtpo_joint")
+QUICK_SEEDS, FULL_SEEDS = 3, 8
+#: RL steps of the quick mode (the full mode: the preset's 50).
+QUICK_STEPS = 30
+SFT_PHASES = ("sft", "sft_noisy")  # folder names; experiment=toy_long_<name>
+#: Tokens generated per response: the toy's 12 for the answer, 6 for the two markers, the free
+#: part, and half the free part again to spare (a free part that runs past the limit leaves no
+#: answer, which scores 0 on every constraint).
+ANSWER_TOKENS, MARKER_TOKENS = 12, 6
+
+
+def token_budget(free: int) -> int:
+    return ANSWER_TOKENS + MARKER_TOKENS + free + free // 2
+
+
+def start_of(cell: Cell) -> Cell | None:
+    """The cell whose clean policy this cell's clean pass starts from (None: random weights)."""
+    k, free = cell
+    if free > 0:
+        return (k, 0)
+    return (4, 0) if k == 8 else None
+
+
+def cell_dir(logdir: Path, cell: Cell) -> Path:
+    return logdir / f"k{cell[0]}_f{cell[1]}"
+
+
+def warm_start(logdir: Path, cell: Cell) -> Path:
+    return cell_dir(logdir, cell) / SFT_PHASES[-1] / "policy"
+
+
+@dataclass
+class LongOptions:
+    """What one long-toy replication runs (``scripts/replicate.py --long``)."""
+
+    cells: list[Cell] = field(default_factory=lambda: list(QUICK_CELLS))
+    seeds: int = QUICK_SEEDS
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    ablations: list[str] = field(default_factory=lambda: list(ABLATIONS))  # longest free part
+    steps: int | None = QUICK_STEPS  # RL steps (None: the preset's)
+    threshold: float = 0.5  # success rate for "steps to threshold"
+    sft_max_steps: int | None = None
+    sft_seed: int = 0
+    workers: int = 2
+    threads: int = 1
+    logdir: Path | None = None
+    docs: Path = ROOT / "docs"
+    report_only: bool = False
+    override: list[str] = field(default_factory=list)
+    sft_override: list[str] = field(default_factory=list)
+    full: bool = False
+    commit: str | None = None
+
+
+_RUN_KEYS = ("cells", "seeds", "methods", "ablations", "steps", "threshold", "sft_max_steps", "sft_seed",
+             "workers", "threads", "override", "sft_override", "full", "commit")  # fmt: skip
+
+
+def methods_of(cell: Cell, opts: LongOptions) -> list[str]:
+    """The methods a cell runs: every cell ``opts.methods``, the longest free part (of those
+    in ``opts.cells``) also the ablations."""
+    longest = max(f for _, f in opts.cells)
+    extra = [m for m in opts.ablations if m not in opts.methods] if cell[1] == longest else []
+    return [*opts.methods, *extra]
+
+
+def _common(cell: Cell, out: Path, logdir: Path) -> list[str]:
+    k, free = cell
+    return [
+        f"task.num_constraints={k}",
+        f"task.free_tokens={free}",
+        f"rollout.sampling.max_new_tokens={token_budget(free)}",
+        f"paths.output_dir={out}",
+        f"paths.log_dir={logdir}",
+        "++trainer.enable_progress_bar=false",
+    ]
+
+
+def sft_job(cell: Cell, phase: str, opts: LongOptions) -> Job:
+    """Warm-start pass ``phase`` of a cell: the clean pass from ``start_of``'s clean policy (or
+    random weights), the noisy pass from the cell's own clean policy."""
+    out = cell_dir(opts.logdir, cell) / phase
+    ov = [f"experiment=toy_long_{phase}", *_common(cell, out, opts.logdir)]
+    ov += [f"stage.sft.save_dir={out / 'policy'}", f"seed={opts.sft_seed}"]
+    start = cell if phase != SFT_PHASES[0] else start_of(cell)
+    if start is not None:
+        src = cell_dir(opts.logdir, start) / SFT_PHASES[0] / "policy"
+        ov += [f"model.name_or_path={src}", "model.tiny=null"]
+    if opts.sft_max_steps is not None:
+        ov.append(f"trainer.max_steps={opts.sft_max_steps}")
+    ov += opts.sft_override
+    steps = int(compose("train.yaml", ov).trainer.max_steps)
+    return Job(f"k{cell[0]}_f{cell[1]}/{phase}", ov, out, steps)
+
+
+def rl_job(cell: Cell, method: str, seed: int, opts: LongOptions) -> Job:
+    """RL run of a method spec from the cell's warm start (same prompts and sampling seed for
+    every method of a seed)."""
+    out = cell_dir(opts.logdir, cell) / method_dir(method) / f"s{seed}"
+    name, method_ov = parse_method(method)
+    ov = ["experiment=toy_long", f"method={name}", *method_ov, f"seed={seed}"]
+    ov += [f"model.name_or_path={warm_start(opts.logdir, cell)}", "model.tiny=null"]
+    ov += _common(cell, out, opts.logdir)
+    if opts.steps is not None:
+        ov.append(f"trainer.max_steps={opts.steps}")
+    ov += opts.override
+    steps = int(compose("train.yaml", ov).trainer.max_steps)
+    return Job(f"k{cell[0]}_f{cell[1]}/{method}/s{seed}", ov, out, steps)
+
+
+def sft_waves(cells: list[Cell]) -> list[list[tuple[Cell, str]]]:
+    """Warm-start passes in the order they can run: clean passes once the clean pass they start
+    from is done (run even for a cell not compared itself), then every noisy pass."""
+    todo: set[Cell] = set()
+    for c in cells:
+        while c is not None and c not in todo:
+            todo.add(c)
+            c = start_of(c)
+    waves, done = [], set()
+    while todo:
+        ready = sorted(c for c in todo if start_of(c) is None or start_of(c) in done)
+        waves.append([(c, SFT_PHASES[0]) for c in ready])
+        done |= set(ready)
+        todo -= set(ready)
+    waves.append([(c, SFT_PHASES[1]) for c in cells])
+    return waves
+
+
+def run_cells(opts: LongOptions, console) -> bool:
+    """Every warm start, then every RL run (finished jobs are skipped: a rerun resumes)."""
+    for wave in sft_waves(list(opts.cells)):
+        jobs = [sft_job(c, phase, opts) for c, phase in wave]
+        res = run_all(jobs, opts.workers, opts.threads, console, f"SFT ({wave[0][1]})")
+        failed = [key for key, v in res.items() if v.get("error")]
+        if failed:
+            console.print(f"[red]SFT failed for {failed}; stopping")
+            return False
+    jobs = [rl_job(c, m, s, opts) for c in opts.cells for s in range(opts.seeds)
+            for m in methods_of(c, opts)]  # fmt: skip
+    run_all(jobs, opts.workers, opts.threads, console, "RL runs")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the runs
+# ---------------------------------------------------------------------------------------------
+
+#: Per-step columns read beside ``run_series`` (the cap s and the response length).
+EXTRA_COLUMNS = {"train/adv/cap_s": "cap_s", "train/response_len/mean": "length"}
+
+
+def read_run(csv: str | Path) -> dict[str, list[float]]:
+    """``run_series`` of one RL run plus the columns of ``EXTRA_COLUMNS``."""
+    out = run_series(csv)
+    rows = sorted((r for r in read_metrics(csv) if "train/success" in r), key=lambda r: r["step"])
+    for col, name in EXTRA_COLUMNS.items():
+        if any(col in r for r in rows):
+            out[name] = [r.get(col, float("nan")) for r in rows]
+    return out
+
+
+@dataclass
+class CellRuns:
+    cell: Cell
+    sft: dict[str, dict[str, Any]]  # SFT summary per warm-start pass
+    runs: dict[str, dict[int, dict[str, list[float]]]]  # method -> seed -> series
+    relevance: list[dict] = field(default_factory=list)  # relevance.jsonl records, MRTPO runs
+
+
+def read_cells(opts: LongOptions) -> list[CellRuns]:
+    from mrtpo.sft import read_summary
+
+    out = []
+    for cell in opts.cells:
+        d = cell_dir(opts.logdir, cell)
+        if not warm_start(opts.logdir, cell).exists():
+            continue
+        sft = {ph: read_summary(d / ph / "policy") for ph in SFT_PHASES}
+        runs: dict[str, dict[int, dict[str, list[float]]]] = {}
+        recs: list[dict] = []
+        for m in methods_of(cell, opts):
+            for s in range(opts.seeds):
+                job = d / method_dir(m) / f"s{s}" / "job.json"
+                info = json.loads(job.read_text()) if job.exists() else {}
+                if info.get("error") or not info.get("csv"):
+                    continue
+                series = read_run(info["csv"])
+                if series["success"]:
+                    runs.setdefault(m, {})[s] = series
+                if m == "mrtpo":
+                    for path in sorted(job.parent.rglob("relevance.jsonl")):
+                        recs += [dict(r, seed=s) for r in read_jsonl(path)]
+        out.append(CellRuns(cell, sft, runs, recs))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _restore(opts: LongOptions, run_file: Path) -> None:
+    saved = json.loads(run_file.read_text())
+    for key, value in saved.items():
+        setattr(opts, key, [tuple(c) for c in value] if key == "cells" else value)
+
+
+def main(opts: LongOptions) -> int:
+    """Run (or, with ``report_only``, re-read) the long toy and write its report."""
+    from rich.console import Console
+
+    from replication.long_report import write_report
+
+    console = Console()
+    quiet()
+    if opts.logdir is None:
+        if opts.report_only:
+            raise ValueError("report_only needs the log folder of a run (--logdir)")
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        opts.logdir = ROOT / "logs" / "replicate_long" / stamp
+    opts.logdir = Path(opts.logdir).resolve()
+    run_file, wall_file = opts.logdir / "run.json", opts.logdir / "wall_s.json"
+    t0 = time.perf_counter()
+    if opts.report_only:
+        if not run_file.exists():
+            console.print(f"[red]{run_file} not found: is --logdir a long-toy run folder?")
+            return 1
+        _restore(opts, run_file)
+    else:
+        opts.logdir.mkdir(parents=True, exist_ok=True)
+        opts.commit = opts.commit or source_commit()
+        run_file.write_text(json.dumps({k: getattr(opts, k) for k in _RUN_KEYS}, indent=2))
+        console.rule(f"[bold]Long toy: cells {opts.cells}, {opts.seeds} seeds → {opts.logdir}")
+        if not run_cells(opts, console):
+            return 1
+        prev = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else 0.0
+        wall_file.write_text(json.dumps({"wall_s": prev + time.perf_counter() - t0}))
+    wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else float("nan")
+    out = write_report(read_cells(opts), opts, wall, opts.docs / "replication_long.md")
+    console.print(f"[bold green]report:[/bold green] {out}  (wall time {wall / 60:.1f} min)")
+    return 0

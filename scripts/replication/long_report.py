@@ -1,0 +1,528 @@
+"""The long toy's predictions, their verdicts, the diagnostics and ``docs/replication_long.md``.
+
+Every prediction is one statistic with a 95% interval and a verdict by the toy replication's
+rules (``replication.claims``: reproduced when the interval lies wholly on the predicted side,
+not reproduced when wholly on the other, inconclusive otherwise). Cells are (K, free length)
+pairs; a paired difference is one (cell, seed), and cells are pooled the way the toy
+replication pools K: each cell has its own warm start, so its differences are independent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from mrtpo.analysis.stats import (
+    SMOOTH,
+    Interval,
+    mean_ci,
+    mean_finite,
+    steps_to_threshold,
+    trend,
+)
+from mrtpo.config import compose
+from replication import claims as C
+from replication.long import (
+    ABLATIONS,
+    FREE,
+    FULL_CELLS,
+    FULL_SEEDS,
+    LONG_FREE,
+    METHODS,
+    QUICK_CELLS,
+    QUICK_SEEDS,
+    QUICK_STEPS,
+    SFT_PHASES,
+    CellRuns,
+    LongOptions,
+    token_budget,
+    warm_start,
+)
+from replication.plots import plot_long_curves, plot_relevance_wrapped
+from replication.relevance import checker_tokens, relevance_stats
+
+FEW_TOKEN = "mark"
+#: Prediction 2: steps until ``mark``'s compliance (trailing 5-step mean) reaches this.
+MARK_THRESHOLD = 0.5
+#: Compliance "after N steps" reported beside it (the paper: 97% MRTPO, 2% GDPO after 10).
+COMPLIANCE_STEP = 10
+#: Prediction 3: the paper's 80%-of-the-distance token share.
+CONCENTRATION = (0.13, 0.29)
+
+#: The predictions as stated before any run (the issue's five), each with its rule.
+PREDICTIONS = (
+    "**P1** MRTPO − GDPO grows with the length of the free part: at K = 4, the least-squares "
+    "slope, in the free part's length, of each seed's paired MRTPO − GDPO Δ AUC (success) is "
+    "positive; the slope of Δ steps to success ≥ the threshold is reported beside it "
+    "(predicted negative).",
+    f"**P2** The few-token reward `{FEW_TOKEN}` reaches compliance ≥ {MARK_THRESHOLD:g} "
+    f"(trailing {SMOOTH}-step mean) sooner under MRTPO: at the longest free part ({LONG_FREE} "
+    "words, every K run), the paired MRTPO − GDPO difference in those steps is negative (a run "
+    "that never reaches it counts its number of steps, a lower bound). Compliance after "
+    f"{COMPLIANCE_STEP} steps is reported beside it.",
+    f"**P3** Relevance concentrates: in MRTPO runs at the longest free part, the share of a "
+    f"response's tokens holding 80% of a reward's Jensen–Shannon distance (mean over steps and "
+    f"rewards per run) is at most {CONCENTRATION[1]:g}, the top of the paper's "
+    f"{CONCENTRATION[0]:g}–{CONCENTRATION[1]:g}: reproduced when the whole interval is at or "
+    "below it, not reproduced when wholly above.",
+    "**P4** The shuffle ablation loses the gain, the joint ablation keeps part of it: at the "
+    "longest free part, MRTPO − shuffle and joint − GDPO, paired Δ AUC, are both positive "
+    "(reproduced when both are, not reproduced when either is wholly negative); shuffle − GDPO "
+    "and MRTPO − joint are reported beside them.",
+    "**P5** The gain grows with K at a fixed long free part: at the longest free part, the slope "
+    "in K of each seed's MRTPO − GDPO Δ AUC is positive (needs two K or more: the full mode).",
+)
+
+#: What was decided about the design after seeing any run, in order (the report repeats it).
+DESIGN_HISTORY: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-run numbers and the table of them
+# ---------------------------------------------------------------------------------------------
+
+
+def summarize(series: Mapping[str, list[float]], threshold: float) -> dict[str, float]:
+    """The toy replication's run summary plus: steps until ``mark`` compliance reaches
+    ``MARK_THRESHOLD`` (censored at the run's length), mean cap s and response length."""
+    out = C.summarize(series, threshold, FEW_TOKEN, COMPLIANCE_STEP)
+    mark = series.get(FEW_TOKEN)
+    if mark:
+        st = steps_to_threshold(mark, MARK_THRESHOLD)
+        out["mark_steps"] = float(len(mark)) if math.isnan(st) else st
+        out["mark_reached"] = float(not math.isnan(st))
+    for key in ("cap_s", "length"):
+        if series.get(key):
+            out[key] = mean_finite(series[key])
+    return out
+
+
+def table(cells: list[CellRuns], threshold: float) -> C.Table:
+    return {
+        c.cell: {
+            m: {s: summarize(x, threshold) for s, x in by_s.items()} for m, by_s in c.runs.items()
+        }
+        for c in cells
+    }
+
+
+def _where(tab: C.Table, pred) -> C.Table:
+    return {cell: v for cell, v in tab.items() if pred(cell)}
+
+
+def _by(diffs: Mapping[tuple, float], axis: int) -> dict[int, list[float]]:
+    """Paired differences keyed by (cell, seed), grouped by the cell's K (0) or length (1)."""
+    out: dict[int, list[float]] = {}
+    for (cell, _), v in diffs.items():
+        out.setdefault(cell[axis], []).append(v)
+    return out
+
+
+def _slope_claim(number: int, title: str, tab: C.Table, axis: int, what: str) -> C.Claim:
+    d_auc = C.paired(tab, "mrtpo", "gdpo", "auc")
+    d_steps = C.paired(tab, "mrtpo", "gdpo", "steps_censored")
+    if not d_auc:
+        return C.Claim(number, title, C.INCONCLUSIVE, "not measured (needs mrtpo and gdpo runs)")
+    groups = _by(d_auc, axis)
+    per = "; ".join(f"{what} = {x}: {C.ci_text(mean_ci(v))}" for x, v in sorted(groups.items()))
+    if len(groups) < 2:
+        return C.Claim(number, title, C.INCONCLUSIVE, f"MRTPO − GDPO Δ AUC {per}",
+                       f"One {what} only: a trend needs the full mode.")  # fmt: skip
+    tr, trs = trend(groups), trend(_by(d_steps, axis))
+    stat = (
+        f"slope of MRTPO − GDPO Δ AUC per added {what} {C.ci_text(tr.interval, 5)} (per {what}: "
+        f"{per}); slope of Δ steps to threshold {C.ci_text(trs.interval, 3)} "
+        f"({C.claim_verdict(trs.interval, -1)} for fewer steps)"
+    )
+    return C.Claim(number, title, C.claim_verdict(tr.interval, +1), stat,
+                   details={"groups": groups})  # fmt: skip
+
+
+def predictions(tab: C.Table, methods: list[str]) -> list[C.Claim]:
+    long = _where(tab, lambda c: c[1] == LONG_FREE)
+    out = [
+        _slope_claim(
+            1,
+            "MRTPO − GDPO grows with the free part's length",
+            _where(tab, lambda c: c[0] == 4),
+            1,
+            "free word",
+        ),
+        _mark_claim(long, methods),
+        _concentration_claim(long),
+        _ablation_claim(long),
+        _slope_claim(5, "The gain grows with K at the longest free part", long, 0, "K"),
+    ]
+    return out
+
+
+def _mark_claim(long: C.Table, methods: list[str]) -> C.Claim:
+    title = f"`{FEW_TOKEN}` reaches compliance ≥ {MARK_THRESHOLD:g} sooner under MRTPO"
+    d = C.paired(long, "mrtpo", "gdpo", "mark_steps")
+    if not d:
+        return C.Claim(2, title, C.INCONCLUSIVE, "not measured (needs mrtpo and gdpo runs)")
+    iv = mean_ci(d.values())
+    level = {m: mean_ci(C.values(long, m, "compliance").values()) for m in methods}
+    start = {m: mean_ci(C.values(long, m, "compliance_start").values()) for m in methods}
+    reached = {m: C.values(long, m, "mark_reached") for m in methods}
+    stat = (
+        f"Δ steps MRTPO − GDPO {C.ci_text(iv, 1)}; reached by "
+        + ", ".join(f"{m} {int(sum(v.values()))}/{len(v)}" for m, v in reached.items() if v)
+        + f"; compliance at the start → after {COMPLIANCE_STEP} steps: "
+        + ", ".join(
+            f"{m} {start[m].mean:.2f} → {level[m].mean:.2f}"
+            for m in methods
+            if not math.isnan(level[m].mean)
+        )
+        + " (paper, tool calling: 0.97 MRTPO, 0.02 GDPO after 10 steps)"
+    )
+    return C.Claim(2, title, C.claim_verdict(iv, -1), stat, details={"diff": iv})
+
+
+def _concentration_claim(long: C.Table) -> C.Claim:
+    title = "Relevance concentrates: 80% of a reward's distance on ≤ 29% of the tokens"
+    v = C.values(long, "mrtpo", "top80")
+    if not v:
+        return C.Claim(3, title, C.INCONCLUSIVE, "not measured (no top-80% shares)")
+    iv = mean_ci(v.values())
+    names = sorted({n for by_m in long.values() for x in by_m.get("mrtpo", {}).values()
+                    for n in x if n.startswith("top80/")})  # fmt: skip
+    per = {n.removeprefix("top80/"): mean_ci(C.values(long, "mrtpo", n).values()) for n in names}
+    stat = (
+        f"share of tokens holding 80% of a reward's distance, mean over rewards "
+        f"{C.level_text(iv)}; per reward " + ", ".join(f"{n} {x.mean:.2f}" for n, x in per.items())
+    )
+    return C.Claim(3, title, C.below_verdict(iv, CONCENTRATION[1]), stat)
+
+
+def _ablation_claim(long: C.Table) -> C.Claim:
+    title = "Shuffling the weights loses the gain; one joint profile keeps part of it"
+    a = C.paired(long, "mrtpo", "mrtpo_shuffle", "auc")
+    b = C.paired(long, "mrtpo_joint", "gdpo", "auc")
+    if not a or not b:
+        return C.Claim(4, title, C.INCONCLUSIVE, "not measured (needs all four methods)")
+    ia, ib = mean_ci(a.values()), mean_ci(b.values())
+    sh = mean_ci(C.paired(long, "mrtpo_shuffle", "gdpo", "auc").values())
+    mj = mean_ci(C.paired(long, "mrtpo", "mrtpo_joint", "auc").values())
+    va, vb = C.claim_verdict(ia, +1), C.claim_verdict(ib, +1)
+    stat = (
+        f"Δ AUC MRTPO − shuffle {C.ci_text(ia)} ({va}); joint − GDPO {C.ci_text(ib)} ({vb}); "
+        f"beside them shuffle − GDPO {C.ci_text(sh)}, MRTPO − joint {C.ci_text(mj)}"
+    )
+    return C.Claim(4, title, C.all_of([va, vb]), stat)
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics: does the credit reach the tokens that decide each reward?
+# ---------------------------------------------------------------------------------------------
+
+
+def free_end(tokens: list[str]) -> int:
+    """Number of leading tokens that make up the free part (through ``</think>``); 0 if none."""
+    text = ""
+    for i, t in enumerate(tokens):
+        text += t
+        if "</think>" in text:
+            return i + 1
+    return 0
+
+
+def credit_stats(cell: CellRuns, task, tokenizer, cap_s: float) -> dict[str, dict[str, float]]:
+    """Per reward, over MRTPO's relevance dumps: its relevance share in the free part against
+    the free part's token share; the mean weight w (before the cap) on the tokens its checker
+    reads; and the share of the reward's credit those tokens get after the cap
+    (``1 + s(w - 1)``, s = the run's mean cap) against GDPO's (their token share)."""
+    by_id = {e.id: e for split in ("train", "val") for e in task.examples(split)}
+    acc: dict[str, dict[str, list[float]]] = {}
+    for rec in cell.relevance:
+        ex = by_id.get(rec["id"])
+        if ex is None:
+            continue
+        checked = checker_tokens(rec, ex, task, tokenizer)
+        n_free, n = free_end(rec["tokens"]), len(rec["tokens"])
+        for name, q in rec["q"].items():
+            toks, w = checked.get(name, []), rec["w"].get(name, [])
+            if not toks or sum(q) <= 0 or len(w) != n:
+                continue
+            a = acc.setdefault(name, {k: [] for k in ("free_q", "free_t", "w", "mrtpo", "gdpo")})
+            a["free_q"].append(sum(q[:n_free]) / sum(q))
+            a["free_t"].append(n_free / n)
+            a["w"].append(sum(w[t] for t in toks) / len(toks))
+            capped = [1 + cap_s * (x - 1) for x in w]
+            a["mrtpo"].append(sum(capped[t] for t in toks) / sum(capped))
+            a["gdpo"].append(len(toks) / n)
+    return {name: {k: sum(v) / len(v) for k, v in a.items()} | {"pairs": len(a["w"])}
+            for name, a in acc.items()}  # fmt: skip
+
+
+def diagnostics(cells: list[CellRuns], tab: C.Table, opts: LongOptions) -> dict[Any, dict]:
+    """Per cell: the relevance statistics of the toy replication (share on the checker's
+    tokens) and ``credit_stats``, from MRTPO's dumps, with the task and tokenizer of the cell."""
+    from hydra.utils import instantiate
+    from transformers import AutoTokenizer
+
+    out = {}
+    for c in cells:
+        if not c.relevance:
+            continue
+        k, free = c.cell
+        cfg = compose("train.yaml", ["experiment=toy_long", f"task.num_constraints={k}",
+                                     f"task.free_tokens={free}"])  # fmt: skip
+        task = instantiate(cfg.task)
+        tok = AutoTokenizer.from_pretrained(str(warm_start(opts.logdir, c.cell)))
+        cap = mean_ci(C.values({c.cell: tab[c.cell]}, "mrtpo", "cap_s").values()).mean
+        cap = 1.0 if math.isnan(cap) else cap
+        out[c.cell] = {
+            "relevance": relevance_stats(c.relevance, task, tok),
+            "credit": credit_stats(c, task, tok, cap),
+            "cap_s": cap,
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt(iv: Interval | tuple, digits: int = 3) -> str:
+    m, h = iv[0], iv[1]
+    if m is None or math.isnan(m):
+        return "–"
+    return f"{m:.{digits}f}" if math.isnan(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
+
+
+def label(cell) -> str:
+    return f"K = {cell[0]}, free {cell[1]}"
+
+
+def _provenance(opts: LongOptions) -> str:
+    from mrtpo.analysis.runs import source_commit
+
+    now = source_commit()
+    if opts.commit is None:
+        return f"runs' commit not recorded; report written at commit `{now}`"
+    if opts.commit == now:
+        return f"runs and report from commit `{now}`"
+    return f"runs from commit `{opts.commit}`, report written at commit `{now}`"
+
+
+def _design(add, opts: LongOptions, wall_s: float) -> None:
+    cfg = compose("train.yaml", ["experiment=toy_long"])
+    noisy = compose("train.yaml", ["experiment=toy_long_sft_noisy"])
+    clean = compose("train.yaml", ["experiment=toy_long_sft"])
+    steps = opts.steps or int(cfg.trainer.max_steps)
+    add("## Design and predictions (fixed before any run)")
+    add("")
+    add(f"- mode: **{'full' if opts.full else 'quick'}**; cells (K, free words): "
+        f"{', '.join(f'({k}, {f})' for k, f in opts.cells)}; seeds: {opts.seeds}; methods: "
+        f"{', '.join(opts.methods)} (+ {', '.join(opts.ablations)} at the longest free part); "
+        f"{steps} RL steps")  # fmt: skip
+    add(f"- modes: quick = cells {', '.join(map(str, QUICK_CELLS))}, {QUICK_SEEDS} seeds, "
+        f"{QUICK_STEPS} RL steps; full = cells {', '.join(map(str, FULL_CELLS))}, "
+        f"{FULL_SEEDS} seeds, {int(cfg.trainer.max_steps)} RL steps; both run "
+        f"{', '.join(METHODS)} in every cell and {', '.join(ABLATIONS)} also at the longest "
+        "free part")  # fmt: skip
+    add("- response: `<think> w1 … wn </think> answer`, n filler words (16 words that are "
+        "neither task words nor words of the prompt, one token each; each marker is 3 tokens); "
+        "the prompt adds the sentence 'Write <think> </think> first.'. The checkers read only "
+        "the answer, what follows the first `</think>`; a response that does not open with "
+        "`<think>` or never closes it has no answer and scores 0 on every constraint (with that "
+        "reason). Free lengths " + ", ".join(map(str, FREE)) + " words; max new tokens = 12 + 6 + "
+        "n + n/2 (" + ", ".join(f"{f}: {token_budget(f)}" for f in FREE) + ")")  # fmt: skip
+    add(f"- warm start per cell, in two passes as in the toy replication: (1) clean references, "
+        f"lr {clean.stage.sft.lr}, until held-out success ≥ {clean.stage.sft.target_success} "
+        f"(checks every {clean.stage.sft.eval_every} steps from step {clean.stage.sft.min_steps}"
+        f"), from random weights at free part 0 and from the same K's free-part-0 clean policy "
+        f"for a longer free part (K = 8's free-part-0 pass from K = 4's); (2) references that "
+        f"never carry the asked mark (task.mark_success = {noisy.task.mark_success:g}) and whose "
+        f"other constraints are all met with probability {noisy.task.reference_success:g} (each "
+        f"broken independently, so at every K), lr {noisy.stage.sft.lr}, until the held-out "
+        f"`{noisy.stage.sft.target_metric}` is ≤ {noisy.stage.sft.target_success} (checks every "
+        f"{noisy.stage.sft.eval_every} steps from step {noisy.stage.sft.min_steps} on "
+        f"{noisy.stage.sft.eval_prompts} prompts × {noisy.stage.sft.eval_samples} samples): "
+        "`mark` starts RL rare, the others near their references' rate (measured below)")  # fmt: skip
+    add(f"- RL: {cfg.rl.prompts_per_step} prompts × {cfg.rl.group_size} samples a step, "
+        f"temperature {cfg.rollout.sampling.temperature}, lr {cfg.optim.lr}, mini-batch "
+        f"{cfg.rl.mini_batch_size}, token-mean loss, no KL; MRTPO β = {cfg.method.beta} "
+        f"(warm-up {cfg.method.beta_warmup_steps} steps); every method of a seed samples the "
+        "same prompts with the same sampling seed, and every comparison is a paired difference "
+        "by seed")  # fmt: skip
+    add(f"- statistics: mean and 95% t interval over (cell, seed) pairs; *AUC* = mean success "
+        f"over the run's steps; steps to threshold = first step where the trailing {SMOOTH}-step "
+        f"mean reaches it (success ≥ {opts.threshold:g}; `mark` ≥ {MARK_THRESHOLD:g}), a run "
+        "that never does counting its number of steps")  # fmt: skip
+    add("- predictions and their rules (verdicts: **reproduced** when the interval lies wholly "
+        "on the predicted side, **not reproduced** when wholly on the other, **inconclusive** "
+        "otherwise):")  # fmt: skip
+    for p in PREDICTIONS:
+        add(f"  - {p}")
+    add("- changes to the design after seeing a run, in order: "
+        + ("none." if not DESIGN_HISTORY else ""))  # fmt: skip
+    for line in DESIGN_HISTORY:
+        add(f"  - {line}")
+    add(f"- wall time: **{wall_s / 60:.1f} min** on {os.cpu_count()} CPU cores ({opts.workers} "
+        f"worker processes, {opts.threads} thread each; {platform.machine()})")  # fmt: skip
+    add("")
+
+
+def _steps(summary: dict) -> str:
+    note = "" if summary.get("reached", True) else " (target not reached)"
+    return f"{summary.get('steps', '–')}{note}"
+
+
+def _starts(add, cells: list[CellRuns], tab: C.Table) -> None:
+    add("## Starting points per cell")
+    add("")
+    add("Held-out numbers where each warm-start pass stopped (128 prompts × 4 samples for the "
+        "second), and RL's first 3 steps (training samples, every run of the cell). *Others* = "
+        "every constraint but `mark` met.")  # fmt: skip
+    add("")
+    add("| cell | pass 1 steps | pass 1 success | pass 2 steps | pass 2 others | pass 2 `mark` "
+        "| RL start: success | `mark` | response tokens |")  # fmt: skip
+    add("|---|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        h = {ph: (c.sft.get(ph) or {}) for ph in SFT_PHASES}
+        last = {ph: (h[ph].get("history") or [{}])[-1] for ph in SFT_PHASES}
+        runs = [x for by_s in tab.get(c.cell, {}).values() for x in by_s.values()]
+
+        cells_ = [
+            label(c.cell), _steps(h["sft"]), f"{last['sft'].get('success', math.nan):.3f}",
+            _steps(h["sft_noisy"]), f"{last['sft_noisy'].get('success_others', math.nan):.3f}",
+            f"{last['sft_noisy'].get('reward/mark', math.nan):.3f}",
+            fmt(mean_ci(x["start"] for x in runs)),
+            fmt(mean_ci(x["compliance_start"] for x in runs)),
+            fmt(mean_ci(x.get("length", math.nan) for x in runs), 1),
+        ]  # fmt: skip
+        add("| " + " | ".join(cells_) + " |")
+    add("")
+
+
+def _results(add, cells: list[CellRuns], tab: C.Table, opts: LongOptions) -> None:
+    add("## Results per cell")
+    add("")
+    add(f"| cell | method | seeds | AUC | final | steps to success ≥ {opts.threshold:g} | "
+        f"`mark` after {COMPLIANCE_STEP} | steps to `mark` ≥ {MARK_THRESHOLD:g} |")  # fmt: skip
+    add("|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        for m in [*opts.methods, *opts.ablations]:
+            xs = list(tab.get(c.cell, {}).get(m, {}).values())
+            if not xs:
+                continue
+            row = [fmt(mean_ci(x[key] for x in xs), d) for key, d in
+                   (("auc", 3), ("final", 3), ("steps_censored", 1), ("compliance", 3),
+                    ("mark_steps", 1))]  # fmt: skip
+            add(f"| {label(c.cell)} | {m} | {len(xs)} | " + " | ".join(row) + " |")
+    add("")
+    add("Paired differences (same seed: same prompts, same first batch):")
+    add("")
+    add("| cell | comparison | Δ AUC | Δ steps to success | Δ steps to `mark` |")
+    add("|---|---|---|---|---|")
+    pairs = [("mrtpo", "gdpo"), ("mrtpo_shuffle", "gdpo"), ("mrtpo_joint", "gdpo"),
+             ("mrtpo", "mrtpo_shuffle"), ("mrtpo", "mrtpo_joint")]  # fmt: skip
+    for c in cells:
+        one = {c.cell: tab.get(c.cell, {})}
+        for a, b in pairs:
+            d = [C.paired(one, a, b, key) for key in ("auc", "steps_censored", "mark_steps")]
+            if not d[0]:
+                continue
+            ivs = [C.ci_text(mean_ci(x.values()), dg) for x, dg in zip(d, (3, 1, 1), strict=True)]
+            add(f"| {label(c.cell)} | {a} − {b} | " + " | ".join(ivs) + " |")
+    add("")
+
+
+def _diagnostics(add, diag: dict, tab: C.Table) -> None:
+    add("## Where the credit goes (MRTPO runs)")
+    add("")
+    add("Per cell and reward, over the responses MRTPO's runs dumped (every 5 steps, 8 a step): "
+        "*on checker* = share of the reward's relevance q on the tokens its checker reads, "
+        "against those tokens' share of the response; *in free part* = share of q inside "
+        "`<think> … </think>`, against its token share; *w on checker* = mean weight on those "
+        "tokens before the cap (1 = GDPO's); *credit on checker* = their share of the reward's "
+        "token credit after the cap s (1 + s(w − 1)), against GDPO's (their token share). "
+        "*cap s* = mean of the batch cap over MRTPO's steps; *top-80%* = share of tokens holding "
+        "80% of the distance.")  # fmt: skip
+    add("")
+    add("| cell | reward | pairs | on checker (tokens) | in free part (tokens) | w on checker "
+        "| credit on checker, MRTPO vs GDPO | cap s | top-80% |")  # fmt: skip
+    add("|---|---|---|---|---|---|---|---|---|")
+    for cell, d in sorted(diag.items()):
+        for name, v in sorted(d["credit"].items()):
+            kind = name.rsplit("_", 1)[0] if name[-1].isdigit() else name
+            rel = d["relevance"].get(kind, {})
+            top = mean_ci(C.values({cell: tab[cell]}, "mrtpo", f"top80/{name}").values())
+            add(f"| {label(cell)} | {name} | {v['pairs']} | {rel.get('q_share', math.nan):.2f} "
+                f"({rel.get('tok_share', math.nan):.2f}) | {v['free_q']:.2f} ({v['free_t']:.2f})"
+                f" | {v['w']:.2f} | {v['mrtpo']:.3f} vs {v['gdpo']:.3f} | {d['cap_s']:.2f} | "
+                f"{fmt(top, 2)} |")  # fmt: skip
+    add("")
+
+
+def _figures(add, cells: list[CellRuns], figs: Path) -> None:
+    panels = {label(c.cell): {m: list(by_s.values()) for m, by_s in c.runs.items()}
+              for c in cells if c.runs}  # fmt: skip
+    if panels:
+        plot_long_curves(panels, figs / "long_curves.png")
+        add("![learning curves per cell: success and `mark`](figures/long_curves.png)")
+        add("")
+    longest = [c for c in cells if c.cell[1] == max(x.cell[1] for x in cells) and c.relevance]
+    recs = [r for c in longest for r in c.relevance if "mark" in r["q"]]
+    if recs:
+        rec = max(recs, key=lambda r: (len(r["q"]), -r.get("step", 0), len(r["tokens"])))
+        plot_relevance_wrapped(rec, figs / "long_relevance.png", figs / "long_relevance.html")
+        add(f"One long response of an MRTPO run (step {rec.get('step')}, seed "
+            f"{rec.get('seed')}), each token shaded by each replayed reward's relevance q, "
+            "scaled by that reward's largest q ([hover version with q and w]"
+            "(figures/long_relevance.html)):")  # fmt: skip
+        add("")
+        add("![relevance of one long response](figures/long_relevance.png)")
+        add("")
+
+
+def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: Path) -> Path:
+    tab = table(cells, opts.threshold)
+    found = predictions(tab, [*opts.methods, *opts.ablations])
+    lines: list[str] = []
+    add = lines.append
+    add("# The long toy: credit assignment with a free part and a rare few-token reward")
+    add("")
+    add(f"_Generated by `scripts/replicate.py --long{' --full' if opts.full else ''}` on "
+        f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {_provenance(opts)}; do "
+        "not edit by hand._")  # fmt: skip
+    add("")
+    add("The toy replication ([replication.md](replication.md)) finds MRTPO within noise of "
+        "GDPO, but its responses are 4–9 tokens long: there is little to place credit on. Here "
+        "every response opens with a free part the checkers never read, as the paper's "
+        "`<think>` blocks, and the few-token reward `mark` (the closing mark) starts rare, as "
+        "the paper's format reward did. The free part's length is the design axis.")  # fmt: skip
+    add("")
+    _design(add, opts, wall_s)
+    add("## Verdicts, one line per prediction")
+    add("")
+    add("[brackets]: 95% t intervals; n counts (cell, seed) pairs.")
+    add("")
+    for c in found:
+        add(c.line())
+    add("")
+    _starts(add, cells, tab)
+    _figures(add, cells, opts.docs / "figures")
+    _results(add, cells, tab, opts)
+    _diagnostics(add, diagnostics(cells, tab, opts), tab)
+    add("## Reproduce")
+    add("")
+    add("```")
+    add("make replicate ARGS=--long            # quick mode")
+    add("make replicate ARGS='--long --full'   # + K = 2 and 8 at the longest free part, 8 seeds")
+    add("python scripts/replicate.py --long --report-only --logdir <logs/replicate_long/...>")
+    add("```")
+    add("")
+    add(f"Raw runs are under `{os.path.relpath(opts.logdir, opts.docs.parent)}` for this report.")
+    add("")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    return out

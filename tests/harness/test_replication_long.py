@@ -1,0 +1,199 @@
+"""The long toy (``make replicate ARGS=--long``): its cells, warm-start chain and RL jobs, the
+prediction rules on made-up runs, and the whole harness in miniature (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from tests.conftest import ROOT
+
+from mrtpo.analysis.runs import rl_curves
+from mrtpo.config import compose
+from replication import claims as C
+from replication import long as L
+from replication import long_report as R
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("replicate", ROOT / "scripts" / "replicate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _value(job, key: str) -> str | None:
+    vals = [o.split("=", 1)[1] for o in job.overrides if o.startswith(key + "=")]
+    return vals[-1] if vals else None
+
+
+def test_clean_passes_start_from_the_free_part_0_policy_and_noisy_passes_from_their_own(tmp_path):
+    opts = L.LongOptions(cells=list(L.FULL_CELLS), logdir=tmp_path)
+    assert _value(L.sft_job((4, 0), "sft", opts), "model.name_or_path") is None  # random weights
+    for cell, parent in [((4, 20), (4, 0)), ((4, 60), (4, 0)), ((8, 0), (4, 0)), ((8, 60), (8, 0))]:
+        job = L.sft_job(cell, "sft", opts)
+        assert (
+            Path(_value(job, "model.name_or_path"))
+            == L.cell_dir(tmp_path, parent) / "sft" / "policy"
+        )
+    noisy = L.sft_job((4, 60), "sft_noisy", opts)
+    assert (
+        Path(_value(noisy, "model.name_or_path"))
+        == L.cell_dir(tmp_path, (4, 60)) / "sft" / "policy"
+    )
+    waves = L.sft_waves(list(L.FULL_CELLS))
+    assert waves[0] == [((2, 0), "sft"), ((4, 0), "sft")]  # (2, 0) only as (2, 60)'s parent
+    assert ((8, 0), "sft") in waves[1] and ((8, 60), "sft") in waves[2]
+    assert waves[-1] == [(c, "sft_noisy") for c in L.FULL_CELLS]
+
+
+@pytest.mark.parametrize("free", L.FREE)
+def test_rl_job_composes_the_free_part_and_a_budget_that_fits_it(tmp_path, free):
+    opts = L.LongOptions(logdir=tmp_path, steps=7)
+    job = L.rl_job((4, free), "mrtpo@beta=0.25", 1, opts)
+    cfg = compose("train.yaml", job.overrides)
+    assert cfg.task.free_tokens == free and cfg.task.closing_mark and cfg.method.beta == 0.25
+    assert cfg.rollout.sampling.max_new_tokens >= free + 6 + 12
+    assert cfg.trainer.max_steps == 7 and cfg.seed == 1 and job.steps == 7
+    assert Path(cfg.model.name_or_path) == L.warm_start(tmp_path, (4, free))
+    noisy = compose("train.yaml", L.sft_job((4, free), "sft_noisy", opts).overrides)
+    assert noisy.task.mark_success == 0.0 and noisy.stage.sft.target_metric == "reward/mark"
+    assert noisy.stage.sft.eval_max_new_tokens == cfg.rollout.sampling.max_new_tokens
+
+
+def test_replicate_long_flags():
+    rep = _script()
+    quick = rep.parse_args(["--long"])
+    assert isinstance(quick, L.LongOptions) and quick.cells == list(L.QUICK_CELLS)
+    assert quick.seeds == L.QUICK_SEEDS and quick.steps == L.QUICK_STEPS
+    full = rep.parse_args(["--long", "--full", "--seeds=9"])
+    assert full.cells == list(L.FULL_CELLS) and full.seeds == 9 and full.steps is None
+    assert rep.parse_args(["--long", "--cells=2:0,2:5"]).cells == [(2, 0), (2, 5)]
+    with pytest.raises(SystemExit):
+        rep.parse_args(["--cells=4:0"])  # not without --long
+    with pytest.raises(SystemExit):
+        rep.parse_args(["--long", "--cells=4-0"])
+    assert not isinstance(rep.parse_args([]), L.LongOptions)  # the toy replication as before
+    assert L.FULL_SEEDS >= 8
+
+
+def _series(success: list[float], mark: list[float]) -> dict[str, list[float]]:
+    return {"success": success, "mark": mark, "first": [1.0] * len(success)}
+
+
+def _ramp(start: float, rate: float, n: int = 20) -> list[float]:
+    return [min(1.0, start + rate * t) for t in range(n)]
+
+
+def test_predictions_follow_their_rules_on_made_up_runs():
+    """MRTPO's edge over GDPO grows with the free part by construction: P1 and P2 are
+    reproduced; shuffle is GDPO and joint halfway, so P4 is too; one K, so P5 is inconclusive."""
+    tab: C.Table = {}
+    for free in L.FREE:
+        edge = 0.002 * free
+        by_m = {}
+        for m, gain in (
+            ("gdpo", 0),
+            ("mrtpo", edge),
+            ("mrtpo_shuffle", 0),
+            ("mrtpo_joint", edge / 2),
+        ):
+            by_m[m] = {
+                s: R.summarize(
+                    _series(_ramp(0.01 * s, 0.03 + gain), _ramp(0.05, 0.04 + 2 * gain)), 0.5
+                )
+                for s in range(4)
+            }
+        tab[(4, free)] = by_m
+    found = {
+        c.number: c for c in R.predictions(tab, ["gdpo", "mrtpo", "mrtpo_shuffle", "mrtpo_joint"])
+    }
+    assert found[1].verdict == C.REPRODUCED, found[1].statistic
+    assert found[2].verdict == C.REPRODUCED, found[2].statistic
+    assert found[4].verdict == C.REPRODUCED, found[4].statistic
+    assert found[5].verdict == C.INCONCLUSIVE and "full mode" in found[5].why
+    assert found[3].verdict == C.INCONCLUSIVE and "not measured" in found[3].statistic
+    # the mirror image is "not reproduced", not "inconclusive"
+    flipped = {cell: {"gdpo": by_m["mrtpo"], "mrtpo": by_m["gdpo"]} for cell, by_m in tab.items()}
+    assert R.predictions(flipped, ["gdpo", "mrtpo"])[0].verdict == C.NOT_REPRODUCED
+
+
+def test_mark_steps_are_censored_at_the_run_length():
+    never = R.summarize(_series([0.0] * 12, [0.05] * 12), 0.5)
+    assert never["mark_steps"] == 12 and never["mark_reached"] == 0.0
+    soon = R.summarize(_series([0.0] * 12, [0.9] * 12), 0.5)
+    assert soon["mark_steps"] < 12 and soon["mark_reached"] == 1.0
+
+
+def test_free_end_counts_the_tokens_through_the_closing_marker():
+    toks = ["<", "think", ">", " and", " </", "think", ">", " red", "!"]
+    assert R.free_end(toks) == 7
+    assert R.free_end([" red", "!"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.harness
+def test_long_replication_miniature_end_to_end(tmp_path, cache_dir):
+    rep = _script()
+    docs, logs = tmp_path / "docs", tmp_path / "logs"
+    rc = rep.main(
+        [
+            "--long",
+            "--cells=2:0,2:3",
+            "--seeds=2",
+            "--methods=gdpo,mrtpo",
+            "--steps=3",
+            "--sft-max-steps=6",
+            "--sft-override=stage.sft.target_success=0.0",
+            "--sft-override=stage.sft.eval_every=3",
+            "--sft-override=stage.sft.min_steps=0",
+            "--sft-override=stage.sft.eval_prompts=4",
+            f"--sft-override=paths.cache_dir={cache_dir}",
+            "--override=rl.prompts_per_step=2",
+            "--override=rl.group_size=4",
+            "--override=callbacks.relevance_dump.every=1",
+            f"--docs={docs}",
+            f"--logdir={logs}",
+        ]
+    )
+    assert rc == 0
+    for cell in ((2, 0), (2, 3)):
+        for phase in L.SFT_PHASES:
+            sft = json.loads(
+                (L.cell_dir(logs, cell) / phase / "policy" / "mrtpo_sft.json").read_text()
+            )
+            assert sft["steps"] == 3, (cell, phase)
+        noisy = json.loads(
+            (L.cell_dir(logs, cell) / "sft_noisy" / "policy" / "mrtpo_sft.json").read_text()
+        )
+        assert noisy["target_metric"] == "reward/mark"
+        first = set()
+        for method in ("gdpo", "mrtpo"):
+            job = json.loads((L.cell_dir(logs, cell) / method / "s0" / "job.json").read_text())
+            assert job["error"] is None, job["error"]
+            curve = rl_curves(job["csv"])
+            assert len(curve["success"]) == 3 and set(curve) == {"success", "first", "mark"}
+            first.add(curve["mark"][0])
+        assert len(first) == 1  # same warm start, prompts and sampling seed
+    report = (docs / "replication_long.md").read_text()
+    assert re.search(r"runs and report from commit `[0-9a-f]{7,}`", report)
+    assert report.index("## Design and predictions") < report.index("## Verdicts")
+    assert report.index("## Verdicts") < report.index("## Results per cell")
+    for n in range(1, 6):
+        assert re.search(rf"^{n}\. \*\*.+\*\* — \*\*(reproduced|not reproduced|inconclusive)\*\*",
+                         report, re.M), n  # fmt: skip
+    assert (docs / "figures" / "long_curves.png").stat().st_size > 0
+    assert "| K = 2, free 3 | mrtpo | 2 |" in report
+    run = json.loads((logs / "run.json").read_text())
+    assert run["cells"] == [[2, 0], [2, 3]] and not math.isnan(run["seeds"])
+    # the report rebuilt from the log folder alone says the same
+    again = tmp_path / "again"
+    assert rep.main(["--long", "--report-only", f"--logdir={logs}", f"--docs={again}"]) == 0
+    strip = lambda s: re.sub(r"on \d{4}-\d\d-\d\d \d\d:\d\d UTC", "", s)  # noqa: E731
+    assert strip((again / "replication_long.md").read_text()).replace(str(again), "") == strip(
+        report
+    ).replace(str(docs), "")
