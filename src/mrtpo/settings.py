@@ -370,14 +370,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_run(cfg) -> None:
-    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
+def check_seed(cfg) -> None:
+    """``seed``: an integer numpy can take (``int()`` or numpy would fail naming no key)."""
     from omegaconf import OmegaConf
 
     lo, hi = SEED_RANGE
     seed = OmegaConf.select(cfg, "seed", default=0)
     if not (_is_int(seed) and lo <= seed <= hi):
         raise ConfigError(f"seed={seed!r} is not allowed: an integer in [{lo}, {hi}]")
+
+
+def check_run(cfg) -> None:
+    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
+    from omegaconf import OmegaConf
+
+    check_seed(cfg)
     if OmegaConf.select(cfg, "trainer") is None:
         return
     steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
