@@ -77,7 +77,7 @@ def load_records(path: Path) -> tuple[list[dict], list[str]]:
         records = read_jsonl(path)
     except json.JSONDecodeError as exc:
         lines = path.read_text(encoding="utf-8").splitlines()
-        bad = next(i for i, line in enumerate(lines, 1) if line.strip() and not _parses(line))
+        bad = next((i for i, ln in enumerate(lines, 1) if ln.strip() and not _parses(ln)), "?")
         raise ValueError(f"{path}, line {bad}: not valid JSON ({exc.msg})") from exc
     kept, skipped = [], []
     for i, rec in enumerate(records, 1):
@@ -428,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=25,
                    help="without --steps, at most this many evenly spaced steps (default 25)")  # fmt: skip
     a = p.parse_args(argv)
+    if a.max_steps < 1:
+        p.error(f"--max-steps must be >= 1, got {a.max_steps}")
     try:
         path = find_file(a.run)
         records, skipped = load_records(path)
