@@ -74,11 +74,11 @@ def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
     return gen
 
 
-def _save_model(target: torch.nn.Module, folder: Path, state, gen) -> None:
-    """``target.save_pretrained`` with ``gen`` standing in for the model's own generation
-    config, which ``save_pretrained`` validates strictly: a checkpoint's loose one (``top_k``
-    without ``do_sample``, which loading only warns about) would fail the export at the end of
-    a run, although none of its fields are exported."""
+def save_model(target: torch.nn.Module, folder: str | Path, gen, state=None) -> None:
+    """``target.save_pretrained(folder)`` with ``gen`` standing in for the model's own
+    generation config, which ``save_pretrained`` validates strictly: a checkpoint's loose one
+    (``top_k`` without ``do_sample``, which loading only warns about) would fail the export at
+    the end of a run, although none of its fields are exported. The model's own is put back."""
     own = getattr(target, "generation_config", None)
     if own is not None:
         target.generation_config = gen
@@ -150,7 +150,7 @@ def save_policy(
     tmp.mkdir(parents=True)
     try:
         gen = generation_config(model, tokenizer, sampling)
-        _save_model(target, tmp, state, gen)
+        save_model(target, tmp, gen, state)
         tokenizer.save_pretrained(tmp)
         gen.save_pretrained(tmp)
         record = {"lora_merged": is_lora(model), **dict(info or {})}
@@ -231,5 +231,6 @@ __all__ = [
     "hf_model",
     "merged_state_dict",
     "run",
+    "save_model",
     "save_policy",
 ]
