@@ -18,12 +18,14 @@ their reduction over ranks in ``mrtpo.step_metrics``, the collectives in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -32,22 +34,79 @@ import torch
 from mrtpo import step_metrics
 from mrtpo.batch import PromptBatch, ScoredBatch, rewards_tensor
 from mrtpo.checkpointing import NonFiniteStateError, assert_finite_state
-from mrtpo.credit.methods import AdvantageMethod, CreditInputs
+from mrtpo.credit.methods import AdvantageMethod, CreditInputs, MethodServices, StepView
 from mrtpo.distributed import Ranks
 from mrtpo.faults import FaultTracker
 from mrtpo.forward import response_logits, response_logprobs
 from mrtpo.lora import checkpoint_keys, is_lora
 from mrtpo.loss import engine_gap, policy_loss, token_logprobs
-from mrtpo.replay import Replayer
+from mrtpo.replay import Replayer, ReplayResult
 from mrtpo.scoring import score_batch
 from mrtpo.settings import OptimConfig, ReplayConfig, RLConfig
 from mrtpo.sharding import dummy_batch, is_sharded
 from mrtpo.tasks.base import Task
-from mrtpo.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+
+#: The step's random streams (``_step_generator``): a generator seeded ``seed * stream +
+#: iteration`` per stream, so the shuffle ablation's draws and the mini-batch order do not
+#: depend on each other (two primes; changing one changes every run's numbers).
+SHUFFLE_STREAM = 7919
+MINIBATCH_STREAM = 104729
+
+
+@dataclass
+class Relevance:
+    """Step 3's result: replay's output (None when nothing was replayed) and its metrics."""
+
+    result: ReplayResult | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class OldPolicy:
+    """Step 4's result: what the updates compare against (None: not needed this step)."""
+
+    logp: torch.Tensor | None = None  # [N, T] pi_old, when more than one update follows
+    tis: torch.Tensor | None = None  # [N, T] truncated importance weights (rl.tis_cap)
+    ref_logp: torch.Tensor | None = None  # [N, T] the KL reference's (rl.kl_coef > 0)
+    extra: Any = None  # the method's own no-grad inputs (``score_inputs``)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # the engine gap
+
+
+@dataclass
+class _UpdateTotals:
+    """Running totals over one step's updates: ``_update``'s metrics."""
+
+    lr: float
+    losses: list[float] = field(default_factory=list)  # one per update
+    sums: dict[str, float] = field(default_factory=dict)  # token-weighted per-token statistics
+    tokens: float = 0.0
+
+    def add(self, stats: Mapping[str, Any], tokens: float) -> None:
+        self.tokens += tokens
+        for k, v in stats.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v) * tokens
+
+    def metrics(self) -> dict[str, float]:
+        out = {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
+        out["loss"] = sum(self.losses) / max(len(self.losses), 1)
+        out["lr"] = self.lr
+        return out
+
+
+class _Once:
+    """A value computed on first call and kept (pi_old's log-probs, wanted by several users)."""
+
+    def __init__(self, make: Callable[[], torch.Tensor]) -> None:
+        self._make, self._value = make, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
 
 
 def _free_accelerator_memory() -> None:
@@ -93,7 +152,6 @@ class PolicyModule(L.LightningModule):
         # Under LoRA the reference is the base model itself, adapters off: no second copy.
         if self.rl.kl_coef > 0 and not is_lora(policy):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.teacher = None if method.teacher is None else self.frozen_teacher(rcfg.token_budget)
         # Under LoRA a checkpoint holds the adapters only (the frozen base is reloaded from
         # model.name_or_path); None: every tensor.
         self._checkpoint_keys = (
@@ -108,6 +166,7 @@ class PolicyModule(L.LightningModule):
         self.timings: dict[str, float] = {}
         self._absent_as_nan = step_metrics.AbsentAsNaN()
         self._val_rows: list = []
+        method.bind(self.method_services())
 
     @property
     def nonfinite_steps(self) -> int:
@@ -136,80 +195,98 @@ class PolicyModule(L.LightningModule):
     # ---- the step ----------------------------------------------------------------------
     def training_step(self, batch: PromptBatch, batch_idx: int):
         t_step = time.perf_counter()
-        rl, times = self.rl, self.timings
-        micro = int(rl.micro_batch_size)
-
-        # 2. rewards
-        t0 = time.perf_counter()
-        scored = self.score(batch)
-        times["reward"] = time.perf_counter() - t0
-        self.fault_tracker.check_scoring(
-            scored.scores, scored.rollout.examples, self.iteration, self.ranks
-        )
+        with self._timed("reward"):
+            scored = self.score(batch)  # 2
         roll = scored.rollout
+        self.fault_tracker.check_scoring(scored.scores, roll.examples, self.iteration, self.ranks)
         # NaN means "does not apply"; +-inf is a broken reward: skip rather than train on it.
         if self.ranks.any(bool(torch.isinf(scored.rewards).any())):
             return self._skip_nonfinite("rewards", scored)
+        with self._timed("replay"):
+            rel = self.relevance(scored)  # 3
+        with self._timed("old_logp"):
+            old = self.old_policy(roll, rel.result)  # 4
+        scored.old_logp, scored.tis_weights, scored.ref_logp = old.logp, old.tis, old.ref_logp
+        scored.advantages, scored.stats = self.advantages(scored, old.extra)  # 5
+        if self.ranks.any(not bool(torch.isfinite(scored.advantages).all())):
+            return self._skip_nonfinite("advantages", scored)
+        with self._timed("update"):
+            upd = self._update(scored)  # 6
+        if upd is None:
+            return self._skip_nonfinite("loss", scored)
+        self.iteration += 1
+        self.last = scored
+        self.timings["step"] = time.perf_counter() - t_step + self.timings.get("rollout", 0.0)
+        self._log_step(scored, {**upd, **old.rollout_metrics}, rel.metrics)
+        return None
 
-        # 3. replay, before any parameter update of this step. At beta = 0 (e.g. the first
-        # step of a warm-up) relevance cannot change the advantages, so it is skipped.
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        """Time one phase of the step into ``timings`` (logged as ``train/time/<phase>``)."""
         t0 = time.perf_counter()
-        replay_stats: dict[str, float] = {}
-        res = None
-        if self.method.relevance is not None and self.method.beta(self.iteration) > 0:
-            pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_info(scored))
-            res = self._replay(scored, pairs)
-            scored.q, scored.replayed = res.q, res.replayed
-            replay_stats = {f"replay/{k}": v for k, v in res.metrics.items()}
-        times["replay"] = time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            self.timings[phase] = time.perf_counter() - t0
 
-        # 4. old-policy (and reference) log-probs under P0, at the sampling temperature. Where
-        # P_all is the sampling prompt (tasks whose information is in the prompt) replay
-        # already computed them. With a single update per step they equal the current
-        # policy's, so the ratio does not need them; they are still computed whenever the
-        # engine reported its own log-probs, to measure the engine-trainer gap (and, with
-        # rl.tis_cap, to correct for it).
-        t0 = time.perf_counter()
-        n_mini = -(-roll.n // max(1, int(rl.mini_batch_size)))
-        several = int(rl.ppo_epochs) * n_mini > 1
-        if rl.tis_cap is not None and roll.engine_logp is None:
-            raise RuntimeError(
-                f"rl.tis_cap={rl.tis_cap} needs the engine's log-probs of the sampled tokens, "
-                "and the rollout engine reported none; set rl.tis_cap=null or use an engine "
-                "that reports them (rollout=hf, rollout=vllm)"
-            )
-        old = None
+    def _step_generator(self, stream: int) -> torch.Generator:
+        """A generator seeded by the run's seed, this step and one of the step's streams: the
+        same on every rank, and the same again when the step is rerun after a resume."""
+        return torch.Generator().manual_seed(self.seed * stream + self.iteration)
+
+    def relevance(self, scored: ScoredBatch) -> Relevance:
+        """3. Replay, before any parameter update of this step, as the method's request says.
+        At beta = 0 (e.g. the first step of a warm-up) relevance cannot change the
+        advantages, so it is skipped."""
+        if self.method.relevance is None or not self.method.beta(self.iteration) > 0:
+            return Relevance()
+        roll = scored.rollout
+        pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_info(scored))
+        res = self._replay(scored, pairs)
+        scored.q, scored.replayed = res.q, res.replayed
+        return Relevance(res, {f"replay/{k}": v for k, v in res.metrics.items()})
+
+    def old_policy(self, roll, res) -> OldPolicy:
+        """4. What the updates compare against, under P0 at the sampling temperature.
+
+        pi_old's log-probs when more than one update follows (with one they equal the current
+        policy's, so the ratio does not need them), reused from replay's P_all pass where that
+        is the sampling prompt. They are also computed whenever the engine reported its own
+        log-probs, to measure the engine-trainer gap (and, with rl.tis_cap, correct for it).
+        Then the KL reference's, and the method's own no-grad inputs (``score_inputs``).
+        """
+        rl, micro = self.rl, int(self.rl.micro_batch_size)
+        several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
         gap = roll.engine_logp is not None and (
             several or rl.tis_cap is not None or rl.measure_logp_gap
         )
-        if several or gap:
-            old = self._old_logprobs(roll, res, micro)
-        if several:
-            scored.old_logp = old
-        rollout_stats: dict[str, float] = {}
+        if rl.tis_cap is not None and roll.engine_logp is None:  # refused at start-up, unless
+            raise RuntimeError(  # the engine's class claims log-probs it did not deliver
+                f"rl.tis_cap={rl.tis_cap} needs the engine's log-probs of the sampled tokens and "
+                "the engine returned none; set reports_logprobs = False on its class"
+            )
+        logp = _Once(lambda: self._old_logprobs(roll, res, micro))
+        out = OldPolicy(logp=logp() if several else None)
         if gap:
-            rollout_stats, scored.tis_weights = engine_gap(
-                old, roll.engine_logp, roll.response_mask, rl.tis_cap
+            out.rollout_metrics, out.tis = engine_gap(
+                logp(), roll.engine_logp, roll.response_mask, rl.tis_cap
             )
-        if self.rl.kl_coef > 0:
-            scored.ref_logp = self.reference_logprobs(roll, micro)
-        teacher_scores = None
-        if self.method.teacher is not None and self.method.teacher.sampled:
-            student = old if old is not None else self._old_logprobs(roll, res, micro)
-            teacher_scores = self.teacher.score(
-                self.task, roll, student, self.replayer.jsd_chunk, device=self.device
-            )
-        times["old_logp"] = time.perf_counter() - t0
+        if rl.kl_coef > 0:
+            out.ref_logp = self.reference_logprobs(roll, micro)
+        out.extra = self.method.score_inputs(StepView(roll, logp, self.device))
+        return out
 
-        # 5. token advantages. Group ids are local to this rank (0..B-1): a group never spans
-        # ranks. Under DDP the inputs go to this rank's device, which the collective backend
-        # needs (NCCL reduces CUDA tensors only); batch statistics are then global.
+    def advantages(self, scored: ScoredBatch, extra) -> tuple[torch.Tensor, dict[str, float]]:
+        """5. Token advantages [N, T] and the method's statistics. Group ids are local to this
+        rank (0..B-1): a group never spans ranks. Under DDP the inputs go to this rank's
+        device, which the collective backend needs (NCCL reduces CUDA tensors only); batch
+        statistics are then global."""
         dev = self.device if self.ranks.group is not None else torch.device("cpu")
 
         def on_dev(x):
             return x.to(dev) if x is not None else None
 
-        gen = torch.Generator().manual_seed(self.seed * 7919 + self.iteration)
+        roll = scored.rollout
         out = self.method(
             CreditInputs(
                 rewards=on_dev(scored.rewards),
@@ -219,27 +296,11 @@ class PolicyModule(L.LightningModule):
                 q=on_dev(scored.q),
                 replayed=on_dev(scored.replayed),
                 process_group=self.ranks.group,
-                generator=gen,
-                teacher=teacher_scores,
+                generator=self._step_generator(SHUFFLE_STREAM),
+                extra=extra,
             )
         )
-        scored.advantages, scored.stats = out.advantages.cpu(), dict(out.stats)
-        if self.ranks.any(not bool(torch.isfinite(scored.advantages).all())):
-            return self._skip_nonfinite("advantages", scored)
-
-        # 6. updates
-        t0 = time.perf_counter()
-        upd = self._update(scored)
-        times["update"] = time.perf_counter() - t0
-        if upd is None:
-            return self._skip_nonfinite("loss", scored)
-        upd.update(rollout_stats)
-
-        self.iteration += 1
-        self.last = scored
-        times["step"] = time.perf_counter() - t_step + times.get("rollout", 0.0)
-        self._log_step(scored, upd, replay_stats)
-        return None
+        return out.advantages.cpu(), dict(out.stats)
 
     # ---- pieces of the step --------------------------------------------------------------
     def score(self, batch: PromptBatch) -> ScoredBatch:
@@ -353,90 +414,35 @@ class PolicyModule(L.LightningModule):
         raise AssertionError("unreachable")
 
     def _update(self, scored: ScoredBatch) -> dict[str, float] | None:
-        """Clipped-surrogate updates: ``rl.ppo_epochs`` passes over shuffled mini-batches, each
-        one optimizer update accumulated over micro-batches.
+        """6. Clipped-surrogate updates: ``rl.ppo_epochs`` passes over shuffled mini-batches,
+        each one optimizer update accumulated over micro-batches.
 
         Returns the step's update metrics: ``loss`` is the mean over updates of each update's
         (mini-batch) loss; the per-token statistics (``clip_frac``, ``ratio_mean``, ``kl``,
         ...) are means over every valid token of every update. ``lr`` is the learning rate of
         this step's updates; it changes once per RL step (``optim.warmup_steps`` counts RL
-        steps, like ``method.beta_warmup_steps`` and ``trainer.max_steps``).
+        steps, like ``method.beta_warmup_steps`` and ``trainer.max_steps``). None when a loss
+        was not finite (on any rank).
         """
-        rl, roll = self.rl, scored.rollout
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
-        n = roll.n
+        rl, n = self.rl, scored.rollout.n
+        opt, sched = self.optimizers(), self.lr_schedulers()
         # Several ranks: loop over the busiest rank's rows (one collective); a rank out of rows
         # runs idle forward+backward passes so every gradient all-reduce / reduce-scatter has
         # all ranks.
         rows = self.ranks.max(n) if self.ranks.world_size > 1 else n
         mini = max(1, min(int(rl.mini_batch_size), rows))
         micro = max(1, min(int(rl.micro_batch_size), mini))
-        world = self.ranks.world_size
-        tau = roll.temperature
-        g = torch.Generator().manual_seed(self.seed * 104729 + self.iteration)
-        losses: list[float] = []  # one per update
-        sums: dict[str, float] = {}  # token-weighted sums of the per-token statistics
-        tokens = 0.0
-        n_updates = int(rl.ppo_epochs) * ((rows + mini - 1) // mini)
-        lr = float(sched.get_last_lr()[0])
-        u = 0
+        g = self._step_generator(MINIBATCH_STREAM)
+        acc = _UpdateTotals(lr=float(sched.get_last_lr()[0]))
+        n_updates, u = int(rl.ppo_epochs) * ((rows + mini - 1) // mini), 0
         for _ in range(int(rl.ppo_epochs)):
             perm = torch.randperm(n, generator=g)
             for s in range(0, rows, mini):
                 u += 1
-                mb = perm[s : s + mini]
-                if rl.loss_agg == "token-mean":
-                    local = roll.response_mask[mb].sum().float()
-                else:
-                    local = torch.tensor(float(len(mb)))
-                # Normalize by the global mini-batch; DDP averages gradients over ranks.
-                denom = (
-                    float(self.ranks.all_reduce_sum(local.to(self.device)).clamp_min(1.0)) / world
-                )
-                opt.zero_grad(set_to_none=True)
-                update_loss = 0.0
-                for ms in range(0, min(mini, rows - s), micro):
-                    idx = mb[ms : ms + micro]
-                    if len(idx) == 0:  # out of rows (several ranks): an idle pass, loss 0
-                        if not self._idle_backward(tau):
-                            opt.zero_grad(set_to_none=True)
-                            return None
-                        continue
-                    sub = roll.select(idx)
-                    logp, logits = self._policy_logprobs(sub, tau)
-                    dev = logp.device
-                    loss, st = policy_loss(
-                        logp,
-                        # one update per step: the sampling policy is the current one
-                        logp.detach() if scored.old_logp is None else scored.old_logp[idx].to(dev),
-                        scored.advantages[idx].to(dev),
-                        sub.response_mask.to(dev),
-                        rl.clip_low,
-                        rl.clip_high,
-                        rl.loss_agg,
-                        denom,
-                        scored.ref_logp[idx].to(dev) if scored.ref_logp is not None else None,
-                        rl.kl_coef,
-                        scored.tis_weights[idx].to(dev) if scored.tis_weights is not None else None,
-                    )
-                    if logits is not None:  # the method's own term (method.teacher.full)
-                        extra, extra_st = self._token_loss(logits, sub, tau, rl.loss_agg, denom)
-                        loss, st = loss + extra, {**st, **extra_st}
-                    del logits
-                    # Decided jointly: a rank that skipped backward would leave the others
-                    # waiting in DDP's gradient all-reduce.
-                    if self.ranks.any(not bool(torch.isfinite(loss))):
-                        opt.zero_grad(set_to_none=True)
-                        return None
-                    self.manual_backward(loss)
-                    # micro-batch losses share the mini-batch's normalizer: they add up to it
-                    update_loss += float(loss.detach())
-                    w = float(sub.response_mask.sum())
-                    tokens += w
-                    for k, v in st.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * w
-                losses.append(update_loss)
+                if not self._accumulate(
+                    scored, perm[s : s + mini], min(mini, rows - s), micro, acc
+                ):
+                    return None
                 if rl.max_grad_norm:
                     self.clip_gradients(
                         opt, gradient_clip_val=rl.max_grad_norm, gradient_clip_algorithm="norm"
@@ -446,10 +452,74 @@ class PolicyModule(L.LightningModule):
                 # DDP every rank holds the same values, so every rank raises alike.
                 self._assert_finite(opt)
         sched.step()  # once per RL step: the warm-up counts RL steps
-        out = {k: v / max(tokens, 1.0) for k, v in sums.items()}
-        out["loss"] = sum(losses) / max(len(losses), 1)
-        out["lr"] = lr
-        return out
+        return acc.metrics()
+
+    def _accumulate(self, scored, mb, width: int, micro: int, acc: _UpdateTotals) -> bool:
+        """One optimizer update's gradients: micro-batches of ``mb`` (``width`` rows on the
+        busiest rank), backward each. False when a loss was not finite on some rank."""
+        opt = self.optimizers()
+        denom = self._normalizer(scored.rollout, mb)
+        opt.zero_grad(set_to_none=True)
+        update_loss = 0.0
+        for ms in range(0, width, micro):
+            idx = mb[ms : ms + micro]
+            if len(idx) == 0:  # out of rows (several ranks): an idle pass, loss 0
+                if not self._idle_backward(scored.rollout.temperature):
+                    opt.zero_grad(set_to_none=True)
+                    return False
+                continue
+            loss, stats, tokens = self._micro_loss(scored, idx, denom)
+            # Decided jointly: a rank that skipped backward would leave the others waiting in
+            # DDP's gradient all-reduce.
+            if self.ranks.any(not bool(torch.isfinite(loss))):
+                opt.zero_grad(set_to_none=True)
+                return False
+            self.manual_backward(loss)
+            # micro-batch losses share the mini-batch's normalizer: they add up to it
+            update_loss += float(loss.detach())
+            acc.add(stats, tokens)
+        acc.losses.append(update_loss)
+        return True
+
+    def _normalizer(self, roll, mb) -> float:
+        """The loss normalizer of the global mini-batch (tokens, or responses for
+        seq-mean-token-mean), per rank: DDP averages gradients over ranks."""
+        if self.rl.loss_agg == "token-mean":
+            local = roll.response_mask[mb].sum().float()
+        else:
+            local = torch.tensor(float(len(mb)))
+        total = self.ranks.all_reduce_sum(local.to(self.device)).clamp_min(1.0)
+        return float(total) / self.ranks.world_size
+
+    def _micro_loss(self, scored: ScoredBatch, idx, denom: float):
+        """(loss, per-token statistics, valid tokens) of one micro-batch: the surrogate, plus
+        the method's own term (``token_loss``) where it has one."""
+        rl, sub = self.rl, scored.rollout.select(idx)
+        tau = sub.temperature
+        logp, logits = self._policy_logprobs(sub, tau)
+        dev = logp.device
+
+        def rows(x):
+            return None if x is None else x[idx].to(dev)
+
+        loss, stats = policy_loss(
+            logp=logp,
+            # one update per step: the sampling policy is the current one
+            old_logp=logp.detach() if scored.old_logp is None else rows(scored.old_logp),
+            advantages=rows(scored.advantages),
+            mask=sub.response_mask.to(dev),
+            clip_low=rl.clip_low,
+            clip_high=rl.clip_high,
+            agg=rl.loss_agg,
+            denom=denom,
+            ref_logp=rows(scored.ref_logp),
+            kl_coef=rl.kl_coef,
+            tis_weights=rows(scored.tis_weights),
+        )
+        extra = self.method.token_loss(logits, sub, tau, rl.loss_agg, denom, device=self.device)
+        if extra is not None:
+            loss, stats = loss + extra[0], {**stats, **extra[1]}
+        return loss, stats, float(sub.response_mask.sum())
 
     # ---- lockstep over ranks (trainer=fsdp, trainer=ddp) ---------------------------------
     # Every forward of a sharded policy all-gathers its weights and every backward
@@ -510,26 +580,40 @@ class PolicyModule(L.LightningModule):
         finally:
             opt._on_before_step, opt._on_after_step = before, after
 
-    # ---- a method's frozen teacher ---------------------------------------------------------
-    def frozen_teacher(self, token_budget: int) -> Teacher:
-        """A frozen teacher holding the policy's weights as they are now (the initial ones when
-        the module is built): the KL reference where there is one, the base with adapters off
-        under LoRA, else a copy kept outside the module (not checkpointed: it is
-        model.name_or_path's weights)."""
-        frozen = self.ref_policy
-        if frozen is None and not is_lora(self.policy):
-            frozen = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        return Teacher(
-            frozen if frozen is not None else self.policy,
-            self.tokenizer,
-            adapters_off=frozen is None,
-            token_budget=token_budget,
+    # ---- what a method may use -------------------------------------------------------------
+    def method_services(self) -> MethodServices:
+        """What ``AdvantageMethod.bind`` lends a method: the task, the tokenizer, replay's
+        forward sizes and a frozen copy of the policy as it is now (the initial weights when
+        the module is built), made on first use."""
+        made: list[tuple[torch.nn.Module, bool]] = []
+
+        def frozen_policy() -> tuple[torch.nn.Module, bool]:
+            if not made:
+                made.append(self._frozen_policy())
+            return made[0]
+
+        return MethodServices(
+            task=self.task,
+            tokenizer=self.tokenizer,
+            frozen_policy=frozen_policy,
+            token_budget=int(self.replayer.token_budget),
+            chunk=int(self.replayer.jsd_chunk),
         )
 
+    def _frozen_policy(self) -> tuple[torch.nn.Module, bool]:
+        """(frozen model, adapters_off): the KL reference where there is one, the policy itself
+        with adapters off under LoRA, else a copy kept outside the module (not checkpointed:
+        it is model.name_or_path's weights)."""
+        if self.ref_policy is not None:
+            return self.ref_policy, False
+        if is_lora(self.policy):
+            return self.policy, True
+        return copy.deepcopy(self.policy).eval().requires_grad_(False), False
+
     def _policy_logprobs(self, sub, tau: float):
-        """(log-probs of the sampled tokens [n, T], the logits [n, T, V] when the method adds
-        a token loss over them, else None), with gradient."""
-        if self.method.teacher is None or not self.method.teacher.full:
+        """(log-probs of the sampled tokens [n, T], the logits [n, T, V] when the method's
+        token loss reads them, else None), with gradient."""
+        if not self.method.wants_logits:
             logp = response_logprobs(
                 self.policy,
                 sub.prompt_ids,
@@ -545,15 +629,6 @@ class PolicyModule(L.LightningModule):
         ids = sub.response_ids.to(logits.device)
         logp = token_logprobs(logits, ids, temperature=tau) * sub.response_mask.to(logits.device)
         return logp, logits
-
-    def _token_loss(self, logits, sub, tau: float, agg: str, denom: float):
-        """The method's loss term on one micro-batch, against the frozen teacher's
-        distributions (rows without a teacher context are left out)."""
-        teacher_logits, rows = self.teacher.logits(self.task, sub, device=self.device)
-        mask = sub.response_mask.to(logits.device) & rows.to(logits.device)[:, None]
-        return self.method.token_loss(
-            logits, teacher_logits, sub.response_ids, mask, tau, agg, denom
-        )
 
     # ---- faults ------------------------------------------------------------------------
     def _skip_nonfinite(self, what: str, scored: ScoredBatch | None = None):

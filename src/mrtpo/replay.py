@@ -173,93 +173,102 @@ class Replayer:
         """
         if not isinstance(request, RelevanceRequest):
             request = RelevanceRequest(contexts=str(request))
-        mode, score = request.contexts, request.score
         roll = batch.rollout
         n, t = roll.response_ids.shape
-        kq = pairs.shape[1]
         device = next(model.parameters()).device
-        q = torch.zeros((n, kq, t), dtype=torch.float32, device=device)
-        logp = torch.zeros((n, t), dtype=torch.float32, device=device)
-        replayed = torch.zeros_like(pairs, dtype=torch.bool)
-        jobs_by_resp = self.plan(task, batch, pairs, mode)
-        logp_rows = torch.zeros(n, dtype=torch.bool)
+        jobs_by_resp = self.plan(task, batch, pairs, request.contexts)
+        out = ReplayResult(
+            q=torch.zeros((n, pairs.shape[1], t), dtype=torch.float32, device=device),
+            replayed=torch.zeros_like(pairs, dtype=torch.bool),
+            logp=torch.zeros((n, t), dtype=torch.float32, device=device),
+            logp_rows=torch.zeros(n, dtype=torch.bool),
+        )
         for j, jobs in jobs_by_resp.items():
             p0 = roll.prompt_ids[j][roll.prompt_mask[j]].tolist()
-            logp_rows[j] = jobs[0].ids == p0
-        # Sharded (trainer=fsdp): the decoder and head cannot be called apart from the root
-        # module, whose forward gathers their weights, and every rank must run as many
-        # forwards: one root forward per micro-batch (the logits path, no prefix sharing),
-        # padded to the busiest rank's count, agreed before the first. Under DDP forwards are
-        # local: the same count is agreed after them (an out-of-memory retry stays local).
-        # A rank that replays nothing still runs them.
-        ranks = Ranks(lambda: device)
-        sharded = is_sharded(model)
-        split = None if sharded else split_head(model)
-        tau = roll.temperature
-
-        low_precision = _low_precision(model, device)
+            out.logp_rows[j] = jobs[0].ids == p0
         was_training = model.training
         model.eval()
-        forwards = tokens = computed = shared = 0
         try:
-            chunks = self._pack(jobs_by_resp, roll.response_mask)
-            idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0
-            calls = 0  # decoder calls (two for a micro-batch that shares its prefix)
-            for chunk in chunks:
-                states, head, cost, was_shared = self._forward(
-                    model, split, chunk, roll.response_ids, roll.response_mask
-                )
-                shared += was_shared
-                if was_shared and low_precision:
-                    # the cached prefix splits the attention sums differently from the plain
-                    # pass: in bf16 the log-probs move by up to ~1e-2 nats, too far to stand in
-                    # for pi_old, so these rows get their own plain forward
-                    logp_rows[[job.response for job in chunk]] = False
-                calls += 2 if was_shared else 1
-                forwards += len(chunk)
-                tokens += sum(
-                    len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
-                )
-                computed += cost
-                self._score(
-                    chunk, states, head, roll, batch.reward_names, mode, q, logp, score, tau
-                )
-                for job in chunk:
-                    if job.key != ALL:
-                        k = 0 if mode == "joint" else batch.reward_names.index(job.key)
-                        replayed[job.response, k] = True
-            if ranks.world_size > 1 and not sharded:
-                idle = ranks.max(calls) - calls
-            for _ in range(idle):  # discarded: only keeps this rank in step
-                response_logits(model, *dummy_batch(self.tokenizer.pad_token_id))
+            self._run_chunks(model, batch, jobs_by_resp, request, out)
         finally:
             model.train(was_training)
-        stats = {"tokens_computed": float(computed), "shared_prefix_batches": float(shared)}
-        q = q.cpu()
-        # What the trainer logs under train/replay/: the share of candidate pairs replayed
-        # (present (response, reward) pairs, or responses for joint contexts), the work done,
-        # and how concentrated each reward's relevance is.
-        present = int((~batch.rewards.isnan()).sum()) if mode == "per_reward" else n
+        out.q, out.logp = out.q.cpu(), out.logp.cpu()
+        out.metrics = self._metrics(batch, out, request)
+        return out
+
+    def _run_chunks(self, model, batch: ScoredBatch, jobs_by_resp, request, out: ReplayResult):
+        """The forwards and scores of every micro-batch, into ``out``.
+
+        Sharded (trainer=fsdp): the decoder and head cannot be called apart from the root
+        module, whose forward gathers their weights, and every rank must run as many forwards:
+        one root forward per micro-batch (the logits path, no prefix sharing), padded to the
+        busiest rank's count, agreed before the first. Under DDP forwards are local: the same
+        count is agreed after them (an out-of-memory retry stays local). A rank that replays
+        nothing still runs them.
+        """
+        roll, mode, names = batch.rollout, request.contexts, batch.reward_names
+        device = next(model.parameters()).device
+        ranks, sharded = Ranks(lambda: device), is_sharded(model)
+        split = None if sharded else split_head(model)
+        low_precision = _low_precision(model, device)
+        chunks = self._pack(jobs_by_resp, roll.response_mask)
+        idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0
+        calls = computed = shared = 0  # decoder calls: two for a micro-batch sharing its prefix
+        for chunk in chunks:
+            states, head, cost, was_shared = self._forward(
+                model, split, chunk, roll.response_ids, roll.response_mask
+            )
+            if was_shared and low_precision:
+                # the cached prefix splits the attention sums differently from the plain pass:
+                # in bf16 the log-probs move by up to ~1e-2 nats, too far to stand in for
+                # pi_old, so these rows get their own plain forward
+                out.logp_rows[[job.response for job in chunk]] = False
+            shared, calls, computed = shared + was_shared, calls + 1 + was_shared, computed + cost
+            out.forwards += len(chunk)
+            out.tokens += sum(
+                len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
+            )
+            self._score(
+                chunk,
+                states,
+                head,
+                roll,
+                names,
+                mode,
+                out.q,
+                out.logp,
+                request.score,
+                roll.temperature,
+            )
+            for job in chunk:
+                if job.key != ALL:
+                    out.replayed[job.response, 0 if mode == "joint" else names.index(job.key)] = (
+                        True
+                    )
+        if ranks.world_size > 1 and not sharded:
+            idle = ranks.max(calls) - calls
+        for _ in range(idle):  # discarded: only keeps this rank in step
+            response_logits(model, *dummy_batch(self.tokenizer.pad_token_id))
+        out.stats = {"tokens_computed": float(computed), "shared_prefix_batches": float(shared)}
+
+    @staticmethod
+    def _metrics(batch: ScoredBatch, out: ReplayResult, request) -> dict[str, float]:
+        """What the trainer logs under train/replay/: the share of candidate pairs replayed
+        (present (response, reward) pairs, or responses for joint contexts), the work done,
+        and how concentrated each reward's relevance is."""
+        per_reward = request.contexts == "per_reward"
+        present = int((~batch.rewards.isnan()).sum()) if per_reward else out.q.shape[0]
         metrics = {
-            "share": float(replayed.sum()) / max(present, 1),
-            "forwards": float(forwards),
-            "tokens": float(tokens),
+            "share": float(out.replayed.sum()) / max(present, 1),
+            "forwards": float(out.forwards),
+            "tokens": float(out.tokens),
         }
-        if mode == "per_reward" and score == "jsd":
-            shares = mass_share(q, roll.response_mask, replayed, 0.8)
+        if per_reward and request.score == "jsd":
+            shares = mass_share(out.q, batch.rollout.response_mask, out.replayed, 0.8)
             for k, name in enumerate(batch.reward_names):
                 if not math.isnan(shares[k]):
                     metrics[f"top80_token_share/{name}"] = shares[k]
-        return ReplayResult(
-            q=q,
-            replayed=replayed,
-            forwards=forwards,
-            tokens=tokens,
-            stats=stats,
-            logp=logp.cpu(),
-            logp_rows=logp_rows,
-            metrics=metrics,
-        )
+        return metrics
 
     # -- packing ------------------------------------------------------------------------
     def _pack(self, jobs_by_resp: dict[int, list[_Job]], mask: Tensor) -> list[list[_Job]]:

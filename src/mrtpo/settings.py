@@ -370,21 +370,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_seed(cfg) -> None:
-    """``seed``: an integer numpy can take (``int()`` or numpy would fail naming no key)."""
+def check_run(cfg) -> None:
+    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
     from omegaconf import OmegaConf
 
     lo, hi = SEED_RANGE
     seed = OmegaConf.select(cfg, "seed", default=0)
     if not (_is_int(seed) and lo <= seed <= hi):
         raise ConfigError(f"seed={seed!r} is not allowed: an integer in [{lo}, {hi}]")
-
-
-def check_run(cfg) -> None:
-    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
-    from omegaconf import OmegaConf
-
-    check_seed(cfg)
     if OmegaConf.select(cfg, "trainer") is None:
         return
     steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
@@ -442,6 +435,24 @@ def validate(cfg) -> None:
             section(cfg, name)
     check_run(cfg)
     check_finite(cfg)
+    check_engine(cfg)
+
+
+def check_engine(cfg) -> None:
+    """``rl.tis_cap`` needs an engine that reports the sampled tokens' log-probs (one whose
+    class does not say ``reports_logprobs = False``)."""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    cap = OmegaConf.select(cfg, "rl.tis_cap")
+    target = OmegaConf.select(cfg, "rollout.engine._target_")
+    if cap is None or target is None or getattr(get_class(str(target)), "reports_logprobs", True):
+        return
+    raise ConfigError(
+        f"rl.tis_cap={cap} needs the engine's log-probs of the sampled tokens, and "
+        f"rollout.engine._target_={target} reports none; set rl.tis_cap=null or use an engine "
+        "that reports them (rollout=hf, rollout=vllm)"
+    )
 
 
 def check_overrides(argv: Sequence[str]) -> None:

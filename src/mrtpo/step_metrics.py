@@ -34,23 +34,8 @@ def assemble(
     scoring_errors: float,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(metrics, weights) of this rank's share of the step."""
-    roll, r = scored.rollout, scored.rewards
-    m: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for k, name in enumerate(scored.reward_names):
-        col = r[:, k]
-        col = col[~col.isnan()]
-        weights[f"reward/{name}/mean"] = float(col.numel())
-        if col.numel():
-            m[f"reward/{name}/mean"] = float(col.mean())
-    m["reward/total/mean"] = float(r.nan_to_num(0.0).sum(-1).mean())
-    if success_check:
-        succ = [s.checks.get(success_check) for s in scored.scores]
-        succ = [float(x) for x in succ if x is not None]
-        weights["success"] = float(len(succ))
-        if succ:
-            m["success"] = sum(succ) / len(succ)
-    mask = roll.response_mask
+    m, weights = _rewards(scored, success_check)
+    mask = scored.rollout.response_mask
     a = scored.advantages[mask]
     if a.numel():
         m.update(
@@ -69,20 +54,48 @@ def assemble(
     lengths = mask.sum(-1).float()
     m["response_len/mean"] = float(lengths.mean())
     m["response_len/max"] = float(lengths.max())
-    m["finished_frac"] = float(roll.finished.float().mean())
+    m["finished_frac"] = float(scored.rollout.finished.float().mean())
     m["scoring_errors"] = float(scoring_errors)
     m["beta"] = float(beta)
-    for k in STAGE_TIMES:
-        if k in timings:
-            m[f"time/{k}"] = float(timings[k])
-    step_t = float(timings.get("step", 0.0))
-    if step_t > 0:
-        m["time/replay_share"] = float(timings.get("replay", 0.0)) / step_t
-        m["tokens_per_s"] = float(lengths.sum()) / step_t
+    m.update(_times(timings, float(lengths.sum())))
     m["iteration"] = float(iteration)
     m.update({k: float(v) for k, v in faults.items()})
     m["nonfinite_skips"] = float(nonfinite_skips)
     return m, weights
+
+
+def _rewards(
+    scored: ScoredBatch, success_check: str | None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each reward's mean over the responses it applies to, the summed reward, the success
+    rate; with the counts they are means over (the weights of the rank reduction)."""
+    r = scored.rewards
+    m: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for k, name in enumerate(scored.reward_names):
+        col = r[:, k]
+        col = col[~col.isnan()]
+        weights[f"reward/{name}/mean"] = float(col.numel())
+        if col.numel():
+            m[f"reward/{name}/mean"] = float(col.mean())
+    m["reward/total/mean"] = float(r.nan_to_num(0.0).sum(-1).mean())
+    if success_check:
+        succ = [s.checks.get(success_check) for s in scored.scores]
+        succ = [float(x) for x in succ if x is not None]
+        weights["success"] = float(len(succ))
+        if succ:
+            m["success"] = sum(succ) / len(succ)
+    return m, weights
+
+
+def _times(timings: Mapping[str, float], tokens: float) -> dict[str, float]:
+    """Each stage's seconds, replay's share of the step and the sampled tokens per second."""
+    m = {f"time/{k}": float(timings[k]) for k in STAGE_TIMES if k in timings}
+    step_t = float(timings.get("step", 0.0))
+    if step_t > 0:
+        m["time/replay_share"] = float(timings.get("replay", 0.0)) / step_t
+        m["tokens_per_s"] = tokens / step_t
+    return m
 
 
 def combine(

@@ -4,7 +4,8 @@ This is the architecture's promise: each pluggable piece is one class behind one
 plus a config node naming its ``_target_``. The toy method asks replay for its own kind of
 relevance (the sampled token's log-likelihood difference on joint contexts); the task keeps its
 information in the prompt; the engine implements only the two required methods; the stage
-wraps RL and freezes the LM head.
+wraps RL and freezes the LM head. A second method distils from a frozen teacher, as OPSD
+does, through the two generic hooks alone (no-grad inputs before the update, a token-loss term).
 """
 
 from __future__ import annotations
@@ -16,14 +17,24 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from mrtpo.credit.advantages import grpo_advantages, replay_mask
-from mrtpo.credit.methods import AdvantageMethod, CreditInputs, CreditOutput, RelevanceRequest
+from mrtpo.credit.methods import (
+    AdvantageMethod,
+    CreditInputs,
+    CreditOutput,
+    MethodServices,
+    RelevanceRequest,
+    StepView,
+)
+from mrtpo.forward import pad_left, response_logits, response_logprobs
+from mrtpo.loss import aggregate
 from mrtpo.pipeline import build
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
+from mrtpo.rollout.build import chat_ids
 from mrtpo.stages import RLStage
 from mrtpo.tasks.base import Contexts, Example, Score, Task
 
 HERE = __name__  # the instance pytest imported, so SEEN is shared
-SEEN: dict[str, list] = {"q": [], "prompts": [], "syncs": []}
+SEEN: dict[str, list] = {"q": [], "prompts": [], "syncs": [], "bound": [], "extra": [], "loss": []}
 
 
 class SignedRelevanceMethod(AdvantageMethod):
@@ -47,6 +58,56 @@ class SignedRelevanceMethod(AdvantageMethod):
             scale = 1.0 + torch.tanh(inputs.q[:, 0])
         tok = adv[:, None] * scale * inputs.mask
         return CreditOutput(tok, {"scale_mean": float(scale[inputs.mask].mean())})
+
+
+class HintedTeacherMethod(AdvantageMethod):
+    """Self-distillation in the manner of OPSD: GRPO's advantage plus coef x KL(student ||
+    teacher) per token, the teacher being the frozen initial policy reading a hint first."""
+
+    config_name = "hinted_teacher"
+    wants_logits = True
+    HINT = {"role": "system", "content": "Answer in one short word."}
+
+    def __init__(self, coef: float = 0.5) -> None:
+        self.coef = coef
+
+    def bind(self, services: MethodServices) -> None:
+        self.teacher, adapters_off = services.frozen_policy()
+        self.tokenizer = services.tokenizer
+        SEEN["bound"].append((self.teacher, adapters_off))
+
+    def _context(self, batch):
+        ctx = [chat_ids(self.tokenizer, [self.HINT, *e.messages]) for e in batch.examples]
+        return pad_left(ctx, self.tokenizer.pad_token_id)
+
+    def score_inputs(self, view: StepView):
+        """Before the update: the teacher's log-prob of each sampled token (no grad)."""
+        roll = view.rollout
+        with torch.no_grad():
+            t = response_logprobs(
+                self.teacher, *self._context(roll), roll.response_ids, roll.response_mask
+            )
+        return t - view.student_logp()
+
+    def token_loss(self, logits, batch, temperature, agg, denom, device=None):
+        with torch.no_grad():
+            t_logits = response_logits(
+                self.teacher, *self._context(batch), batch.response_ids, batch.response_mask
+            )
+        s_lp = torch.log_softmax(logits.float() / temperature, -1)
+        t_lp = torch.log_softmax(t_logits.float() / temperature, -1)
+        kl = (s_lp.exp() * (s_lp - t_lp)).sum(-1)
+        mask = batch.response_mask.to(kl.device)
+        SEEN["loss"].append((tuple(logits.shape), logits.requires_grad))
+        return self.coef * aggregate(kl, mask, agg, denom), {
+            "distill_kl": float(kl.detach()[mask].mean())
+        }
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        SEEN["extra"].append(inputs.extra)
+        k = inputs.rewards.shape[1]
+        adv = grpo_advantages(inputs.rewards, inputs.group, torch.ones(k), 1e-4)
+        return CreditOutput(adv[:, None] * inputs.mask, {})
 
 
 class LengthRulesTask(Task):
@@ -144,3 +205,41 @@ def test_new_method_task_engine_and_stage_train_without_touching_src(train_cfg, 
         rows = list(csv.DictReader(f))
     assert {"train/reward/even/mean", "train/reward/short/mean", "train/success"} <= set(rows[0])
     assert float(rows[-1]["train/replay/share"]) > 0
+
+
+def test_a_teacher_distilling_method_plugs_in_through_the_hooks(train_cfg, tmp_path):
+    for v in SEEN.values():
+        v.clear()
+    cfg = train_cfg(
+        f"paths.output_dir={tmp_path}/run",
+        "callbacks.model_checkpoint=null",
+        "rl.micro_batch_size=2",
+    )
+    with open_dict(cfg):
+        cfg.method = OmegaConf.create({"_target_": f"{HERE}.HintedTeacherMethod", "coef": 0.5})
+    trainer, module, dm = build(cfg)
+    # bound once, with a frozen copy of the initial policy (not the policy itself)
+    assert len(SEEN["bound"]) == 1
+    teacher, adapters_off = SEEN["bound"][0]
+    assert teacher is not module.policy and not adapters_off
+    assert not any(p.requires_grad for p in teacher.parameters())
+    start = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    trainer.fit(module, datamodule=dm)
+
+    assert trainer.global_step == 2
+    # the no-grad inputs arrived with the advantages, one [N, T] tensor per step; the teacher
+    # reads a hint the student does not, so they are not all zero
+    assert len(SEEN["extra"]) == 2
+    n, t = module.last.rollout.response_ids.shape
+    assert all(e.shape == (n, t) for e in SEEN["extra"])
+    assert bool((SEEN["extra"][0] != 0).any())
+    # the token loss saw the policy's logits, with gradient, in every micro-batch
+    assert len(SEEN["loss"]) == 2 * (-(-n // 2))
+    assert all(shape[0] <= 2 and shape[-1] > 100 and grad for shape, grad in SEEN["loss"])
+    # the student trained; the teacher kept the initial weights and is not checkpointed
+    assert any(not torch.equal(v, start[k]) for k, v in module.policy.state_dict().items())
+    assert all(torch.equal(v, start[k]) for k, v in teacher.state_dict().items())
+    assert not any(k.startswith("method") for k in module.state_dict())
+    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(r["train/distill_kl"]) > 0 for r in rows)

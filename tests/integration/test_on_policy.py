@@ -20,6 +20,7 @@ import torch
 from scipy.spatial.distance import jensenshannon
 from tests.integration.test_replay import BlockTask
 
+import mrtpo.models as models_mod
 import mrtpo.module as module_mod
 from mrtpo.batch import ScoredBatch, rewards_tensor
 from mrtpo.forward import response_logits, response_logprobs
@@ -305,6 +306,8 @@ class OffsetEngine(HFEngine):
 class SilentEngine(HFEngine):
     """The HF engine without its log-probs: what the trainer did before it had them."""
 
+    reports_logprobs = False
+
     def generate(self, prompts, n, sampling, seed):
         gens = super().generate(prompts, n, sampling, seed)
         for g in gens:
@@ -353,15 +356,20 @@ def test_with_tis_off_losses_are_bit_identical_to_a_run_without_engine_logprobs(
         assert torch.equal(a[k], b[k]), k
 
 
-def test_tis_needs_an_engine_that_reports_logprobs(train_cfg):
+def test_tis_needs_an_engine_that_reports_logprobs(train_cfg, monkeypatch):
     cfg = train_cfg(
         "method=gdpo",
         "rollout.engine._target_=tests.integration.test_on_policy.SilentEngine",
         "rl.tis_cap=2.0",
         "trainer.max_steps=1",
     )
-    with pytest.raises(RuntimeError, match=r"rl\.tis_cap"):
-        _fit(cfg)
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before rl.tis_cap was checked")
+
+    monkeypatch.setattr(models_mod, "load_policy", refuse)
+    with pytest.raises(ConfigError, match=r"rl\.tis_cap=2\.0 .*SilentEngine reports none"):
+        build(cfg)
 
 
 # ---- bad input fails at start-up, naming the key --------------------------------------------

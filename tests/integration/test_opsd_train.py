@@ -55,7 +55,7 @@ def test_two_training_steps(train_cfg, variant):
     # the student trained; the teacher (the initial weights) did not
     after = module.policy.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    teacher = module.teacher.model.state_dict()
+    teacher = module.method.frozen.model.state_dict()
     assert all(torch.equal(before[k], teacher[k].cpu()) for k in before)
     assert not any(k.startswith("teacher") for k in module.state_dict())  # not checkpointed
 
@@ -96,7 +96,7 @@ def test_teacher_scores_equal_an_unpadded_forward(tiny):
                 rewards=torch.zeros(roll.n, 1),
                 group=roll.group,
                 mask=roll.response_mask,
-                teacher=got,
+                extra=got,
             )
         ).advantages.shape
         == roll.response_ids.shape
@@ -124,7 +124,7 @@ def test_updates_move_the_student_toward_the_teacher(train_cfg, variant):
             logits = response_logits(
                 policy, roll.prompt_ids, roll.prompt_mask, roll.response_ids, mask
             )
-            t_logits, _ = module.teacher.logits(task, roll)
+            t_logits, _ = module.method.frozen.logits(task, roll)
             div, t_y, s_y, _ = generalized_jsd_chunked(
                 logits, t_logits, mask, roll.response_ids, beta=0.5
             )
@@ -139,13 +139,13 @@ def test_updates_move_the_student_toward_the_teacher(train_cfg, variant):
         opt.zero_grad(set_to_none=True)
         if variant == "full":
             logp, logits = module._policy_logprobs(roll, 1.0)
-            loss, _ = module._token_loss(logits, roll, 1.0, "token-mean", tokens)
+            loss, _ = module.method.token_loss(logits, roll, 1.0, "token-mean", tokens)
         else:
             old = module._logprobs(policy, roll, micro=8)
-            scores = module.teacher.score(task, roll, old)
+            scores = module.method.frozen.score(task, roll, old)
             adv = module.method(
                 CreditInputs(
-                    rewards=torch.zeros(roll.n, 1), group=roll.group, mask=mask, teacher=scores
+                    rewards=torch.zeros(roll.n, 1), group=roll.group, mask=mask, extra=scores
                 )
             ).advantages
             logp, logits = module._policy_logprobs(roll, 1.0)
@@ -189,8 +189,8 @@ def test_under_lora_the_teacher_is_the_base_with_adapters_off(train_cfg, variant
 
     cfg = train_cfg(*OPSD_SMALL, f"method.variant={variant}", "model.lora.r=4", "optim.lr=0.02")
     trainer, module, dm = build(cfg)
-    assert is_lora(module.policy) and module.teacher.model is module.policy
-    assert module.teacher.adapters_off
+    assert is_lora(module.policy) and module.method.frozen.model is module.policy
+    assert module.method.frozen.adapters_off
     trainer.fit(module, datamodule=dm)
     assert module.iteration == 2
     rows = _rows(trainer)
@@ -212,7 +212,7 @@ def test_under_lora_the_teacher_is_the_base_with_adapters_off(train_cfg, variant
         adapted = response_logits(
             module.policy, *_ctx(tok, task, roll), roll.response_ids, roll.response_mask
         )
-    t_logits, _ = module.teacher.logits(task, roll)
+    t_logits, _ = module.method.frozen.logits(task, roll)
     t_all = (
         t_logits if isinstance(t_logits, torch.Tensor) else t_logits(0, roll.response_ids.shape[1])
     )

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-from mrtpo.credit import GRPO, METHODS, CoRT, CreditInputs, RelevanceRequest, cort_weights
+from mrtpo.credit import GRPO, CoRT, CreditInputs, RelevanceRequest, cort_weights
 from mrtpo.credit.advantages import grpo_advantages
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs"
@@ -202,9 +202,8 @@ def test_replay_pairs_follow_grpos_summed_reward() -> None:
     assert weighted.replay_pairs(rewards, group, has)[:2, 0].tolist() == [True, True]
 
 
-def test_relevance_request_and_registry() -> None:
+def test_relevance_request() -> None:
     assert CoRT.relevance == RelevanceRequest(contexts="joint", score="logp_diff")
-    assert METHODS["cort"] is CoRT
 
 
 def test_config_defaults_are_the_documented_ones() -> None:

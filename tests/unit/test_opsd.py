@@ -169,13 +169,13 @@ def test_sampled_token_scores_exact():
 # ---- the method ---------------------------------------------------------------------------
 
 
-def _inputs(teacher=None):
+def _inputs(extra=None):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     return CreditInputs(
         rewards=torch.tensor([[1.0], [0.0], [1.0]]),
         group=torch.tensor([0, 0, 1]),
         mask=mask,
-        teacher=teacher,
+        extra=extra,
     )
 
 
@@ -205,14 +205,14 @@ def test_sampled_variant_advantage_is_the_log_prob_gap():
         m(_inputs())
 
 
-def test_token_loss_is_the_aggregated_divergence():
+def test_divergence_is_the_aggregated_generalized_jsd():
     g = torch.Generator().manual_seed(1)
     s_logits = torch.randn(2, 3, 5, generator=g).requires_grad_()
     t_logits = torch.randn(2, 3, 5, generator=g)
     ids = torch.randint(0, 5, (2, 3), generator=g)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     m = OPSD(beta=0.5, coef=2.0, chunk=2)
-    term, st = m.token_loss(s_logits, t_logits, ids, mask, 1.0, "token-mean", 10.0)
+    term, st = m.divergence(s_logits, t_logits, ids, mask, 1.0, "token-mean", 10.0)
     per = generalized_jsd(torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1), 0.5)
     want = 2.0 * aggregate(torch.where(mask, per, 0.0), mask, "token-mean", 10.0)
     torch.testing.assert_close(term, want)

@@ -31,7 +31,6 @@ from torch import Tensor
 
 from mrtpo.credit.advantages import compute_dtype, grpo_advantages, replay_mask
 from mrtpo.credit.methods import (
-    METHODS,
     CreditInputs,
     CreditOutput,
     RelevanceRequest,
@@ -188,6 +187,3 @@ class CoRT(_RewardWeighted):
             "weight_min": float(ws.min()),
             "weight_max": float(ws.max()),
         }
-
-
-METHODS[CoRT.config_name] = CoRT

@@ -18,6 +18,7 @@ No model code: the teacher's logits arrive as a tensor or as a function of a pos
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ __all__ = [
 
 @dataclass
 class TeacherScores:
-    """The frozen teacher's view of a batch's sampled tokens (``CreditInputs.teacher``)."""
+    """The frozen teacher's view of a batch's sampled tokens (OPSD's ``CreditInputs.extra``)."""
 
     logp: Tensor  # [N, T] log p_teacher(y_t | teacher context, y_<t), 0 on pads
     student_logp: Tensor  # [N, T] log pi_old(y_t | P0, y_<t), at the same temperature
@@ -96,6 +97,27 @@ def _teacher_chunk(teacher: TeacherLogits, s: int, e: int) -> Tensor:
     return teacher[:, s:e] if isinstance(teacher, Tensor) else teacher(s, e)
 
 
+def _jsd_piece(
+    s_logits: Tensor, s: int, e: int, *, teacher_logits, ids: Tensor, beta, temperature
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``generalized_jsd_chunked`` on positions ``[s, e)`` (a unit of checkpointing)."""
+    with torch.no_grad():
+        tl = _teacher_chunk(teacher_logits, s, e).to(s_logits.device).float()
+        if temperature != 1.0:
+            tl = tl / temperature
+        lt = torch.log_softmax(tl, dim=-1)
+    x = s_logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    ls = torch.log_softmax(x, dim=-1)
+    y = ids[:, s:e, None]
+    div = generalized_jsd(ls, lt, beta)
+    t_y = lt.gather(-1, y).squeeze(-1)
+    s_y = ls.detach().gather(-1, y).squeeze(-1)
+    top1 = lt.argmax(-1) == y.squeeze(-1)
+    return div, t_y, s_y, top1
+
+
 def generalized_jsd_chunked(
     student_logits: Tensor,
     teacher_logits: TeacherLogits,
@@ -124,22 +146,9 @@ def generalized_jsd_chunked(
     step = max(1, int(chunk) // max(n, 1))
     grad = torch.is_grad_enabled() and student_logits.requires_grad
 
-    def piece(s_logits: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        with torch.no_grad():
-            tl = _teacher_chunk(teacher_logits, s, e).to(dev).float()
-            if temperature != 1.0:
-                tl = tl / temperature
-            lt = torch.log_softmax(tl, dim=-1)
-        x = s_logits.float()
-        if temperature != 1.0:
-            x = x / temperature
-        ls = torch.log_softmax(x, dim=-1)
-        y = ids[:, s:e, None]
-        div = generalized_jsd(ls, lt, beta)
-        t_y = lt.gather(-1, y).squeeze(-1)
-        s_y = ls.detach().gather(-1, y).squeeze(-1)
-        top1 = lt.argmax(-1) == y.squeeze(-1)
-        return div, t_y, s_y, top1
+    piece = functools.partial(
+        _jsd_piece, teacher_logits=teacher_logits, ids=ids, beta=beta, temperature=temperature
+    )
 
     divs, t_ys, s_ys, tops = [], [], [], []
     for s in range(0, t, step):

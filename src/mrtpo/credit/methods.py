@@ -9,7 +9,7 @@ to replay (``replay_pairs``), and hands over whatever replay produced.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -44,9 +44,8 @@ class CreditInputs:
     # randomness of the shuffle ablation: the same on every rank (each response's permutation
     # is then keyed by its index in the global batch)
     generator: torch.Generator | None = None
-    # the frozen teacher's scores of the sampled tokens (``credit.distill.TeacherScores``),
-    # when the method's ``teacher`` request asks for them; None otherwise
-    teacher: Any = None
+    # what the method's own ``score_inputs`` hook computed for this batch (None without one)
+    extra: Any = None
 
 
 @dataclass(frozen=True)
@@ -80,18 +79,43 @@ class RelevanceRequest:
 
 @dataclass(frozen=True)
 class TeacherRequest:
-    """What a method needs from a frozen teacher: the initial model, reading each response
-    after the task's teacher context (``Task.teacher_messages``). The trainer hands it on
-    without reading the method's name.
+    """A self-distillation method's use of a frozen teacher (the initial model, reading each
+    response after the task's teacher context). The method acts on it in its own hooks; the
+    start-up checks read only that the method has one (it needs a frozen copy).
 
     ``sampled``: before the advantages, the teacher's log-prob of every sampled token (and the
-    student's, at the sampling parameters) arrive as ``CreditInputs.teacher``.
-    ``full``: in every update micro-batch, the student's logits and the teacher's full
-    next-token distributions go to ``method.token_loss``, whose term joins the loss.
+    student's, at the sampling parameters) arrive as ``CreditInputs.extra``.
+    ``full``: in every update micro-batch, a divergence between the student's logits and the
+    teacher's full next-token distributions joins the loss (``token_loss``).
     """
 
     sampled: bool = True
     full: bool = False
+
+
+@dataclass
+class MethodServices:
+    """What the trainer lends a method once, when it is built (``AdvantageMethod.bind``)."""
+
+    task: Any
+    tokenizer: Any
+    #: ``() -> (model, adapters_off)``: the policy's weights as they are at build time (the
+    #: initial ones), frozen; under LoRA the policy itself, to be run with adapters off. A copy
+    #: is made on the first call only.
+    frozen_policy: Callable[[], tuple[torch.nn.Module, bool]]
+    token_budget: int = 16384  # rows x padded length per no-grad forward (replay's)
+    chunk: int = 256  # (row, position) pairs per float32 log-softmax (replay's jsd_chunk)
+
+
+@dataclass
+class StepView:
+    """This step's batch as a method's ``score_inputs`` hook sees it, before any update."""
+
+    rollout: Any  # mrtpo.batch.RolloutBatch
+    #: ``() -> [N, T]``: log-probs of the sampled tokens under the sampling parameters, at the
+    #: sampling temperature, no grad (computed once, shared with the trainer's own use)
+    student_logp: Callable[[], Tensor]
+    device: Any = None
 
 
 PER_REWARD_JSD = RelevanceRequest("per_reward", "jsd")
@@ -105,12 +129,21 @@ class CreditOutput:
 
 
 class AdvantageMethod(ABC):
-    """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``."""
+    """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``.
+
+    Two optional hooks let a method bring its own signal without the trainer knowing it:
+    ``score_inputs`` (no-grad inputs scored once per step, before the advantages; they arrive
+    as ``CreditInputs.extra``) and ``token_loss`` (a term added to the surrogate in every
+    update micro-batch, over the policy's logits when ``wants_logits``). ``bind`` gives the
+    method, once, what those hooks may need (the task, a frozen copy of the initial policy).
+    """
 
     #: What replay must compute for this method (None: no replay).
     relevance: ClassVar[RelevanceRequest | None] = None
-    #: What a frozen teacher must compute for this method (None: no teacher).
+    #: A frozen teacher this method distils from (None: none); checked at start-up only.
     teacher: ClassVar[TeacherRequest | None] = None
+    #: ``token_loss`` needs the policy's logits ``[n, T, V]`` in every update micro-batch.
+    wants_logits: bool = False
 
     def check_task(self, task) -> None:  # noqa: B027  (optional hook)
         """Refuse, before the model loads, a task that lacks what this method needs (e.g.
@@ -138,27 +171,28 @@ class AdvantageMethod(ABC):
         """Share of the advantage that follows relevance at ``step`` (0 for uniform methods)."""
         return 0.0
 
+    def bind(self, services: MethodServices) -> None:  # noqa: B027  (optional hook)
+        """Called once when the trainer is built, before the first step."""
+
+    def score_inputs(self, view: StepView) -> Any:
+        """Extra no-grad inputs for this step's advantages (``CreditInputs.extra``); None: none."""
+        return None
+
     def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor:
         """The per-token weights this method derives from replay's ``q`` (for the relevance
         dumps and pictures). Default: MRTPO's ``(1 - β) + β q / mean q``."""
         return relevance_weights(q, mask, replayed, self.beta(step))
 
     def token_loss(
-        self,
-        student_logits: Tensor,
-        teacher_logits,
-        response_ids: Tensor,
-        mask: Tensor,
-        temperature: float,
-        agg: str,
-        denom: float,
-    ) -> tuple[Tensor, dict[str, float]]:
-        """An extra loss term for one update micro-batch, added to the surrogate (methods whose
-        ``teacher.full`` is set). ``student_logits [n, T, V]`` carry gradient;
-        ``teacher_logits`` is ``[n, T, V]`` or ``f(s, e)`` (no grad); ``mask`` covers the
-        tokens the term applies to; ``agg``/``denom`` aggregate as the surrogate does.
-        Returns (the term, per-token statistics logged under ``train/``)."""
-        raise NotImplementedError(f"{type(self).__name__} adds no token loss")
+        self, logits: Tensor | None, batch, temperature: float, agg: str, denom: float, device=None
+    ) -> tuple[Tensor, dict[str, float]] | None:
+        """An extra loss term for one update micro-batch, added to the surrogate; None: none.
+
+        ``logits [n, T, V]`` carry gradient (None unless ``wants_logits``); ``batch`` is the
+        micro-batch (``RolloutBatch``); ``agg``/``denom`` aggregate as the surrogate does
+        (``loss.aggregate``). Returns (the term, per-token statistics logged under ``train/``).
+        """
+        return None
 
     @abstractmethod
     def __call__(self, inputs: CreditInputs) -> CreditOutput: ...
@@ -457,8 +491,3 @@ class MRTPOJoint(MRTPO):
 
     config_name = "mrtpo_joint"
     relevance: ClassVar[RelevanceRequest | None] = JOINT_JSD
-
-
-METHODS: dict[str, type[AdvantageMethod]] = {
-    cls.config_name: cls for cls in (GRPO, GDPO, GDPOSAW, MRTPO, MRTPOSAW, MRTPOShuffle, MRTPOJoint)
-}

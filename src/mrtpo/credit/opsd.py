@@ -14,13 +14,17 @@ Two variants (``method.variant``), as in the authors' code:
   student's own samples, weight ``beta`` (0: forward KL ``KL(teacher ‖ student)``, 1: reverse
   KL ``KL(student ‖ teacher)``, 0.5 in their scripts), aggregated like the surrogate
   (``rl.loss_agg``). The token advantages are 0, so the clipped surrogate adds nothing; the
-  divergence enters through ``token_loss``, computed a few positions at a time.
+  divergence enters through the ``token_loss`` hook, computed a few positions at a time.
 * ``sampled`` (their ``--use_tinker_loss``): the token advantage
   ``log p_teacher(y_t) − log p_student(y_t)`` of the sampled token, without gradient through
   it, in the ordinary clipped surrogate (with one update per step exactly their
   ``−mean(A_t log p_student(y_t))``).
 
 Knobs: ``variant``, ``beta`` (full variant), ``coef`` (scale of the divergence term).
+
+The trainer knows none of this: ``bind`` builds the frozen teacher from the initial policy it
+lends, ``score_inputs`` scores the sampled tokens under it (``sampled``), and ``token_loss``
+adds the divergence (``full``).
 """
 
 from __future__ import annotations
@@ -33,14 +37,16 @@ from torch import Tensor
 
 from mrtpo.credit.distill import TeacherScores, generalized_jsd_chunked
 from mrtpo.credit.methods import (
-    METHODS,
     AdvantageMethod,
     CreditInputs,
     CreditOutput,
+    MethodServices,
+    StepView,
     TeacherRequest,
     _adv_stats,
 )
 from mrtpo.loss import aggregate
+from mrtpo.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +79,11 @@ class OPSD(AdvantageMethod):
         self.jsd_beta = float(beta)
         self.coef = float(coef)
         self.chunk = int(chunk)
-        # An instance attribute: the variant decides what the trainer computes.
+        # Instance attributes: the variant decides what runs.
         self.teacher = FULL if variant == "full" else SAMPLED
+        self.wants_logits = self.teacher.full
+        self.frozen: Teacher | None = None  # built by bind
+        self._task = None
 
     # ---- start-up --------------------------------------------------------------------
     def check_task(self, task) -> None:
@@ -99,6 +108,38 @@ class OPSD(AdvantageMethod):
                 name,
             )
 
+    def bind(self, services: MethodServices) -> None:
+        model, adapters_off = services.frozen_policy()
+        self.frozen = Teacher(
+            model, services.tokenizer, adapters_off=adapters_off, token_budget=services.token_budget
+        )
+        self._task, self._chunk = services.task, services.chunk
+
+    def _bound(self) -> Teacher:
+        if self.frozen is None:
+            raise RuntimeError("method=opsd was never bound to a trainer (AdvantageMethod.bind)")
+        return self.frozen
+
+    # ---- the hooks -------------------------------------------------------------------
+    def score_inputs(self, view: StepView) -> TeacherScores | None:
+        """``sampled``: the teacher's log-prob of every sampled token, and the student's."""
+        if not self.teacher.sampled:
+            return None
+        return self._bound().score(
+            self._task, view.rollout, view.student_logp(), self._chunk, device=view.device
+        )
+
+    def token_loss(self, logits, batch, temperature, agg, denom, device=None):
+        """``full``: the divergence to the teacher on one update micro-batch (rows without a
+        teacher context are left out)."""
+        if not self.teacher.full:
+            return None
+        teacher_logits, rows = self._bound().logits(self._task, batch, device=device)
+        mask = batch.response_mask.to(logits.device) & rows.to(logits.device)[:, None]
+        return self.divergence(
+            logits, teacher_logits, batch.response_ids, mask, temperature, agg, denom
+        )
+
     # ---- credit ----------------------------------------------------------------------
     def __call__(self, inputs: CreditInputs) -> CreditOutput:
         mask = inputs.mask.to(torch.bool)
@@ -107,11 +148,11 @@ class OPSD(AdvantageMethod):
             # No reward credit: the divergence term (token_loss) is the whole signal.
             tok = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
             return CreditOutput(tok, _adv_stats(tok, mask))
-        t: TeacherScores | None = inputs.teacher
+        t: TeacherScores | None = inputs.extra
         if t is None:
             raise RuntimeError(
                 "method=opsd variant=sampled needs the teacher's log-probs of the sampled "
-                "tokens (CreditInputs.teacher), and the trainer passed none"
+                "tokens (CreditInputs.extra, from score_inputs), and the trainer passed none"
             )
         dev = mask.device
         rows = t.rows.to(device=dev, dtype=torch.bool)
@@ -127,7 +168,7 @@ class OPSD(AdvantageMethod):
             stats["teacher_agree"] = float(t.top1.to(dev)[valid].float().mean())
         return CreditOutput(tok, stats)
 
-    def token_loss(
+    def divergence(
         self,
         student_logits: Tensor,
         teacher_logits,
@@ -157,6 +198,3 @@ class OPSD(AdvantageMethod):
                 "distill/logp_gap": float((t_y - s_y)[valid].mean()),
             }
         return term, stats
-
-
-METHODS[OPSD.config_name] = OPSD

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -117,6 +118,10 @@ class RolloutEngine(ABC):
     syncing) and ``sleep`` (after generating, to give memory back to training) default to
     doing nothing; a colocated engine such as vLLM uses them.
     """
+
+    #: ``generate`` fills ``Generation.logprobs``; an engine that cannot says False, and
+    #: ``rl.tis_cap`` (which needs them) is then refused before anything loads.
+    reports_logprobs: ClassVar[bool] = True
 
     def bind(self, model: torch.nn.Module, tokenizer, eos_ids: Sequence[int]) -> None:  # noqa: B027
         """Called once before the first generation."""
