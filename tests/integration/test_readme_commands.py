@@ -97,7 +97,12 @@ def check_train(cfg) -> None:
 def test_readme_command_composes(command, tmp_path):
     script, args = split(command, tmp_path)
     if script not in HYDRA:
-        pytest.skip(f"{script} is not a Hydra entry point: run by the tests below")
+        where = (
+            "test_relevance_command_renders_a_run"
+            if "relevance" in script
+            else "test_readme_commands_run_on_the_tiny_model (slow: it needs real runs)"
+        )
+        pytest.skip(f"{script} is not a Hydra entry point: run by {where}")
     if "--help" in args:
         res = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
                              text=True, timeout=600)  # fmt: skip
