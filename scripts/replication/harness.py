@@ -65,6 +65,9 @@ BASELINE = "gdpo"
 #: these short runs (CoRT: configs/method/cort.yaml's 30 steps are 10% of the 300-step
 #: instruction-following presets; here the same 10% of the RL steps).
 WARMUP_SHARE = {"cort": 0.1}
+#: The toy's design fixed MRTPO's beta from the first RL step (its runs came before the method
+#: configs' 10-step ramp, docs/method.md "Schedule"); the harness keeps that, explicitly.
+MRTPO_WARMUP_STEPS = 0
 SFT_PHASES = ("sft", "sft_noisy")  # folder names; experiment=toy_<name>
 #: K -> the K whose clean-pass policy this K's clean pass starts from (a curriculum); every
 #: other K starts from random weights. From random weights the toy policy did not learn 6 or
@@ -283,6 +286,8 @@ def rl_job(k: int, method: str, seed: int, opts: Options, out: Path | None = Non
     if name in WARMUP_SHARE and not any("beta_warmup_steps" in o for o in method_ov):
         # before opts.override, so an explicit setting wins
         ov.append(f"method.beta_warmup_steps={max(1, round(WARMUP_SHARE[name] * steps))}")
+    elif name.startswith("mrtpo") and not any("beta_warmup_steps" in o for o in method_ov):
+        ov.append(f"method.beta_warmup_steps={MRTPO_WARMUP_STEPS}")
     ov += opts.override
     return Job(key, ov, out, steps)
 
@@ -458,7 +463,11 @@ def describe(opts: Options) -> dict[str, Any]:
     """The settings that shape the result, read from the composed presets."""
     from hydra.utils import instantiate
 
-    ov = ["experiment=toy_replication", *opts.override]
+    ov = [
+        "experiment=toy_replication",
+        f"method.beta_warmup_steps={MRTPO_WARMUP_STEPS}",
+        *opts.override,
+    ]
     if opts.steps is not None:
         ov.append(f"trainer.max_steps={opts.steps}")
     cfg = compose("train.yaml", ov)

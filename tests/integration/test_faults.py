@@ -320,7 +320,12 @@ def test_replay_out_of_memory_retries_with_half_the_budget(train_cfg, tiny, capl
 
 
 def test_replay_out_of_memory_gives_up_with_the_knobs_named(train_cfg, tiny):
-    cfg = train_cfg("method=mrtpo", "trainer.max_steps=1", "rl.replay_oom_retries=2")
+    cfg = train_cfg(
+        "method=mrtpo",
+        "method.beta_warmup_steps=0",  # replay runs from step 0
+        "trainer.max_steps=1",
+        "rl.replay_oom_retries=2",
+    )
     oom = OOMReplayer(tiny[1], token_budget=64, fail=100)
     with pytest.raises(RuntimeError) as err:
         fit_with(cfg, replayer=oom)
