@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mrtpo.loss import token_logprobs
+
 
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """[n, P] ids and bool mask from variable-length token lists, padded on the left."""
@@ -48,20 +50,19 @@ def response_logits(
     response_mask: Tensor,  # [n, T]
 ) -> Tensor:
     """Logits predicting each response token: [n, T, V] (in the model's dtype)."""
+    inputs = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    out = model(**inputs, logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
+    return out.logits[:, :-1]
+
+
+def _joined(model, prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, Tensor]:
+    """The model's keyword inputs for context + response rows, on the model's device.
+    Positions count only real tokens, so left padding does not shift them."""
     device = next(model.parameters()).device
     ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
     attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
-    # Positions count only real tokens, so left padding does not shift them.
     pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
-    t = response_ids.shape[1]
-    out = model(
-        input_ids=ids,
-        attention_mask=attn.long(),
-        position_ids=pos,
-        logits_to_keep=t + 1,
-        use_cache=False,
-    )
-    return out.logits[:, :-1]
+    return {"input_ids": ids, "attention_mask": attn.long(), "position_ids": pos}
 
 
 # Architectures whose logits are exactly ``lm_head(decoder(...).last_hidden_state)``: no
@@ -97,13 +98,9 @@ def response_hidden(
     response_mask: Tensor,  # [n, T]
 ) -> Tensor:
     """Final hidden states that predict each response token: [n, T, H] (model dtype)."""
-    device = next(decoder.parameters()).device
-    ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
-    attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
-    pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
+    inputs = _joined(decoder, prompt_ids, prompt_mask, response_ids, response_mask)
     t = response_ids.shape[1]
-    out = decoder(input_ids=ids, attention_mask=attn.long(), position_ids=pos, use_cache=False)
-    h = out.last_hidden_state
+    h = decoder(**inputs, use_cache=False).last_hidden_state
     return h[:, h.shape[1] - t - 1 : h.shape[1] - 1]
 
 
@@ -164,8 +161,6 @@ def response_logprobs(
     """log pi_tau(y_t | context, y_<t) in float32: [n, T] (0 on pads), where
     ``pi_tau = softmax(logits / temperature)`` is the distribution the tokens were sampled
     from (``RolloutBatch.temperature``)."""
-    from mrtpo.loss import token_logprobs
-
     logits = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
     lp = token_logprobs(logits, response_ids.to(logits.device), temperature=temperature)
     return lp * response_mask.to(lp.device)

@@ -283,7 +283,8 @@ def may_build_tiny(name_or_path: str | Path, build_root: str | Path | None) -> b
     return True
 
 
-_DTYPES = {
+#: model.dtype (and the sharding mixed-precision keys) -> torch dtype
+DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "bf16": torch.bfloat16,
@@ -294,9 +295,9 @@ _DTYPES = {
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"model.dtype={name!r} is not supported; use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype={name!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def load_policy(

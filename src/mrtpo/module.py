@@ -36,6 +36,7 @@ from mrtpo.batch import PromptBatch, ScoredBatch, rewards_tensor
 from mrtpo.checkpointing import NonFiniteStateError, assert_finite_state
 from mrtpo.credit.methods import AdvantageMethod, CreditInputs, MethodServices, StepView
 from mrtpo.distributed import Ranks
+from mrtpo.evaluation import evaluate_examples
 from mrtpo.faults import FaultTracker
 from mrtpo.forward import response_logits, response_logprobs
 from mrtpo.lora import checkpoint_keys, is_lora
@@ -43,7 +44,7 @@ from mrtpo.loss import engine_gap, policy_loss, token_logprobs
 from mrtpo.replay import Replayer, ReplayResult
 from mrtpo.scoring import score_batch
 from mrtpo.settings import OptimConfig, ReplayConfig, RLConfig
-from mrtpo.sharding import dummy_batch, is_sharded
+from mrtpo.sharding import dummy_batch, is_sharded, shard_module_policies
 from mrtpo.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -711,8 +712,6 @@ class PolicyModule(L.LightningModule):
             rows = [(i, *unique[i]) for i in sorted(unique)]
         metrics: dict[str, float] = {}
         if rows and self.ranks.rank == 0:
-            from mrtpo.evaluation import evaluate_examples
-
             exs = [e for _, ex, _ in rows for e in ex]
             texts = [t for _, _, ts in rows for t in ts]
             raw, _ = evaluate_examples(self.task, exs, texts)
@@ -787,6 +786,4 @@ class PolicyModule(L.LightningModule):
     def configure_model(self) -> None:
         """Under ``trainer=fsdp``: ``fully_shard`` the policy (and a reference copy) per decoder
         layer, then the root (``mrtpo.sharding``); a no-op under any other strategy."""
-        from mrtpo.sharding import shard_module_policies
-
         shard_module_policies(self)

@@ -44,15 +44,17 @@ def _container(node) -> Any:
     return OmegaConf.to_container(node, resolve=True) if node is not None else None
 
 
-def prepare(cfg: DictConfig):
+def prepare(cfg: DictConfig, validated: bool = False):
     """Everything that can fail cheaply, before any model loads: typed settings and their
-    ranges, the stage, the task (its data), and what the stage needs from the task."""
+    ranges (unless ``train`` has ``validated`` them already), the stage, the task (its data),
+    and what the stage needs from the task."""
     from hydra.utils import instantiate
 
     from mrtpo.loggers import check_loggers
     from mrtpo.settings import check_placement, resolve_batch, validate
 
-    validate(cfg)
+    if not validated:
+        validate(cfg)
     # the trainer this machine can start, and the global batch divided over its ranks
     resolve_batch(cfg, check_placement(cfg))
     check_loggers(cfg.get("logger"))
@@ -62,7 +64,7 @@ def prepare(cfg: DictConfig):
     return stage, task
 
 
-def build(cfg: DictConfig):
+def build(cfg: DictConfig, validated: bool = False):
     """(trainer, module, datamodule) for ``cfg``; nothing is trained yet."""
     import lightning as L
     from hydra.utils import instantiate
@@ -75,7 +77,7 @@ def build(cfg: DictConfig):
 
     # the settings as given, before prepare() derives per-rank batch keys from them
     settings = settings_record(cfg)
-    stage, task = prepare(cfg)
+    stage, task = prepare(cfg, validated=validated)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy, tokenizer = load_policy(**_container(cfg.model))
     data = section(cfg, "data")
@@ -206,7 +208,7 @@ def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, floa
     # Read the checkpoint before anything is built: a damaged file fails here, naming it.
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     settings = settings_record(cfg)  # as given: build() derives per-rank keys from them
-    trainer, module, datamodule = build(cfg)
+    trainer, module, datamodule = build(cfg, validated=True)  # train() validated cfg
     if trainer.is_global_zero:
         print(header(cfg), flush=True)
     if ckpt is not None:

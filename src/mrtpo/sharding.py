@@ -28,14 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+from mrtpo.models import DTYPES as _DTYPES
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

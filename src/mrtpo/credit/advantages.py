@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
@@ -43,8 +44,6 @@ def all_reduce_sum(t: Tensor, process_group: Any = None) -> Tensor:
     """Sum ``t`` over the ranks of ``process_group`` in place; a no-op outside DDP."""
     if process_group is None:
         return t
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=process_group)
     return t
@@ -54,14 +53,11 @@ def global_row_index(n: int, process_group: Any = None, device=None) -> Tensor:
     """``[n]`` long: each local row's index in the global batch, ranks in order (rank 0's
     rows first); ``arange(n)`` outside DDP. One all-gather of the row counts."""
     offset = 0
-    if process_group is not None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            mine = torch.tensor([n], dtype=torch.long, device=device)
-            counts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(process_group))]
-            dist.all_gather(counts, mine, group=process_group)
-            offset = int(sum(int(c) for c in counts[: dist.get_rank(process_group)]))
+    if process_group is not None and dist.is_available() and dist.is_initialized():
+        mine = torch.tensor([n], dtype=torch.long, device=device)
+        counts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(process_group))]
+        dist.all_gather(counts, mine, group=process_group)
+        offset = int(sum(int(c) for c in counts[: dist.get_rank(process_group)]))
     return torch.arange(offset, offset + n)
 
 
