@@ -265,10 +265,9 @@ def alternate(
     for name, (m, _) in variants.items():
         if name != "mrtpo":
             m.setup(tuple(module.task.reward_names), bool(module.task.rewards_vary_per_prompt))
-        if m.teacher is not None and module.teacher is None:
-            # a self-distillation method (OPSD): its frozen teacher has the initial weights,
-            # as the module would have built it for that method
-            module.teacher = module.frozen_teacher(module.replayer.inner.token_budget)
+            # what the module lends its own method (OPSD builds its frozen teacher from it,
+            # with the initial weights, as the module would have for that method)
+            m.bind(module.method_services())
     if fused:
         fuse_old_logp(module)
         variants["mrtpo_fused"] = (module.method, True)
