@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mrtpo.lora import LoraSettings, apply_lora
 from mrtpo.tasks.synthetic.task import WORDS
 
 log = logging.getLogger(__name__)
@@ -349,8 +350,6 @@ def load_policy(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    from mrtpo.lora import LoraSettings, apply_lora
-
     settings = LoraSettings.from_mapping(lora)
     if settings.enabled:
         if gradient_checkpointing:
