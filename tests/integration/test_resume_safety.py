@@ -116,6 +116,7 @@ def finished_run(tmp_path, cache_dir) -> Path:
 # ---- issue 25 item 1: the history never exists only in memory -----------------------------
 
 
+@pytest.mark.slow  # three training processes
 def test_a_resume_killed_while_it_starts_loses_no_metrics(finished_run, cache_dir):
     """Lightning's CSV logger removed metrics.csv when a resume started and the old rows were
     written back ~2 s later: a SIGKILL in that window lost steps 0-2 for good. Here the file is
@@ -150,6 +151,7 @@ def test_a_resume_killed_while_it_starts_loses_no_metrics(finished_run, cache_di
 # ---- issue 25 item 2: one process at a time in a run folder -------------------------------
 
 
+@pytest.mark.slow  # four training processes
 def test_a_second_resume_of_a_running_folder_is_refused_naming_the_first(finished_run, cache_dir):
     """A resume while another resume of the same folder runs used to be accepted: both
     logged steps 3, 4, ... into one metrics.csv and mixed their checkpoints. The second one
