@@ -35,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
+from transformers import GenerationConfig
 
 from mrtpo.data import PromptDataModule, PromptStream
 from mrtpo.evaluation import evaluate_examples
+from mrtpo.export import save_model
 from mrtpo.models import eos_token_ids
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout, chat_ids
@@ -435,6 +437,27 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
 
 
+def _savable_generation_config(model) -> GenerationConfig | None:
+    """The policy's own generation config when ``save_pretrained`` accepts it; otherwise (a
+    starting model's loose one, e.g. ``top_k`` without ``do_sample``, which loading only warns
+    about) one with its token ids alone, so the end of a warm start never fails on a field SFT
+    did not use. RL and evaluation build their own sampling settings either way."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        return None
+    try:
+        own.validate(strict=True)
+        return own
+    except ValueError as exc:
+        log.warning(
+            "sft: the starting model's generation config is not savable (%s); "
+            "the saved policy keeps only its token ids",
+            str(exc).splitlines()[0],
+        )
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        return GenerationConfig(**{k: getattr(own, k, None) for k in ids})
+
+
 class SavePolicy(L.Callback):
     """Save the warm-started policy (``save_pretrained``) and a JSON summary at the end."""
 
@@ -450,7 +473,7 @@ class SavePolicy(L.Callback):
         root = Path(trainer.default_root_dir)
         path = Path(self.save_dir) if self.save_dir else root / "policy"
         path.mkdir(parents=True, exist_ok=True)
-        pl_module.policy.save_pretrained(path)
+        save_model(pl_module.policy, path, _savable_generation_config(pl_module.policy))
         pl_module.tokenizer.save_pretrained(path)
         target = next((c for c in trainer.callbacks if isinstance(c, SFTTarget)), None)
         info: dict[str, Any] = {"steps": int(trainer.global_step), "task": pl_module.task.name}

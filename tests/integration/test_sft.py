@@ -143,3 +143,43 @@ def test_teacher_share_trains_on_the_teacher_context(train_cfg, tmp_path):
     assert all(none.context(x) == x.messages for x in examples)
     with pytest.raises(ValueError, match=r"stage.sft.teacher_share"):
         build(_sft(train_cfg, tmp_path, "stage.sft.teacher_share=1.5"))
+
+
+def test_a_loose_generation_config_of_the_starting_model_does_not_fail_the_save(
+    train_cfg, tmp_path, cache_dir, tiny
+):
+    """A starting model whose generation_config sets ``top_k`` without ``do_sample``
+    (transformers warns on load, refuses on save) used to train, then crash saving the warm
+    start. The saved policy keeps the token ids; the user's folder is only read."""
+    import hashlib
+    import shutil
+
+    start = tmp_path / "loose"
+    shutil.copytree(cache_dir / "models" / "tiny-qwen2", start)
+    (start / "mrtpo_tiny.json").unlink()  # a model of the user's, not one the project built
+    gen_file = start / "generation_config.json"
+    loose = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    loose.update(do_sample=False, top_k=5)
+    gen_file.write_text(json.dumps(loose))
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for p in sorted(start.rglob("*")):
+            if p.is_file():
+                h.update(p.name.encode() + p.read_bytes())
+        return h.hexdigest()
+
+    before = digest()
+    cfg = _sft(
+        train_cfg,
+        tmp_path,
+        f"model.name_or_path={start}",
+        "model.tiny=null",
+        "trainer.max_steps=2",
+    )
+    _, module = _fit(cfg)
+    saved = json.loads((tmp_path / "policy" / "generation_config.json").read_text())
+    assert "top_k" not in saved or saved["top_k"] in (None, 50)
+    assert saved.get("eos_token_id") == module.policy.generation_config.eos_token_id
+    assert module.policy.generation_config.top_k == 5  # the model's own is put back
+    assert digest() == before
