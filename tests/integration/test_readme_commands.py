@@ -163,9 +163,8 @@ def runs_on_a_cpu(script: str, args: list[str]) -> bool:
 def _run(script: str, args: list[str], cwd: Path, cache: Path) -> str:
     extra = []
     if script == "src/train.py":
+        # (a resume too: it must name the run's own settings, and these are the test runs')
         extra = [*SMALL, f"paths.log_dir={cwd}/logs", f"paths.cache_dir={cache}"]
-        if any(a.startswith("+resume=") for a in args):
-            extra = [a for a in extra if a.startswith("paths.")]  # a resume keeps its settings
     elif script == "src/eval.py":
         extra = [f"paths.log_dir={cwd}/logs", f"paths.cache_dir={cache}"]
     env = {**__import__("os").environ, "PYTHONPATH": f"{cwd}:{ROOT}", "OMP_NUM_THREADS": "1"}
