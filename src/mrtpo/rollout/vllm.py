@@ -104,15 +104,21 @@ def resolve_device(requested: str, vllm_module: Any) -> str:
     return "cpu"
 
 
-def _model_head_dim(model: str) -> int | None:
-    """The attention head size of a local checkpoint (None when it cannot be read)."""
+def _model_config(model: str) -> dict[str, Any]:
+    """A local checkpoint's ``config.json`` ({} when it cannot be read, e.g. a hub id)."""
     import json
     from pathlib import Path
 
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _model_head_dim(model: str) -> int | None:
+    """The attention head size of a local checkpoint (None when it cannot be read)."""
+    cfg = _model_config(model)
     if cfg.get("head_dim"):
         return int(cfg["head_dim"])
     hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
@@ -353,6 +359,15 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * (1 << 30))
         if self.max_model_len is not None:
             kwargs["max_model_len"] = int(self.max_model_len)
+        if self.device == "cpu":
+            # The CPU build fails on a seeded request whose prompt is split over two engine
+            # steps (chunked prefill: "CPU Generator does not use offset"), so prompts are
+            # scheduled whole, with a token budget that holds the longest one.
+            longest = self.max_model_len or _model_config(self.model).get(
+                "max_position_embeddings", 32768
+            )
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(longest), 4096)
         if mode == "weight_transfer":
             if self.device == "cpu":
                 raise ValueError(
