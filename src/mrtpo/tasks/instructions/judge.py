@@ -40,6 +40,10 @@ class RubricJudge:
     model: str
     api_key_env: str | None = "OPENAI_API_KEY"  # environment variable holding the key, if any
     timeout_s: float = 120.0
+    # ask the server for JSON that matches the verdict schema (OpenAI's response_format
+    # json_schema, which vLLM serves with structured decoding): a small judge then cannot
+    # answer in any other shape
+    structured: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -53,13 +57,16 @@ class RubricJudge:
             f"Conversation so far:\n{convo}\n\nAssistant's final reply:\n{response}\n\n"
             f"Rubric ({len(rubrics)} items):\n{items}"
         )
-        return {
+        body: dict[str, Any] = {
             "model": self.model,
             "messages": [
                 {"role": "system", "content": JUDGE_SYSTEM},
                 {"role": "user", "content": user},
             ],
         }
+        if self.structured:
+            body["response_format"] = verdict_response_format(len(rubrics))
+        return body
 
     def verdicts(self, conversation: Messages, response: str, rubrics: Sequence[str]) -> list[bool]:
         body = json.dumps(self.request_body(conversation, response, rubrics)).encode()
@@ -72,9 +79,41 @@ class RubricJudge:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 payload = json.loads(r.read().decode("utf-8"))
             text = payload["choices"][0]["message"]["content"]
+        except urllib.error.HTTPError as exc:  # the server refused the request
+            raise JudgeError(
+                f"judge at {self.endpoint} refused the request (HTTP {exc.code}): "
+                f"{_error_detail(exc)}"
+            ) from exc
         except (urllib.error.URLError, TimeoutError, KeyError, IndexError, ValueError) as exc:
             raise JudgeError(f"judge request to {self.endpoint} failed: {exc}") from exc
+        if not isinstance(text, str):  # e.g. a refusal with content null
+            raise JudgeError(f"judge at {self.endpoint} gave no verdict text: {payload!r:.200}")
         return parse_verdicts(text, len(rubrics))
+
+
+def verdict_response_format(n: int) -> dict[str, Any]:
+    """OpenAI's ``response_format`` for exactly ``n`` boolean verdicts."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "verdicts": {
+                "type": "array",
+                "items": {"type": "boolean"},
+                "minItems": n,
+                "maxItems": n,
+            }
+        },
+        "required": ["verdicts"],
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": "verdicts", "schema": schema}}
+
+
+def _error_detail(exc: Exception) -> str:
+    try:
+        return exc.read().decode("utf-8", "replace")[:300]
+    except Exception:
+        return str(exc)
 
 
 def parse_verdicts(text: str, n: int) -> list[bool]:
@@ -132,6 +171,7 @@ def judge_from_options(options: Mapping[str, Any], defaults: Mapping[str, Any]) 
         model=str(model),
         api_key_env=defaults.get("api_key_env", "OPENAI_API_KEY"),
         timeout_s=float(defaults.get("timeout_s", 120.0)),
+        structured=bool(defaults.get("structured", False)),
     )
 
 
