@@ -102,12 +102,15 @@ def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
     return chosen, keys
 
 
-def from_training_run(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+def from_training_run(
+    cfg: DictConfig, overrides: list[str] | None = None
+) -> tuple[DictConfig, dict[str, Any]]:
     """``cfg`` with ``model`` and ``task`` taken from the training run of ``cfg.ckpt_path``.
 
     The run's groups are resolved as the run resolved them (its own paths); command-line
     overrides of a whole group win, and overridden keys are applied on top of the run's group.
-    Returns the config and a record of where each group came from.
+    Returns the config and a record of where each group came from. ``overrides``: the
+    command line of a caller that composed ``cfg`` itself (default: Hydra's).
     """
     ckpt = cfg.get("ckpt_path")
     if not ckpt:
@@ -126,7 +129,7 @@ def from_training_run(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
         )
         return cfg, {"run_config": None}
     train_cfg = OmegaConf.load(saved)
-    overrides = _command_line()
+    overrides = _command_line() if overrides is None else list(overrides)
     info: dict[str, Any] = {"run_config": str(saved)}
     for group in RUN_GROUPS:
         chosen, keys = _given(overrides, group)
@@ -227,7 +230,9 @@ def eval_sampling(cfg: DictConfig, n: int):
     return SamplingConfig(**base, greedy=greedy)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]:
+    """Evaluate as ``src/eval.py`` does; ``overrides``: the command line behind ``cfg`` when a
+    caller composed it (what decides which groups a checkpoint's run supplies)."""
     from hydra.utils import instantiate
 
     from mrtpo.evaluation import check_outputs, evaluate_examples, score_responses, write_results
@@ -236,7 +241,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     limit = _positive_int(ev, "limit", allow_null=True)
     batch_size = _positive_int(ev, "batch_size")
     n = _positive_int(ev, "n_samples")
-    cfg, source = from_training_run(cfg)
+    cfg, source = from_training_run(cfg, overrides)
     task = instantiate(cfg.task)
     options = OmegaConf.to_container(ev, resolve=True)
     examples = list(task.eval_examples(ev.split, options))
