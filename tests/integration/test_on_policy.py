@@ -84,9 +84,9 @@ def test_engine_and_old_logprobs_are_the_tempered_distributions(tiny):
 def test_first_update_ratio_is_exactly_one(train_cfg, monkeypatch):
     seen = []
 
-    def spy(logp, old_logp, *args, **kwargs):
-        seen.append((logp.detach().clone(), old_logp.clone(), args[1].clone()))
-        return policy_loss(logp, old_logp, *args, **kwargs)
+    def spy(**kwargs):  # the module passes every argument by keyword
+        seen.append((kwargs["logp"].detach().clone(), kwargs["old_logp"].clone(), kwargs["mask"]))
+        return policy_loss(**kwargs)
 
     policy_loss = module_mod.policy_loss
     monkeypatch.setattr(module_mod, "policy_loss", spy)
