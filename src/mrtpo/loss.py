@@ -52,6 +52,7 @@ def policy_loss(
     old_logp: Tensor,  # [N, T] sampling policy
     advantages: Tensor,  # [N, T]
     mask: Tensor,  # [N, T] bool
+    *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     agg: str = "token-mean",

@@ -49,7 +49,18 @@ def test_without_tis_the_loss_is_bit_identical_to_the_previous_surrogate(kl_coef
     logp, old, adv, mask, ref = _random_batch()
     logp.requires_grad_(True)
     want = _previous_policy_loss(logp, old, adv, mask, 0.2, 0.28, 17.0, ref, kl_coef)
-    got, _ = policy_loss(logp, old, adv, mask, 0.2, 0.28, "token-mean", 17.0, ref, kl_coef, None)
+    got, _ = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        agg="token-mean",
+        denom=17.0,
+        ref_logp=ref,
+        kl_coef=kl_coef,
+    )
     assert torch.equal(got, want)
     (g_want,) = torch.autograd.grad(want, logp)
     (g_got,) = torch.autograd.grad(got, logp)
@@ -59,13 +70,37 @@ def test_without_tis_the_loss_is_bit_identical_to_the_previous_surrogate(kl_coef
 def test_tis_weights_multiply_the_surrogate_not_the_kl():
     logp, old, adv, mask, ref = _random_batch(1)
     w = torch.full_like(logp, 0.5)
-    plain, _ = policy_loss(logp, old, adv, mask, 0.2, 0.28, "token-mean", 11.0, None, 0.0)
-    half, _ = policy_loss(logp, old, adv, mask, 0.2, 0.28, "token-mean", 11.0, None, 0.0, w)
+    plain, _ = policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg="token-mean", denom=11.0
+    )
+    half, _ = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        agg="token-mean",
+        denom=11.0,
+        tis_weights=w,
+    )
     torch.testing.assert_close(half, 0.5 * plain, rtol=1e-6, atol=0)
-    kl_only = policy_loss(logp, logp.detach(), torch.zeros_like(adv), mask, 0.2, 0.28,
-                          "token-mean", 11.0, ref, 0.1, w)[0]  # fmt: skip
-    kl_plain = policy_loss(logp, logp.detach(), torch.zeros_like(adv), mask, 0.2, 0.28,
-                           "token-mean", 11.0, ref, 0.1)[0]  # fmt: skip
+    zero = torch.zeros_like(adv)
+    kl = dict(denom=11.0, ref_logp=ref, kl_coef=0.1)
+    kl_only = policy_loss(
+        logp,
+        logp.detach(),
+        zero,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        agg="token-mean",
+        **kl,
+        tis_weights=w,
+    )[0]
+    kl_plain = policy_loss(
+        logp, logp.detach(), zero, mask, clip_low=0.2, clip_high=0.28, agg="token-mean", **kl
+    )[0]
     assert torch.equal(kl_only, kl_plain)
 
 
@@ -76,7 +111,7 @@ def test_clip_frac_counts_tokens_whose_clipped_term_is_taken():
     mask = torch.ones_like(ratios, dtype=torch.bool)
     logp = torch.zeros_like(ratios)
     old = -torch.log(ratios)
-    _, st = policy_loss(logp, old, adv, mask, 0.2, 0.28)
+    _, st = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
     # active: ratio above the band with A > 0 (token 0), below it with A < 0 (token 3).
     # Outside the band with the unclipped term taken (tokens 1, 2) or A = 0 (token 5): not.
     assert float(st["clip_frac"]) == pytest.approx(2 / 6)
