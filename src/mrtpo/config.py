@@ -59,14 +59,16 @@ def hydra_subdir(resume) -> str | None:
     return None if resume else ".hydra"
 
 
-def job_log(resume, output_dir: str, job_name: str) -> str:
+def job_log(resume, output_dir: str, job_name: str, pending_dir: str | None = None) -> str:
     """Hydra's job log file: in the run folder, except for a resume not yet validated. That
-    one logs to ``<log_dir>/<job>/resume-logs/`` until ``record_resume`` accepts the resume
-    and moves what was logged into the run's own log (a refused resume's log stays there)."""
+    one logs to ``pending_dir`` (``<paths.log_dir>/<job>/resume-logs/``) until
+    ``record_resume`` accepts the resume and moves what was logged into the run's own log (a
+    refused resume's log stays there). Without ``pending_dir`` (an older hydra config): beside
+    the resumed folder's parent."""
     if not resume:
         return str(Path(output_dir) / f"{job_name}.log")
     folder = Path(str(resume)).resolve()
-    pending = folder.parent.parent / "resume-logs"
+    pending = Path(pending_dir) if pending_dir else folder.parent.parent / "resume-logs"
     pending.mkdir(parents=True, exist_ok=True)
     return str(pending / f"{folder.name}.{os.getpid()}.log")
 

@@ -446,13 +446,10 @@ def run_folder_of(cfg: DictConfig) -> Path | None:
 
 
 def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Path | None:
-    """After a refused resume: move its pending log (``mrtpo.config.job_log``) under
-    ``<paths.log_dir>/<job>/resume-logs/`` when it was put outside the log folder.
-
-    The pending log goes beside the resumed folder's parent (``logs/train/resume-logs`` for
-    a run folder); for a folder that is not a run folder that is anywhere on the disk. The
-    emptied folder is removed. Returns the log's new path, or None when nothing moved.
-    """
+    """After a refused resume: write the reason into its pending log (``mrtpo.config.job_log``,
+    ``<paths.log_dir>/<job>/resume-logs/``), first moving the log there when an older hydra
+    config put it beside the resumed folder's parent (anywhere on the disk for a folder that
+    is not a run); the emptied folder is removed. Returns the log's path, or None."""
     log_dir = OmegaConf.select(cfg, "paths.log_dir", default=None)
     if not log_dir:
         return None
@@ -464,7 +461,9 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
         if not isinstance(h, logging.FileHandler) or name.parent.name != "resume-logs":
             continue
         if name.parent.resolve().is_relative_to(home.parent.parent):
-            continue  # already inside the log folder
+            log.error("resume refused: %s (this log: %s)", reason, name)
+            moved = name  # already inside the log folder
+            continue
         h.flush()
         h.close()
         root.removeHandler(h)
