@@ -1,7 +1,7 @@
 """Train a policy with multi-reward RL (or SFT with stage=sft). See configs/train.yaml.
 
 python src/train.py task=ifeval method=mrtpo
-python src/train.py -m method=gdpo,mrtpo method.beta=0.25,0.5,0.75 seed=1,2,3
+python src/train.py -m method=mrtpo method.beta=0.25,0.5,0.75 seed=1,2,3   # GDPO has no beta
 """
 
 import hydra
