@@ -47,11 +47,24 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return rows
 
 
-def rl_curves(path: str | Path) -> dict[str, list[float]]:
-    """Per-step series of an RL run: ``success`` and each reward's mean, by reward name."""
-    rows = [r for r in read_metrics(path) if "train/success" in r]
+#: A row of an RL step: every task logs the summed reward; ``train/success`` only a task with
+#: a success check (synthetic, a custom task with ``task.success``).
+STEP_KEYS = ("train/success", "train/reward/total/mean")
+
+
+def _step_rows(path: str | Path) -> list[dict[str, float]]:
+    rows = [r for r in read_metrics(path) if any(k in r for k in STEP_KEYS)]
     rows.sort(key=lambda r: r["step"])
-    out: dict[str, list[float]] = {"success": [r["train/success"] for r in rows]}
+    return rows
+
+
+def rl_curves(path: str | Path) -> dict[str, list[float]]:
+    """Per-step series of an RL run: ``success`` (where the task logs it) and each reward's
+    mean, by reward name."""
+    rows = _step_rows(path)
+    out: dict[str, list[float]] = {}
+    if any("train/success" in r for r in rows):
+        out["success"] = [r.get("train/success", math.nan) for r in rows]
     for k in rows[0] if rows else {}:
         m = re.fullmatch(r"train/reward/(.+)/mean", k)
         if m and m.group(1) != "total":
@@ -78,8 +91,7 @@ def run_series(path: str | Path) -> dict[str, list[float]]:
     """``rl_curves`` plus what replay cost and found, per step: ``replay/share``,
     ``time/replay_share`` and ``replay/top80/<reward>`` (share of a response's tokens holding
     80% of that reward's relevance). NaN where a step did not log it (GDPO never replays)."""
-    rows = [r for r in read_metrics(path) if "train/success" in r]
-    rows.sort(key=lambda r: r["step"])
+    rows = _step_rows(path)
     out = rl_curves(path)
     keys = {k for r in rows for k in r}
     for col, name in REPLAY_KEYS.items():

@@ -114,7 +114,7 @@ class Run:
 
     @property
     def steps(self) -> int:
-        return len(self.curves.get("success", []))
+        return max((len(c) for c in self.curves.values()), default=0)
 
     @property
     def group(self) -> tuple[str, ...]:
@@ -250,12 +250,33 @@ def labels(keys: Sequence[tuple[str, ...]]) -> tuple[dict[tuple[str, ...], str],
     return out, common
 
 
-def metric_names(runs: Iterable[Run]) -> list[str]:
-    """``success`` first, then each reward in the order the runs logged them."""
+#: Each task's headline, first found wins: the synthetic task's and a custom task's success
+#: (every check met), text-to-SQL's execution match, tool calling's correctness. (Instruction
+#: following logs one reward per constraint slot, c0..c12, and no all-constraints rate.)
+HEADLINE = ("success", "execution", "correctness")
+
+
+def headline(names: Iterable[str]) -> str | None:
+    names = list(names)
+    return next((h for h in HEADLINE if h in names), None)
+
+
+def metric_names(runs: Iterable[Run], metrics: Sequence[str] = ()) -> list[str]:
+    """The metrics named (``--metric``), else the task's headline first, then each reward in
+    the order the runs logged them."""
     names: list[str] = []
     for r in runs:
         names += [m for m in r.curves if m not in names]
-    return sorted(names, key=lambda m: m != "success")
+    if metrics:
+        unknown = [m for m in metrics if m not in names]
+        if unknown:
+            raise ValueError(
+                f"--metric {' '.join(unknown)}: not logged by these runs; they log "
+                f"{', '.join(names)}"
+            )
+        return list(metrics)
+    first = headline(names)
+    return sorted(names, key=lambda m: m != first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,6 +555,7 @@ def report(
     baseline: Sequence[str] = (),
     level: float = 0.95,
     plots: bool = True,
+    only: Sequence[str] = (),
 ) -> Report:
     """The paper-style table of ``runs`` grouped by their overrides minus the seed."""
     skipped = [r for r in runs if r.status == "failed" or not r.steps]
@@ -541,12 +563,12 @@ def report(
     if not used:
         raise ValueError(
             "no finished RL run with logged steps among "
-            f"{len(runs)} run folder(s) (metrics.csv holds no train/success rows?)"
+            f"{len(runs)} run folder(s) (their csv/metrics.csv hold no train/reward rows)"
         )
     groups = group_runs(used)
     keys = list(groups)
     names, common = labels(keys)
-    metrics = metric_names(used)
+    metrics = metric_names(used, only)
     pct = f"{100 * level:g}%"
     lines = [
         f"{_n(len(used), 'run')} in {_n(len(groups), 'group')}; mean ± {pct} t interval over "
@@ -668,6 +690,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="paired differences by seed against this group, e.g. method=gdpo")  # fmt: skip
     p.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
+    p.add_argument("--metric", nargs="+", default=[], metavar="NAME",
+                   help="the metrics to compare (default: all, the task's headline first: "
+                   "success, execution or correctness)")  # fmt: skip
     a = p.parse_args(argv)
     if not 0.0 < a.level < 1.0:
         p.error(f"--level must be in (0, 1), got {a.level}")
@@ -679,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not runs:
             raise ValueError(f"no run folders (with {METRICS}) under {' '.join(a.sources)}")
         out = a.out or default_out(a.sources)
-        rep = report(runs, out, a.baseline, a.level, plots=not a.no_plots)
+        rep = report(runs, out, a.baseline, a.level, plots=not a.no_plots, only=a.metric)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
