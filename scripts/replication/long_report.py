@@ -78,8 +78,22 @@ PREDICTIONS = (
     "in K of each seed's MRTPO − GDPO Δ AUC is positive (needs two K or more: the full mode).",
 )
 
-#: What was decided about the design after seeing any run, in order (the report repeats it).
-DESIGN_HISTORY: tuple[str, ...] = ()
+#: How the design came about, in order, and what had been seen before each decision (the
+#: report repeats it).
+DESIGN_HISTORY: tuple[str, ...] = (
+    "Before any run: the filler words are words the toy tokenizer already holds as single "
+    "tokens (so `model=toy` and the existing toy are unchanged), none of them a task word or a "
+    "word of the prompt; each marker is then 3 tokens (`<`, `think`, `>`).",
+    "Before any run, from the toy replication's numbers only: its second pass moved `mark` "
+    "about half-way from the clean policy's rate to its references' rate before the stop, so "
+    "a stop on the other constraints' success would have left `mark` far above 5%. The second "
+    "pass therefore stops on `mark` itself (held-out rate ≤ 0.05, references that never carry "
+    "the asked mark) and the other constraints get their own reference rate (0.25, together).",
+    "Before any RL run, after 56 steps of a clean pass at free part 60 from random weights "
+    "(about 4 s a step on the shared machine, loss 2.56 and falling slowly): a longer free "
+    "part's clean pass starts from the same K's free-part-0 clean policy instead; the quick "
+    "mode runs 30 RL steps and the two ablations only at the longest free part, to fit its time.",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,20 +137,23 @@ def _by(diffs: Mapping[tuple, float], axis: int) -> dict[int, list[float]]:
     return out
 
 
-def _slope_claim(number: int, title: str, tab: C.Table, axis: int, what: str) -> C.Claim:
+def _slope_claim(number: int, title: str, tab: C.Table, axis: int) -> C.Claim:
+    """A trend claim: the slope of each seed's MRTPO − GDPO Δ AUC along the cells' K
+    (``axis`` 0) or free length (1) is positive."""
+    what, unit = ("K", "reward") if axis == 0 else ("free length", "free word")
     d_auc = C.paired(tab, "mrtpo", "gdpo", "auc")
     d_steps = C.paired(tab, "mrtpo", "gdpo", "steps_censored")
     if not d_auc:
         return C.Claim(number, title, C.INCONCLUSIVE, "not measured (needs mrtpo and gdpo runs)")
     groups = _by(d_auc, axis)
-    per = "; ".join(f"{what} = {x}: {C.ci_text(mean_ci(v))}" for x, v in sorted(groups.items()))
+    per = "; ".join(f"{what} {x}: {C.ci_text(mean_ci(v))}" for x, v in sorted(groups.items()))
     if len(groups) < 2:
         return C.Claim(number, title, C.INCONCLUSIVE, f"MRTPO − GDPO Δ AUC {per}",
                        f"One {what} only: a trend needs the full mode.")  # fmt: skip
     tr, trs = trend(groups), trend(_by(d_steps, axis))
     stat = (
-        f"slope of MRTPO − GDPO Δ AUC per added {what} {C.ci_text(tr.interval, 5)} (per {what}: "
-        f"{per}); slope of Δ steps to threshold {C.ci_text(trs.interval, 3)} "
+        f"slope of MRTPO − GDPO Δ AUC per added {unit} {C.ci_text(tr.interval, 5)} (Δ AUC at "
+        f"{per}); slope of Δ steps to threshold {C.ci_text(trs.interval, 3)} per added {unit} "
         f"({C.claim_verdict(trs.interval, -1)} for fewer steps)"
     )
     return C.Claim(number, title, C.claim_verdict(tr.interval, +1), stat,
@@ -144,21 +161,19 @@ def _slope_claim(number: int, title: str, tab: C.Table, axis: int, what: str) ->
 
 
 def predictions(tab: C.Table, methods: list[str]) -> list[C.Claim]:
-    long = _where(tab, lambda c: c[1] == LONG_FREE)
-    out = [
-        _slope_claim(
-            1,
-            "MRTPO − GDPO grows with the free part's length",
-            _where(tab, lambda c: c[0] == 4),
-            1,
-            "free word",
-        ),
+    """The five predictions; "the longest free part" is the longest of the cells run (60 words
+    in both modes), P1's K is 4 (or, without it, the first cell's)."""
+    longest = max((c[1] for c in tab), default=LONG_FREE)
+    k1 = 4 if any(c[0] == 4 for c in tab) else min(tab, default=(4, 0))[0]
+    long = _where(tab, lambda c: c[1] == longest)
+    title1 = "MRTPO − GDPO grows with the free part's length"
+    return [
+        _slope_claim(1, title1, _where(tab, lambda c: c[0] == k1), 1),
         _mark_claim(long, methods),
         _concentration_claim(long),
         _ablation_claim(long),
-        _slope_claim(5, "The gain grows with K at the longest free part", long, 0, "K"),
+        _slope_claim(5, "The gain grows with K at the longest free part", long, 0),
     ]
-    return out
 
 
 def _mark_claim(long: C.Table, methods: list[str]) -> C.Claim:
@@ -362,8 +377,7 @@ def _design(add, opts: LongOptions, wall_s: float) -> None:
         "otherwise):")  # fmt: skip
     for p in PREDICTIONS:
         add(f"  - {p}")
-    add("- changes to the design after seeing a run, in order: "
-        + ("none." if not DESIGN_HISTORY else ""))  # fmt: skip
+    add("- how the design came about, in order (what had been seen before each decision):")
     for line in DESIGN_HISTORY:
         add(f"  - {line}")
     add(f"- wall time: **{wall_s / 60:.1f} min** on {os.cpu_count()} CPU cores ({opts.workers} "
@@ -463,6 +477,36 @@ def _diagnostics(add, diag: dict, tab: C.Table) -> None:
     add("")
 
 
+def _reading(add, diag: dict) -> None:
+    """The diagnostics in words, by fixed rules: for each cell, does `mark`'s relevance sit on
+    the tokens its checker reads (enrichment = relevance share / token share), does the cap
+    bind (s < 1), and how much more credit MRTPO gives those tokens than GDPO does."""
+    if not diag:
+        return
+    add("What the diagnostics say, cell by cell (for `mark`, the few-token reward; *enrichment* "
+        "= its relevance share on the checker's tokens / their token share):")  # fmt: skip
+    add("")
+    for cell, d in sorted(diag.items()):
+        rel, cr = d["relevance"].get(FEW_TOKEN), d["credit"].get(FEW_TOKEN)
+        if not rel or not cr:
+            add(f"- {label(cell)}: no replayed `{FEW_TOKEN}` pair in the dumps.")
+            continue
+        enr = rel["enrichment"]
+        where = ("on the decisive tokens" if enr >= 2 else
+                 "only weakly on them" if enr > 1 else "no more on them than elsewhere")  # fmt: skip
+        cap = d["cap_s"]
+        ratio = cr["mrtpo"] / cr["gdpo"] if cr["gdpo"] > 0 else math.nan
+        add(f"- {label(cell)}: relevance {where} (enrichment {enr:.1f}×, {rel['q_share']:.0%} of "
+            f"it on {rel['tok_share']:.0%} of the tokens; {cr['free_q']:.0%} of it in the free "
+            f"part, which is {cr['free_t']:.0%} of the tokens); the cap "
+            + (f"binds (mean s = {cap:.2f}: the reallocation is scaled to {cap:.0%})"
+               if cap < 0.99 else "does not bind (s = 1)")
+            + f"; the checker's tokens get {ratio:.1f}× GDPO's share of `{FEW_TOKEN}`'s credit "
+            f"({cr['mrtpo']:.1%} against {cr['gdpo']:.1%}; mean weight before the cap "
+            f"{cr['w']:.2f}).")  # fmt: skip
+    add("")
+
+
 def _figures(add, cells: list[CellRuns], figs: Path) -> None:
     panels = {label(c.cell): {m: list(by_s.values()) for m, by_s in c.runs.items()}
               for c in cells if c.runs}  # fmt: skip
@@ -512,7 +556,9 @@ def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: P
     _starts(add, cells, tab)
     _figures(add, cells, opts.docs / "figures")
     _results(add, cells, tab, opts)
-    _diagnostics(add, diagnostics(cells, tab, opts), tab)
+    diag = diagnostics(cells, tab, opts)
+    _diagnostics(add, diag, tab)
+    _reading(add, diag)
     add("## Reproduce")
     add("")
     add("```")

@@ -197,3 +197,47 @@ def test_long_replication_miniature_end_to_end(tmp_path, cache_dir):
     assert strip((again / "replication_long.md").read_text()).replace(str(again), "") == strip(
         report
     ).replace(str(docs), "")
+
+
+def test_credit_stats_reading_and_picture_of_a_made_up_dump(tmp_path):
+    """One long response whose `mark` relevance sits on the mark: the diagnostics find it on
+    the checker's tokens and outside the free part, and MRTPO's capped weights give those
+    tokens more of the credit than GDPO's even spread."""
+    import yaml
+    from tests.conftest import CONFIG_DIR
+
+    from mrtpo.models import build_tokenizer
+    from mrtpo.tasks.synthetic import SyntheticTask
+
+    tiny = yaml.safe_load((CONFIG_DIR / "model" / "toy.yaml").read_text())["tiny"]
+    tok = build_tokenizer(tiny["vocab_size"], tiny["extra_corpus"])
+    task = SyntheticTask(num_constraints=4, num_train=20, closing_mark=True, free_tokens=4)
+    ex = task.examples("train")[0]
+    by = {c.kind: c.value for c in ex.data["constraints"]}
+    words = [by["first"], *["red"] * (int(by["count"]) - 2), by["last"]]
+    text = f"<think> and or to in </think> {' '.join(words)}{by['mark']}"
+    ids = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    tokens = [tok.decode([i]) for i in ids]
+    n, at = len(ids), len(ids) - 2  # the mark, just before the end
+    q = [0.01] * n
+    q[at] = 0.9
+    mean = sum(q) / n
+    w = [0.5 + 0.5 * x / mean for x in q]  # beta = 0.5
+    rec = {"id": ex.id, "token_ids": ids, "tokens": tokens, "q": {"mark": q}, "w": {"mark": w},
+           "rewards": {"mark": 1.0}, "step": 1, "prompt": "p", "beta": 0.5, "seed": 0}  # fmt: skip
+    cell = L.CellRuns((4, 4), {}, {}, [rec])
+    got = R.credit_stats(cell, task, tok, cap_s=0.5)["mark"]
+    assert got["pairs"] == 1 and got["free_t"] == pytest.approx(10 / n)  # 4 words + 2 x 3 tokens
+    assert got["free_q"] == pytest.approx(0.1 / sum(q))
+    assert got["gdpo"] == pytest.approx(2 / n)  # the mark and the end
+    assert got["w"] > 3 and got["mrtpo"] > 2 * got["gdpo"]  # the mark high, the end low
+    lines: list[str] = []
+    diag = {(4, 4): {"relevance": {"mark": {"enrichment": 8.0, "q_share": 0.9, "tok_share": 0.1}},
+                     "credit": {"mark": got}, "cap_s": 0.5}}  # fmt: skip
+    R._reading(lines.append, diag)
+    text = "\n".join(lines)
+    assert "on the decisive tokens" in text and "binds (mean s = 0.50" in text
+    R.plot_relevance_wrapped(rec, tmp_path / "r.png", tmp_path / "r.html", width=8)
+    assert (tmp_path / "r.png").stat().st_size > 0 and "q=0.9000" in (
+        tmp_path / "r.html"
+    ).read_text()
