@@ -56,6 +56,10 @@ for _name, _fn in (("mrtpo.eval_groups", _help_groups), ("mrtpo.eval_hydra_subdi
         OmegaConf.register_new_resolver(_name, _fn)
 
 
+class SplitDataMissing(FileNotFoundError):
+    """The evaluation split's data files are not there (raised before any model loads)."""
+
+
 def _show(metrics: dict[str, float], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -144,6 +148,8 @@ def from_training_run(
                 "on the command line"
             ) from exc
         node = OmegaConf.create(node)
+        if group == "task":
+            info["dropped"] = _drop_smoke_limits(node, keys)
         for key in keys:  # e.g. model.name_or_path=/local/copy of the run's model
             sub = key[len(group) + 1 :]
             value = OmegaConf.select(cfg, key, default=None)
@@ -155,6 +161,28 @@ def from_training_run(
         )
         log.info("eval: %s from the training run %s", group, saved.parent.parent)
     return cfg, info
+
+
+#: Task keys that shrink a training run's data (smoke runs, tests): an evaluation of its
+#: checkpoint scores the whole split unless the command line sets them again.
+SMOKE_LIMITS = ("max_examples", "data.max_examples")
+
+
+def _drop_smoke_limits(task: DictConfig, given: list[str]) -> list[str]:
+    """Null the run's ``task.max_examples``-style limits (not the ones given here); say so."""
+    dropped = []
+    for key in SMOKE_LIMITS:
+        value = OmegaConf.select(task, key, default=None)
+        if value is None or f"task.{key}" in given:
+            continue
+        OmegaConf.update(task, key, None)
+        dropped.append(f"task.{key}={value}")
+        log.warning(
+            "eval: the training run's task.%s=%s (a training limit) is not applied: the whole "
+            "split is scored; pass task.%s=%s to keep it (eval.limit=N: the first N)",
+            key, value, key, value,
+        )  # fmt: skip
+    return dropped
 
 
 def load_checkpoint_weights(policy, ckpt_path: str, model_source: str = "") -> int | None:
@@ -244,7 +272,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
     cfg, source = from_training_run(cfg, overrides)
     task = instantiate(cfg.task)
     options = OmegaConf.to_container(ev, resolve=True)
-    examples = list(task.eval_examples(ev.split, options))
+    try:
+        examples = list(task.eval_examples(ev.split, options))
+    except FileNotFoundError as exc:
+        raise SplitDataMissing(str(exc)) from exc
     beyond = [str(e.id) for e in examples[limit:]] if limit else []
     if limit:
         examples = examples[:limit]

@@ -114,6 +114,12 @@ def family_of(name: str) -> str:
     return key
 
 
+def _quoted(path: Path) -> str:
+    """A path as a Hydra override value: a sweep's run folders hold ``=`` and ``,``."""
+    text = str(path).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{text}'"
+
+
 def _source(folder: Path) -> Source:
     """How to evaluate ``folder`` (a training run or a policy folder), and its method/seed."""
     from mrtpo.analysis.sweep import load_run
@@ -121,11 +127,13 @@ def _source(folder: Path) -> Source:
     ckpt = folder / "checkpoints" / "last.ckpt"
     has_run = (folder / ".hydra" / "config.yaml").is_file()
     if has_run and ckpt.is_file():
-        overrides = [f"ckpt_path={ckpt}"]
+        overrides = [f"ckpt_path={_quoted(ckpt)}"]
     elif has_run and (folder / "policy" / "config.json").is_file():
-        overrides = ["ckpt_path=null", f"model.name_or_path={folder / 'policy'}"]
+        overrides = ["ckpt_path=null", f"model.name_or_path={_quoted(folder / 'policy')}"]
     elif (folder / "config.json").is_file():
-        return Source(folder, [f"model.name_or_path={folder}"], (f"policy={folder.name}",), "-")
+        return Source(
+            folder, [f"model.name_or_path={_quoted(folder)}"], (f"policy={folder.name}",), "-"
+        )
     else:
         raise SystemExit(
             f"error: {folder}: neither a training run (checkpoints/last.ckpt or policy/) nor a "
@@ -166,7 +174,7 @@ def evaluate_cell(
 ) -> Cell:
     """One split of one folder, through the evaluation job of ``src/eval.py``."""
     from mrtpo.config import compose
-    from mrtpo.evaluate_cli import run
+    from mrtpo.evaluate_cli import SplitDataMissing, run
 
     overrides = [
         *prefer,
@@ -174,7 +182,7 @@ def evaluate_cell(
         *src.overrides,
         f"eval.split={bench.split}",
         *bench.overrides,
-        f"eval.output={out}",
+        f"eval.output={_quoted(out)}",
         *extra,
     ]
     try:
@@ -182,7 +190,7 @@ def evaluate_cell(
         if bench.needs and not cfg.eval.get(bench.needs):
             return Cell(status="skipped", reason=f"needs eval.{bench.needs}")
         metrics = run(cfg, overrides=overrides)
-    except FileNotFoundError as exc:
+    except SplitDataMissing as exc:
         return Cell(status="absent", reason=_one_line(exc))
     except Exception as exc:  # one split's failure leaves the others scored
         log.exception("%s on %s failed", src.path, bench.split)
