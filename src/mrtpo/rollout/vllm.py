@@ -141,8 +141,8 @@ def check_cpu_head_dim(model: str) -> None:
         return
     raise VLLMUnavailableError(
         f"vLLM's CPU attention has no kernel for head_dim={head} of {model} (supported: "
-        f"{sizes}). For the tiny model give it fewer, wider heads: model.tiny."
-        "num_attention_heads=2 model.tiny.num_key_value_heads=1 (head_dim 32); otherwise "
+        f"{sizes}). For the tiny model use model=tiny_wide (two heads of 32; or "
+        "model.tiny.num_attention_heads=2 model.tiny.num_key_value_heads=1); otherwise "
         "use rollout=hf on this machine"
     )
 
