@@ -653,111 +653,144 @@ class SQLExecutor:
         results: list[ExecOutcome | None],
         partial: dict[int, ExecOutcome],
     ) -> None:
-        lim = self.limits
-        stage_s = lim.timeout_s + lim.hard_margin_s
-        while len(self._workers) < min(self.n_workers, len(work)):
-            self._workers.append(_Worker(lim))
-        by_fd = {w.fd: w for w in self._workers}
-        pending = deque((i, 0) for i in work)  # (job index, attempt)
-        frames: dict[int, bytes] = {}  # encoded jobs
-        # Each worker holds up to PIPELINE jobs (FIFO) so that it never waits for the parent.
-        # The head job is the one running; its stage and hard deadline are tracked.
-        queue: dict[int, deque[tuple[int, int]]] = {w.fd: deque() for w in self._workers}
-        head: dict[int, list[Any]] = {}  # fd -> [deadline, start time, stage]
+        _PoolRound(self, work, results, partial).run()
 
-        def replace(w: _Worker) -> None:
-            w.kill()
-            self._workers.remove(w)
-            by_fd.pop(w.fd, None)
-            for i, attempt in reversed(queue.pop(w.fd, deque())):
-                pending.appendleft((i, attempt))  # not started: no attempt used
-            head.pop(w.fd, None)
-            nw = _Worker(lim)
-            self._workers.append(nw)
-            by_fd[nw.fd] = nw
-            queue[nw.fd] = deque()
-            self.stats["restarts"] += 1
 
-        def fail_or_retry(i: int, attempt: int, reason: str, t0: float) -> None:
-            if attempt < 1:
-                pending.appendleft((i, attempt + 1))
-            else:
-                results[i] = _failed(work[i], reason, "crash", t0)
+class _PoolRound:
+    """One ``SQLExecutor.run`` call's jobs spread over the executor's worker processes.
 
-        while pending or any(queue.values()):
-            for w in list(self._workers):
-                q = queue[w.fd]
-                while pending and len(q) < self.PIPELINE:
-                    i, attempt = pending[0]
-                    frame = frames.get(i) or frames.setdefault(i, _Worker.encode(work[i]))
-                    if q and len(frame) > self.PIPELINE_MAX_BYTES:
-                        # A busy worker does not read its pipe: a large write would block
-                        # the parent (and its deadlines) until the running query ends.
-                        break
-                    pending.popleft()
-                    try:
-                        w.send(frame)
-                    except OSError:  # the worker is gone already
-                        pending.appendleft((i, attempt))
-                        self.stats["crashed"] += 1
-                        replace(w)
-                        break
-                    q.append((i, attempt))
-                    if w.fd not in head:
-                        # A fresh interpreter needs a moment to start before its first tick.
-                        grace = 5.0 if time.monotonic() - w.started < 5.0 else 0.0
-                        now = time.monotonic()
-                        head[w.fd] = [now + stage_s + grace, now, "start"]
-            if not head:
+    Each worker holds up to ``PIPELINE`` jobs (FIFO) so that it never waits for the parent.
+    The head job is the one running; its stage and hard deadline are tracked. A worker
+    that dies or passes its deadline is replaced; its queued jobs go back to ``pending``.
+    """
+
+    def __init__(
+        self,
+        ex: SQLExecutor,
+        work: dict[int, ExecJob],
+        results: list[ExecOutcome | None],
+        partial: dict[int, ExecOutcome],
+    ) -> None:
+        self.ex, self.work, self.results, self.partial = ex, work, results, partial
+        self.lim = ex.limits
+        self.stage_s = self.lim.timeout_s + self.lim.hard_margin_s
+        while len(ex._workers) < min(ex.n_workers, len(work)):
+            ex._workers.append(_Worker(self.lim))
+        self.by_fd = {w.fd: w for w in ex._workers}
+        self.pending = deque((i, 0) for i in work)  # (job index, attempt)
+        self.frames: dict[int, bytes] = {}  # encoded jobs
+        self.queue: dict[int, deque[tuple[int, int]]] = {w.fd: deque() for w in ex._workers}
+        self.head: dict[int, list[Any]] = {}  # fd -> [deadline, start time, stage]
+
+    def run(self) -> None:
+        while self.pending or any(self.queue.values()):
+            for w in list(self.ex._workers):
+                self._feed(w)
+            if not self.head:
                 continue
-            timeout = max(0.0, min(h[0] for h in head.values()) - time.monotonic())
-            # poll, not select: a trainer may hold more than FD_SETSIZE (1024) descriptors
-            poller = select.poll()
-            for fd in head:
-                poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
-            ready = [fd for fd, _ in poller.poll(math.ceil(timeout * 1000))]
-            for fd in ready:
-                w = by_fd[fd]
-                try:
-                    msgs = w.read_messages()
-                except OSError:
-                    msgs = None
-                if msgs is None:  # the worker died under its head job
-                    i, attempt = queue[fd].popleft()
-                    t0 = head[fd][1]
-                    self.stats["crashed"] += 1
-                    replace(w)
-                    fail_or_retry(i, attempt, "the executor process crashed", t0)
-                    continue
-                for kind, payload in msgs:
-                    now = time.monotonic()
-                    if kind == "tick":
-                        head[fd][0], head[fd][2] = now + stage_s, payload
-                    elif kind == "done":
-                        i, _attempt = queue[fd].popleft()
-                        results[i] = ExecOutcome(**payload)
-                        self.stats["jobs"] += 1
-                        if queue[fd]:
-                            head[fd] = [now + stage_s, now, "start"]
-                        else:
-                            del head[fd]
+            for fd in self._wait_ready():
+                self._read(fd)
+            self._expire()
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.ex._workers.remove(w)
+        self.by_fd.pop(w.fd, None)
+        for i, attempt in reversed(self.queue.pop(w.fd, deque())):
+            self.pending.appendleft((i, attempt))  # not started: no attempt used
+        self.head.pop(w.fd, None)
+        nw = _Worker(self.lim)
+        self.ex._workers.append(nw)
+        self.by_fd[nw.fd] = nw
+        self.queue[nw.fd] = deque()
+        self.ex.stats["restarts"] += 1
+
+    def _fail_or_retry(self, i: int, attempt: int, reason: str, t0: float) -> None:
+        if attempt < 1:
+            self.pending.appendleft((i, attempt + 1))
+        else:
+            self.results[i] = _failed(self.work[i], reason, "crash", t0)
+
+    def _feed(self, w: _Worker) -> None:
+        """Send pending jobs to ``w`` until its pipeline is full."""
+        q, pending = self.queue[w.fd], self.pending
+        while pending and len(q) < self.ex.PIPELINE:
+            i, attempt = pending[0]
+            frame = self.frames.get(i) or self.frames.setdefault(i, _Worker.encode(self.work[i]))
+            if q and len(frame) > self.ex.PIPELINE_MAX_BYTES:
+                # A busy worker does not read its pipe: a large write would block
+                # the parent (and its deadlines) until the running query ends.
+                break
+            pending.popleft()
+            try:
+                w.send(frame)
+            except OSError:  # the worker is gone already
+                pending.appendleft((i, attempt))
+                self.ex.stats["crashed"] += 1
+                self._replace(w)
+                break
+            q.append((i, attempt))
+            if w.fd not in self.head:
+                # A fresh interpreter needs a moment to start before its first tick.
+                grace = 5.0 if time.monotonic() - w.started < 5.0 else 0.0
+                now = time.monotonic()
+                self.head[w.fd] = [now + self.stage_s + grace, now, "start"]
+
+    def _wait_ready(self) -> list[int]:
+        """The descriptors of busy workers with something to read, by the first deadline."""
+        timeout = max(0.0, min(h[0] for h in self.head.values()) - time.monotonic())
+        # poll, not select: a trainer may hold more than FD_SETSIZE (1024) descriptors
+        poller = select.poll()
+        for fd in self.head:
+            poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return [fd for fd, _ in poller.poll(math.ceil(timeout * 1000))]
+
+    def _read(self, fd: int) -> None:
+        """Take a worker's ticks and finished jobs; a dead worker fails or retries its head."""
+        w, queue, head = self.by_fd[fd], self.queue, self.head
+        try:
+            msgs = w.read_messages()
+        except OSError:
+            msgs = None
+        if msgs is None:  # the worker died under its head job
+            i, attempt = queue[fd].popleft()
+            t0 = head[fd][1]
+            self.ex.stats["crashed"] += 1
+            self._replace(w)
+            self._fail_or_retry(i, attempt, "the executor process crashed", t0)
+            return
+        for kind, payload in msgs:
             now = time.monotonic()
-            for fd, (deadline, t0, stage) in list(head.items()):
-                if now < deadline:
-                    continue
-                i, attempt = queue[fd].popleft()
-                self.stats["killed"] += 1
-                replace(by_fd[fd])
-                reason = time_limit_message(lim) + " (its worker process was stopped)"
-                job = work[i]
-                if stage == "gold" and job.pred is not None:
-                    # The reference hung: record that, then still check the prediction.
-                    partial[i] = ExecOutcome(gold_ok=False, gold_error=reason, match=False)
-                    work[i] = dataclasses.replace(job, gold=None, pred_match=None)
-                    frames.pop(i, None)
-                    pending.append((i, attempt))
+            if kind == "tick":
+                head[fd][0], head[fd][2] = now + self.stage_s, payload
+            elif kind == "done":
+                i, _attempt = queue[fd].popleft()
+                self.results[i] = ExecOutcome(**payload)
+                self.ex.stats["jobs"] += 1
+                if queue[fd]:
+                    head[fd] = [now + self.stage_s, now, "start"]
                 else:
-                    results[i] = _failed(job, reason, "time", t0)
+                    del head[fd]
+
+    def _expire(self) -> None:
+        """Stop the workers whose head job passed its deadline."""
+        now = time.monotonic()
+        for fd, (deadline, t0, stage) in list(self.head.items()):
+            if now < deadline:
+                continue
+            i, attempt = self.queue[fd].popleft()
+            self.ex.stats["killed"] += 1
+            self._replace(self.by_fd[fd])
+            reason = time_limit_message(self.lim) + " (its worker process was stopped)"
+            job = self.work[i]
+            if stage == "gold" and job.pred is not None:
+                # The reference hung: record that, then still check the prediction.
+                self.partial[i] = ExecOutcome(gold_ok=False, gold_error=reason, match=False)
+                self.work[i] = dataclasses.replace(job, gold=None, pred_match=None)
+                self.frames.pop(i, None)
+                self.pending.append((i, attempt))
+            else:
+                self.results[i] = _failed(job, reason, "time", t0)
 
 
 def _failed(job: ExecJob, reason: str, kind: str, t0: float) -> ExecOutcome:
