@@ -117,6 +117,29 @@ class StepLine(L.Callback):
         print("  ".join(parts), flush=True)
 
 
+TOTAL = "reward/total"
+
+
+def column_groups(head: list[str], body: list[list[str]], width: int) -> list[list[int]]:
+    """Column indices split into tables that each fit ``width`` characters, every one
+    starting with the first column (the steps), so no header or value is cut short."""
+
+    def need(c: int) -> int:  # rich's box: a border and one space of padding each side
+        label = head[c].removeprefix("reward/")
+        return max([len(label), *(len(r[c]) for r in body)]) + 3
+
+    groups: list[list[int]] = []
+    cur, used = [0], need(0) + 1
+    for c in range(1, len(head)):
+        if len(cur) > 1 and used + need(c) > width:
+            groups.append(cur)
+            cur, used = [0], need(0) + 1
+        cur.append(c)
+        used += need(c)
+    groups.append(cur)
+    return groups
+
+
 class RunSummary(L.Callback):
     """Means of each reward (and success) over blocks of ``block`` steps, at the end."""
 
@@ -124,6 +147,7 @@ class RunSummary(L.Callback):
         self.block = max(1, int(block))
         self.plot = plot
         self.rows: list[dict[str, float]] = []
+        self.steps: list[int] = []  # the RL step of each row (a resumed run starts past 1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
@@ -135,6 +159,7 @@ class RunSummary(L.Callback):
                     row[k.removeprefix("train/").removesuffix("/mean")] = v
         if row:
             self.rows.append(row)
+            self.steps.append(int(trainer.global_step))
 
     def table(self) -> tuple[list[str], list[list[str]]]:
         names = []
@@ -144,7 +169,9 @@ class RunSummary(L.Callback):
         body = []
         for a in range(0, len(self.rows), self.block):
             chunk = self.rows[a : a + self.block]
-            cells = [f"{a + 1}-{a + len(chunk)}"]
+            steps = self.steps[a : a + len(chunk)] if len(self.steps) == len(self.rows) else []
+            first, last = (steps[0], steps[-1]) if steps else (a + 1, a + len(chunk))
+            cells = [f"{first}-{last}"]
             for k in names:
                 vals = [r[k] for r in chunk if k in r]
                 cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "")
@@ -158,12 +185,16 @@ class RunSummary(L.Callback):
         from rich.table import Table
 
         head, body = self.table()
-        t = Table(title=f"{type(pl_module).__name__}: means over blocks of {self.block} steps")
-        for h in head:
-            t.add_column(h.removeprefix("reward/"), justify="right")
-        for row in body:
-            t.add_row(*row)
-        Console().print(t)
+        console = Console()
+        title = f"{type(pl_module).__name__}: means over blocks of {self.block} steps"
+        for cols in column_groups(head, body, console.width):
+            t = Table(title=title)
+            for c in cols:
+                t.add_column(head[c].removeprefix("reward/"), justify="right", no_wrap=True)
+            for row in body:
+                t.add_row(*[row[c] for c in cols])
+            console.print(t)
+            title = None
         if "success" in head:
             first = [r["success"] for r in self.rows[: self.block] if "success" in r]
             last = [r["success"] for r in self.rows[-self.block :] if "success" in r]
@@ -185,13 +216,21 @@ class RunSummary(L.Callback):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        names = sorted({k for r in self.rows for k in r})
+        names = sorted({k for r in self.rows for k in r} - {TOTAL})
+        steps = self.steps if len(self.steps) == len(self.rows) else range(1, len(self.rows) + 1)
         fig, ax = plt.subplots(figsize=(7, 4))
         for k in names:
-            xs = [i + 1 for i, r in enumerate(self.rows) if k in r]
+            xs = [x for x, r in zip(steps, self.rows, strict=True) if k in r]
             ax.plot(xs, [r[k] for r in self.rows if k in r], label=k, lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("mean over the step's responses")
+        if any(TOTAL in r for r in self.rows):  # 0..K: its own axis, not the rewards' 0..1
+            right = ax.twinx()
+            xs = [x for x, r in zip(steps, self.rows, strict=True) if TOTAL in r]
+            right.plot(xs, [r[TOTAL] for r in self.rows if TOTAL in r], "k--", lw=1.0,
+                       label="total (right axis)")  # fmt: skip
+            right.set_ylabel("summed reward (total)")
+            right.legend(fontsize=7, loc="lower right")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
         fig.tight_layout()

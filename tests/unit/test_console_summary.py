@@ -1,0 +1,41 @@
+"""The end-of-run table: whole headers and values at 80 columns, the run's own step numbers
+(a resumed run does not restart at 1), the summed reward on its own axis of curves.png."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from mrtpo.callbacks.console import RunSummary, column_groups
+
+
+def _summary(first_step: int, k: int = 13) -> RunSummary:
+    s = RunSummary(block=5, plot=True)
+    for i in range(10):
+        row = {f"reward/c{j}": 0.5 for j in range(k)}
+        row["reward/total"] = 6.5
+        s.rows.append(row)
+        s.steps.append(first_step + i)
+    return s
+
+
+def test_resumed_run_labels_its_own_steps():
+    head, body = _summary(21).table()
+    assert [r[0] for r in body] == ["21-25", "26-30"]
+    assert head[:2] == ["steps", "reward/total"]
+
+
+def test_wide_table_is_split_not_truncated(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    s = _summary(1)
+    head, body = s.table()
+    groups = column_groups(head, body, 80)
+    assert len(groups) > 1 and all(g[0] == 0 for g in groups)
+    assert sorted({c for g in groups for c in g}) == list(range(len(head)))
+    trainer = SimpleNamespace(is_global_zero=True, default_root_dir=str(tmp_path))
+    s.on_train_end(trainer, SimpleNamespace())
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert max(map(len, out.splitlines())) <= 80
+    for name in ("total", "c0", "c12"):
+        assert f" {name} " in out
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
