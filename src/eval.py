@@ -12,9 +12,9 @@ import mrtpo.evaluate_cli  # noqa: F401  (and eval's own: --help groups, output 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
 def main(cfg: DictConfig) -> None:
-    from mrtpo.evaluate_cli import run
+    from mrtpo.evaluate_cli import main_job
 
-    run(cfg)
+    main_job(cfg)
 
 
 if __name__ == "__main__":

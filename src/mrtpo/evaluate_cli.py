@@ -258,6 +258,38 @@ def eval_sampling(cfg: DictConfig, n: int):
     return SamplingConfig(**base, greedy=greedy)
 
 
+#: What a bad value or missing data raises: src/eval.py prints its message alone.
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
+
+
+def main_job(cfg: DictConfig) -> dict[str, float]:
+    """``src/eval.py``'s job: a bad setting, missing data or a model that cannot load ends it
+    with the message alone (one or two lines; the traceback goes to the run's log file)."""
+    import sys
+
+    try:
+        return run(cfg)
+    except USER_ERRORS as exc:
+        log.debug("eval stopped", exc_info=True)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: {text}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _load_model(cfg: DictConfig):
+    """The policy and tokenizer of ``model``; a folder or hub id that does not hold a model
+    is a ValueError naming ``model.name_or_path`` and the loader's last line."""
+    from mrtpo.models import load_policy
+
+    try:
+        return load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
+    except (OSError, ValueError, KeyError) as exc:
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise ValueError(
+            f"model.name_or_path={cfg.model.get('name_or_path')}: cannot load the model ({last})"
+        ) from exc
+
+
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]:
     """Evaluate as ``src/eval.py`` does; ``overrides``: the command line behind ``cfg`` when a
     caller composed it (what decides which groups a checkpoint's run supplies)."""
@@ -310,11 +342,11 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
     import torch
     from rich.progress import Progress
 
-    from mrtpo.models import eos_token_ids, load_policy
+    from mrtpo.models import eos_token_ids
     from mrtpo.rollout.build import build_rollout
 
     torch.manual_seed(cfg.seed)
-    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
+    policy, tokenizer = _load_model(cfg)
     if cfg.get("ckpt_path"):
         scored["checkpoint_step"] = load_checkpoint_weights(
             policy, cfg.ckpt_path, source.get("model_source", "")
