@@ -212,15 +212,7 @@ class HFEngine(RolloutEngine):
         flat = [p for p in prompts for _ in range(n)]
         gen = torch.Generator(device="cpu").manual_seed(seed)
         config = generation_config(sampling, self.eos_ids, pad)
-        if not self._warned:
-            self._warned = True
-            self.overridden = overridden_defaults(model, config)
-            if self.overridden:
-                log.warning(
-                    "the checkpoint's generation_config sets %s: not applied, sampling follows "
-                    "rollout.sampling only (evaluation: its eval settings)",
-                    ", ".join(f"{k}={v!r}" for k, v in sorted(self.overridden.items())),
-                )
+        self._warn_overridden_once(model, config)
         # Log-probs of a truncated sampler are not softmax(z / t): none are reported.
         record = config.do_sample and not sampling.truncated
         end = self.eos_ids[0] if self.eos_ids else (pad if pad is not None else 0)
@@ -246,12 +238,7 @@ class HFEngine(RolloutEngine):
                 )
             for start in range(0, len(flat), self.batch_size):
                 chunk = flat[start : start + self.batch_size]
-                width = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-                attn = torch.zeros_like(ids)
-                for i, p in enumerate(chunk):
-                    ids[i, width - len(p) :] = torch.tensor(p)
-                    attn[i, width - len(p) :] = 1
+                ids, attn = _left_padded(chunk, pad)
                 # generate() samples from the global RNG; seed it from our generator so a
                 # resumed run draws the same samples as an uninterrupted one.
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
@@ -263,22 +250,7 @@ class HFEngine(RolloutEngine):
                     logits_processor=[guard] if recorder is None else [guard, recorder],
                     synced_gpus=lockstep,
                 )
-                new = seqs[:, width:]
-                table = None
-                if recorder is not None:
-                    if new.shape[1]:
-                        recorder.take(new[:, -1])
-                    table = recorder.table()
-                for r, row in enumerate(new.tolist()):
-                    toks: list[int] = []
-                    finished = False
-                    for t in row:
-                        toks.append(t)
-                        if t in self.eos_ids:
-                            finished = True
-                            break
-                    lps = None if table is None else table[r, : len(toks)].tolist()
-                    out.append(Generation(token_ids=toks, finished=finished, logprobs=lps))
+                out.extend(self._responses(seqs[:, ids.shape[1] :], recorder))
         finally:
             if own_config is not None:
                 model.generation_config = own_config
@@ -287,3 +259,47 @@ class HFEngine(RolloutEngine):
         if ranks.any(guard.bad):
             raise NonFiniteLogitsError()
         return out
+
+    def _warn_overridden_once(self, model, config) -> None:
+        """Name, once per engine, the checkpoint sampling settings that are not applied."""
+        if self._warned:
+            return
+        self._warned = True
+        self.overridden = overridden_defaults(model, config)
+        if self.overridden:
+            log.warning(
+                "the checkpoint's generation_config sets %s: not applied, sampling follows "
+                "rollout.sampling only (evaluation: its eval settings)",
+                ", ".join(f"{k}={v!r}" for k, v in sorted(self.overridden.items())),
+            )
+
+    def _responses(self, new: torch.Tensor, recorder: _SampledLogprobs | None) -> list[Generation]:
+        """The generated rows cut after their first end token, with their log-probs if recorded."""
+        table = None
+        if recorder is not None:
+            if new.shape[1]:
+                recorder.take(new[:, -1])
+            table = recorder.table()
+        out: list[Generation] = []
+        for r, row in enumerate(new.tolist()):
+            toks: list[int] = []
+            finished = False
+            for t in row:
+                toks.append(t)
+                if t in self.eos_ids:
+                    finished = True
+                    break
+            lps = None if table is None else table[r, : len(toks)].tolist()
+            out.append(Generation(token_ids=toks, finished=finished, logprobs=lps))
+        return out
+
+
+def _left_padded(chunk: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of prompts padded on the left to the longest one."""
+    width = max(len(p) for p in chunk)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(chunk):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    return ids, attn
