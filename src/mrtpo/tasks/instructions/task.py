@@ -93,18 +93,7 @@ class InstructionTask(Task):
             raise ValueError("task.unavailable_checkers must be 'error' or 'skip'")
         self.max_constraints = int(max_constraints)
         self.reward_names = tuple(f"c{i}" for i in range(self.max_constraints))
-        self.data_cfg = {
-            "path": None,
-            "subsets": ["ifeval", "ifbench"],
-            "template": "type6",
-            "checkers": "hir",
-            **dict(data or {}),
-        }
-        if self.data_cfg["checkers"] not in checkers.CHECKER_VARIANTS:
-            raise ValueError(
-                f"task.data.checkers must be one of {list(checkers.CHECKER_VARIANTS)}, "
-                f"got {self.data_cfg['checkers']!r}"
-            )
+        self.data_cfg = _data_config(data)
         if max_response_chars is not None and int(max_response_chars) < 1:
             raise ValueError("task.max_response_chars must be >= 1 (or null for no cap)")
         self.max_response_chars = None if max_response_chars is None else int(max_response_chars)
@@ -112,18 +101,7 @@ class InstructionTask(Task):
         self.n_timeouts = 0  # checker calls that ran past the budget (logged once)
         self.muldimif_cfg = {"checker_dir": DEFAULT_MULDIMIF_DIR, **dict(muldimif or {})}
         self.n_over_length = 0  # responses refused by the length cap (logged once)
-        self.gen_cfg = {
-            "num_prompts": 2048,
-            "seed": 0,
-            "min_constraints": 5,
-            "max_constraints": 13,
-            **dict(generator or {}),
-        }
-        if int(self.gen_cfg["max_constraints"]) > self.max_constraints:
-            raise ValueError(
-                f"task.generator.max_constraints ({self.gen_cfg['max_constraints']}) exceeds "
-                f"task.max_constraints ({self.max_constraints})"
-            )
+        self.gen_cfg = _generator_config(generator, self.max_constraints)
         self.eval_files = {**DEFAULT_EVAL_FILES, **dict(eval_files or {})}
         self.val_split = val_split
         self.nltk_data_dir = str(nltk_data_dir)
@@ -154,46 +132,9 @@ class InstructionTask(Task):
             split_from = "hir" if self.data_cfg.get("path") else "generated"
             return self._load(split_from)
         if split == "generated":
-            reg = self._registry("ifeval")
-            g = self.gen_cfg
-            recs = generate_records(
-                reg,
-                int(g["num_prompts"]),
-                seed=int(g["seed"]),
-                min_constraints=int(g["min_constraints"]),
-                max_constraints=int(g["max_constraints"]),
-            )
-            return self._examples(split, recs, is_eval=False)
+            return self._load_generated()
         if split == "hir":
-            path = self.data_cfg.get("path")
-            if not path:
-                raise ValueError("split 'hir' needs task.data.path (a HIR-16K parquet/jsonl file)")
-            subsets = list(self.data_cfg.get("subsets") or [])
-            bad = [s for s in subsets if HIR_SUBSETS.get(s, s) not in TRAINABLE_SUBSETS]
-            if bad or not subsets:
-                raise ValueError(
-                    f"task.data.subsets={subsets}: only the subsets the installed checkers "
-                    f"score can be trained on: {list(TRAINABLE_SUBSETS)} (or type1, type2)"
-                )
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"HIR-16K file not found: {path} (task.data.path)")
-            recs, skipped = load_hir(path, subsets, str(self.data_cfg["template"]))
-            recs = self._known_and_fitting(recs, skipped)
-            self.hir_counts = {
-                "prompts": len(recs),
-                "constraints": sum(len(r.constraints) for r in recs),
-                **{f"skipped/{k}": v for k, v in skipped.items()},
-            }
-            log.info(
-                "HIR-16K %s: kept %d prompts (%d constraints); skipped %s",
-                path,
-                len(recs),
-                self.hir_counts["constraints"],
-                dict(skipped),
-            )
-            if not recs:
-                raise ValueError(f"no usable HIR-16K prompts in {path} (skipped: {dict(skipped)})")
-            return self._examples(split, recs, is_eval=False)
+            return self._load_hir()
         if split in ("ifeval", "ifbench"):
             recs = load_benchmark(self._eval_file(split), split)
             unknown = Counter(
@@ -212,6 +153,50 @@ class InstructionTask(Task):
             f"unknown split {split!r} for task ifeval: use train, val, generated, hir, ifeval, "
             "ifbench, muldimif or advancedif"
         )
+
+    def _load_generated(self) -> list[Example]:
+        """Prompts drawn by the constraint generator (task.generator)."""
+        g = self.gen_cfg
+        recs = generate_records(
+            self._registry("ifeval"),
+            int(g["num_prompts"]),
+            seed=int(g["seed"]),
+            min_constraints=int(g["min_constraints"]),
+            max_constraints=int(g["max_constraints"]),
+        )
+        return self._examples("generated", recs, is_eval=False)
+
+    def _load_hir(self) -> list[Example]:
+        """HIR-16K prompts from task.data.path, of the subsets the checkers score."""
+        path = self.data_cfg.get("path")
+        if not path:
+            raise ValueError("split 'hir' needs task.data.path (a HIR-16K parquet/jsonl file)")
+        subsets = list(self.data_cfg.get("subsets") or [])
+        bad = [s for s in subsets if HIR_SUBSETS.get(s, s) not in TRAINABLE_SUBSETS]
+        if bad or not subsets:
+            raise ValueError(
+                f"task.data.subsets={subsets}: only the subsets the installed checkers "
+                f"score can be trained on: {list(TRAINABLE_SUBSETS)} (or type1, type2)"
+            )
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"HIR-16K file not found: {path} (task.data.path)")
+        recs, skipped = load_hir(path, subsets, str(self.data_cfg["template"]))
+        recs = self._known_and_fitting(recs, skipped)
+        self.hir_counts = {
+            "prompts": len(recs),
+            "constraints": sum(len(r.constraints) for r in recs),
+            **{f"skipped/{k}": v for k, v in skipped.items()},
+        }
+        log.info(
+            "HIR-16K %s: kept %d prompts (%d constraints); skipped %s",
+            path,
+            len(recs),
+            self.hir_counts["constraints"],
+            dict(skipped),
+        )
+        if not recs:
+            raise ValueError(f"no usable HIR-16K prompts in {path} (skipped: {dict(skipped)})")
+        return self._examples("hir", recs, is_eval=False)
 
     def _muldimif(self) -> Any:
         return muldimif.load_harness(str(self.muldimif_cfg["checker_dir"]), self.nltk_data_dir)
@@ -550,3 +535,37 @@ class InstructionTask(Task):
         out.update(dict.fromkeys(groups, 0.0))
         out.update(official)
         return out
+
+
+def _data_config(data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """task.data with its defaults; an unknown checker variant is refused."""
+    cfg = {
+        "path": None,
+        "subsets": ["ifeval", "ifbench"],
+        "template": "type6",
+        "checkers": "hir",
+        **dict(data or {}),
+    }
+    if cfg["checkers"] not in checkers.CHECKER_VARIANTS:
+        raise ValueError(
+            f"task.data.checkers must be one of {list(checkers.CHECKER_VARIANTS)}, "
+            f"got {cfg['checkers']!r}"
+        )
+    return cfg
+
+
+def _generator_config(generator: Mapping[str, Any] | None, max_constraints: int) -> dict[str, Any]:
+    """task.generator with its defaults; it may not draw more than task.max_constraints."""
+    cfg = {
+        "num_prompts": 2048,
+        "seed": 0,
+        "min_constraints": 5,
+        "max_constraints": 13,
+        **dict(generator or {}),
+    }
+    if int(cfg["max_constraints"]) > max_constraints:
+        raise ValueError(
+            f"task.generator.max_constraints ({cfg['max_constraints']}) exceeds "
+            f"task.max_constraints ({max_constraints})"
+        )
+    return cfg
