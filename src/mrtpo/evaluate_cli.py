@@ -50,8 +50,31 @@ def _hydra_subdir(output) -> str:
     return _SUBDIRS[key]
 
 
+def _task_name(choice: str, ckpt_path, overrides) -> str:
+    """The task an evaluation scores, for its folder name: the training run's (its
+    ``.hydra/hydra.yaml`` or ``job.json``) when ``ckpt_path`` is given without ``task=``."""
+    given = any(str(o).lstrip("+").startswith("task=") for o in (overrides or []))
+    if not ckpt_path or given:
+        return choice
+    run = run_config_path(str(ckpt_path)).parent.parent
+    try:
+        saved = OmegaConf.load(run / ".hydra" / "hydra.yaml")
+        return str(saved.hydra.runtime.choices.task)
+    except Exception:  # no saved Hydra config: the job's record, else the choice
+        import json
+
+        try:
+            return str(json.loads((run / "job.json").read_text())["task"] or choice)
+        except Exception:
+            return choice
+
+
 # configs/hydra/eval.yaml resolves these; src/eval.py imports this module before Hydra runs.
-for _name, _fn in (("mrtpo.eval_groups", _help_groups), ("mrtpo.eval_hydra_subdir", _hydra_subdir)):
+for _name, _fn in (
+    ("mrtpo.eval_groups", _help_groups),
+    ("mrtpo.eval_hydra_subdir", _hydra_subdir),
+    ("mrtpo.eval_task_name", _task_name),
+):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)
 

@@ -34,3 +34,12 @@ def test_smoke_limit_given_again_is_kept(tmp_path):
     cfg = compose_config("eval.yaml", given)
     cfg, info = from_training_run(cfg, overrides=given)
     assert cfg.task.max_examples == 16 and info["dropped"] == []
+
+
+def test_eval_folder_is_named_after_the_runs_task(tmp_path):
+    ckpt = _run_with_limit(tmp_path)
+    (ckpt.parent.parent / "job.json").write_text('{"task": "text2sql"}')
+    assert compose_config("eval.yaml", [f"ckpt_path={ckpt}"]).run_name == "eval-text2sql"
+    chosen = compose_config("eval.yaml", [f"ckpt_path={ckpt}", "task=ifeval"])
+    assert chosen.run_name == "eval-ifeval"
+    assert compose_config("eval.yaml", []).run_name == "eval-synthetic"
