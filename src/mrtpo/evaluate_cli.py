@@ -74,6 +74,7 @@ for _name, _fn in (
     ("mrtpo.eval_groups", _help_groups),
     ("mrtpo.eval_hydra_subdir", _hydra_subdir),
     ("mrtpo.eval_task_name", _task_name),
+    ("mrtpo.flat_dirname", lambda name: str(name).replace("/", "_").replace(os.sep, "_")[:200]),
 ):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)

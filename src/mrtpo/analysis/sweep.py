@@ -351,15 +351,70 @@ def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[
 
 
 def sweep_command(root: Path) -> str | None:
-    """``python src/train.py -m <the sweep's overrides>``, from Hydra's ``multirun.yaml``."""
+    """``python src/<train|eval>.py -m <the sweep's overrides>``, from Hydra's
+    ``multirun.yaml``."""
     p = root / "multirun.yaml"
     if not p.is_file():
         return None
     try:
-        ov = OmegaConf.load(p).hydra.overrides.task
+        saved = OmegaConf.load(p).hydra
+        ov = saved.overrides.task
+        script = str(saved.job.get("name") or "train")
     except Exception:
         return None
-    return "python src/train.py -m " + " ".join(str(o) for o in ov)
+    return f"python src/{script}.py -m " + " ".join(str(o) for o in ov)
+
+
+# ---------------------------------------------------------------------------------------------
+# An evaluation sweep's summary (src/eval.py -m): one row per job, its eval metrics
+# ---------------------------------------------------------------------------------------------
+
+#: The metrics an evaluation summary shows, where a job wrote them: each benchmark's headline.
+EVAL_HEADLINES = ("exec_acc", "prompt_level_strict_acc", "inst_level_strict_acc",
+                  "muldimif_overall", "bfcl/non_live/summary_ast", "bfcl/live/summary_ast",
+                  "exact_match", "success", "coverage")  # fmt: skip
+
+
+def eval_metrics(folder: Path) -> dict[str, Any] | None:
+    """An evaluation job's ``metrics.json`` (None: the folder holds none)."""
+    data = _read_json(folder / "metrics.json")
+    return data if data else None
+
+
+def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
+    """``summary.csv`` / ``summary.md`` of an evaluation sweep: split, examples and the
+    headline metrics of each job."""
+    found = {r.path: eval_metrics(r.path) or {} for r in runs}
+    metrics = [m for m in EVAL_HEADLINES if any(m in v for v in found.values())]
+    names, common = labels([r.group for r in runs])
+    head = ["job", "run", "status", "overrides", "split", "examples", *metrics]
+    rows = []
+    for r in runs:
+        m, scored = found[r.path], found[r.path].get("scored") or {}
+        rows.append({"job": "" if r.job_num is None else r.job_num,
+                     "run": str(r.path.relative_to(root)) if r.path.is_relative_to(root)
+                     else str(r.path), "status": r.status or ("completed" if m else "?"),
+                     "overrides": names[r.group], "split": scored.get("split", ""),
+                     "examples": scored.get("examples", ""),
+                     **{k: m.get(k, "") for k in metrics}})  # fmt: skip
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    csv_path, md_path = root / "summary.csv", root / "summary.md"
+    _atomic_write(csv_path, buf.getvalue())
+    md_rows = [[row["job"], row["overrides"], row["split"], row["status"], row["examples"],
+                *[fmt(row[k]) if row[k] != "" else "–" for k in metrics]] for row in rows]  # fmt: skip
+    cmd = sweep_command(root)
+    lines = [f"# Evaluation sweep: {root.name}", ""] + ([f"`{cmd}`", ""] if cmd else [])
+    if common:
+        lines.append(f"Every job: `{' '.join(common)}`.")
+    head_md = ["job", "overrides", "split", "status", "examples", *metrics]
+    lines += ["", markdown_table(head_md, md_rows), ""]
+    lines += [f"- job {r.job_num} failed: `{(r.error or '?')[:300]}`" for r in runs
+              if r.status == "failed"]  # fmt: skip
+    _atomic_write(md_path, "\n".join(lines) + "\n")
+    return csv_path, md_path
 
 
 def write_summary(root: str | Path) -> tuple[Path, Path] | None:
@@ -368,6 +423,8 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     runs = find_runs([root])
     if not runs:
         return None
+    if not any(r.curves for r in runs) and any(eval_metrics(r.path) for r in runs):
+        return write_eval_summary(root.resolve(), runs)
     head, rows = summary_rows(runs, root.resolve())
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore", lineterminator="\n")
