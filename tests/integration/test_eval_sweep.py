@@ -45,3 +45,7 @@ def test_eval_sweep_summary(tmp_path, cache_dir):
     md = (sweep / "summary.md").read_text()
     assert "`python src/eval.py -m eval.responses=" in md and "success" in md
     assert "steps" not in md and "src/train.py" not in md
+    rep = subprocess.run([sys.executable, "src/report.py", str(sweep), "--no-plots"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+    assert "2 evaluations in 2 groups" in rep.stdout and "| group | jobs | success |" in rep.stdout

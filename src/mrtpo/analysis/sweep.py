@@ -617,6 +617,8 @@ def report(
     """The paper-style table of ``runs`` grouped by their overrides minus the seed."""
     skipped = [r for r in runs if r.status == "failed" or not r.steps]
     used = [r for r in runs if r not in skipped]
+    if not used and any(eval_metrics(r.path) for r in runs):
+        return eval_report(runs, level)
     if not used:
         raise ValueError(
             "no finished RL run with logged steps among "
@@ -683,6 +685,28 @@ def report(
             figures.append(path)
         lines += ["", "Learning curves: " + ", ".join(f"[{p.name}]({p.name})" for p in figures)]
     return Report("\n".join(lines) + "\n", figures)
+
+
+def eval_report(runs: Sequence[Run], level: float = 0.95) -> Report:
+    """Evaluation jobs (``src/eval.py -m``) grouped by their overrides minus the seed: the
+    mean ± t interval of each benchmark headline over the group's jobs."""
+    found = {r.path: eval_metrics(r.path) for r in runs}
+    used = [r for r in runs if found[r.path]]
+    metrics = [m for m in EVAL_HEADLINES if m != "coverage" and any(m in found[r.path]
+               for r in used)]  # fmt: skip
+    groups = group_runs(used)
+    names, common = labels(list(groups))
+    lines = [f"{_n(len(used), 'evaluation')} in {_n(len(groups), 'group')}; mean ± "
+             f"{100 * level:g}% t interval over each group's jobs."]  # fmt: skip
+    if common:
+        lines.append(f"Every job: `{' '.join(common)}`.")
+    rows = []
+    for k, rs in groups.items():
+        vals = {m: [found[r.path].get(m) for r in rs] for m in metrics}
+        ivs = intervals({m: [v for v in vs if v is not None] for m, vs in vals.items()}, level)
+        rows.append([names[k], len(rs), *[fmt_ci(ivs[m]) for m in metrics]])
+    lines += ["", markdown_table(["group", "jobs", *metrics], rows)]
+    return Report("\n".join(lines) + "\n", [])
 
 
 def plot_metric(
