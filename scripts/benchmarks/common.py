@@ -68,6 +68,21 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 
 
+#: Qwen2.5-0.5B's shape, vocabulary included (the LM head is a large share of the work): the
+#: GPU runners build it with random weights from the config alone (nothing is downloaded).
+QWEN25_05B: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MRTPO_CACHE_DIR", ROOT / ".cache"))
 

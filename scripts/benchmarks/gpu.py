@@ -48,25 +48,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_pythonpath
+from benchmarks.common import QWEN25_05B, ROOT, child_pythonpath
 from mrtpo.rollout.base import Generation, RolloutEngine
 
 STAGES = ("environment", "model", "steps", "numerics", "jsd_memory", "generation", "vllm")
 REPORT_NAME = "gpu_report.json"
 SUMMARY_NAME = "gpu_report.md"
 
-# Qwen2.5-0.5B's shape; weights are random (config only: nothing is downloaded).
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
 TOY_SHAPE = dict(
     vocab_size=512,
     hidden_size=64,

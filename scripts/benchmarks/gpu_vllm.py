@@ -34,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import ROOT
+from benchmarks.common import QWEN25_05B, ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,18 +43,6 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 # "cpu" only for rehearsing this script's plumbing without a GPU (vLLM needs CUDA).
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 
-# Qwen2.5-0.5B's shape (vocabulary included: the LM head is a large share of the work).
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
 SMOKE_SHAPE = dict(
     hidden_size=256,
     intermediate_size=512,
