@@ -31,8 +31,19 @@ def _config_options(group: str) -> str:
     return ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
 
 
+#: What each group of eval chooses (its --help).
+GROUP_HELP = {
+    "model": "the policy and tokenizer (or model.name_or_path=<folder>)",
+    "task": "the benchmark family; eval.split picks the split",
+    "rollout": "the generation engine (hf, or vllm)",
+    "paths": "where data, logs and caches live",
+}
+
+
 def _help_groups() -> str:
-    return "\n".join(f"{g}: {_config_options(g)}" for g in EVAL_GROUPS)
+    return "\n".join(
+        f"{g}: {_config_options(g)}\n    {GROUP_HELP.get(g, '')}".rstrip() for g in EVAL_GROUPS
+    )
 
 
 _SUBDIRS: dict[str, str] = {}

@@ -46,3 +46,11 @@ def test_user_errors_are_short(tmp_path, overrides, message):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message.replace("{tmp}", str(tmp_path)) in errors[0]
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) <= 4
+
+
+def test_help_says_what_each_group_chooses():
+    res = subprocess.run([sys.executable, "src/eval.py", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "the benchmark family; eval.split picks the split" in res.stdout
+    assert "the generation engine (hf, or vllm)" in res.stdout
