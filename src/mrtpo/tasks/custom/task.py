@@ -36,7 +36,7 @@ _RESERVED = ("prompt", "response")
 
 
 @dataclass
-class DataConfig:
+class CustomDataConfig:
     """``task.data`` (see configs/task/custom.yaml)."""
 
     path: str | None = None  # the train split: a file, a dataset folder or a hub id
@@ -52,7 +52,7 @@ class DataConfig:
     max_examples: int | None = None  # first N rows of every split (smoke runs)
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any] | None) -> DataConfig:
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> CustomDataConfig:
         raw = dict(raw or {})
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - valid)
@@ -107,7 +107,7 @@ class CustomTask(Task):
         if int(max_block_chars) < 1:
             raise ValueError(f"task.max_block_chars must be >= 1, got {max_block_chars}")
         self.max_block_chars = int(max_block_chars)
-        self.cfg = DataConfig.from_mapping(data)
+        self.cfg = CustomDataConfig.from_mapping(data)
         for d in import_dirs or ():  # so that 'mymod.r1' is found in the user's folder
             d = str(Path(d).expanduser().resolve())
             if d not in sys.path:
@@ -164,13 +164,17 @@ class CustomTask(Task):
             raise ValueError(f"task.reward_names: {bad} are not valid names (empty or with '/')")
         return [_Fn(n, f, label(f)) for n, f in zip(names, fns)]
 
-    def _resolve_blocks(self, specs: Mapping) -> dict[str, _Fn]:
-        unknown = sorted(set(specs) - set(self.reward_names))
+    def _refuse_unknown_rewards(self, raw: Mapping, key: str) -> None:
+        """``key`` (a mapping per reward) may only name this task's rewards."""
+        unknown = sorted(set(raw) - set(self.reward_names))
         if unknown:
             raise ValueError(
-                f"task.blocks has key(s) {unknown} that are not rewards of this task; its "
+                f"{key} has key(s) {unknown} that are not rewards of this task; its "
                 f"rewards are {list(self.reward_names)}"
             )
+
+    def _resolve_blocks(self, specs: Mapping) -> dict[str, _Fn]:
+        self._refuse_unknown_rewards(specs, "task.blocks")
         out = {}
         for k, spec in specs.items():
             if spec is None:
@@ -180,12 +184,7 @@ class CustomTask(Task):
         return out
 
     def _ranges(self, raw: Mapping) -> dict[str, tuple[float, float]]:
-        unknown = sorted(set(raw) - set(self.reward_names))
-        if unknown:
-            raise ValueError(
-                f"task.reward_ranges has key(s) {unknown} that are not rewards of this task; "
-                f"its rewards are {list(self.reward_names)}"
-            )
+        self._refuse_unknown_rewards(raw, "task.reward_ranges")
         out = {}
         for k, v in raw.items():
             lo, hi = (float(x) for x in v)
