@@ -39,3 +39,15 @@ def test_wide_table_is_split_not_truncated(tmp_path, capsys, monkeypatch):
     for name in ("total", "c0", "c12"):
         assert f" {name} " in out
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_header_offers_resume_only_when_the_run_saves_checkpoints():
+    from tests.conftest import compose_config
+
+    from mrtpo.callbacks.console import header
+
+    saving = header(compose_config("train.yaml", ["paths.output_dir=/runs/a"]))
+    assert "python src/train.py +resume=/runs/a" in saving
+    none = header(compose_config("train.yaml", ["paths.output_dir=/runs/a",
+                                                "callbacks.model_checkpoint=null"]))  # fmt: skip
+    assert "+resume=" not in none and "callbacks.model_checkpoint null" in none

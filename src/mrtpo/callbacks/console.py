@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -42,7 +43,6 @@ def quiet_libraries() -> None:
     """Keep the console to what a person reads: no Lightning tips or device banners (each
     printed twice, by Lightning's handler and by the root one), no weight-loading bars, no
     deprecation notes from inside Lightning. Warnings and errors still show."""
-    import warnings
 
     for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -77,10 +77,16 @@ def header(cfg) -> str:
 
     out = OmegaConf.select(cfg, "paths.output_dir", default="?")
     stage = OmegaConf.select(cfg, "stage.name", default="rl")
+    saver = OmegaConf.select(cfg, "callbacks.model_checkpoint", default=None)
+    if saver is None or OmegaConf.select(saver, "save_weights_only", default=False):
+        why = "null" if saver is None else "saves weights only"
+        hint = f"(no resumable checkpoint: callbacks.model_checkpoint {why})"
+    else:
+        hint = f"(continue it: python src/train.py +resume={out})"
     return (
         f"{stage}: task={choice('task')} method={choice('method')} "
         f"model={OmegaConf.select(cfg, 'model.name_or_path')} seed={cfg.get('seed')}\n"
-        f"run folder: {out}   (continue it: python src/train.py +resume={out})"
+        f"run folder: {out}   {hint}"
     )
 
 
