@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -333,9 +335,6 @@ def _secondary_process() -> bool:
 
 
 def _holder() -> bytes:
-    import socket
-    import sys
-
     info = {
         "pid": os.getpid(),
         "host": socket.gethostname(),

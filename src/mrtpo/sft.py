@@ -20,6 +20,7 @@ tool calls where a task ships them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -44,6 +45,7 @@ from mrtpo.models import eos_token_ids
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout, chat_ids
 from mrtpo.rollout.hf import HFEngine
+from mrtpo.settings import SFTConfig
 from mrtpo.tasks.base import Example, Task
 
 log = logging.getLogger(__name__)
@@ -53,10 +55,6 @@ IGNORE = -100  # label of positions that carry no loss (prompt, padding)
 
 def _merge(given: Any) -> dict[str, Any]:
     """``stage.sft`` as a plain dict, defaults and ranges from ``mrtpo.settings.SFTConfig``."""
-    import dataclasses
-
-    from mrtpo.settings import SFTConfig
-
     return dataclasses.asdict(SFTConfig.from_mapping(given))
 
 

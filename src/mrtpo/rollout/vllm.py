@@ -18,10 +18,13 @@ trainer's dtype, and the engine core in this process.
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,9 +109,6 @@ def resolve_device(requested: str, vllm_module: Any) -> str:
 
 def _model_config(model: str) -> dict[str, Any]:
     """A local checkpoint's ``config.json`` ({} when it cannot be read, e.g. a hub id)."""
-    import json
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
@@ -444,8 +444,6 @@ class VLLMEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         """Drop the engine and release its GPU memory (best effort)."""
-        import gc
-
         self.weight_sync = None
         self.llm = None
         gc.collect()

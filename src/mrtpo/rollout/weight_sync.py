@@ -50,6 +50,7 @@ must get every tensor in one call, so there the gathered buckets collect in CPU 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import inspect
 import logging
 import pickle
@@ -61,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 log = logging.getLogger(__name__)
 
@@ -250,8 +252,6 @@ def reload_weights_params() -> frozenset[str] | None:
 def ipc_supports_pickled_handles() -> bool:
     """Newer ``IPCWeightTransferUpdateInfo`` accepts the handles as one pickled string."""
     try:
-        import dataclasses
-
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
     except Exception:
         return False
@@ -288,8 +288,6 @@ def _current_gpu_uuid() -> str:
 
 
 def _cuda_ipc_handle(t: torch.Tensor) -> tuple[Callable, tuple]:
-    from torch.multiprocessing.reductions import reduce_tensor
-
     return reduce_tensor(t)
 
 
