@@ -13,6 +13,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from mrtpo.settings import register_schemas
+
 #: ``configs/`` of a source checkout (src/mrtpo/config.py -> <root>/configs).
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -88,8 +90,6 @@ register_resolvers()
 
 
 def _register_schemas() -> None:
-    from mrtpo.settings import register_schemas
-
     register_schemas()
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mrtpo.config import compose
 from mrtpo.run_folder import (
     RunFolderLock,
     check_resume_settings,
@@ -21,6 +22,7 @@ from mrtpo.run_folder import (
     settings_record,
     validate_resume,
 )
+from mrtpo.settings import check_placement, resolve_batch, section, validate
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,6 @@ def prepare(cfg: DictConfig, validated: bool = False):
     from hydra.utils import instantiate
 
     from mrtpo.loggers import check_loggers
-    from mrtpo.settings import check_placement, resolve_batch, validate
 
     if not validated:
         validate(cfg)
@@ -73,7 +74,6 @@ def build(cfg: DictConfig, validated: bool = False):
     from mrtpo.data import PromptDataModule
     from mrtpo.loggers import build_loggers
     from mrtpo.models import load_policy
-    from mrtpo.settings import section
 
     # the settings as given, before prepare() derives per-rank batch keys from them
     settings = settings_record(cfg)
@@ -131,8 +131,6 @@ def run_warm_starts(cfg: DictConfig) -> DictConfig:
     """
     from hydra.core.hydra_config import HydraConfig
 
-    from mrtpo.config import compose
-
     root = Path(str(cfg.paths.output_dir)) / "warm_start"
     policy: Path | None = None
     saved = HydraConfig.instance().cfg
@@ -176,7 +174,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("print_config"):
         print_config(cfg)
     from mrtpo.callbacks.console import quiet_libraries
-    from mrtpo.settings import check_placement, validate
 
     quiet_libraries()
     validate(cfg)  # typed settings and their ranges, before anything loads or runs

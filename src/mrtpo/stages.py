@@ -10,6 +10,7 @@ A new stage is a subclass of ``Stage`` plus ``configs/stage/<name>.yaml`` with i
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,12 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
+from mrtpo.callbacks.rollout import RolloutCallback
 from mrtpo.data import PromptDataModule
+from mrtpo.module import PolicyModule
+from mrtpo.rollout.base import SamplingConfig
+from mrtpo.settings import SFTConfig, section
+from mrtpo.sft import SFTModule
 from mrtpo.tasks.base import Task
 
 
@@ -51,8 +57,6 @@ class RLStage(Stage):
     def check(self, cfg: DictConfig, task: Task) -> None:
         from hydra.utils import instantiate
 
-        from mrtpo.rollout.base import SamplingConfig
-
         # Checked before the model loads, so a bad method.* or rollout.sampling.* value
         # fails at once, naming the key.
         SamplingConfig(**_container(cfg.rollout.sampling)).check_for_training()
@@ -77,10 +81,6 @@ class RLStage(Stage):
 
     def build(self, cfg, policy, tokenizer, task, prompts):
         from hydra.utils import instantiate
-
-        from mrtpo.callbacks.rollout import RolloutCallback
-        from mrtpo.module import PolicyModule
-        from mrtpo.settings import section
 
         method = getattr(self, "_method", None) or instantiate(cfg.method)
         rl = section(cfg, "rl")
@@ -111,14 +111,9 @@ class SFTStage(Stage):
 
     def __init__(self, name: str | None = None, sft: Mapping | None = None) -> None:
         super().__init__(name)
-        from mrtpo.settings import SFTConfig
 
         self.sft = SFTConfig.from_mapping(dict(sft or {}))
 
     def build(self, cfg, policy, tokenizer, task, prompts):
-        import dataclasses
-
-        from mrtpo.sft import SFTModule
-
         module = SFTModule(policy, tokenizer, task, **dataclasses.asdict(self.sft))
         return module, module.datamodule(prompts), module.callbacks()

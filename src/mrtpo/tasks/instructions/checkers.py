@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
+from mrtpo.tasks.instructions.hir_checkers import hir_instructions
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +271,6 @@ CHECKER_VARIANTS = ("official", "hir")
 
 @functools.cache
 def _hir_registry(name: str, nltk_dir: str) -> Registry:
-    from mrtpo.tasks.instructions.hir_checkers import hir_instructions
-
     base = registry(name, nltk_dir)
     return Registry(
         f"{name}/hir", hir_instructions(name, base.instructions), base.conflicts, nltk_dir

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
+from mrtpo.tasks.instructions.checkers import prepare_nltk_data
 
 CHECKER_MODULES = (
     "Content_Keywords",
@@ -87,7 +88,6 @@ def load_harness(checker_dir: str, nltk_dir: str) -> types.ModuleType:
         raise MulDimIFUnavailable(
             f"the MulDimIF checkers need {missing}, which are not installed ({INSTALL_HINT})"
         )
-    from mrtpo.tasks.instructions.checkers import prepare_nltk_data
 
     prepare_nltk_data(nltk_dir)
     saved = {name: sys.modules.get(name) for name in ("eval", "evaluation")}
