@@ -23,6 +23,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mrtpo.lora import is_lora
+from mrtpo.models import eos_token_ids, load_policy, resolve_dtype
+from mrtpo.rollout.base import SamplingConfig
+from mrtpo.rollout.hf import generation_config as sampling_generation_config
+from mrtpo.rollout.weight_sync import hf_name, merged_weights
+
 log = logging.getLogger(__name__)
 
 #: Written into every export; its presence marks a folder this module may replace.
@@ -38,9 +44,6 @@ def merged_state_dict(
     touched, so its frozen base weights stay bit-identical (an in-place merge followed by
     an unmerge would leave rounding residue in them).
     """
-    from mrtpo.lora import is_lora
-    from mrtpo.rollout.weight_sync import hf_name, merged_weights
-
     peft = is_lora(model)
     merged = merged_weights(model) if peft else {}
     out: dict[str, torch.Tensor] = {}
@@ -63,10 +66,6 @@ def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
     """A generation config that samples as training did: built whole from the training
     sampling settings (``mrtpo.rollout.hf.generation_config``), so none of the checkpoint's
     own defaults (a repetition penalty, top-k) come back with the exported model."""
-    from mrtpo.models import eos_token_ids
-    from mrtpo.rollout.base import SamplingConfig
-    from mrtpo.rollout.hf import generation_config as sampling_generation_config
-
     s = SamplingConfig(**dict(sampling or {}))
     eos = eos_token_ids(tokenizer, model)
     gen = sampling_generation_config(s, eos, tokenizer.pad_token_id)
@@ -135,8 +134,6 @@ def save_policy(
     ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full
     state dict of a sharded ``model`` (``mrtpo.sharding.full_state_dict``). Returns ``out``.
     """
-    from mrtpo.lora import is_lora
-
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ValueError(f"{out} is not empty and is no previous export; refusing to replace it")
@@ -191,7 +188,6 @@ def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
 def run(cfg: DictConfig) -> Path:
     """Export the policy of ``cfg.ckpt_path`` to ``cfg.out`` (see configs/export.yaml)."""
     from mrtpo.evaluate_cli import from_training_run, load_checkpoint_weights
-    from mrtpo.models import load_policy, resolve_dtype
 
     ckpt = cfg.get("ckpt_path")
     if not ckpt:

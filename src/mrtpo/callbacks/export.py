@@ -10,6 +10,10 @@ from typing import Any
 import lightning as L
 from omegaconf import OmegaConf
 
+from mrtpo.export import MARKER, hf_model, save_policy
+from mrtpo.module import PolicyModule
+from mrtpo.sharding import full_state_dict, is_sharded
+
 log = logging.getLogger(__name__)
 
 
@@ -30,8 +34,6 @@ class ExportPolicy(L.Callback):
 
     def _refusal(self, pl_module) -> str | None:
         """Why ``dirpath`` must not be written (None: it may)."""
-        from mrtpo.export import MARKER, hf_model
-
         out = Path(self.dirpath)
         source = getattr(hf_model(pl_module.policy), "name_or_path", "") or ""
         if source and Path(source).exists() and out.resolve() == Path(source).resolve():
@@ -43,8 +45,6 @@ class ExportPolicy(L.Callback):
         return None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from mrtpo.module import PolicyModule
-
         self.skip = None
         if isinstance(pl_module, PolicyModule) and trainer.is_global_zero:
             self.skip = self._refusal(pl_module)
@@ -58,11 +58,8 @@ class ExportPolicy(L.Callback):
                 )
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from mrtpo.module import PolicyModule
-
         if not isinstance(pl_module, PolicyModule):
             return
-        from mrtpo.sharding import full_state_dict, is_sharded
 
         # Sharded weights are gathered by every rank together (a collective); rank 0 writes.
         state = full_state_dict(pl_module.policy) if is_sharded(pl_module.policy) else None
@@ -70,7 +67,6 @@ class ExportPolicy(L.Callback):
             return
         if getattr(self, "skip", None) or self._refusal(pl_module):
             return
-        from mrtpo.export import save_policy
 
         info = {
             "step": int(trainer.global_step),
