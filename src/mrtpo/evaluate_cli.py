@@ -331,7 +331,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
     from hydra.utils import instantiate
 
     from mrtpo.evaluation import check_outputs, evaluate_examples, score_responses, write_results
+    from mrtpo.settings import check_seed
 
+    check_seed(cfg)  # seed=abc is named, not an int() error
     ev = cfg.eval
     limit = _positive_int(ev, "limit", allow_null=True)
     batch_size = _positive_int(ev, "batch_size")

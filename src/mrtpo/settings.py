@@ -22,7 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, List, Optional  # noqa: UP035  (OmegaConf reads these annotations)
 
-from hydra.errors import CompactHydraException
+try:  # the bare GPU runner imports this module on a machine without Hydra
+    from hydra.errors import CompactHydraException
+except ImportError:  # pragma: no cover - exercised by the GPU runner's dry run
+
+    class CompactHydraException(Exception):  # type: ignore[no-redef]
+        """Stands in for Hydra's where Hydra is not installed."""
 
 
 class ConfigError(ValueError, CompactHydraException):
@@ -370,14 +375,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_run(cfg) -> None:
-    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
+def check_seed(cfg) -> None:
+    """``seed``: an integer numpy can take (``int()`` or numpy would fail naming no key)."""
     from omegaconf import OmegaConf
 
     lo, hi = SEED_RANGE
     seed = OmegaConf.select(cfg, "seed", default=0)
     if not (_is_int(seed) and lo <= seed <= hi):
         raise ConfigError(f"seed={seed!r} is not allowed: an integer in [{lo}, {hi}]")
+
+
+def check_run(cfg) -> None:
+    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
+    from omegaconf import OmegaConf
+
+    check_seed(cfg)
     if OmegaConf.select(cfg, "trainer") is None:
         return
     steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)

@@ -35,8 +35,9 @@ def _eval(tmp_path, *overrides):
             ["model.name_or_path={tmp}/empty", "eval.limit=1"],
             "model.name_or_path={tmp}/empty: cannot load the model",
         ),
+        (["seed=abc"], "seed='abc' is not allowed: an integer in [0, 4294967295]"),
     ],
-    ids=["range", "missing-split", "no-model"],
+    ids=["range", "missing-split", "no-model", "seed"],
 )
 def test_user_errors_are_short(tmp_path, overrides, message):
     (tmp_path / "empty").mkdir()
