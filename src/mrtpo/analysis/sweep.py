@@ -397,12 +397,7 @@ def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
                      "overrides": names[r.group], "split": scored.get("split", ""),
                      "examples": scored.get("examples", ""),
                      **{k: m.get(k, "") for k in metrics}})  # fmt: skip
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    csv_path, md_path = root / "summary.csv", root / "summary.md"
-    _atomic_write(csv_path, buf.getvalue())
+    csv_path, md_path = _write_summary_csv(root, head, rows), root / "summary.md"
     md_rows = [[row["job"], row["overrides"], row["split"], row["status"], row["examples"],
                 *[fmt(row[k]) if row[k] != "" else "–" for k in metrics]] for row in rows]  # fmt: skip
     cmd = sweep_command(root)
@@ -417,6 +412,16 @@ def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
     return csv_path, md_path
 
 
+def _write_summary_csv(root: Path, head: list[str], rows: list[dict]) -> Path:
+    """``<root>/summary.csv`` from the rows, written atomically."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    _atomic_write(root / "summary.csv", buf.getvalue())
+    return root / "summary.csv"
+
+
 def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     """``summary.csv`` and ``summary.md`` in a sweep folder; None when it holds no run yet."""
     root = Path(root)
@@ -426,12 +431,7 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     if not any(r.curves for r in runs) and any(eval_metrics(r.path) for r in runs):
         return write_eval_summary(root.resolve(), runs)
     head, rows = summary_rows(runs, root.resolve())
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=head, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    csv_path, md_path = root / "summary.csv", root / "summary.md"
-    _atomic_write(csv_path, buf.getvalue())
+    csv_path, md_path = _write_summary_csv(root, head, rows), root / "summary.md"
 
     metrics = metric_names(runs)
     names, common = labels([r.group for r in runs])
