@@ -37,7 +37,8 @@ def test_eval_cli_scores_bfcl_responses(tmp_path: Path) -> None:
         calls = bfcl.oracle_calls(e)
         text = bfcl.calls_to_response(calls if i < 4 else bfcl.corrupt_calls(e, calls))
         rows.append({"id": e.id, "response": text})
-    rows.append({"id": cases[0].id, "response": "no tags, no calls"})  # a second sample
+    # a second sample of every example (evaluation refuses uneven numbers per example)
+    rows += [{"id": e.id, "response": "no tags, no calls"} for e in cases]
     responses = write_jsonl(tmp_path / "preds.jsonl", rows)
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -58,12 +59,12 @@ def test_eval_cli_scores_bfcl_responses(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["bfcl/simple_python/accuracy"] == pytest.approx(4 / 7)
-    assert metrics["bfcl/simple_python/n"] == 7
-    assert metrics["n_responses"] == 7 and metrics["n_scoring_errors"] == 0
-    assert metrics["reward/format"] == pytest.approx(6 / 7)
+    assert metrics["bfcl/simple_python/accuracy"] == pytest.approx(4 / 12)
+    assert metrics["bfcl/simple_python/n"] == 12
+    assert metrics["n_responses"] == 12 and metrics["n_scoring_errors"] == 0
+    assert metrics["reward/format"] == pytest.approx(6 / 12)
     results = read_jsonl(out / "results.jsonl")
-    assert [r["check/bfcl_valid"] for r in results] == [True] * 4 + [False] * 3
+    assert [r["check/bfcl_valid"] for r in results] == [True] * 4 + [False] * 8
     assert all(r["check/category"] == "simple_python" for r in results)
     assert "bfcl" in results[4]["reasons"] and "format" in results[6]["reasons"]
 
