@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -325,6 +326,52 @@ def _load_model(cfg: DictConfig):
         ) from exc
 
 
+def _split_examples(task, ev, limit: int | None) -> tuple[list, list[str]]:
+    """The split's examples (its first ``limit``) and the ids beyond the limit; a split whose
+    data is absent is ``SplitDataMissing``."""
+    try:
+        examples = list(task.eval_examples(ev.split, OmegaConf.to_container(ev, resolve=True)))
+    except FileNotFoundError as exc:
+        raise SplitDataMissing(str(exc)) from exc
+    beyond = [str(e.id) for e in examples[limit:]] if limit else []
+    return (examples[:limit] if limit else examples), beyond
+
+
+def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict, name: str):
+    """The generate mode: ``n`` samples per example with the configured engine, from the
+    model (or checkpoint) the config names; returns (examples, texts, sampling)."""
+    import torch
+    from hydra.utils import instantiate
+    from rich.progress import Progress
+
+    from mrtpo.models import eos_token_ids
+    from mrtpo.rollout.build import build_rollout
+
+    torch.manual_seed(cfg.seed)
+    policy, tokenizer = _load_model(cfg)
+    if cfg.get("ckpt_path"):
+        scored["checkpoint_step"] = load_checkpoint_weights(
+            policy, cfg.ckpt_path, source.get("model_source", "")
+        )
+    policy.eval()
+    engine = instantiate(cfg.rollout.engine)
+    eos = eos_token_ids(tokenizer, policy)
+    if hasattr(engine, "bind"):
+        engine.bind(policy, tokenizer, eos)
+    sampling = eval_sampling(cfg, n)
+    log.info("eval sampling: %s", sampling)
+    all_ex, texts = [], []
+    with Progress() as progress:
+        bar = progress.add_task(f"generating {name}/{cfg.eval.split}", total=len(examples))
+        for s in range(0, len(examples), batch_size):
+            chunk = examples[s : s + batch_size]
+            roll = build_rollout(engine, tokenizer, chunk, n, sampling, cfg.seed + s, eos)
+            all_ex.extend(roll.examples)
+            texts.extend(roll.texts)
+            progress.advance(bar, len(chunk))
+    return all_ex, texts, sampling
+
+
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]:
     """Evaluate as ``src/eval.py`` does; ``overrides``: the command line behind ``cfg`` when a
     caller composed it (what decides which groups a checkpoint's run supplies)."""
@@ -340,14 +387,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
     n = _positive_int(ev, "n_samples")
     cfg, source = from_training_run(cfg, overrides)
     task = instantiate(cfg.task)
-    options = OmegaConf.to_container(ev, resolve=True)
-    try:
-        examples = list(task.eval_examples(ev.split, options))
-    except FileNotFoundError as exc:
-        raise SplitDataMissing(str(exc)) from exc
-    beyond = [str(e.id) for e in examples[limit:]] if limit else []
-    if limit:
-        examples = examples[:limit]
+    examples, beyond = _split_examples(task, ev, limit)
     out = Path(ev.output or cfg.paths.output_dir)
     # before anything is scored or written: the predictions file is input only
     check_outputs(out, {"eval.responses": ev.responses})
@@ -374,36 +414,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
         _show(metrics, f"{task.name} / {ev.split} (scored {ev.responses})")
         return metrics
 
-    import dataclasses
-
-    import torch
-    from rich.progress import Progress
-
-    from mrtpo.models import eos_token_ids
-    from mrtpo.rollout.build import build_rollout
-
-    torch.manual_seed(cfg.seed)
-    policy, tokenizer = _load_model(cfg)
-    if cfg.get("ckpt_path"):
-        scored["checkpoint_step"] = load_checkpoint_weights(
-            policy, cfg.ckpt_path, source.get("model_source", "")
-        )
-    policy.eval()
-    engine = instantiate(cfg.rollout.engine)
-    eos = eos_token_ids(tokenizer, policy)
-    if hasattr(engine, "bind"):
-        engine.bind(policy, tokenizer, eos)
-    sampling = eval_sampling(cfg, n)
-    log.info("eval sampling: %s", sampling)
-    all_ex, texts = [], []
-    with Progress() as progress:
-        bar = progress.add_task(f"generating {task.name}/{ev.split}", total=len(examples))
-        for s in range(0, len(examples), batch_size):
-            chunk = examples[s : s + batch_size]
-            roll = build_rollout(engine, tokenizer, chunk, n, sampling, cfg.seed + s, eos)
-            all_ex.extend(roll.examples)
-            texts.extend(roll.texts)
-            progress.advance(bar, len(chunk))
+    all_ex, texts, sampling = _generate(cfg, examples, n, batch_size, scored, source, task.name)
     metrics, rows = evaluate_examples(task, all_ex, texts)
     for i, row in enumerate(rows):
         row["sample"] = i % n
@@ -412,7 +423,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
         mode="generate",
         model=str(cfg.model.get("name_or_path")),
         n_samples=n,
-        sampling=dataclasses.asdict(sampling),
+        sampling=asdict(sampling),
         examples=len(examples),
         responses_scored=len(texts),
         coverage=1.0,
