@@ -606,6 +606,43 @@ class Report:
     figures: list[Path]
 
 
+def _left_out(skipped: Sequence[Run]) -> list[str]:
+    """One line per run left out of the report (the first five), then a count of the rest."""
+    lines = []
+    for r in skipped[:5]:
+        why = "failed" if r.status == "failed" else "no RL steps logged"
+        lines.append(f"Left out ({why}): {r.path}")
+    if len(skipped) > 5:
+        lines.append(f"... and {len(skipped) - 5} more runs left out (failed or no RL steps)")
+    return lines
+
+
+def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
+    """The report's lines of paired differences (by seed) of each group's final values
+    against its baseline group."""
+    keys = list(groups)
+    lines: list[str] = []
+    rows = []
+    for k, rs in groups.items():
+        b = baseline_of(k, baseline, keys)
+        if b is None or b == k:
+            continue
+        cells = [names[k], names[b]]
+        pairs = 0
+        for m in metrics:
+            d = paired_interval(_by_seed(rs, m, 0), _by_seed(groups[b], m, 0), level)
+            pairs = max(pairs, d.n)
+            cells.append(fmt_ci(d))
+        rows.append([cells[0], cells[1], pairs, *cells[2:]])
+    spec = " ".join(baseline)
+    lines += ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
+    if rows:
+        lines.append(markdown_table(["group", "baseline", "seed pairs", *metrics], rows))
+    else:
+        lines.append(f"No group matches `{spec}`: groups are {[names[k] for k in keys]}")
+    return lines
+
+
 def report(
     runs: Sequence[Run],
     out: Path | None = None,
@@ -635,11 +672,7 @@ def report(
     ]
     if common:
         lines.append(f"Every run: `{' '.join(common)}`.")
-    for r in skipped[:5]:
-        why = "failed" if r.status == "failed" else "no RL steps logged"
-        lines.append(f"Left out ({why}): {r.path}")
-    if len(skipped) > 5:
-        lines.append(f"... and {len(skipped) - 5} more runs left out (failed or no RL steps)")
+    lines += _left_out(skipped)
     for which, title in (
         (0, f"Final (mean of the last {FINAL_WINDOW} steps)"),
         (1, f"Best ({SMOOTH}-step moving average)"),
@@ -656,24 +689,7 @@ def report(
         lines += ["", f"## {title}", "", markdown_table(head, rows)]
 
     if baseline:
-        rows = []
-        for k, rs in groups.items():
-            b = baseline_of(k, baseline, keys)
-            if b is None or b == k:
-                continue
-            cells = [names[k], names[b]]
-            pairs = 0
-            for m in metrics:
-                d = paired_interval(_by_seed(rs, m, 0), _by_seed(groups[b], m, 0), level)
-                pairs = max(pairs, d.n)
-                cells.append(fmt_ci(d))
-            rows.append([cells[0], cells[1], pairs, *cells[2:]])
-        spec = " ".join(baseline)
-        lines += ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
-        if rows:
-            lines.append(markdown_table(["group", "baseline", "seed pairs", *metrics], rows))
-        else:
-            lines.append(f"No group matches `{spec}`: groups are {[names[k] for k in keys]}")
+        lines += _paired_section(groups, names, metrics, baseline, level)
 
     figures: list[Path] = []
     if plots and out is not None:
