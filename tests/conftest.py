@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -76,3 +77,20 @@ def tiny(cache_dir):
 
     model, tok = load_policy(str(cache_dir / "models" / "tiny-qwen2"), tiny={})
     return model, tok
+
+
+@pytest.fixture(autouse=True)
+def _mrtpo_log_left_as_found():
+    """A test that leaves the mrtpo logger muted makes every later caplog test fail far from
+    the cause (a harness run in-process once did): fail the test that did it instead."""
+    lg = logging.getLogger("mrtpo")
+    before = (lg.level, lg.disabled, lg.propagate)
+    yield
+    after = (lg.level, lg.disabled, lg.propagate)
+    if after != before:
+        lg.setLevel(before[0])
+        lg.disabled, lg.propagate = before[1], before[2]
+        pytest.fail(
+            f"the test left the mrtpo logger changed (level, disabled, propagate): "
+            f"{before} -> {after}"
+        )

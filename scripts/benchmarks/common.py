@@ -24,6 +24,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+
+@contextlib.contextmanager
+def muted_libraries(
+    names: Sequence[str] = ("lightning", "lightning.pytorch", "transformers", "mrtpo"),
+):
+    """Warnings and the logs of ``names`` below ERROR are muted inside, then restored: the
+    harnesses also run inside a test process, whose later tests read the mrtpo log."""
+    import logging
+    import warnings
+
+    levels = {name: logging.getLogger(name).level for name in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        for name in names:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
 #: The source checkout (scripts/benchmarks/common.py -> <root>).
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import QWEN25_05B, ROOT, child_pythonpath
+from benchmarks.common import QWEN25_05B, ROOT, child_pythonpath, muted_libraries
 from mrtpo.rollout.base import Generation, RolloutEngine
 
 STAGES = ("environment", "model", "steps", "numerics", "jsd_memory", "generation", "vllm")
@@ -878,12 +878,11 @@ def run(
     """Run ``stages`` and write ``gpu_report.json`` and ``gpu_report.md`` into ``out_dir``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-    import warnings
+    with muted_libraries():
+        return _run(out_dir, dry_run=dry_run, stages=stages, vllm=vllm, sizes=sizes)
 
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "transformers", "mrtpo"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+
+def _run(out_dir, *, dry_run, stages, vllm, sizes) -> dict[str, Any]:
     sizes = sizes or (DRY if dry_run else FULL)
     bad = sorted(set(stages) - set(STAGES))
     if bad:

@@ -13,15 +13,13 @@ tests run every section through the same functions at toy sizes.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DOC, read_json, set_threads, write_json
+from benchmarks.common import DOC, muted_libraries, read_json, set_threads, write_json
 
 SECTIONS = ("replay", "kernel", "trl", "scaling")
 #: The baselines timed beside MRTPO and GDPO in the replay section (their method configs).
@@ -243,29 +241,27 @@ def run_sections(
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "transformers", "trl", "mrtpo"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     gpu = torch.cuda.is_available() and full
     threads = threads or (torch.get_num_threads() if gpu else 1)
     set_threads(threads)
     mode = "full" if full else "quick"
     paths = []
-    for s in only:
-        t0 = time.perf_counter()
-        if s == "trl" and importlib.util.find_spec("trl") is None:
-            print(
-                "3. skipped: TRL is not installed (`.venv/bin/pip install -e '.[bench]'`); "
-                "the document keeps the last TRL results, if any",
-                flush=True,
-            )
-            continue
-        data = run_section(s, plan, gpu=gpu, threads=threads)
-        data["mode"] = mode
-        data["wall_s"] = time.perf_counter() - t0
-        path = write_json(s, data)
-        paths.append(path)
-        print(f"   ({data['wall_s']:.0f}s) -> {path}", flush=True)
+    with muted_libraries(("lightning", "lightning.pytorch", "transformers", "trl", "mrtpo")):
+        for s in only:
+            t0 = time.perf_counter()
+            if s == "trl" and importlib.util.find_spec("trl") is None:
+                print(
+                    "3. skipped: TRL is not installed (`.venv/bin/pip install -e '.[bench]'`); "
+                    "the document keeps the last TRL results, if any",
+                    flush=True,
+                )
+                continue
+            data = run_section(s, plan, gpu=gpu, threads=threads)
+            data["mode"] = mode
+            data["wall_s"] = time.perf_counter() - t0
+            path = write_json(s, data)
+            paths.append(path)
+            print(f"   ({data['wall_s']:.0f}s) -> {path}", flush=True)
     return paths
 
 

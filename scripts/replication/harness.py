@@ -48,7 +48,7 @@ from mrtpo.analysis.stats import (
 )
 from mrtpo.config import CONFIG_DIR, compose
 from replication import claims as claims_mod
-from replication.jobs import Job, quiet, run_all
+from replication.jobs import Job, quieted, run_all
 from replication.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
 from replication.relevance import pick_record, relevance_stats, replay_records
 
@@ -1194,12 +1194,12 @@ def default_logdir() -> Path:
     return ROOT / "logs" / "replicate" / stamp
 
 
+@quieted()  # muted while it runs, restored after (it also runs inside tests)
 def main(opts: Options) -> int:
     """Run (or, with ``report_only``, re-read) a replication and write its report."""
     from rich.console import Console
 
     console = Console()
-    quiet()
     if opts.logdir is None:
         if opts.report_only:
             raise ValueError("report_only needs the log folder of a replication (--logdir)")

@@ -7,6 +7,7 @@ where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import muted_libraries
 from mrtpo.config import compose
 
 
@@ -27,6 +29,9 @@ class Job:
     overrides: list[str]
     out: Path
     steps: int  # expected steps (for the progress bar; SFT: the upper bound)
+
+
+_MUTED = ("lightning", "pytorch_lightning", "lightning_fabric", "mrtpo")
 
 
 def quiet() -> None:
@@ -41,10 +46,29 @@ def quiet() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     for name in list(logging.root.manager.loggerDict):
-        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric", "mrtpo"):
+        if name.split(".")[0] in _MUTED:
             logging.getLogger(name).setLevel(logging.ERROR)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "mrtpo"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def quieted():
+    """``quiet()`` for the length of a ``with`` block: a replication's main also runs inside a
+    test process, whose later tests read the mrtpo log and the warnings."""
+    import transformers
+
+    hf = transformers.utils.logging
+    verbosity, bars = hf.get_verbosity(), hf.is_progress_bar_enabled()
+    names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] in _MUTED]
+    with muted_libraries(sorted(set(names) | set(_MUTED))):
+        quiet()
+        try:
+            yield
+        finally:
+            hf.set_verbosity(verbosity)
+            if bars:
+                hf.enable_progress_bar()
 
 
 def _worker_init(threads: int) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
 from mrtpo.config import compose
 from replication.harness import ROOT, method_dir, parse_method
-from replication.jobs import Job, quiet, run_all
+from replication.jobs import Job, quieted, run_all
 
 Cell = tuple[int, int]  # (K, free part length in filler words)
 
@@ -249,6 +249,7 @@ def _restore(opts: LongOptions, run_file: Path) -> None:
         setattr(opts, key, [tuple(c) for c in value] if key == "cells" else value)
 
 
+@quieted()  # muted while it runs, restored after (it also runs inside tests)
 def main(opts: LongOptions) -> int:
     """Run (or, with ``report_only``, re-read) the long toy and write its report."""
     from rich.console import Console
@@ -256,7 +257,6 @@ def main(opts: LongOptions) -> int:
     from replication.long_report import write_report
 
     console = Console()
-    quiet()
     if opts.logdir is None:
         if opts.report_only:
             raise ValueError("report_only needs the log folder of a run (--logdir)")
