@@ -1,0 +1,99 @@
+"""The shared-prompt forward (each distinct prompt once, rows continuing its key/value cache)
+gives the plain forward's log-probs and gradients: fp32, ragged prompts and responses, left
+padding, temperature != 1, the tiny model and a LoRA-wrapped one."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from mrtpo import forward
+from mrtpo.forward import pad_left, pad_right, prompt_groups, response_logprobs
+from mrtpo.lora import LoraSettings, apply_lora
+
+
+def _batch(vocab: int, pad: int, seed: int = 0):
+    """Three prompts of ragged lengths (one alone, two repeated), ragged responses."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(k):
+        return torch.randint(5, vocab, (k,), generator=g).tolist()
+
+    prompts = [draw(11), draw(4), draw(7)]
+    rows = [0, 1, 0, 2, 0, 1, 2]  # interleaved: groups need not be contiguous
+    p_ids, p_mask = pad_left([prompts[i] for i in rows], pad)
+    r_ids, r_mask = pad_right([draw(k) for k in (5, 1, 3, 6, 2, 4, 6)], pad)
+    return p_ids, p_mask, r_ids, r_mask
+
+
+def _logp_and_grads(model, batch, mode: str, tau: float):
+    model.zero_grad(set_to_none=True)
+    lp = response_logprobs(model, *batch, temperature=tau, shared_prompt=mode)
+    weights = torch.linspace(-1.0, 2.0, lp.numel()).reshape(lp.shape)
+    (lp * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), grads
+
+
+def _assert_same(model, batch, tau: float = 0.7) -> None:
+    lp0, g0 = _logp_and_grads(model, batch, "off", tau)
+    lp1, g1 = _logp_and_grads(model, batch, "always", tau)
+    assert lp0.abs().sum() > 0
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and g0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_shared_prompt_matches_plain_forward(tiny):
+    model, tok = tiny
+    model = copy.deepcopy(model).float().train()
+    batch = _batch(model.config.vocab_size, tok.pad_token_id)
+    groups = prompt_groups(model, batch[0], batch[1], batch[2].shape[1], "always")
+    assert groups is not None and len(groups.first) == 3 and groups.width == 10
+    _assert_same(model, batch)
+
+
+def test_shared_prompt_matches_plain_forward_under_lora(tiny):
+    base, tok = tiny
+    settings = LoraSettings.from_mapping({"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    model = apply_lora(copy.deepcopy(base).float(), settings).train()
+    for name, p in model.named_parameters():  # LoRA's B starts at 0: make the adapters count
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    batch = _batch(base.config.vocab_size, tok.pad_token_id, seed=1)
+    _assert_same(model, batch, tau=1.3)
+    # under no_grad too (the old-policy and reference passes), adapters off included
+    with torch.no_grad(), model.disable_adapter():
+        a = response_logprobs(model, *batch, temperature=0.9, shared_prompt="off")
+        b = response_logprobs(model, *batch, temperature=0.9, shared_prompt="always")
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_shares_only_where_it_saves_enough(tiny, caplog):
+    model, tok = tiny
+    pad, t = tok.pad_token_id, 8
+    short, _ = pad_left([[7, 8, 9]] * 8, pad)
+    long_ids, long_mask = pad_left([list(range(5, 1005))] * 8, pad)
+    distinct, distinct_mask = pad_left([[5 + i] * 1000 for i in range(8)], pad)
+    assert prompt_groups(model, long_ids, long_mask, t, "auto") is not None
+    assert prompt_groups(model, short, torch.ones_like(short, dtype=torch.bool), t, "auto") is None
+    assert prompt_groups(model, distinct, distinct_mask, t, "auto") is None  # G = 1
+    assert prompt_groups(model, long_ids, long_mask, t, "off") is None
+    with pytest.raises(ValueError, match="shared_prompt"):
+        prompt_groups(model, long_ids, long_mask, t, "yes")
+    # gradient checkpointing while training: off, said once; in eval mode it still shares
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable()
+    forward._said.clear()
+    with caplog.at_level(logging.INFO, logger="mrtpo.forward"):
+        m.train()
+        assert prompt_groups(m, long_ids, long_mask, t, "always") is None
+        assert prompt_groups(m, long_ids, long_mask, t, "always") is None
+        m.eval()
+        assert prompt_groups(m, long_ids, long_mask, t, "always") is not None
+    said = [r.getMessage() for r in caplog.records if "shared-prompt" in r.getMessage()]
+    assert len(said) == 1 and "gradient checkpointing" in said[0]
