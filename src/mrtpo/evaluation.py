@@ -304,6 +304,7 @@ def score_responses(
     covered = {str(ex.id) for _, ex, _ in matched}
     coverage = _coverage(covered, by_id, responses_file, require_complete)
     exs = [ex for _, ex, _ in matched]
+    task.check_scorable(exs)  # only the examples this file answers must be scorable here
     metrics, rows = evaluate_examples(task, exs, [t for _, _, t in matched])
     metrics["coverage"] = coverage
     info = {

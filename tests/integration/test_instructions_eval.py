@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mrtpo.evaluation import read_jsonl, score_responses
-from mrtpo.tasks.instructions import InstructionTask
+from mrtpo.tasks.instructions import InstructionTask, checkers
 
 WORDS_310 = " ".join(["steady"] * 310)
 LOWER = (
@@ -106,3 +106,82 @@ def test_ifbench_responses(task, tmp_path: Path):
     assert metrics["prompt_level_strict_acc"] == 0.5
     if task.skipped.get("ifbench"):
         assert metrics["n_prompts_skipped"] == task.skipped["ifbench"]
+
+
+# ---- IFBench prompts whose checkers need NLTK data that is not installed (issue 29 item 1) --
+NEEDS_STOPWORDS = "171"  # ratio:stop_words only
+NEEDS_TAGGER = "257"  # words:start_verb only
+
+
+@pytest.fixture(scope="module")
+def strict_task(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> InstructionTask:
+    """unavailable_checkers=error (the default); skips when every IFBench checker can run."""
+    pytest.importorskip("if_verifiable", reason="IFBench checkers need if-verifiable")
+    import nltk
+
+    try:
+        nltk.data.find("corpora/stopwords")
+        pytest.skip("NLTK stopwords are installed here: every IFBench checker runs")
+    except LookupError:
+        pass
+    return InstructionTask(
+        nltk_data_dir=str(tmp_path_factory.mktemp("nltk_data")),
+        eval_files={"ifbench": str(shared_data / "ifbench" / "IFBench_test.jsonl")},
+    )
+
+
+def _lines(path: Path, ids: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": i, "response": "An answer."}) + "\n" for i in ids))
+    return path
+
+
+def test_ifbench_responses_that_avoid_the_unavailable_checkers_are_scored(strict_task, tmp_path):
+    # the whole split cannot be used here (training / validation would refuse it)...
+    with pytest.raises(checkers.CheckerUnavailable, match=r"18 of 294 prompts"):
+        strict_task.examples("ifbench")
+    # ...but a predictions file that covers none of those 18 prompts is scored
+    preds = _lines(tmp_path / "preds.jsonl", ["0", "1", "2"])
+    examples = strict_task.eval_examples("ifbench", {"responses": str(preds)})
+    assert len(examples) == 294
+    metrics = score_responses(strict_task, examples, preds, tmp_path / "out")
+    assert metrics["n_prompts"] == 3 and metrics["n_scoring_errors"] == 0
+    assert "n_prompts_skipped" not in metrics
+
+
+def test_ifbench_responses_that_need_them_name_the_prompts_and_the_install(strict_task, tmp_path):
+    preds = _lines(tmp_path / "preds.jsonl", ["0", NEEDS_STOPWORDS, NEEDS_TAGGER])
+    examples = strict_task.eval_examples("ifbench", {"responses": str(preds)})
+    with pytest.raises(checkers.CheckerUnavailable) as err:
+        score_responses(strict_task, examples, preds, tmp_path / "out")
+    msg = str(err.value)
+    assert "2 of the 3 prompts evaluated (ids ['171', '257'])" in msg
+    assert "'ratio:stop_words', 'words:start_verb'" in msg
+    assert "nltk.downloader" in msg and "task.nltk_data_dir" in msg
+    assert "task.unavailable_checkers=skip" in msg
+    assert not (tmp_path / "out").exists()  # nothing scored, nothing written
+
+
+def test_ifbench_generation_checks_only_the_prompts_within_the_limit(strict_task):
+    # generate mode scores the first eval.limit prompts; the first unavailable one is key 133
+    assert len(strict_task.eval_examples("ifbench", {"limit": 100})) == 294
+    with pytest.raises(checkers.CheckerUnavailable, match=r"5 of the 150 prompts evaluated"):
+        strict_task.eval_examples("ifbench", {"limit": 150})
+
+
+def test_eval_job_scores_an_ifbench_file_that_avoids_them(strict_task, shared_data, tmp_path):
+    """Through the evaluation job of src/eval.py (responses mode needs no model)."""
+    from mrtpo.config import compose
+    from mrtpo.evaluate_cli import run
+
+    preds = _lines(tmp_path / "preds.jsonl", ["0", "5"])
+    overrides = [
+        "task=ifeval",
+        "eval.split=ifbench",
+        f"eval.responses={preds}",
+        f"eval.output={tmp_path / 'out'}",
+        f"paths.data_dir={shared_data}",
+        f"task.nltk_data_dir={strict_task.nltk_data_dir}",
+    ]
+    metrics = run(compose("eval.yaml", overrides), overrides=overrides)
+    assert metrics["n_prompts"] == 2
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["scored"]["examples"] == 294

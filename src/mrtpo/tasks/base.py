@@ -102,6 +102,11 @@ class Task(ABC):
         ``categories``); tasks with extra selectors override this."""
         return self.examples(split)
 
+    def check_scorable(self, examples: Sequence[Example]) -> None:
+        """Raise when some of ``examples`` cannot be scored on this machine (a checker's
+        package or data is missing), before any is scored. Default: every example can be."""
+        return None
+
     # ---- rewards ------------------------------------------------------------------------
     @abstractmethod
     def score(self, example: Example, response: str) -> Score:

@@ -52,8 +52,11 @@ PROBE_TEXT = (
 )
 
 
-class CheckerUnavailable(RuntimeError):
-    """A checker cannot run here: its package or data is missing. Never scored as 0."""
+class CheckerUnavailable(RuntimeError, ValueError):
+    """A checker cannot run here: its package or data is missing. Never scored as 0.
+
+    Also a ValueError: it is something to install or set, and src/eval.py prints such an
+    error's message alone (no traceback)."""
 
 
 # ---- NLTK data ------------------------------------------------------------------------------
@@ -333,7 +336,7 @@ def _follows(
         raise CheckerUnavailable(
             f"instruction {instruction_id!r} needs NLTK data that is not installed ({first}). "
             f"Install it once with network: python -m nltk.downloader -d {nltk_dir} "
-            "stopwords averaged_perceptron_tagger_eng"
+            "stopwords averaged_perceptron_tagger_eng (that folder is task.nltk_data_dir)"
         ) from exc
     except Exception as exc:  # the official checkers raise on some malformed text
         return False, f"checker raised {type(exc).__name__}: {exc}"[:200]

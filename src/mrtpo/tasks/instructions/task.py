@@ -109,23 +109,57 @@ class InstructionTask(Task):
         self.loose_in_training = bool(loose_in_training)
         self.judge_cfg = dict(judge or {})
         self._judge: RubricJudge | None = None
-        self._cache: dict[str, list[Example]] = {}
+        self._cache: dict[str, list[Example]] = {}  # split -> the prompts examples() gives
+        self._loaded: dict[str, list[Example]] = {}  # split -> all its prompts
         self.skipped: dict[str, int] = {}  # split -> prompts left out (unavailable checkers)
 
     # ---- data ---------------------------------------------------------------------------
     def examples(self, split: str) -> Sequence[Example]:
+        """The split's prompts whose checkers all run here; a prompt whose checker cannot run
+        fails the whole split (training and validation use all of it), or with
+        ``task.unavailable_checkers=skip`` is left out."""
         if split == "val":
             if self.val_split in ("val", "train"):
                 raise ValueError("task.val_split must name an evaluation split (e.g. ifeval)")
             return self.examples(self.val_split)
         if split not in self._cache:
-            self._cache[split] = self._load(split)
+            self._cache[split] = self._drop_unavailable(split, self._every(split))
         return self._cache[split]
 
+    def _every(self, split: str) -> list[Example]:
+        """Every prompt of the split, whether its checkers can run here or not."""
+        if split not in self._loaded:
+            self._loaded[split] = self._load(split)
+        return self._loaded[split]
+
     def eval_examples(self, split: str, options: Mapping[str, Any]) -> Sequence[Example]:
+        """The prompts ``src/eval.py`` may score. Only the prompts actually evaluated must have
+        working checkers (``check_scorable``): the first ``eval.limit`` when generating, the
+        ones a responses file answers when scoring it."""
         if split == "advancedif":
             self._judge = judge_from_options(options, self.judge_cfg)
-        return self.examples(split)
+        if split == "val" or self.unavailable_checkers == "skip":
+            return self.examples(split)
+        every = self._every(split)
+        if not options.get("responses"):  # generate mode: fail before any model loads
+            limit = options.get("limit")
+            self.check_scorable(every[: int(limit)] if limit else every)
+        return every
+
+    def check_scorable(self, examples: Sequence[Example]) -> None:
+        """Refuse, naming them, evaluated prompts whose checkers cannot run on this machine
+        (their NLTK data is missing): never a silent 0."""
+        unique = list({e.id: e for e in examples}.values())
+        bad = self._unavailable(unique)
+        if not bad:
+            return
+        hit = [e.id for e in unique if any(c["id"] in bad for c in e.data["constraints"])]
+        raise checkers.CheckerUnavailable(
+            f"{len(hit)} of the {len(unique)} prompts evaluated (ids {hit[:5]}"
+            f"{' ...' if len(hit) > 5 else ''}) use instructions whose checkers cannot run here "
+            f"({sorted(bad)}): {next(iter(bad.values()))}. Or leave those prompts out of the "
+            "evaluation, or set task.unavailable_checkers=skip (reported as n_prompts_skipped)"
+        )
 
     def _load(self, split: str) -> list[Example]:
         if split == "train":
@@ -281,7 +315,6 @@ class InstructionTask(Task):
         return True
 
     def _examples(self, split: str, recs: list[Record], is_eval: bool) -> list[Example]:
-        recs = self._drop_unavailable(split, recs)
         out = []
         for r in recs:
             messages = r.meta.get("messages") or [{"role": "user", "content": r.prompt}]
@@ -302,25 +335,29 @@ class InstructionTask(Task):
             out.append(Example(id=r.uid, messages=messages, data=data))
         return out
 
-    def _drop_unavailable(self, split: str, recs: list[Record]) -> list[Record]:
-        """Fail (or, if asked, skip those prompts) when a checker cannot run on this machine."""
-        cases: dict[str, dict[str, tuple[Any, str]]] = defaultdict(dict)
-        for r in recs:
-            if r.registry in ("ifeval", "ifbench"):
-                for c in r.constraints:
-                    cases[r.registry].setdefault(c.id, (c.kwargs, r.prompt))
-        hir = any(r.source == "hir" for r in recs)
-        variant = str(self.data_cfg["checkers"]) if hir else "official"
+    def _unavailable(self, examples: Sequence[Example]) -> dict[str, str]:
+        """Instruction id -> why its checker cannot run here, over these prompts."""
+        cases: dict[tuple[str, str], dict[str, tuple[Any, str]]] = defaultdict(dict)
+        for e in examples:
+            d = e.data
+            if d.get("registry") in ("ifeval", "ifbench"):
+                key = (d["registry"], str(d.get("checkers", "official")))
+                for c in d["constraints"]:
+                    cases[key].setdefault(c["id"], (c["kwargs"], d["prompt"]))
         bad: dict[str, str] = {}
-        for name, reg_cases in cases.items():
-            reg = self._registry(name, variant)
-            bad.update(checkers.unavailable_instructions(reg, reg_cases))
+        for (name, variant), reg_cases in cases.items():
+            bad.update(checkers.unavailable_instructions(self._registry(name, variant), reg_cases))
+        return bad
+
+    def _drop_unavailable(self, split: str, examples: list[Example]) -> list[Example]:
+        """Fail (or, if asked, skip those prompts) when a checker cannot run on this machine."""
+        bad = self._unavailable(examples)
         if not bad:
-            return recs
-        hit = [r for r in recs if any(c.id in bad for c in r.constraints)]
+            return examples
+        hit = {e.id for e in examples if any(c["id"] in bad for c in e.data["constraints"])}
         msg = (
-            f"split {split}: {len(hit)} of {len(recs)} prompts use instructions whose checkers "
-            f"cannot run here ({sorted(bad)}): {next(iter(bad.values()))}"
+            f"split {split}: {len(hit)} of {len(examples)} prompts use instructions whose "
+            f"checkers cannot run here ({sorted(bad)}): {next(iter(bad.values()))}"
         )
         if self.unavailable_checkers == "error":
             raise checkers.CheckerUnavailable(
@@ -328,8 +365,9 @@ class InstructionTask(Task):
                 "(reported as n_prompts_skipped)"
             )
         log.warning("%s; leaving them out (task.unavailable_checkers=skip)", msg)
-        self.skipped[split] = len(hit)
-        return [r for r in recs if r not in hit]
+        # counted under the split the prompts name (train's are "hir" or "generated")
+        self.skipped.update(Counter(e.data.get("split", split) for e in examples if e.id in hit))
+        return [e for e in examples if e.id not in hit]
 
     # ---- rewards ------------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
