@@ -292,6 +292,35 @@ def prompt_groups(
     return None
 
 
+def shared_context_layout(model, contexts: list[list[int]], t: int, pad_id: int, mode="auto"):
+    """``response_hidden_shared_prefix``'s context arguments for token-list contexts (rows
+    with identical contexts share all but the context's last token), or None where the plain
+    ``response_hidden`` is to run (same rules as ``prompt_groups``). No-grad callers only
+    need this (the teacher); the log-probs are the plain forward's."""
+    if mode not in SHARED_PROMPT_MODES:
+        raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
+    n = len(contexts)
+    if mode == "off" or n < 2 or any(len(c) < 2 for c in contexts):
+        return None
+    blocker = shared_prompt_blocker(model)
+    if blocker is not None:
+        _say_once(blocker)
+        return None
+    index: dict[tuple[int, ...], int] = {}
+    row_prefix = [index.setdefault(tuple(c), len(index)) for c in contexts]
+    if len(index) == n:
+        return None
+    prefixes = [list(c[:-1]) for c in index]
+    plain = n * (max(len(c) for c in contexts) + t)
+    saved = plain - len(prefixes) * max(len(c) for c in prefixes) - n * (1 + t)
+    if mode == "auto" and not worth_sharing(saved, plain):
+        return None
+    p_ids, p_mask = pad_left(prefixes, pad_id)
+    s_ids, s_mask = pad_left([[c[-1]] for c in contexts], pad_id)
+    keep = torch.tensor([len(c) - 1 for c in contexts], dtype=torch.long)
+    return p_ids, p_mask, torch.tensor(row_prefix, dtype=torch.long), keep, s_ids, s_mask
+
+
 def worth_sharing(saved: int, plain: int) -> bool:
     """Whether skipping ``saved`` of ``plain`` tokens pays for a second decoder call."""
     return saved >= MIN_SAVED_SHARE * plain and saved >= MIN_SAVED_TOKENS

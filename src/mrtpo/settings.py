@@ -111,6 +111,11 @@ class RLConfig(_Section):
     # Log train/rollout/logp_gap/* every step. With one update per step and no TIS this costs
     # an extra no-grad forward (the old-policy pass is otherwise skipped); false skips it then.
     measure_logp_gap: bool = True
+    # Each prompt once per forward: rows repeating a prompt (a group's G samples) run its
+    # key/value cache once in the update, old-policy and reference passes (same numbers).
+    # auto: where it saves enough tokens and the model supports it (mrtpo.forward says why
+    # not, once); false: never; always: wherever the model supports it.
+    shared_prompt_forward: str = "auto"
 
     def __post_init__(self) -> None:
         s = self.section
@@ -166,6 +171,17 @@ class RLConfig(_Section):
             self.tis_cap,
             "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)",
         )
+
+        mode = str(self.shared_prompt_forward).lower()
+        mode = {"false": "off", "true": "auto"}.get(mode, mode)
+        _need(
+            mode in ("auto", "off", "always"),
+            s,
+            "shared_prompt_forward",
+            self.shared_prompt_forward,
+            "auto, false or always",
+        )
+        self.shared_prompt_forward = mode
 
     def per_rank(self, ranks: int) -> RLConfig:
         """This config for one of ``ranks`` processes: each ``global_*`` batch key divided

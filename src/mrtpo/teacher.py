@@ -25,7 +25,14 @@ import torch
 from torch import Tensor
 
 from mrtpo.credit.distill import TeacherScores, sampled_token_scores
-from mrtpo.forward import pad_left, response_hidden, response_logits, split_head
+from mrtpo.forward import (
+    pad_left,
+    response_hidden,
+    response_hidden_shared_prefix,
+    response_logits,
+    shared_context_layout,
+    split_head,
+)
 from mrtpo.rollout.build import chat_ids
 
 
@@ -34,9 +41,16 @@ class Teacher:
     teacher is its base (``disable_adapter``); otherwise ``model`` is a frozen copy."""
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer, adapters_off: bool = False, token_budget=16384
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        adapters_off: bool = False,
+        token_budget=16384,
+        shared_prompt: str = "auto",
     ) -> None:
         self.model = model
+        # rows with one teacher context (a group's G samples) run it once: rl.shared_prompt_forward
+        self.shared_prompt = shared_prompt
         self.tokenizer = tokenizer
         self.adapters_off = bool(adapters_off)
         self.token_budget = int(token_budget)
@@ -78,12 +92,16 @@ class Teacher:
 
     def _states(self, model, ctx: list[list[int]], r_ids: Tensor, r_mask: Tensor):
         """(hidden [n, T, H] and the LM head) or (logits [n, T, V], None)."""
-        c_ids, c_mask = pad_left(ctx, self.tokenizer.pad_token_id)
-        split = split_head(model)
+        pad, split = self.tokenizer.pad_token_id, split_head(model)
+        if split is not None:
+            shared = shared_context_layout(model, ctx, r_ids.shape[1], pad, self.shared_prompt)
+            if shared is not None:
+                return response_hidden_shared_prefix(split[0], *shared, r_ids, r_mask), split[1]
+        c_ids, c_mask = pad_left(ctx, pad)
         if split is None:
-            return response_logits(model, c_ids, c_mask, r_ids, r_mask), None
-        decoder, head = split
-        return response_hidden(decoder, c_ids, c_mask, r_ids, r_mask), head
+            logits = response_logits(model, c_ids, c_mask, r_ids, r_mask, self.shared_prompt)
+            return logits, None
+        return response_hidden(split[0], c_ids, c_mask, r_ids, r_mask), split[1]
 
     # -- the two passes -------------------------------------------------------------------
     def score(

@@ -97,3 +97,25 @@ def test_auto_shares_only_where_it_saves_enough(tiny, caplog):
         assert prompt_groups(m, long_ids, long_mask, t, "always") is not None
     said = [r.getMessage() for r in caplog.records if "shared-prompt" in r.getMessage()]
     assert len(said) == 1 and "gradient checkpointing" in said[0]
+
+
+def test_teacher_states_match_with_shared_contexts(tiny):
+    """The OPSD teacher runs a context repeated by several rows once (no grad)."""
+    import mrtpo.credit  # noqa: F401  (mrtpo.teacher imported first is a circular import)
+    from mrtpo.teacher import Teacher
+
+    model, tok = tiny
+    model = copy.deepcopy(model).float().eval()
+    g = torch.Generator().manual_seed(2)
+    ctxs = [torch.randint(5, 600, (k,), generator=g).tolist() for k in (9, 3, 14)]
+    ctx = [ctxs[i] for i in (0, 1, 0, 2, 2, 0)]
+    r_ids, r_mask = pad_right(
+        [torch.randint(5, 600, (k,), generator=g).tolist() for k in (4, 2, 6, 1, 5, 3)], 0
+    )
+    assert forward.shared_context_layout(model, ctx, 6, tok.pad_token_id, "always") is not None
+    with torch.no_grad():
+        plain, head = Teacher(model, tok, shared_prompt="off")._states(model, ctx, r_ids, r_mask)
+        shared, _ = Teacher(model, tok, shared_prompt="always")._states(model, ctx, r_ids, r_mask)
+    valid = r_mask[..., None].expand_as(plain)
+    torch.testing.assert_close(shared[valid], plain[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head(shared)[r_mask], head(plain)[r_mask], rtol=1e-5, atol=1e-5)

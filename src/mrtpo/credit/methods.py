@@ -105,6 +105,7 @@ class MethodServices:
     frozen_policy: Callable[[], tuple[torch.nn.Module, bool]]
     token_budget: int = 16384  # rows x padded length per no-grad forward (replay's)
     chunk: int = 256  # (row, position) pairs per float32 log-softmax (replay's jsd_chunk)
+    shared_prompt: str = "auto"  # rl.shared_prompt_forward, for no-grad forwards of their own
 
 
 @dataclass

@@ -111,7 +111,11 @@ class OPSD(AdvantageMethod):
     def bind(self, services: MethodServices) -> None:
         model, adapters_off = services.frozen_policy()
         self.frozen = Teacher(
-            model, services.tokenizer, adapters_off=adapters_off, token_budget=services.token_budget
+            model,
+            services.tokenizer,
+            adapters_off=adapters_off,
+            token_budget=services.token_budget,
+            shared_prompt=services.shared_prompt,
         )
         self._task, self._chunk = services.task, services.chunk
 
