@@ -2,12 +2,17 @@
 
 Prompts come from a JSONL / JSON / parquet / CSV file, a saved HF dataset folder or a hub
 dataset id (``task.data``); the prompt column holds text or chat messages. Rewards are
-plain functions named by import strings, with TRL's convention::
+plain functions named by import strings, in one of two forms::
 
     def has_yes(prompt, response, **row) -> float | None: ...   # None: does not apply
+    def has_yes(prompts, completions, **kwargs) -> list[float | None]: ...   # TRL's
 
 ``prompt`` is the row's prompt value as stored (text or messages), ``response`` the sampled
-text, ``row`` every other column of that row. For MRTPO's replay a reward may have a
+text, ``row`` every other column of that row. A function with a parameter named
+``completions`` is called TRL's way instead: once per batch, with the prompts, the
+completions (text, or ``[{"role": "assistant", "content": ...}]`` when the prompt is
+messages) and every other column as lists, returning one value (or None) per completion.
+For MRTPO's replay a reward may have a
 verifier-block function of the same signature returning the text its verifier checks
 against (``None``: no block); blocks are appended to the last user message to build the
 leave-one-out contexts, as the base ``Task.contexts`` does. docs/extending.md shows a
@@ -16,6 +21,7 @@ complete example.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import sys
@@ -82,6 +88,17 @@ class _Fn:
     name: str  # the reward it belongs to
     fn: Callable
     label: str  # its dotted name, for messages
+    batched: bool = False  # TRL's form: (prompts, completions, **kwargs) -> list, per batch
+
+
+def takes_batch(fn: Callable) -> bool:
+    """Whether ``fn`` has TRL's batched signature: a parameter named ``completions`` (TRL
+    passes ``prompts=`` and ``completions=`` by name)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return False
+    return "completions" in params
 
 
 class CustomTask(Task):
@@ -162,7 +179,7 @@ class CustomTask(Task):
         bad = [n for n in names if not n or "/" in n]
         if bad:
             raise ValueError(f"task.reward_names: {bad} are not valid names (empty or with '/')")
-        return [_Fn(n, f, label(f)) for n, f in zip(names, fns)]
+        return [_Fn(n, f, label(f), takes_batch(f)) for n, f in zip(names, fns)]
 
     def _refuse_unknown_rewards(self, raw: Mapping, key: str) -> None:
         """``key`` (a mapping per reward) may only name this task's rewards."""
@@ -180,6 +197,7 @@ class CustomTask(Task):
             if spec is None:
                 continue
             fn = resolve(spec, f"task.blocks.{k}")
+            _refuse_batched(fn, f"task.blocks.{k}")
             out[str(k)] = _Fn(str(k), fn, label(fn))
         return out
 
@@ -198,7 +216,9 @@ class CustomTask(Task):
             return None
         if spec == "all" or (isinstance(spec, str) and spec in self.reward_names):
             return spec
-        return resolve(spec, "task.success")
+        fn = resolve(spec, "task.success")
+        _refuse_batched(fn, "task.success")
+        return fn
 
     # ---- data -----------------------------------------------------------------------------
     def examples(self, split: str) -> Sequence[Example]:
@@ -342,13 +362,31 @@ class CustomTask(Task):
 
     # ---- rewards ------------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
+        return self.score_many([example], [response])[0]
+
+    def score_many(self, examples: Sequence[Example], responses: Sequence[str]) -> list[Score]:
+        """Each batched (TRL-style) reward is called once for the whole batch; the
+        per-sample ones, the blocks and the success rule once per response."""
+        batched = self._batched_values(examples, responses)
+        return [
+            self._score_one(e, r, {name: vals[i] for name, vals in batched.items()})
+            for i, (e, r) in enumerate(zip(examples, responses, strict=True))
+        ]
+
+    def _score_one(
+        self, example: Example, response: str, given: Mapping[str, tuple[Any, str | None]]
+    ) -> Score:
+        """One response's Score; ``given``: the batched rewards' (value, failure) for it."""
         rewards: dict[str, float | None] = {}
         blocks: dict[str, str | None] = dict.fromkeys(self.reward_names)
         reasons: dict[str, str] = {}
         errors: list[str] = []
         for r in self._rewards:
             who = f"reward {r.name} ({r.label})"
-            value, failed = self._call(r.fn, who, example, response)
+            if r.name in given:
+                value, failed = given[r.name]
+            else:
+                value, failed = self._call(r.fn, who, example, response)
             if failed:  # costs this reward of this sample only
                 rewards[r.name] = None
                 errors.append(f"{who} {failed}")
@@ -379,18 +417,59 @@ class CustomTask(Task):
             error="; ".join(errors) or None,
         )
 
+    def _batched_values(
+        self, examples: Sequence[Example], responses: Sequence[str]
+    ) -> dict[str, list[tuple[Any, str | None]]]:
+        """Reward name -> (value, failure) per response, for the TRL-style rewards: one call
+        ``fn(prompts=[...], completions=[...], **columns)`` each. A call that raises, or
+        returns anything but one value per completion, costs that reward of the batch."""
+        fns = [r for r in self._rewards if r.batched]
+        if not fns or not examples:
+            return {}
+        n = len(examples)
+        prompts = [e.data["prompt"] for e in examples]
+        completions = [
+            [{"role": "assistant", "content": t}] if isinstance(e.data["prompt"], list) else t
+            for e, t in zip(examples, responses, strict=True)
+        ]
+        names = dict.fromkeys(k for e in examples for k in e.data["row"])
+        cols = {
+            k: [e.data["row"].get(k) for e in examples]
+            for k in names
+            if k not in ("prompts", "completions")
+        }
+        where = f"a batch of {n} (first example {examples[0].id})"
+        out = {}
+        for r in fns:
+            values, failed = self._guarded(
+                r.fn, (), {"prompts": list(prompts), "completions": list(completions), **cols},
+                f"reward {r.name} ({r.label})", where,
+            )  # fmt: skip
+            failed = failed or _batch_problem(values, n)
+            out[r.name] = [(None, failed)] * n if failed else [(v, None) for v in values]
+        return out
+
+    def _call(
+        self, fn: Callable, who: str, example: Example, response: str
+    ) -> tuple[Any, str | None]:
+        """``fn(prompt, response, **row)`` and None, or None and why it failed."""
+        args = (example.data["prompt"], response)
+        return self._guarded(fn, args, example.data["row"], who, f"example {example.id}")
+
     @staticmethod
-    def _call(fn: Callable, who: str, example: Example, response: str) -> tuple[Any, str | None]:
-        """``fn(prompt, response, **row)`` and None, or None and why it failed.
+    def _guarded(
+        fn: Callable, args: tuple, kwargs: Mapping[str, Any], who: str, where: str
+    ) -> tuple[Any, str | None]:
+        """``fn(*args, **kwargs)`` and None, or None and why it failed.
 
         A ``SystemExit`` from a user's function (``sys.exit()`` in a reward) is a failure of
         that call, not the end of the run. A ``KeyboardInterrupt`` (Ctrl-C, or raised by the
         function) stops the run, with the function named in the log and on the exception.
         """
         try:
-            return fn(example.data["prompt"], response, **example.data["row"]), None
+            return fn(*args, **kwargs), None
         except KeyboardInterrupt as exc:
-            msg = f"KeyboardInterrupt while {who} scored example {example.id}: the run stops"
+            msg = f"KeyboardInterrupt while {who} scored {where}: the run stops"
             log.error("%s (Ctrl-C, or the function raised KeyboardInterrupt)", msg)
             exc.add_note(msg)
             exc.mrtpo_logged = True  # type: ignore[attr-defined]
@@ -431,6 +510,26 @@ class CustomTask(Task):
         return out
 
 
+def _refuse_batched(fn: Callable, key: str) -> None:
+    if takes_batch(fn):
+        raise ValueError(
+            f"{key} ({label(fn)}) takes 'completions' (TRL's batched form); only reward "
+            "functions may be batched: write it as (prompt, response, **row), called per response"
+        )
+
+
+def _batch_problem(values: Any, n: int) -> str | None:
+    """What is wrong with a batched reward's return value (None: one value per completion)."""
+    if isinstance(values, (str, bytes, bytearray, Mapping)) or not hasattr(values, "__len__"):
+        return (
+            f"returned a {type(values).__name__}, not a list of {n} values (one per completion, "
+            "None where the reward does not apply)"
+        )
+    if len(values) != n:
+        return f"returned {len(values)} values for {n} completions (one per completion)"
+    return None
+
+
 def _as_reward(value: Any) -> tuple[float | None, str | None]:
     """A reward function's return value as a float or None, and what was wrong with it.
 
@@ -449,7 +548,12 @@ def _as_reward(value: Any) -> tuple[float | None, str | None]:
         size = f"{value.bit_length()} bits" if isinstance(value, int) else "its magnitude"
         return None, f"an {type(value).__name__} too large for a float ({size})"
     except (TypeError, ValueError):
-        return None, f"a {type(value).__name__} ({_preview(value)}), not a number or None"
+        hint = (
+            "; a function that scores a batch takes (prompts, completions, **kwargs)"
+            if isinstance(value, (list, tuple))
+            else ""
+        )
+        return None, f"a {type(value).__name__} ({_preview(value)}), not a number or None{hint}"
     return (None, None) if math.isnan(f) else (f, None)
 
 
