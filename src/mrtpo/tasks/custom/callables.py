@@ -1,11 +1,60 @@
-"""Turning the import strings of a config (``mymod.r1``, ``pkg.mod:Scorer.check``) into
-callables, with errors that name the config key and say what could not be found."""
+"""Turning the import strings of a config (``mymod.r1``, ``pkg.mod:Scorer.check``,
+``path/to/mymod.py:r1``) into callables, with errors that name the config key and say what
+could not be found.
+
+A module is looked for where Python looks, then in the folder the command was started in
+(``launch_dir``), so ``python src/train.py ... task.rewards=[myrewards.r1]`` run from the
+folder that holds ``myrewards.py`` finds it without ``PYTHONPATH=.``."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+
+def launch_dir() -> Path:
+    """The folder the command was started in (Hydra's original one if it changed folder)."""
+    try:
+        from hydra.utils import get_original_cwd
+
+        return Path(get_original_cwd())
+    except Exception:  # not under Hydra (a library caller), or Hydra not initialized
+        return Path(os.getcwd())
+
+
+def search_launch_dir() -> Path:
+    """Put the launch folder on ``sys.path`` (last: installed modules keep their names)."""
+    folder = launch_dir().resolve()
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    return folder
+
+
+def _module_from_file(text: str, key: str) -> tuple[str, str]:
+    """``path/to/mod.py:attr`` -> (``mod``, ``attr``), with the file's folder on ``sys.path``
+    (a relative path is taken from the launch folder)."""
+    file_part, _, attr_path = text.rpartition(":")
+    path = Path(file_part).expanduser()
+    path = (path if path.is_absolute() else launch_dir() / path).resolve()
+    if not path.is_file():
+        raise ImportError(f"{key}={text!r}: no such file {path}")
+    if not attr_path:
+        raise ValueError(f"{key}={text!r}: name the function after the file: {file_part}:func")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    where = getattr(loaded, "__file__", None)
+    if loaded is not None and (not where or Path(where).resolve() != path):
+        raise ImportError(
+            f"{key}={text!r}: a module named {name!r} is already imported from "
+            f"{where or 'a built-in'}; rename {path.name}"
+        )
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    return name, attr_path
 
 
 def label(fn: Callable) -> str:
@@ -31,15 +80,18 @@ def resolve(spec: Any, key: str) -> Callable:
     if not isinstance(spec, str) or not spec.strip():
         raise TypeError(f"{key} must be an import string like 'mymodule.my_reward', got {spec!r}")
     text = spec.strip()
-    if ":" in text:
+    if text.rpartition(":")[0].endswith(".py"):
+        module_name, attr_path = _module_from_file(text, key)
+        candidates = [(module_name, attr_path.split("."))]
+    elif ":" in text:
         module_name, _, attr_path = text.partition(":")
         candidates = [(module_name, attr_path.split("."))]
     else:
         parts = text.split(".")
         if len(parts) < 2:
             raise ValueError(
-                f"{key}={text!r} is not an import string: write 'module.function' (the module "
-                "must be importable: installed, on PYTHONPATH, or in task.import_dirs)"
+                f"{key}={text!r} is not an import string: write 'module.function' or "
+                "'path/to/module.py:function'"
             )
         # The longest importable prefix is the module; the rest are attributes.
         candidates = [(".".join(parts[:i]), parts[i:]) for i in range(len(parts) - 1, 0, -1)]
@@ -73,7 +125,11 @@ def resolve(spec: Any, key: str) -> Callable:
         if not callable(obj):
             raise TypeError(f"{key}={text!r} is a {type(obj).__name__}, not a callable")
         return obj
+    missing = getattr(first_error, "name", None) or text.split(".")[0]
     raise ImportError(
-        f"{key}={text!r}: cannot import it ({first_error}); the module must be importable: "
-        "installed, on PYTHONPATH, or in a folder listed in task.import_dirs"
+        f"{key}={text!r}: no module {missing!r} in the folder the command was started in "
+        f"({launch_dir()}), in task.import_dirs or on PYTHONPATH. Start the command in the "
+        f"folder that holds {missing.split('.')[0]}.py, add that folder with "
+        f"task.import_dirs=[<folder>], or give the file: {key}=path/to/"
+        f"{missing.split('.')[0]}.py:<function>"
     )

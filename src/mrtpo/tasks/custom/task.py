@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.base import Example, Messages, Score, Task
-from mrtpo.tasks.custom.callables import label, resolve, short_name
+from mrtpo.tasks.custom.callables import label, resolve, search_launch_dir, short_name
 from mrtpo.tasks.custom.data import columns, detect_format, read_rows
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class CustomTask(Task):
             d = str(Path(d).expanduser().resolve())
             if d not in sys.path:
                 sys.path.insert(0, d)
+        search_launch_dir()  # and in the folder the command was started in
         self._rewards = self._resolve_rewards(rewards, reward_names)
         self.reward_names = tuple(r.name for r in self._rewards)
         self._blocks = self._resolve_blocks(blocks or {})
