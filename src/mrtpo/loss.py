@@ -6,6 +6,8 @@ know or care whether they are uniform over the response (GRPO/GDPO) or not (MRTP
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -107,26 +109,67 @@ def engine_gap(
     * ``seq_ratio/{mean,min,max}``: the sequence-level ratio ``pi_trainer(y) / pi_engine(y)``
       = ``exp(sum_t (log pi_trainer - log pi_engine))`` over the responses;
     * with TIS: ``tis_weight/mean`` and ``tis_capped_frac`` (tokens whose ratio hit the cap).
+
+    ``EngineGap`` computes the same over row blocks (an update's micro-batches).
     """
-    m = mask.to(torch.bool)
-    d = (trainer_logp.float() - engine_logp.float()).masked_fill(~m, 0.0)
-    n_tok = int(m.sum())
-    gap = d.abs()[m]
-    stats = {
-        "rollout/logp_gap/mean": float(gap.mean()) if n_tok else 0.0,
-        "rollout/logp_gap/max": float(gap.max()) if n_tok else 0.0,
-    }
-    seq = torch.exp(d.double().sum(-1))
-    stats["rollout/seq_ratio/mean"] = float(seq.mean())
-    stats["rollout/seq_ratio/min"] = float(seq.min())
-    stats["rollout/seq_ratio/max"] = float(seq.max())
-    if tis_cap is None:
-        return stats, None
-    ratio = torch.exp(d)
-    weights = ratio.clamp(max=float(tis_cap)).masked_fill(~m, 0.0).detach()
-    stats["rollout/tis_weight/mean"] = float(weights[m].mean()) if n_tok else 1.0
-    stats["rollout/tis_capped_frac"] = float((ratio[m] > tis_cap).float().mean()) if n_tok else 0.0
-    return stats, weights
+    totals = EngineGap(tis_cap)
+    weights = totals.add(trainer_logp, engine_logp, mask)
+    return totals.metrics(), weights
+
+
+class EngineGap:
+    """``engine_gap`` accumulated over blocks of whole rows: ``add`` each block (it returns
+    the block's TIS weights), then ``metrics``. The totals are exact (sums in float64, max of
+    maxima, a sequence's ratio from its own block), so any split of the rows gives the same
+    metrics as one call over all of them, to float rounding."""
+
+    def __init__(self, tis_cap: float | None = None) -> None:
+        self.tis_cap = None if tis_cap is None else float(tis_cap)
+        self.tokens = 0
+        self.gap_sum, self.gap_max = 0.0, 0.0
+        self.seqs, self.seq_sum = 0, 0.0
+        self.seq_min, self.seq_max = math.inf, -math.inf
+        self.weight_sum, self.capped = 0.0, 0
+
+    @torch.no_grad()
+    def add(self, trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> Tensor | None:
+        """Count the rows of one block; their TIS weights [n, T] (None without a cap)."""
+        m = mask.to(torch.bool)
+        d = trainer_logp.detach().float() - engine_logp.to(trainer_logp.device).float()
+        d = d.masked_fill(~m, 0.0)
+        gap = d.abs()[m]
+        self.tokens += gap.numel()
+        if gap.numel():
+            self.gap_sum += float(gap.double().sum())
+            self.gap_max = max(self.gap_max, float(gap.max()))
+        seq = torch.exp(d.double().sum(-1))
+        self.seqs += seq.numel()
+        if seq.numel():
+            self.seq_sum += float(seq.sum())
+            self.seq_min = min(self.seq_min, float(seq.min()))
+            self.seq_max = max(self.seq_max, float(seq.max()))
+        if self.tis_cap is None:
+            return None
+        ratio = torch.exp(d)
+        weights = ratio.clamp(max=self.tis_cap).masked_fill(~m, 0.0)
+        self.weight_sum += float(weights[m].double().sum())
+        self.capped += int((ratio[m] > self.tis_cap).sum())
+        return weights
+
+    def metrics(self) -> dict[str, float]:
+        n, s = self.tokens, self.seqs
+        nan = float("nan")
+        stats = {
+            "rollout/logp_gap/mean": self.gap_sum / n if n else 0.0,
+            "rollout/logp_gap/max": self.gap_max if n else 0.0,
+            "rollout/seq_ratio/mean": self.seq_sum / s if s else nan,
+            "rollout/seq_ratio/min": self.seq_min if s else nan,
+            "rollout/seq_ratio/max": self.seq_max if s else nan,
+        }
+        if self.tis_cap is not None:
+            stats["rollout/tis_weight/mean"] = self.weight_sum / n if n else 1.0
+            stats["rollout/tis_capped_frac"] = self.capped / n if n else 0.0
+        return stats
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -5,7 +5,8 @@
 3. if the method asks for relevance, replay scores each requested (response, reward) pair's
    tokens under the parameters that sampled them, as the method's ``RelevanceRequest`` says;
 4. old-policy log-probs of the sampled tokens (no grad, sampling prompt P0), when more than
-   one update follows (reused from replay's P_all pass where P_all is P0);
+   one update follows (reused from replay's P_all pass where P_all is P0); with one update,
+   the engine-trainer gap is measured from the update's own forward instead;
 5. the method turns rewards (+ relevance) into token advantages [N, T];
 6. clipped-surrogate updates over mini-batches (PPO epochs, micro-batch accumulation);
 7. the rollout callback syncs the new weights into the engine.
@@ -40,7 +41,7 @@ from mrtpo.evaluation import evaluate_examples
 from mrtpo.faults import FaultTracker
 from mrtpo.forward import response_logits, response_logprobs
 from mrtpo.lora import checkpoint_keys, is_lora
-from mrtpo.loss import engine_gap, policy_loss, token_logprobs
+from mrtpo.loss import EngineGap, engine_gap, policy_loss, token_logprobs
 from mrtpo.replay import Replayer, ReplayResult
 from mrtpo.scoring import score_batch
 from mrtpo.settings import OptimConfig, ReplayConfig, RLConfig
@@ -75,6 +76,9 @@ class OldPolicy:
     ref_logp: torch.Tensor | None = None  # [N, T] the KL reference's (rl.kl_coef > 0)
     extra: Any = None  # the method's own no-grad inputs (``score_inputs``)
     rollout_metrics: dict[str, float] = field(default_factory=dict)  # the engine gap
+    # the engine gap (and TIS weights) to take from the update's own forward, when that
+    # forward is pi_old's: one update per step (``PolicyModule.gap_in_update``)
+    gap: EngineGap | None = None
 
 
 @dataclass
@@ -108,6 +112,33 @@ class _Once:
         if self._value is None:
             self._value = self._make()
         return self._value
+
+    @property
+    def made(self) -> bool:
+        return self._value is not None
+
+
+def dropout_in(model: torch.nn.Module) -> str | None:
+    """The first randomness of ``model`` in train mode only: a dropout layer, or a non-zero
+    ``*dropout*`` (or router ``*jitter*``) rate of a Hugging Face config, which the model
+    applies in train mode only; named. None if there is none."""
+    configs = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
+            return f"{name or type(mod).__name__} (p={mod.p})"
+        cfg = getattr(mod, "config", None)
+        if callable(getattr(cfg, "to_dict", None)):
+            configs[id(cfg)] = cfg
+    for cfg in configs.values():
+        for key, v in cfg.to_dict().items():
+            if (
+                ("dropout" in key or "jitter" in key)
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and v > 0
+            ):
+                return f"{key}={v}"
+    return None
 
 
 def _free_accelerator_memory() -> None:
@@ -166,6 +197,7 @@ class PolicyModule(L.LightningModule):
         self.last: ScoredBatch | None = None  # for callbacks (sample tables, relevance dumps)
         self.timings: dict[str, float] = {}
         self._absent_as_nan = step_metrics.AbsentAsNaN()
+        self._no_dropout: bool | None = None  # dropout_in(policy) is None; known on first use
         self._val_rows: list = []
         method.bind(self.method_services())
 
@@ -211,10 +243,14 @@ class PolicyModule(L.LightningModule):
         scored.advantages, scored.stats = self.advantages(scored, old.extra)  # 5
         if self.ranks.any(not bool(torch.isfinite(scored.advantages).all())):
             return self._skip_nonfinite("advantages", scored)
+        if old.gap is not None and old.gap.tis_cap is not None:  # filled by the update
+            scored.tis_weights = torch.zeros(roll.response_ids.shape, dtype=torch.float32)
         with self._timed("update"):
-            upd = self._update(scored)  # 6
+            upd = self._update(scored, old.gap)  # 6
         if upd is None:
             return self._skip_nonfinite("loss", scored)
+        if old.gap is not None:
+            old.rollout_metrics = old.gap.metrics()
         self.iteration += 1
         self.last = scored
         self.timings["step"] = time.perf_counter() - t_step + self.timings.get("rollout", 0.0)
@@ -252,9 +288,11 @@ class PolicyModule(L.LightningModule):
 
         pi_old's log-probs when more than one update follows (with one they equal the current
         policy's, so the ratio does not need them), reused from replay's P_all pass where that
-        is the sampling prompt. They are also computed whenever the engine reported its own
-        log-probs, to measure the engine-trainer gap (and, with rl.tis_cap, correct for it).
-        Then the KL reference's, and the method's own no-grad inputs (``score_inputs``).
+        is the sampling prompt. Then the KL reference's, and the method's own no-grad inputs
+        (``score_inputs``). Where the engine reported its own log-probs, the engine-trainer
+        gap (and, with rl.tis_cap, the weights that correct for it) is measured against pi_old:
+        from these log-probs when they exist, else from the update's own forward
+        (``gap_in_update``), else (a policy with dropout) by a pass of its own.
         """
         rl, micro = self.rl, int(self.rl.micro_batch_size)
         several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
@@ -268,14 +306,35 @@ class PolicyModule(L.LightningModule):
             )
         logp = _Once(lambda: self._old_logprobs(roll, res, micro))
         out = OldPolicy(logp=logp() if several else None)
-        if gap:
-            out.rollout_metrics, out.tis = engine_gap(
-                logp(), roll.engine_logp, roll.response_mask, rl.tis_cap
-            )
         if rl.kl_coef > 0:
             out.ref_logp = self.reference_logprobs(roll, micro)
         out.extra = self.method.score_inputs(StepView(roll, logp, self.device))
+        if gap and self.gap_in_update(several, logp.made):
+            out.gap = EngineGap(rl.tis_cap)
+        elif gap:
+            out.rollout_metrics, out.tis = engine_gap(
+                logp(), roll.engine_logp, roll.response_mask, rl.tis_cap
+            )
         return out
+
+    def gap_in_update(self, several: bool, made: bool) -> bool:
+        """Whether the update's own forward gives pi_old's log-probs for the engine gap: one
+        update per step (``several`` false), pi_old's not already computed (``made``: the
+        method's ``score_inputs`` wanted them) and a policy without dropout (train mode then
+        computes what eval mode does). Decided jointly: under FSDP the old-policy pass is a
+        collective every rank must run or skip alike."""
+        if self._no_dropout is None:
+            found = dropout_in(self.policy)
+            self._no_dropout = found is None
+            if found is not None:
+                log.info(
+                    "the policy is random in train mode (%s): the engine-trainer gap costs a "
+                    "forward of its own in eval mode (rl.measure_logp_gap=false skips it when "
+                    "rl.tis_cap is null)",
+                    found,
+                )
+        own = not several and not made and self._no_dropout
+        return not self.ranks.any(not own)
 
     def advantages(self, scored: ScoredBatch, extra) -> tuple[torch.Tensor, dict[str, float]]:
         """5. Token advantages [N, T] and the method's statistics. Group ids are local to this
@@ -414,7 +473,7 @@ class PolicyModule(L.LightningModule):
             )
         raise AssertionError("unreachable")
 
-    def _update(self, scored: ScoredBatch) -> dict[str, float] | None:
+    def _update(self, scored: ScoredBatch, gap: EngineGap | None = None) -> dict[str, float] | None:
         """6. Clipped-surrogate updates: ``rl.ppo_epochs`` passes over shuffled mini-batches,
         each one optimizer update accumulated over micro-batches.
 
@@ -423,7 +482,7 @@ class PolicyModule(L.LightningModule):
         ...) are means over every valid token of every update. ``lr`` is the learning rate of
         this step's updates; it changes once per RL step (``optim.warmup_steps`` counts RL
         steps, like ``method.beta_warmup_steps`` and ``trainer.max_steps``). None when a loss
-        was not finite (on any rank).
+        was not finite (on any rank). ``gap``: the engine gap, measured on the way (one update).
         """
         rl, n = self.rl, scored.rollout.n
         opt, sched = self.optimizers(), self.lr_schedulers()
@@ -441,7 +500,7 @@ class PolicyModule(L.LightningModule):
             for s in range(0, rows, mini):
                 u += 1
                 if not self._accumulate(
-                    scored, perm[s : s + mini], min(mini, rows - s), micro, acc
+                    scored, perm[s : s + mini], min(mini, rows - s), micro, acc, gap
                 ):
                     return None
                 if rl.max_grad_norm:
@@ -455,7 +514,9 @@ class PolicyModule(L.LightningModule):
         sched.step()  # once per RL step: the warm-up counts RL steps
         return acc.metrics()
 
-    def _accumulate(self, scored, mb, width: int, micro: int, acc: _UpdateTotals) -> bool:
+    def _accumulate(
+        self, scored, mb, width: int, micro: int, acc: _UpdateTotals, gap: EngineGap | None
+    ) -> bool:
         """One optimizer update's gradients: micro-batches of ``mb`` (``width`` rows on the
         busiest rank), backward each. False when a loss was not finite on some rank."""
         opt = self.optimizers()
@@ -469,7 +530,7 @@ class PolicyModule(L.LightningModule):
                     opt.zero_grad(set_to_none=True)
                     return False
                 continue
-            loss, stats, tokens = self._micro_loss(scored, idx, denom)
+            loss, stats, tokens = self._micro_loss(scored, idx, denom, gap)
             # Decided jointly: a rank that skipped backward would leave the others waiting in
             # DDP's gradient all-reduce.
             if self.ranks.any(not bool(torch.isfinite(loss))):
@@ -492,9 +553,10 @@ class PolicyModule(L.LightningModule):
         total = self.ranks.all_reduce_sum(local.to(self.device)).clamp_min(1.0)
         return float(total) / self.ranks.world_size
 
-    def _micro_loss(self, scored: ScoredBatch, idx, denom: float):
+    def _micro_loss(self, scored: ScoredBatch, idx, denom: float, gap: EngineGap | None = None):
         """(loss, per-token statistics, valid tokens) of one micro-batch: the surrogate, plus
-        the method's own term (``token_loss``) where it has one."""
+        the method's own term (``token_loss``) where it has one. With ``gap`` (one update per
+        step) this forward is pi_old's: it measures the engine gap and makes the TIS weights."""
         rl, sub = self.rl, scored.rollout.select(idx)
         tau = sub.temperature
         logp, logits = self._policy_logprobs(sub, tau)
@@ -502,6 +564,12 @@ class PolicyModule(L.LightningModule):
 
         def rows(x):
             return None if x is None else x[idx].to(dev)
+
+        tis = rows(scored.tis_weights)
+        if gap is not None:
+            tis = gap.add(logp.detach(), sub.engine_logp, sub.response_mask.to(dev))
+            if tis is not None:  # kept for callbacks, as the old-policy pass keeps them
+                scored.tis_weights[idx] = tis.cpu()
 
         loss, stats = policy_loss(
             logp=logp,
@@ -515,7 +583,7 @@ class PolicyModule(L.LightningModule):
             denom=denom,
             ref_logp=rows(scored.ref_logp),
             kl_coef=rl.kl_coef,
-            tis_weights=rows(scored.tis_weights),
+            tis_weights=tis,
         )
         extra = self.method.token_loss(logits, sub, tau, rl.loss_agg, denom, device=self.device)
         if extra is not None:
