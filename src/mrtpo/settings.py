@@ -108,8 +108,9 @@ class RLConfig(_Section):
     # min(pi_trainer_old / pi_engine, tis_cap), correcting for an engine (vLLM, bf16) whose
     # sampling distribution differs from the trainer's. null: off; a cap of 2 is common.
     tis_cap: Optional[float] = None  # noqa: UP045
-    # Log train/rollout/logp_gap/* every step. With one update per step and no TIS this costs
-    # an extra no-grad forward (the old-policy pass is otherwise skipped); false skips it then.
+    # Log train/rollout/logp_gap/* every step. Free with one update per step (measured from the
+    # update's forward) unless the policy has dropout: then it costs an eval-mode forward,
+    # which false skips (without TIS).
     measure_logp_gap: bool = True
     # Each prompt once per forward: rows repeating a prompt (a group's G samples) run its
     # key/value cache once in the update, old-policy and reference passes (same numbers).
