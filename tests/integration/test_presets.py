@@ -12,6 +12,7 @@ tests/task_fixtures.py's data, instruction following on its generated set."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -47,14 +48,39 @@ SMALL = [
 ]
 
 
+#: Two prompts in IFEval's format (the instruction presets validate on IFEval), checked by
+#: the real IFEval checkers.
+IFEVAL_ROWS = [
+    {
+        "key": 1,
+        "prompt": "Describe a cat. Do not use any commas.",
+        "instruction_id_list": ["punctuation:no_comma"],
+        "kwargs": [{}],
+    },
+    {
+        "key": 2,
+        "prompt": "Describe a dog in lowercase letters only.",
+        "instruction_id_list": ["change_case:english_lowercase"],
+        "kwargs": [{}],
+    },
+]
+#: Validation on, shrunk: two held-out prompts after the one step.
+VALIDATE = ["data.val_prompts=2", "data.val_batch_size=2", "trainer.val_check_interval=1"]
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """The task fixtures laid out as ``paths.data_dir``, plus ToolRL's RL training file under
-    the name the tool-calling presets read (``toolrl_rlla/rlla_4k/train.parquet``)."""
+    the name the tool-calling presets read (``toolrl_rlla/rlla_4k/train.parquet``) and an
+    IFEval-format file for the instruction presets' validation."""
     root = make_public_data(tmp_path_factory.mktemp("preset_data"))
     folder = root / "toolrl_rlla" / "rlla_4k"
     folder.mkdir(parents=True)
     pd.DataFrame(rlla_rows()).to_parquet(folder / "train.parquet")
+    (root / "ifeval").mkdir()
+    (root / "ifeval" / "input_data.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in IFEVAL_ROWS)
+    )
     return root
 
 
@@ -63,7 +89,7 @@ def test_preset_runs_one_step(preset, train_cfg, data_dir, tmp_path):
     task = preset.split("_", 1)[0]
     # text2sql and toolcall read the fixtures; ifeval trains on its offline generated set
     base = f"paths.data_dir={data_dir}"
-    cfg = train_cfg(f"experiment={preset}", *SMALL, base)
+    cfg = train_cfg(f"experiment={preset}", *SMALL, *VALIDATE, base)
     # the swaps took, and the rest is the preset's own (its optimizer, mini-batch, task)
     assert cfg.model.name_or_path.endswith("tiny-qwen2") and cfg.rollout.engine._target_.endswith(
         "HFEngine"
@@ -80,10 +106,14 @@ def test_preset_runs_one_step(preset, train_cfg, data_dir, tmp_path):
     assert trainer.global_step == 1 and module.iteration == 1
     with open(metrics_csv(trainer)) as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 1
+    train = [r for r in rows if r.get("train/iteration")]
+    assert len(train) == 1
     names = module.task.reward_names
-    values = [rows[0].get(f"train/reward/{k}/mean") for k in names]
-    assert any(v not in (None, "") and not math.isnan(float(v)) for v in values), rows[0]
+    values = [train[0].get(f"train/reward/{k}/mean") for k in names]
+    assert any(v not in (None, "") and not math.isnan(float(v)) for v in values), train[0]
+    # the held-out curve: the preset's validation split was scored after the step
+    held_out = {k: v for r in rows for k, v in r.items() if k.startswith("val/") and v != ""}
+    assert held_out, sorted(rows[-1])
     assert (tmp_path / "policy" / "config.json").is_file()  # the end-of-run export
 
 
@@ -126,6 +156,21 @@ def test_preset_batch_is_global_over_one_node_of_eight(preset):
     # what the run reads (section) is the same share; the config keeps what was given,
     # which is what its checkpoints record and a resume compares
     assert section(cfg, "rl") == mine and cfg.rl.prompts_per_step is None
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_validates_on_held_out_prompts(preset):
+    """Each paper preset logs a held-out curve (val/<task>/*) several times per run, on a
+    split it does not train on (issue 29 item 9: they held out none)."""
+    cfg = _paper(preset)
+    data, every, steps = section(cfg, "data"), cfg.trainer.val_check_interval, cfg.trainer.max_steps
+    assert data.val_prompts > 0 and data.val_batch_size <= data.val_prompts
+    assert isinstance(every, int) and every >= 1 and steps // every >= 4, (every, steps)
+    task = cfg.task
+    if "val_split" in task:  # text-to-SQL (Spider dev) and instructions (IFEval)
+        assert task.val_split not in ("train", "val", "generated", "hir")
+    else:  # tool calling: its own held-out file
+        assert task.data_files.val and task.data_files.val != task.data_files.train
 
 
 def test_preset_on_a_machine_without_the_gpus_is_refused_before_anything_loads():
