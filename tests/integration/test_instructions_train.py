@@ -35,3 +35,6 @@ def test_two_mrtpo_steps_on_generated_constraints_with_ifeval_validation(train_c
             if v:
                 assert 0.0 <= float(v) <= 1.0 and not math.isnan(float(v))
     assert any(c.startswith("val/") for c in cols), sorted(cols)
+    # the all-constraints rate is train/success (the console's and report's headline)
+    success = [float(r["train/success"]) for r in rows if r.get("train/success")]
+    assert success and all(0.0 <= v <= 1.0 for v in success)

@@ -26,6 +26,18 @@ def test_reward_slots_vary_per_prompt(task):
     assert small.reward_names == ("c0", "c1", "c2", "c3")
 
 
+def test_slots_have_names_a_person_reads_and_stable_keys(task):
+    """Tables show "constraint 1".."constraint 13"; the keys (metrics.csv, checkpoints'
+    reward_names, reports) stay c0..c12. success is the all-constraints rate."""
+    assert task.reward_labels == {f"c{i}": f"constraint {i + 1}" for i in range(13)}
+    assert list(task.reward_labels) == list(task.reward_names)
+    assert task.success_check == "prompt_strict"
+    ex = task.examples("train")[0]
+    n = len(ex.data["constraints"])
+    score = task.score(ex, "a short reply, with a comma.")
+    assert score.checks["prompt_strict"] == all(score.rewards[f"c{i}"] == 1.0 for i in range(n))
+
+
 def test_scores_fill_one_slot_per_constraint_and_pad_with_none(task):
     for ex in task.examples("train")[:8]:
         n = len(ex.data["constraints"])

@@ -92,6 +92,13 @@ class Task(ABC):
     #: a runaway block function must not cost gigabytes. None: no cap.
     max_block_chars: int | None = 16384
 
+    @property
+    def reward_labels(self) -> dict[str, str]:
+        """Reward name -> the name a person reads in tables and plots. Metric keys,
+        checkpoints and reports keep ``reward_names``; only what is shown changes. Default:
+        the names themselves."""
+        return {n: n for n in self.reward_names}
+
     # ---- data -------------------------------------------------------------------------
     @abstractmethod
     def examples(self, split: str) -> Sequence[Example]:

@@ -2,7 +2,9 @@
 
 Each prompt carries its own 5–13 constraints, so the reward slots are positional
 (``c0 .. c{max_constraints-1}``) and a prompt's unused slots are ``None`` (NaN in the
-reward tensor); the reward set varies per prompt, which SAW refuses. The information a
+reward tensor); the reward set varies per prompt, which SAW refuses. Tables show slot ``c{k}``
+as ``constraint {k+1}`` (``reward_labels``; the metric keys stay ``c{k}``, which checkpoints
+and reports compare), and ``success`` is the all-constraints rate (``prompt_strict``). The information a
 reward depends on is in the prompt itself: ``P_all`` is the sampling prompt and ``P_\\k``
 is the same template rebuilt without constraint ``k`` (no verifier blocks are appended).
 
@@ -71,6 +73,7 @@ class InstructionTask(Task):
     name = "ifeval"
     rewards_vary_per_prompt = True
     info_in_prompt = True  # the constraints are sentences of the prompt
+    success_check = "prompt_strict"  # every constraint of the prompt met (train/success)
 
     def __init__(
         self,
@@ -112,6 +115,11 @@ class InstructionTask(Task):
         self._cache: dict[str, list[Example]] = {}  # split -> the prompts examples() gives
         self._loaded: dict[str, list[Example]] = {}  # split -> all its prompts
         self.skipped: dict[str, int] = {}  # split -> prompts left out (unavailable checkers)
+
+    @property
+    def reward_labels(self) -> dict[str, str]:
+        """Slot ``c{k}`` is the (k+1)-th constraint of each prompt, whatever that one asks."""
+        return {name: f"constraint {k + 1}" for k, name in enumerate(self.reward_names)}
 
     # ---- data ---------------------------------------------------------------------------
     def examples(self, split: str) -> Sequence[Example]:
