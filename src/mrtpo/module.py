@@ -401,6 +401,7 @@ class PolicyModule(L.LightningModule):
                     sub.response_ids,
                     sub.response_mask,
                     temperature=roll.temperature,
+                    shared_prompt=self.rl.shared_prompt_forward,
                 ).cpu()
             )
         for _ in range(idle):
@@ -497,10 +498,13 @@ class PolicyModule(L.LightningModule):
         n_updates, u = int(rl.ppo_epochs) * ((rows + mini - 1) // mini), 0
         for _ in range(int(rl.ppo_epochs)):
             perm = torch.randperm(n, generator=g)
+            # Each mini-batch's rows in order: a group's rows that meet in it land in the same
+            # micro-batches, where the forward runs their prompt once (rl.shared_prompt_forward).
+            # The update's gradient sums its micro-batches, so only fp rounding changes.
             for s in range(0, rows, mini):
                 u += 1
                 if not self._accumulate(
-                    scored, perm[s : s + mini], min(mini, rows - s), micro, acc, gap
+                    scored, perm[s : s + mini].sort().values, min(mini, rows - s), micro, acc, gap
                 ):
                     return None
                 if rl.max_grad_norm:
@@ -667,6 +671,7 @@ class PolicyModule(L.LightningModule):
             frozen_policy=frozen_policy,
             token_budget=int(self.replayer.token_budget),
             chunk=int(self.replayer.jsd_chunk),
+            shared_prompt=self.rl.shared_prompt_forward,
         )
 
     def _frozen_policy(self) -> tuple[torch.nn.Module, bool]:
@@ -690,10 +695,16 @@ class PolicyModule(L.LightningModule):
                 sub.response_ids,
                 sub.response_mask,
                 temperature=tau,
+                shared_prompt=self.rl.shared_prompt_forward,
             )
             return logp, None
         logits = response_logits(
-            self.policy, sub.prompt_ids, sub.prompt_mask, sub.response_ids, sub.response_mask
+            self.policy,
+            sub.prompt_ids,
+            sub.prompt_mask,
+            sub.response_ids,
+            sub.response_mask,
+            shared_prompt=self.rl.shared_prompt_forward,
         )
         ids = sub.response_ids.to(logits.device)
         logp = token_logprobs(logits, ids, temperature=tau) * sub.response_mask.to(logits.device)
