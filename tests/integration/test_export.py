@@ -251,3 +251,61 @@ def test_a_loose_generation_config_of_the_starting_model_does_not_fail_the_expor
     assert (out / "policy" / "config.json").is_file()
     assert module.policy.generation_config.top_k == 5  # the model's own is put back
     assert _tree_digest(start) == before  # the user's folder is only read
+
+
+# ---- the printed evaluation command (issue 29 item 5) ------------------------------------------
+
+
+def _eval_words(command: str) -> list[str]:
+    import shlex
+
+    words = shlex.split(command)
+    assert words[:2] == ["python", "src/eval.py"], command
+    return words[2:]
+
+
+def test_the_printed_eval_command_scores_the_runs_task(lora_checkpoint):
+    """The end-of-run line used to say `src/eval.py model.name_or_path=<run>/policy` only:
+    copied, it evaluated on the synthetic task with eval's own token limit."""
+    run = lora_checkpoint
+    (line,) = [s for s in (run / "train.log").read_text().splitlines() if "(evaluate: " in s]
+    command = line.split("(evaluate: ", 1)[1].removesuffix(")")
+    ev = compose_config("eval.yaml", _eval_words(command))
+    assert ev.model.name_or_path == str(run / "policy")
+    assert ev.hydra.runtime.choices.task == "synthetic"
+    assert ev.eval.max_new_tokens == 6  # the run's rollout.sampling.max_new_tokens
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # keys an experiment sets (toy_long: free_tokens, num_train, ...) and the command line
+        ["experiment=toy_long", "task.num_constraints=3"],
+        # another task, a smoke limit (left out: evaluation scores the whole split), another
+        # data folder, a list and a quoted string
+        ["task=text2sql", "task.max_examples=16", "paths.data_dir=/data dir",
+         "task.splits.train.db_dir=[a,'b c']", "task.system_prompt=\"It's a \\\"test\\\", ok\""],
+    ],
+    ids=["experiment", "text2sql"],
+)  # fmt: skip
+def test_the_eval_command_composes_to_the_runs_task(overrides):
+    import shlex
+
+    from omegaconf import OmegaConf
+
+    from mrtpo.callbacks.export import eval_overrides
+
+    run = compose_config("train.yaml", overrides)
+    saved = OmegaConf.create(OmegaConf.to_container(run, resolve=False))  # .hydra/config.yaml
+    del saved["hydra"]
+    words = eval_overrides(saved, run.hydra.runtime.choices.task)
+    command = "python src/eval.py " + " ".join(shlex.quote(w) for w in words)
+    ev = compose_config("eval.yaml", _eval_words(command))
+    want = OmegaConf.to_container(run.task, resolve=True)
+    if "max_examples" in want:
+        want["max_examples"] = None
+    assert OmegaConf.to_container(ev.task, resolve=True) == want
+    assert ev.eval.max_new_tokens in (None, run.rollout.sampling.max_new_tokens)
+    assert ev.rollout.sampling.max_new_tokens == run.rollout.sampling.max_new_tokens or (
+        ev.eval.max_new_tokens == run.rollout.sampling.max_new_tokens
+    )

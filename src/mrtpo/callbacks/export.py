@@ -1,8 +1,11 @@
-"""Export the trained policy at the end of every RL run: ``<run>/policy/`` (``mrtpo.export``)."""
+"""Export the trained policy at the end of every RL run: ``<run>/policy/`` (``mrtpo.export``),
+and print the ``src/eval.py`` command that evaluates it on the run's task."""
 
 from __future__ import annotations
 
 import logging
+import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,99 @@ from mrtpo.module import PolicyModule
 from mrtpo.sharding import full_state_dict, is_sharded
 
 log = logging.getLogger(__name__)
+
+# ---- the evaluation command of an exported policy ---------------------------------------------
+
+#: Values that Hydra's override grammar reads as they are written (anything else is quoted).
+_PLAIN = re.compile(r"[A-Za-z0-9_./:@+-]+")
+
+
+def _hydra_value(value: Any) -> str:
+    """``value`` as the right-hand side of a Hydra override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN.fullmatch(text) and text.lower() not in ("null", "true", "false", "nan", "inf"):
+        try:
+            float(text)  # a string of digits would be read back as a number
+        except ValueError:
+            return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf (a list or an empty mapping is one leaf)."""
+    if isinstance(node, Mapping) and node:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def _group_file(group: str, choice: str) -> Any:
+    from mrtpo.config import CONFIG_DIR
+
+    path = CONFIG_DIR / group / f"{choice}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
+
+
+def eval_overrides(saved: Any, task: str) -> list[str]:
+    """The ``src/eval.py`` overrides that score a policy on the task of the run whose config
+    is ``saved`` (its ``.hydra/config.yaml``) and ``task`` its task choice: ``task=``, every
+    task key the run set beyond the group's file (its command line or its experiment, but not
+    the smoke limits of ``SMOKE_LIMITS``: evaluation scores the whole split), and the data
+    folder, token limit and dtype when they are not eval's defaults."""
+    from mrtpo.evaluate_cli import SMOKE_LIMITS
+
+    raw = OmegaConf.to_container(saved.task, resolve=False)
+    run, default = _leaves(raw), _leaves(_group_file("task", task))
+    out = [f"task={task}"]
+    for key, value in run.items():
+        if key in SMOKE_LIMITS or (key in default and default[key] == value):
+            continue
+        full = OmegaConf.select(saved, f"task.{key}")  # resolved, with the run's paths
+        full = OmegaConf.to_container(full, resolve=True) if OmegaConf.is_config(full) else full
+        out.append(f"{'' if key in default else '+'}task.{key}={_hydra_value(full)}")
+    out += [f"~task.{key}" for key in default if key not in run]
+    data_dir = OmegaConf.to_container(saved.paths, resolve=False).get("data_dir")
+    if data_dir != _group_file("paths", "default").get("data_dir"):
+        out.append(f"paths.data_dir={_hydra_value(str(saved.paths.data_dir))}")
+    tokens = OmegaConf.select(saved, "rollout.sampling.max_new_tokens")
+    if tokens != _group_file("rollout", "hf")["sampling"]["max_new_tokens"]:
+        out.append(f"eval.max_new_tokens={tokens}")
+    if OmegaConf.select(saved, "model.dtype") not in (None, "fp32", "float32"):
+        out.append(f"model.dtype={saved.model.dtype}")
+    return out
+
+
+def run_eval_command(policy: str | Path) -> str:
+    """The command that evaluates ``policy`` on this run's task (from Hydra's record of the
+    run: its task choice and saved ``.hydra/config.yaml``); ``task=`` alone when the run was
+    composed outside Hydra's command line and saved no config."""
+    words = ["python", "src/eval.py", f"model.name_or_path={_hydra_value(str(policy))}"]
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        task = str(hc.runtime.choices.task)
+        saved = Path(str(hc.runtime.output_dir)) / ".hydra" / "config.yaml"
+    except Exception:  # composed without Hydra: nothing says which task it was
+        return " ".join(shlex.quote(w) for w in words)
+    try:
+        extra = eval_overrides(OmegaConf.load(saved), task) if saved.is_file() else [f"task={task}"]
+    except Exception as exc:  # a config that does not resolve here: the task at least
+        log.debug("the eval command of %s holds the task only: %s", policy, exc)
+        extra = [f"task={task}"]
+    return " ".join(shlex.quote(w) for w in [*words, *extra])
 
 
 class ExportPolicy(L.Callback):
@@ -81,8 +177,4 @@ class ExportPolicy(L.Callback):
             info=info,
             state=state,
         )
-        log.info(
-            "exported the policy to %s (evaluate: src/eval.py model.name_or_path=%s)",
-            self.path,
-            self.path,
-        )
+        log.info("exported the policy to %s (evaluate: %s)", self.path, run_eval_command(self.path))
