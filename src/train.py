@@ -7,14 +7,23 @@ python src/train.py -m method=mrtpo method.beta=0.25,0.5,0.75 seed=1,2,3   # GDP
 import hydra
 from omegaconf import DictConfig
 
+import mrtpo.cli  # (registers what --help says of each group)
 import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> float | None:
+    from mrtpo.cli import in_sweep, run_job
     from mrtpo.pipeline import train
+    from mrtpo.run_folder import NothingToTrain
 
-    metrics = train(cfg)
+    try:  # a bad value, missing data or a model that cannot load: its message alone, exit 2
+        metrics = run_job(train, cfg)
+    except NothingToTrain as done:  # +resume of a finished run: said, nothing changed
+        print(done, flush=True)
+        if in_sweep():
+            return None
+        raise SystemExit(0) from None  # (a return would record the no-op in job.json)
     # A value Hydra sweepers can optimize: the last mean total reward.
     return metrics.get("train/reward/total/mean")
 

@@ -450,6 +450,19 @@ def load_checkpoint(
     return ckpt
 
 
+def peek_checkpoint(path: str | Path, keys: Iterable[str]) -> dict[str, Any] | None:
+    """Some top-level entries of a checkpoint (its ``global_step``, ...), read in a moment:
+    unverified, with every tensor memory-mapped and none read. None when torch cannot open
+    the file; ``load_checkpoint``, which verifies it, then names what is wrong."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:
+        return None
+    if not isinstance(ckpt, dict):
+        return None
+    return {k: ckpt.get(k) for k in keys}
+
+
 def verify_checkpoint(path: str | Path) -> None:
     """Everything ``load_checkpoint`` checks, with tensors memory-mapped rather than read
     into memory; for validating a resume before anything in the run folder changes."""

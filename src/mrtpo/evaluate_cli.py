@@ -18,18 +18,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mrtpo.cli import help_groups, load_model, run_job
+
 log = logging.getLogger(__name__)
 
 #: Config groups taken from the training run of ``ckpt_path`` unless given on the command line.
 RUN_GROUPS = ("model", "task")
 #: The groups eval composes (its ``--help`` lists only these).
 EVAL_GROUPS = ("model", "task", "rollout", "paths")
-
-
-def _config_options(group: str) -> str:
-    from mrtpo.config import CONFIG_DIR
-
-    return ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
 
 
 #: What each group of eval chooses (its --help).
@@ -42,9 +38,7 @@ GROUP_HELP = {
 
 
 def _help_groups() -> str:
-    return "\n".join(
-        f"{g}: {_config_options(g)}\n    {GROUP_HELP.get(g, '')}".rstrip() for g in EVAL_GROUPS
-    )
+    return help_groups({g: GROUP_HELP.get(g, "") for g in EVAL_GROUPS})
 
 
 _SUBDIRS: dict[str, str] = {}
@@ -294,36 +288,10 @@ def eval_sampling(cfg: DictConfig, n: int):
     return SamplingConfig(**base, greedy=greedy)
 
 
-#: What a bad value or missing data raises: src/eval.py prints its message alone.
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
-
-
 def main_job(cfg: DictConfig) -> dict[str, float]:
     """``src/eval.py``'s job: a bad setting, missing data or a model that cannot load ends it
-    with the message alone (one or two lines; the traceback goes to the run's log file)."""
-    import sys
-
-    try:
-        return run(cfg)
-    except USER_ERRORS as exc:
-        log.debug("eval stopped", exc_info=True)
-        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"error: {text}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def _load_model(cfg: DictConfig):
-    """The policy and tokenizer of ``model``; a folder or hub id that does not hold a model
-    is a ValueError naming ``model.name_or_path`` and the loader's last line."""
-    from mrtpo.models import load_policy
-
-    try:
-        return load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
-    except (OSError, ValueError, KeyError) as exc:
-        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        raise ValueError(
-            f"model.name_or_path={cfg.model.get('name_or_path')}: cannot load the model ({last})"
-        ) from exc
+    with the message alone (``mrtpo.cli.run_job``; the traceback goes to the run's log file)."""
+    return run_job(run, cfg)
 
 
 def _split_examples(task, ev, limit: int | None) -> tuple[list, list[str]]:
@@ -348,7 +316,7 @@ def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict
     from mrtpo.rollout.build import build_rollout
 
     torch.manual_seed(cfg.seed)
-    policy, tokenizer = _load_model(cfg)
+    policy, tokenizer = load_model(cfg)
     if cfg.get("ckpt_path"):
         scored["checkpoint_step"] = load_checkpoint_weights(
             policy, cfg.ckpt_path, source.get("model_source", "")

@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mrtpo.cli import load_model
 from mrtpo.config import compose
 from mrtpo.run_folder import (
+    NothingToTrain,
     RunFolderLock,
     check_resume_settings,
+    check_steps_left,
+    drop_pending_log,
     park_refused_log,
     read_checkpoint,
     record_invocation,
@@ -42,10 +45,6 @@ def print_config(cfg: DictConfig) -> None:
     rprint(tree)
 
 
-def _container(node) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if node is not None else None
-
-
 def prepare(cfg: DictConfig, validated: bool = False):
     """Everything that can fail cheaply, before any model loads: typed settings and their
     ranges (unless ``train`` has ``validated`` them already), the stage, the task (its data),
@@ -73,13 +72,12 @@ def build(cfg: DictConfig, validated: bool = False):
     from mrtpo.callbacks.resume import ResumeMetrics
     from mrtpo.data import PromptDataModule
     from mrtpo.loggers import build_loggers
-    from mrtpo.models import load_policy
 
     # the settings as given, before prepare() derives per-rank batch keys from them
     settings = settings_record(cfg)
     stage, task = prepare(cfg, validated=validated)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    policy, tokenizer = load_policy(**_container(cfg.model))
+    policy, tokenizer = load_model(cfg)  # a folder that holds no model: one line naming it
     data = section(cfg, "data")
     prompts = PromptDataModule(
         task,
@@ -169,7 +167,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run training (after the config's warm starts, if any); return the last logged metrics.
 
     The run folder is locked for the whole run (``RunFolderLock``): a second process in the
-    same folder is refused at once, naming the first.
+    same folder is refused at once, naming the first. A ``+resume`` of a run that already
+    reached ``trainer.max_steps`` raises ``NothingToTrain`` (saying so) before anything loads.
     """
     if cfg.get("print_config"):
         print_config(cfg)
@@ -186,6 +185,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             resume_checkpoint(cfg)  # a folder that is not a run is refused before the lock
         with RunFolderLock(folder) if folder is not None else contextlib.nullcontext() as lock:
             return _train_locked(cfg, lock)
+    except NothingToTrain:
+        drop_pending_log()  # the run finished already: nothing changed, nothing to keep
+        raise
     except Exception as exc:
         if cfg.get("resume"):
             park_refused_log(cfg, exc)
@@ -202,6 +204,8 @@ def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, floa
         cfg = run_warm_starts(cfg)
         print(f"{cfg.stage.name}: from {cfg.model.name_or_path}", flush=True)
     ckpt_path = resume_checkpoint(cfg)
+    if ckpt_path:  # a start that would train no step: refused or said before anything loads
+        check_steps_left(cfg, ckpt_path)
     # Read the checkpoint before anything is built: a damaged file fails here, naming it.
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     settings = settings_record(cfg)  # as given: build() derives per-rank keys from them

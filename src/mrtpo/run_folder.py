@@ -31,6 +31,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mrtpo.cli import log_to_files
+
 log = logging.getLogger(__name__)
 
 
@@ -301,6 +303,86 @@ def check_resume_settings(
         )
 
 
+# ---- a checkpoint at or past the step limit ------------------------------------------------
+
+
+def _train_longer_command(run: str, step: int) -> str:
+    """This resume's command line with ``trainer.max_steps=M`` (to be filled in) for the limit."""
+    import shlex
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = [str(o) for o in HydraConfig.get().overrides.task]
+    except Exception:  # composed outside a Hydra run
+        given = [f"+resume={run}"]
+    kept = [o for o in given if not o.lstrip("+~").startswith("trainer.max_steps=")]
+    words = ["python", "src/train.py", *(shlex.quote(o) for o in kept), "trainer.max_steps=M"]
+    return " ".join(words) + f"   (M above {step})"
+
+
+class NothingToTrain(Exception):
+    """A ``+resume`` of a run that already reached ``trainer.max_steps``: nothing was loaded or
+    changed. The message says so, and how to train the run longer."""
+
+
+def check_steps_left(cfg: DictConfig, ckpt_path: str | Path) -> None:
+    """Refuse, before anything loads, a start from ``ckpt_path`` that would train no step
+    (Lightning would train none and call the run completed). The checkpoint's
+    ``global_step`` is read without reading its tensors.
+
+    A ``+resume`` whose checkpoint is at ``trainer.max_steps`` (the run finished) raises
+    ``NothingToTrain`` with the command that trains longer (its settings are checked first,
+    so that command is accepted). A checkpoint past ``trainer.max_steps`` (a resume), or at
+    or past it for a new run from ``ckpt_path=`` (which counts on from the checkpoint's
+    step), is refused naming both numbers.
+    """
+    from mrtpo.checkpointing import peek_checkpoint
+    from mrtpo.settings import ConfigError
+
+    limit = OmegaConf.select(cfg, "trainer.max_steps", default=None)
+    peek = peek_checkpoint(ckpt_path, ("global_step", SETTINGS_KEY))
+    if peek is None or not isinstance(peek["global_step"], int) or not isinstance(limit, int):
+        return  # unreadable here: the verified read that follows says why
+    step = peek["global_step"]
+    if step < limit:
+        return
+    resume = cfg.get("resume")
+    if not resume:
+        raise ConfigError(
+            f"trainer.max_steps={limit} is not above step {step} of ckpt_path={ckpt_path}: "
+            "a run from a checkpoint counts on from its step, so it would train nothing. Set "
+            f"trainer.max_steps above {step} (trainer.max_steps={step + limit}: {limit} more steps)"
+        )
+    if step > limit:
+        raise ResumeRefused(
+            f"trainer.max_steps={limit} is below step {step} of {ckpt_path}: the resume would "
+            f"train nothing. To train longer, resume with trainer.max_steps above {step}"
+        )
+    check_resume_settings(peek, settings_record(cfg), ckpt_path)
+    raise NothingToTrain(
+        f"run {resume} already finished: {Path(ckpt_path).name} is at step {step} of "
+        f"trainer.max_steps={limit}, so there is nothing to train.\n"
+        f"To train it longer: {_train_longer_command(str(resume), step)}"
+    )
+
+
+def drop_pending_log() -> None:
+    """After a resume that did nothing: close its pending log (``mrtpo.config.job_log``) and
+    remove it if nothing was logged, with its folder if that is then empty."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        name = Path(getattr(h, "baseFilename", "") or ".")
+        if not isinstance(h, logging.FileHandler) or name.parent.name != "resume-logs":
+            continue
+        h.close()
+        root.removeHandler(h)
+        if name.is_file() and name.stat().st_size == 0:
+            name.unlink()
+            with contextlib.suppress(OSError):  # kept while another resume is pending
+                name.parent.rmdir()
+
+
 # ---- one process at a time in a run folder -------------------------------------------------
 
 #: The lock file of a run folder: locked (``flock``) by the process that runs there, and
@@ -460,7 +542,7 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
         if not isinstance(h, logging.FileHandler) or name.parent.name != "resume-logs":
             continue
         if name.parent.resolve().is_relative_to(home.parent.parent):
-            log.error("resume refused: %s (this log: %s)", reason, name)
+            log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {name})")
             moved = name  # already inside the log folder
             continue
         h.flush()
@@ -475,5 +557,5 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
         handler = logging.FileHandler(moved, encoding="utf-8")
         handler.setFormatter(h.formatter)
         root.addHandler(handler)
-        log.error("resume refused: %s (this log: %s)", reason, moved)
+        log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {moved})")
     return moved
