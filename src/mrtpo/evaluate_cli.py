@@ -305,27 +305,45 @@ def _split_examples(task, ev, limit: int | None) -> tuple[list, list[str]]:
     return (examples[:limit] if limit else examples), beyond
 
 
-def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict, name: str):
-    """The generate mode: ``n`` samples per example with the configured engine, from the
-    model (or checkpoint) the config names; returns (examples, texts, sampling)."""
-    import torch
+def _policy(cfg: DictConfig, source: dict, models: dict | None):
+    """(tokenizer, bound engine, eos ids, checkpoint step) of the model (or checkpoint) the
+    config names. ``models``: the ones loaded so far, by config, for a caller that evaluates a
+    policy on several splits (src/table.py); the engines seed each call: the same numbers."""
     from hydra.utils import instantiate
-    from rich.progress import Progress
 
     from mrtpo.models import eos_token_ids
-    from mrtpo.rollout.build import build_rollout
 
-    torch.manual_seed(cfg.seed)
+    parts = (cfg.model, cfg.rollout.engine)
+    key = repr([*(OmegaConf.to_container(c, resolve=True) for c in parts), cfg.get("ckpt_path")])
+    if models is not None and key in models:
+        return models[key]
     policy, tokenizer = load_model(cfg)
+    step = None
     if cfg.get("ckpt_path"):
-        scored["checkpoint_step"] = load_checkpoint_weights(
-            policy, cfg.ckpt_path, source.get("model_source", "")
-        )
+        step = load_checkpoint_weights(policy, cfg.ckpt_path, source.get("model_source", ""))
     policy.eval()
     engine = instantiate(cfg.rollout.engine)
     eos = eos_token_ids(tokenizer, policy)
     if hasattr(engine, "bind"):
         engine.bind(policy, tokenizer, eos)
+    if models is not None:
+        models[key] = (tokenizer, engine, eos, step)
+    return tokenizer, engine, eos, step
+
+
+def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict, name: str,
+              models: dict | None = None):  # fmt: skip
+    """The generate mode: ``n`` samples per example with the configured engine, from the
+    model (or checkpoint) the config names; returns (examples, texts, sampling)."""
+    import torch
+    from rich.progress import Progress
+
+    from mrtpo.rollout.build import build_rollout
+
+    torch.manual_seed(cfg.seed)
+    tokenizer, engine, eos, step = _policy(cfg, source, models)
+    if cfg.get("ckpt_path"):
+        scored["checkpoint_step"] = step
     sampling = eval_sampling(cfg, n)
     log.info("eval sampling: %s", sampling)
     all_ex, texts = [], []
@@ -340,9 +358,12 @@ def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict
     return all_ex, texts, sampling
 
 
-def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]:
+def run(
+    cfg: DictConfig, overrides: list[str] | None = None, models: dict | None = None
+) -> dict[str, float]:
     """Evaluate as ``src/eval.py`` does; ``overrides``: the command line behind ``cfg`` when a
-    caller composed it (what decides which groups a checkpoint's run supplies)."""
+    caller composed it (what decides which groups a checkpoint's run supplies); ``models``:
+    where loaded policies are kept for the caller's next splits (``_policy``)."""
     from hydra.utils import instantiate
 
     from mrtpo.evaluation import check_outputs, evaluate_examples, score_responses, write_results
@@ -382,7 +403,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, float]
         _show(metrics, f"{task.name} / {ev.split} (scored {ev.responses})")
         return metrics
 
-    all_ex, texts, sampling = _generate(cfg, examples, n, batch_size, scored, source, task.name)
+    all_ex, texts, sampling = _generate(
+        cfg, examples, n, batch_size, scored, source, task.name, models
+    )
     metrics, rows = evaluate_examples(task, all_ex, texts)
     for i, row in enumerate(rows):
         row["sample"] = i % n

@@ -2,7 +2,9 @@
 
 ``src/table.py <family> <run or policy folder>...`` evaluates each folder on each benchmark of
 the family with the evaluation job of ``src/eval.py`` (``mrtpo.evaluate_cli.run``: the same
-generation and scoring, one call per split), then writes ``table.md`` and ``table.csv``:
+generation and scoring, one call per split; each folder's policy is loaded once and kept for
+all its splits, and the engines seed each call, so the numbers are those of separate
+``src/eval.py`` runs), then writes ``table.md`` and ``table.csv``:
 methods x benchmarks, the mean over seeds with its 95% interval, and an average column.
 A benchmark whose data is absent is listed as absent; the other cells are still scored.
 
@@ -170,9 +172,16 @@ def _one_line(exc: BaseException) -> str:
 
 
 def evaluate_cell(
-    task: str, bench: Bench, src: Source, out: Path, extra: list[str], prefer: list[str]
+    task: str,
+    bench: Bench,
+    src: Source,
+    out: Path,
+    extra: list[str],
+    prefer: list[str],
+    models: dict | None = None,
 ) -> Cell:
-    """One split of one folder, through the evaluation job of ``src/eval.py``."""
+    """One split of one folder, through the evaluation job of ``src/eval.py``; ``models``
+    keeps the folder's loaded policy for its next splits."""
     from mrtpo.config import compose
     from mrtpo.evaluate_cli import SplitDataMissing, run
 
@@ -189,7 +198,7 @@ def evaluate_cell(
         cfg = compose("eval.yaml", overrides)
         if bench.needs and not cfg.eval.get(bench.needs):
             return Cell(status="skipped", reason=f"needs eval.{bench.needs}")
-        metrics = run(cfg, overrides=overrides)
+        metrics = run(cfg, overrides=overrides, models=models)
     except SplitDataMissing as exc:
         return Cell(status="absent", reason=_one_line(exc))
     except Exception as exc:  # one split's failure leaves the others scored
@@ -202,20 +211,24 @@ def evaluate_cell(
 
 
 def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table:
-    """Evaluate every folder on every benchmark of ``family``; results under ``out``."""
+    """Evaluate every folder on every benchmark of ``family``; results under ``out``. Folder
+    by folder: its policy is loaded once for all the splits, then let go."""
     task, benches = FAMILIES[family]
     table = Table(family, benches, sources_of(folders))
-    for j, bench in enumerate(benches):
-        absent: Cell | None = None
-        for i, src in enumerate(table.sources):
-            if absent is not None:  # the data is the same for every folder
-                table.cells[i, j] = absent
+    absent: dict[int, Cell] = {}  # benchmark -> why it has no data (the same for every folder)
+    for i, src in enumerate(table.sources):
+        models: dict = {}
+        for j, bench in enumerate(benches):
+            if j in absent:
+                table.cells[i, j] = absent[j]
                 continue
             dest = out / "evals" / f"{i:02d}_{src.path.name}" / _slug(bench.column)
-            cell = evaluate_cell(task, bench, src, dest, extra, [])
+            cell = evaluate_cell(task, bench, src, dest, extra, [], models)
             table.cells[i, j] = cell
             if cell.status in ("absent", "skipped"):
-                absent = cell
+                absent[j] = cell
+        log.info("%s: %d policy load(s) for %d benchmarks", src.path, len(models), len(benches))
+        models.clear()  # one folder's policy in memory at a time
     return table
 
 

@@ -44,6 +44,21 @@ def _table(tmp_path, family, folders, cache_dir, data_dir):
     return out
 
 
+def _count_policy_loads(monkeypatch) -> list[str]:
+    """The model folders the real loader is asked for from now on (it still loads them)."""
+    import mrtpo.models
+
+    loads: list[str] = []
+    real = mrtpo.models.load_policy
+
+    def counted(name_or_path, *args, **kwargs):
+        loads.append(str(name_or_path))
+        return real(name_or_path, *args, **kwargs)
+
+    monkeypatch.setattr(mrtpo.models, "load_policy", counted)
+    return loads
+
+
 def _rows(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -68,9 +83,9 @@ def test_text2sql_table_equals_eval_runs_and_lists_absent(tmp_path, cache_dir):
     assert table_rows == (direct_out / "results.jsonl").read_text()
 
 
-def test_text2sql_table_on_public_data(tmp_path, cache_dir):
+def test_text2sql_table_on_public_data(tmp_path, cache_dir, monkeypatch):
     """Every text-to-SQL split present under ../shared/data is scored (equal to its own eval
-    run), every missing one listed as absent."""
+    run) with the policy loaded once, every missing one listed as absent."""
     if not (SHARED_DATA / "spider" / "dev.json").is_file():
         pytest.skip(f"public Spider files not found under {SHARED_DATA}")
     tiny = cache_dir / "models" / "tiny-qwen2"
@@ -80,7 +95,9 @@ def test_text2sql_table_on_public_data(tmp_path, cache_dir):
             direct[bench.column] = _direct(tmp_path, cache_dir, SHARED_DATA, bench.split)[0]
         except FileNotFoundError:
             continue
+    loads = _count_policy_loads(monkeypatch)
     out = _table(tmp_path, "text2sql", [tiny], cache_dir, SHARED_DATA)
+    assert len(direct) >= 2 and len(loads) == 1, (list(direct), loads)  # not one per split
     recs = {r["benchmark"]: r for r in _rows(out / "table.csv")}
     assert set(recs) == {*direct, "average"}
     for column, metrics in direct.items():
