@@ -167,6 +167,8 @@ def _run(script: str, args: list[str], cwd: Path, cache: Path) -> str:
     if script == "src/train.py":
         # (a resume too: it must name the run's own settings, and these are the test runs')
         extra = [*SMALL, f"paths.log_dir={cwd}/logs", f"paths.cache_dir={cache}"]
+        if any(a.startswith("ckpt_path=") for a in args):  # on from the run's step 2
+            extra.append("trainer.max_steps=4")
     elif script == "src/eval.py":
         extra = [f"paths.log_dir={cwd}/logs", f"paths.cache_dir={cache}"]
     elif script == "src/table.py":  # splits whose data is absent here are listed as absent
