@@ -198,6 +198,7 @@ class PolicyModule(L.LightningModule):
         self.timings: dict[str, float] = {}
         self._absent_as_nan = step_metrics.AbsentAsNaN()
         self._no_dropout: bool | None = None  # dropout_in(policy) is None; known on first use
+        self._unwritten: dict[str, torch.Tensor] | None = None  # the step's, for the loggers
         self._val_rows: list = []
         method.bind(self.method_services())
 
@@ -733,17 +734,14 @@ class PolicyModule(L.LightningModule):
         self.lr_schedulers().step()
         self.iteration += 1
         self.last = None
-        self.log_dict(
+        self._publish(
             {
                 "train/nonfinite_skips": float(self.nonfinite_steps),
                 "train/skipped": 1.0,
                 "train/iteration": float(self.iteration),
                 "train/beta": float(self.method.beta(self.iteration - 1)),
                 "train/scoring_errors": float(self.fault_tracker.step_scoring_errors),
-            },
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
+            }
         )
         return None
 
@@ -762,16 +760,32 @@ class PolicyModule(L.LightningModule):
             scoring_errors=self.fault_tracker.step_scoring_errors,
         )
         m = self._absent_as_nan(step_metrics.combine(m, weights, self.ranks, self.faults))
-        # Every rank logs the same (already global) values: no sync_dist collectives, whose
-        # order would have to match across ranks key by key.
-        n = scored.rollout.n
-        self.log_dict(
-            {f"train/{k}": v for k, v in m.items()}, on_step=True, on_epoch=False, batch_size=n
-        )
         prog = {"reward": m["reward/total/mean"]}
         if "success" in m:
             prog["success"] = m["success"]
-        self.log_dict(prog, prog_bar=True, logger=False, on_step=True, batch_size=n)
+        self._publish({f"train/{k}": v for k, v in m.items()}, prog)
+
+    def _publish(self, metrics: dict[str, float], bar: Mapping[str, float] = ()) -> None:
+        """The step's metrics for everything that reads them, in one go rather than one
+        ``self.log`` a key (whose per-key bookkeeping cost more than all the rest of the
+        logging): ``trainer.callback_metrics`` (as tensors, as ``self.log`` leaves them) with
+        ``bar``'s keys, the progress bar's metrics (``bar``), and the loggers, which get them
+        at the end of the batch (``on_train_batch_end``). Every rank holds the same (already
+        global) values, so nothing is reduced."""
+        bar = dict(bar)
+        values = {k: torch.tensor(v, dtype=torch.float32) for k, v in {**metrics, **bar}.items()}
+        self.trainer.callback_metrics.update(values)
+        self.trainer.progress_bar_metrics.update(bar)
+        self._unwritten = {k: values[k] for k in metrics}  # float32, as self.log wrote them
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """The step's metrics to every logger in one call, where Lightning would write what
+        ``self.log`` had collected: after the callbacks' hooks, on the rows that
+        ``trainer.log_every_n_steps`` selects, with the same step number and ``epoch``."""
+        metrics, self._unwritten = self._unwritten, None
+        connector = self.trainer._logger_connector
+        if metrics and (connector.should_update_logs or self.trainer.fast_dev_run):
+            connector.log_metrics(metrics)
 
     # ---- validation --------------------------------------------------------------------
     def validation_step(self, batch: PromptBatch, batch_idx: int):

@@ -1,0 +1,120 @@
+"""The step's metrics reach the loggers in one call (issue 28 item 3), on the tiny model.
+
+Lightning's ``self.log`` keeps per-key state (a result collection moved and checked key by
+key); the RL step logs ~50 keys, so the module hands them to the loggers at once instead. What
+reads them must not notice: the rows of ``metrics.csv`` (columns, step numbering,
+``trainer.log_every_n_steps``, validation rows), ``trainer.callback_metrics`` (the step line,
+the summary table, ``pipeline.train``'s result), the progress bar's metrics.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from mrtpo.callbacks.console import RunSummary
+from mrtpo.pipeline import build, metrics_csv
+
+
+class SeenByCallbacks(L.Callback):
+    """What a callback reads at the end of each step."""
+
+    def __init__(self) -> None:
+        self.callback: list[dict] = []
+        self.bar: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.callback.append(dict(trainer.callback_metrics))
+        self.bar.append(dict(trainer.progress_bar_metrics))
+
+
+def _fit(cfg, method=None):
+    trainer, module, dm = build(cfg)
+    if method is not None:
+        method.setup(tuple(module.task.reward_names), False)
+        module.method = method
+    seen, summary = SeenByCallbacks(), RunSummary(block=1, plot=False)
+    trainer.callbacks.extend([seen, summary])
+    calls = []
+    log = module.log
+
+    def counted_log(*a, **k):
+        calls.append(a[0] if a else k.get("name"))
+        return log(*a, **k)
+
+    module.log = counted_log
+    trainer.fit(module, datamodule=dm)
+    with open(metrics_csv(trainer)) as f:
+        reader = csv.DictReader(f)
+        rows, columns = list(reader), reader.fieldnames
+    return trainer, module, rows, columns, seen, summary, calls
+
+
+def _same(a: str, b: float) -> bool:
+    x = float(a)
+    return (math.isnan(x) and math.isnan(b)) or x == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
+def test_one_call_and_every_reader_sees_the_step(train_cfg):
+    trainer, _, rows, columns, seen, summary, calls = _fit(
+        train_cfg("method=mrtpo", "trainer.max_steps=3")
+    )
+    train_calls = [c for c in calls if not str(c).startswith("val/")]
+    assert train_calls == [], f"per-key self.log calls in the training step: {train_calls[:5]}"
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert columns[:2] == ["epoch", "step"] and all(r["epoch"] == "0" for r in rows)
+    train_cols = [c for c in columns if c.startswith("train/")]
+    assert len(train_cols) > 30 and "train/loss" in train_cols
+    assert "train/reward/total/mean" in train_cols and "train/time/step" in train_cols
+    # callbacks saw each step's values, as tensors (what Lightning's self.log left there)
+    assert len(seen.callback) == 3
+    for row, cb, bar in zip(rows, seen.callback, seen.bar, strict=True):
+        for k in (c for c in train_cols if row[c] != ""):  # "": not logged yet at this step
+            assert isinstance(cb[k], torch.Tensor), k
+            assert _same(row[k], float(cb[k])), (k, row[k], cb[k])
+        assert _same(row["train/reward/total/mean"], float(cb["reward"]))
+        assert bar["reward"] == pytest.approx(float(row["train/reward/total/mean"]), rel=1e-6)
+        assert not any(k.startswith("train/") for k in bar)
+    # the summary table has a row per step, read from callback_metrics
+    assert summary.steps == [1, 2, 3]
+    assert summary.rows[0]["reward/total"] == pytest.approx(
+        float(rows[0]["train/reward/total/mean"]), rel=1e-6
+    )
+    # pipeline.train returns callback_metrics: the last step's are there after fit
+    last = trainer.callback_metrics
+    assert float(last["train/iteration"]) == 3.0
+
+
+def test_log_every_n_steps_and_validation_rows(train_cfg):
+    _, _, rows, _, _, _, _ = _fit(
+        train_cfg(
+            "method=gdpo",
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=2",
+            "trainer.val_check_interval=2",
+            "data.val_prompts=2",
+        )
+    )
+    train = [r["step"] for r in rows if r.get("train/loss")]
+    val = [r["step"] for r in rows if any(k.startswith("val/") and r[k] for k in r)]
+    # Lightning's rule: a train row where (step + 1) % log_every_n_steps == 0; validation
+    # after steps 2 and 4 (step column 1 and 3, the step they ran at)
+    assert train == ["1", "3"], train
+    assert val == ["1", "3"], val
+
+
+def test_a_skipped_step_is_logged_in_one_call_too(train_cfg):
+    from tests.integration.test_faults import NaNAdvantages
+
+    _, _, rows, _, seen, _, calls = _fit(
+        train_cfg("method=gdpo", "trainer.max_steps=2"), method=NaNAdvantages()
+    )
+    assert [c for c in calls if not str(c).startswith("val/")] == []
+    assert [r["step"] for r in rows] == ["0", "1"]
+    assert all(r["train/skipped"] == "1.0" for r in rows)
+    assert float(seen.callback[-1]["train/nonfinite_skips"]) == 2.0
+    assert "train/loss" not in seen.callback[-1]
