@@ -225,6 +225,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "rl.max_consecutive_score_failures",
     "rl.replay_oom_retries",
     "rl.measure_logp_gap",
+    "rl.shared_prompt_forward",
     "replay.token_budget",
     "replay.jsd_chunk",
     "replay.share_prefix",

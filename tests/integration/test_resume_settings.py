@@ -58,8 +58,9 @@ def test_a_resume_that_changes_the_run_is_refused_before_anything_is_written(tra
         msg = str(info.value)
         assert shown in msg and "may change only" in msg and "ckpt_path=" in msg, msg
         assert tree_hash(run) == before, change
-    # what a resume may change: more steps, memory knobs, where the progress goes
-    resume("replay.token_budget=4096", "rl.micro_batch_size=1", "callbacks.progress=null")
+    # what a resume may change: more steps, memory and speed knobs, where the progress goes
+    resume("replay.token_budget=4096", "rl.micro_batch_size=1", "callbacks.progress=null",
+           "rl.shared_prompt_forward=always", "rl.measure_logp_gap=false")  # fmt: skip
     with open(run / "csv" / "metrics.csv", newline="") as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2"]
 
@@ -69,6 +70,8 @@ def test_the_list_of_what_a_resume_may_change():
 
     assert may_change("trainer.max_steps") and may_change("paths.data_dir")
     assert may_change("replay.token_budget") and may_change("callbacks.progress.min_interval_s")
+    # how a forward is computed (each prompt once) and whether the engine gap is logged
+    assert may_change("rl.shared_prompt_forward") and may_change("rl.measure_logp_gap")
     for key in ("seed", "rl.group_size", "rl.prompts_per_step", "method.beta", "optim.lr"):
         assert not may_change(key), key
     assert not may_change("model.name_or_path") and not may_change("rollout.sampling.temperature")
