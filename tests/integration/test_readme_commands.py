@@ -193,6 +193,8 @@ def test_readme_commands_run_on_the_tiny_model(tmp_path, cache_dir):
             continue
         first = sorted(runs.glob("*")) if runs.is_dir() else []
         sweeps = sorted((tmp_path / "logs" / "train" / "multiruns").glob("*"))
+        # (src/report.py of two sweeps writes reports/, not into multiruns beside them)
+        assert all(s.is_dir() for s in sweeps), f"not a sweep folder: {sweeps}"
         places = {"run": first[0] if first else None, "dir": tmp_path / "exported",
                   "gdpo": sweeps[0] if sweeps else None, "mrtpo": sweeps[-1] if sweeps else None}  # fmt: skip
         args = [_fill(a, tmp_path, places) for a in args]

@@ -204,6 +204,22 @@ def test_cli(sweep, tmp_path, capsys):
     assert "KEY=VALUE" in capsys.readouterr().err
 
 
+def test_cli_with_several_sweeps_writes_to_reports_not_beside_them(tmp_path, monkeypatch, capsys):
+    """Two sweeps' common parent is logs/train/multiruns: a report.md or PNG written there is
+    taken for a sweep by the next `multiruns/*` glob (src/table.py, the README test)."""
+    multiruns = tmp_path / "multiruns"
+    make_run(multiruns / "gdpo", 0, "gdpo", 1, 0.2)
+    make_run(multiruns / "mrtpo", 0, "mrtpo", 1, 0.5)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(multiruns / "gdpo"), str(multiruns / "mrtpo")]) == 0
+    assert sorted(p.name for p in multiruns.iterdir()) == ["gdpo", "mrtpo"]
+    assert (tmp_path / "reports" / "report.md").read_text() in capsys.readouterr().out
+    assert main([str(multiruns / "*")]) == 0  # one glob of several sweeps: the same
+    assert sorted(p.name for p in multiruns.iterdir()) == ["gdpo", "mrtpo"]
+    assert main([str(multiruns / "gdpo")]) == 0  # one sweep: its own report, beside it
+    assert (multiruns / "gdpo" / "report.md").is_file()
+
+
 def _job_config(out, **extra):
     return OmegaConf.create(
         {

@@ -764,13 +764,13 @@ def plot_metric(
 
 
 def default_out(sources: Sequence[str]) -> Path:
-    """Where figures go without ``--out``: the one folder given, else the folders' common
-    parent."""
+    """Where report.md and the figures go without ``--out``: the one run or sweep folder
+    given (beside a sweep's summary.md), else ``reports/`` in the current folder. Several
+    folders' common parent is often logs/train/multiruns, which holds one folder per sweep:
+    files there would be picked up by a ``multiruns/*`` glob as if they were sweeps."""
     dirs = [Path(m) for s in sources for m in (glob.glob(s) if glob.has_magic(s) else [s])]
-    dirs = [d if d.is_dir() else d.parent for d in dirs]
-    if len(dirs) == 1:
-        return dirs[0]
-    return Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
+    dirs = {(d if d.is_dir() else d.parent).resolve() for d in dirs}
+    return dirs.pop() if len(dirs) == 1 else Path("reports")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -782,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("sources", nargs="+", help="run or sweep folders, or globs (quote them)")
     p.add_argument("--out", type=Path, help="folder for report.md and the PNGs (default: the "
-                   "folder given, or the common parent of several)")  # fmt: skip
+                   "folder given, or reports/ for several)")  # fmt: skip
     p.add_argument("--baseline", nargs="+", default=[], metavar="KEY=VALUE",
                    help="paired differences by seed against this group, e.g. method=gdpo")  # fmt: skip
     p.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
@@ -807,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(rep.text, end="")
     if not a.no_plots:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "report.md").write_text(rep.text, encoding="utf-8")
         print(f"\nwrote {out / 'report.md'} and {len(rep.figures)} figures in {out}")
     return 0
