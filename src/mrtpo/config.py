@@ -75,12 +75,19 @@ def job_log(resume, output_dir: str, job_name: str, pending_dir: str | None = No
     return str(pending / f"{folder.name}.{os.getpid()}.log")
 
 
+def flat_dirname(name: str) -> str:
+    """A sweep job's folder name from its overrides: one folder, not a nest of them for a
+    path-valued override (``model.name_or_path=/a/b``), at most 200 characters."""
+    return str(name).replace("/", "_").replace(os.sep, "_")[:200]
+
+
 def register_resolvers() -> None:
     for name, fn in (
         ("mrtpo.unique_dir", unique_dir),
         ("mrtpo.run_dir", run_dir),
         ("mrtpo.hydra_subdir", hydra_subdir),
         ("mrtpo.job_log", job_log),
+        ("mrtpo.flat_dirname", flat_dirname),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

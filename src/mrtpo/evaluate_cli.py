@@ -75,12 +75,12 @@ def _task_name(choice: str, ckpt_path, overrides) -> str:
             return choice
 
 
-# configs/hydra/eval.yaml resolves these; src/eval.py imports this module before Hydra runs.
+# configs/hydra/eval.yaml resolves these (and mrtpo.config's mrtpo.flat_dirname); src/eval.py
+# imports this module before Hydra runs.
 for _name, _fn in (
     ("mrtpo.eval_groups", _help_groups),
     ("mrtpo.eval_hydra_subdir", _hydra_subdir),
     ("mrtpo.eval_task_name", _task_name),
-    ("mrtpo.flat_dirname", lambda name: str(name).replace("/", "_").replace(os.sep, "_")[:200]),
 ):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _fn)

@@ -36,11 +36,16 @@ def test_multirun_summary_then_report(tmp_path, cache_dir):
            "trainer.max_steps=2", f"paths.log_dir={logs}", f"paths.cache_dir={cache_dir}",
            "rl.prompts_per_step=2", "rl.group_size=2", "rollout.sampling.max_new_tokens=4",
            "callbacks.sample_table=null", "callbacks.relevance_dump=null",
-           "callbacks.model_checkpoint=null", "hydra/launcher=basic"]  # fmt: skip
+           "callbacks.model_checkpoint=null", "hydra/launcher=basic",
+           f"model.name_or_path={cache_dir}/models/tiny-qwen2"]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     (sweep,) = (logs / "train" / "multiruns").iterdir()
     assert "sweep summary: " in res.stdout
+    # a path-valued override names one flat folder per job, not a nest of folders
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 4 and all((j / "csv" / "metrics.csv").is_file() for j in jobs), jobs
+    assert all(f"model.name_or_path={str(cache_dir).replace('/', '_')}_" in j.name for j in jobs)
 
     rows = list(csv.DictReader((sweep / "summary.csv").read_text().splitlines()))
     assert [(r["method"], r["seed"]) for r in rows] == [
