@@ -121,6 +121,21 @@ def _reward_funcs(task) -> list:
     return [make(k) for k in task.reward_names]
 
 
+def long_text(size: str, tokens: int) -> str:
+    """Filler words that make about ``tokens`` tokens for the bench model's tokenizer."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from mrtpo.tasks.synthetic.task import WORDS
+
+    tok = AutoTokenizer.from_pretrained(model_path(size))
+    rng, words = random.Random(0), []
+    while len(tok.encode(" ".join(words), add_special_tokens=False)) < tokens:
+        words += [rng.choice(WORDS) for _ in range(32)]
+    return " ".join(words)
+
+
 def run(
     size: str,
     *,
@@ -131,7 +146,10 @@ def run(
     steps: int,
     warmup: int = 1,
     gpu: bool = False,
+    system_tokens: int = 0,
 ) -> dict[str, Any]:
+    """``system_tokens`` > 0: every prompt starts with a system message of about that many
+    tokens (the paper's kind of work: a text-to-SQL prompt carries its database schema)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -142,12 +160,15 @@ def run(
     ensure_model(size)
     n = prompts * group
     total = steps + warmup
-    run_dir = bench_dir() / "runs" / f"trl-{size}"
+    run_dir = (
+        bench_dir() / "runs" / (f"trl-{size}" + (f"-sys{system_tokens}" if system_tokens else ""))
+    )
     cfg = compose(
         [
             *model_overrides(size),
             "task=synthetic",
             f"task.num_constraints={rewards}",
+            *([f"+task.system_prompt='{long_text(size, system_tokens)}'"] if system_tokens else []),
             "method=gdpo",
             f"rl.prompts_per_step={prompts}",
             f"rl.group_size={group}",
@@ -294,6 +315,16 @@ def run(
             "max_new_tokens": new_tokens,
             "steps": steps,
             "warmup": warmup,
+            "system_tokens": system_tokens,
+            # prompt tokens as both trainers tokenize them (chat template, generation prompt)
+            "mean_prompt_tokens": sum(
+                len(tok(text, add_special_tokens=False).input_ids)
+                for text in (
+                    tok.apply_chat_template(e.messages, add_generation_prompt=True, tokenize=False)
+                    for e in examples[:n]
+                )
+            )
+            / n,
         },
         "trl_times": trl_cb.times,
         "ours_times": ours_cb.times,

