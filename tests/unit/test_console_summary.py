@@ -51,3 +51,25 @@ def test_header_offers_resume_only_when_the_run_saves_checkpoints():
     none = header(compose_config("train.yaml", ["paths.output_dir=/runs/a",
                                                 "callbacks.model_checkpoint=null"]))  # fmt: skip
     assert "+resume=" not in none and "callbacks.model_checkpoint null" in none
+
+
+def test_headers_show_the_tasks_reward_labels_and_keys_stay(tmp_path, capsys, monkeypatch):
+    """Instruction following's slots read 'constraint 1' ... 'constraint 13' in the table and
+    the curves' legend; the rows, and so the logged metric keys, keep c0..c12."""
+    from mrtpo.tasks.instructions import InstructionTask
+
+    monkeypatch.setenv("COLUMNS", "80")
+    s = _summary(1)
+    trainer = SimpleNamespace(is_global_zero=True, default_root_dir=str(tmp_path))
+    s.on_train_start(trainer, SimpleNamespace(task=InstructionTask(max_constraints=13)))
+    s.on_train_end(trainer, SimpleNamespace())
+    out = capsys.readouterr().out
+    for name in ("total", "constraint 1", "constraint 13"):
+        assert f" {name} " in out, out
+    assert " c0 " not in out and " c12 " not in out and "…" not in out
+    assert max(map(len, out.splitlines())) <= 80
+    head, _ = s.table()  # the keys, slots in their order (c2 before c10)
+    assert head == ["steps", "reward/total", *(f"reward/c{j}" for j in range(13))]
+    assert out.index("constraint 2 ") < out.index("constraint 10 ")
+    assert s.shown("reward/c12") == "constraint 13" and s.shown("success") == "success"
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

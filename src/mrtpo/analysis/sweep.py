@@ -250,9 +250,9 @@ def labels(keys: Sequence[tuple[str, ...]]) -> tuple[dict[tuple[str, ...], str],
     return out, common
 
 
-#: Each task's headline, first found wins: the synthetic task's and a custom task's success
-#: (every check met), text-to-SQL's execution match, tool calling's correctness. (Instruction
-#: following logs one reward per constraint slot, c0..c12, and no all-constraints rate.)
+#: Each task's headline, first found wins: success (the synthetic and custom tasks' every
+#: check met; instruction following's all-constraints rate, its constraint slots c0..c12 being
+#: rewards), text-to-SQL's execution match, tool calling's correctness.
 HEADLINE = ("success", "execution", "correctness")
 
 

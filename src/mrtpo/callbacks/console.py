@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import warnings
 from pathlib import Path
@@ -126,13 +127,17 @@ class StepLine(L.Callback):
 TOTAL = "reward/total"
 
 
+def _natural(key: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
 def column_groups(head: list[str], body: list[list[str]], width: int) -> list[list[int]]:
     """Column indices split into tables that each fit ``width`` characters, every one
-    starting with the first column (the steps), so no header or value is cut short."""
+    starting with the first column (the steps), so no header or value is cut short.
+    ``head`` holds the headers as shown."""
 
     def need(c: int) -> int:  # rich's box: a border and one space of padding each side
-        label = head[c].removeprefix("reward/")
-        return max([len(label), *(len(r[c]) for r in body)]) + 3
+        return max([len(head[c]), *(len(r[c]) for r in body)]) + 3
 
     groups: list[list[int]] = []
     cur, used = [0], need(0) + 1
@@ -154,6 +159,16 @@ class RunSummary(L.Callback):
         self.plot = plot
         self.rows: list[dict[str, float]] = []
         self.steps: list[int] = []  # the RL step of each row (a resumed run starts past 1)
+        self.labels: dict[str, str] = {}  # reward name -> what a person reads (the task's)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # instruction following's slots c0..c12 read 'constraint 1' ...; keys stay c{k}
+        self.labels = dict(getattr(getattr(pl_module, "task", None), "reward_labels", {}) or {})
+
+    def shown(self, key: str) -> str:
+        """A column's header or a curve's legend: ``reward/c0`` -> the task's label."""
+        name = key.removeprefix("reward/")
+        return self.labels.get(name, name) if key.startswith("reward/") else key
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
@@ -171,7 +186,8 @@ class RunSummary(L.Callback):
         names = []
         for r in self.rows:
             names += [k for k in r if k not in names]
-        names.sort(key=lambda k: (k != "success", k != "reward/total", k))
+        # success, total, then the rewards with numbers in order (c2 before c10)
+        names.sort(key=lambda k: (k != "success", k != "reward/total", _natural(k)))
         body = []
         for a in range(0, len(self.rows), self.block):
             chunk = self.rows[a : a + self.block]
@@ -191,12 +207,13 @@ class RunSummary(L.Callback):
         from rich.table import Table
 
         head, body = self.table()
+        shown = [self.shown(h) for h in head]
         console = Console()
         title = f"{type(pl_module).__name__}: means over blocks of {self.block} steps"
-        for cols in column_groups(head, body, console.width):
+        for cols in column_groups(shown, body, console.width):
             t = Table(title=title)
             for c in cols:
-                t.add_column(head[c].removeprefix("reward/"), justify="right", no_wrap=True)
+                t.add_column(shown[c], justify="right", no_wrap=True)
             for row in body:
                 t.add_row(*[row[c] for c in cols])
             console.print(t)
@@ -227,7 +244,7 @@ class RunSummary(L.Callback):
         fig, ax = plt.subplots(figsize=(7, 4))
         for k in names:
             xs = [x for x, r in zip(steps, self.rows, strict=True) if k in r]
-            ax.plot(xs, [r[k] for r in self.rows if k in r], label=k, lw=1.2)
+            ax.plot(xs, [r[k] for r in self.rows if k in r], label=self.shown(k), lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("mean over the step's responses")
         if any(TOTAL in r for r in self.rows):  # 0..K: its own axis, not the rewards' 0..1
