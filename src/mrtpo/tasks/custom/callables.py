@@ -17,13 +17,18 @@ from typing import Any
 
 
 def launch_dir() -> Path:
-    """The folder the command was started in (Hydra's original one if it changed folder)."""
+    """The folder the command was started in: the current one, unless Hydra changed into the
+    run folder (``hydra.job.chdir=true``), then the one it started from. Hydra's record is
+    read only when it changed folder: a process that composed a config earlier (a test, a
+    notebook) keeps a stale record after it moved on."""
     try:
-        from hydra.utils import get_original_cwd
+        from hydra.core.hydra_config import HydraConfig
 
-        return Path(get_original_cwd())
-    except Exception:  # not under Hydra (a library caller), or Hydra not initialized
-        return Path(os.getcwd())
+        if HydraConfig.initialized() and HydraConfig.get().job.chdir:
+            return Path(HydraConfig.get().runtime.cwd)
+    except Exception:  # not under Hydra (a library caller), or an older Hydra
+        pass
+    return Path(os.getcwd())
 
 
 def search_launch_dir() -> Path:
