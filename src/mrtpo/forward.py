@@ -163,18 +163,9 @@ def response_hidden_shared_prefix(
     start = width - p_mask[rows].sum(-1)  # first real column of each row's prefix
     cols = torch.arange(width, device=device)[None, :]
     seen = p_mask[rows] & (cols < (start + prefix_keep.to(device))[:, None])
-    seg_ids = torch.cat([suffix_ids, response_ids], dim=1).to(device)
-    seg_mask = torch.cat([suffix_mask, response_mask], dim=1).to(device)
-    full = torch.cat([seen, seg_mask], dim=1)
-    pos = (full.long().cumsum(-1) - 1).clamp_min(0)[:, width:]
-    out = decoder(
-        input_ids=seg_ids,
-        attention_mask=full.long(),
-        position_ids=pos,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    h = out.last_hidden_state
+    seg_ids = torch.cat([suffix_ids, response_ids], dim=1)
+    seg_mask = torch.cat([suffix_mask, response_mask], dim=1)
+    h = _continue_cache(decoder, cache, seen, seg_ids, seg_mask).last_hidden_state
     s, t = suffix_ids.shape[1], response_ids.shape[1]
     return h[:, s - 1 : s - 1 + t]
 
@@ -360,16 +351,24 @@ def _shared_prompt_logits(
     cache = out.past_key_values
     rows = groups.row_prefix.to(device)
     cache.reorder_cache(rows)
-    seg_ids = torch.cat([prompt_ids[:, -1:], response_ids], dim=1).to(device)
-    seg_mask = torch.cat([prompt_mask[:, -1:], response_mask], dim=1).to(device)
-    full = torch.cat([p_mask[rows], seg_mask], dim=1)
-    pos = (full.long().cumsum(-1) - 1).clamp_min(0)[:, w:]
-    out = model(
-        input_ids=seg_ids,
+    seg_ids = torch.cat([prompt_ids[:, -1:], response_ids], dim=1)
+    seg_mask = torch.cat([prompt_mask[:, -1:], response_mask], dim=1)
+    out = _continue_cache(model, cache, p_mask[rows], seg_ids, seg_mask, logits_to_keep=t + 1)
+    return out.logits[:, :-1]
+
+
+def _continue_cache(model, cache, seen: Tensor, seg_ids: Tensor, seg_mask: Tensor, **kwargs):
+    """Run the rows' segments on a prefix cache already reordered to the rows; ``seen`` [n, W]
+    marks the cached keys each row reads. Positions count the visible tokens only."""
+    device = seen.device
+    seg_mask = seg_mask.to(device)
+    full = torch.cat([seen, seg_mask], dim=1)
+    pos = (full.long().cumsum(-1) - 1).clamp_min(0)[:, seen.shape[1] :]
+    return model(
+        input_ids=seg_ids.to(device),
         attention_mask=full.long(),
         position_ids=pos,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=t + 1,
+        **kwargs,
     )
-    return out.logits[:, :-1]

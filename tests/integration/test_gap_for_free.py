@@ -15,37 +15,22 @@ import math
 import lightning as L
 import pytest
 import torch
+from tests.integration.test_on_policy import OffsetEngine
 
 import mrtpo.module as module_mod
-from mrtpo.forward import pad_left, pad_right, response_logprobs
 from mrtpo.loss import EngineGap, engine_gap
 from mrtpo.pipeline import build, metrics_csv
-from mrtpo.rollout.hf import HFEngine
 
 TAU = 0.7
 CAP = 1.1  # some tokens' ratios are above it, some below
 
 
-class WobblyEngine(HFEngine):
+class WobblyEngine(OffsetEngine):
     """The HF engine, reporting the trainer's log-probs off by a different amount at every
     token (-0.3..0.3 nats): ratios on both sides of ``CAP``, sequences of differing ratio."""
 
-    def generate(self, prompts, n, sampling, seed):
-        gens = super().generate(prompts, n, sampling, seed)
-        flat = [p for p in prompts for _ in range(n)]
-        p_ids, p_mask = pad_left(flat, self.tokenizer.pad_token_id)
-        r_ids, r_mask = pad_right([g.token_ids for g in gens], self.tokenizer.pad_token_id)
-        was = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            lp = response_logprobs(
-                self.model, p_ids, p_mask, r_ids, r_mask, temperature=sampling.temperature
-            )
-        self.model.train(was)
-        for i, g in enumerate(gens):
-            off = [0.3 * math.sin(1.7 * t + i) for t in range(len(g.token_ids))]
-            g.logprobs = (lp[i, : len(g.token_ids)] + torch.tensor(off)).tolist()
-        return gens
+    def offsets(self, row: int, n_tokens: int) -> torch.Tensor:
+        return torch.tensor([0.3 * math.sin(1.7 * t + row) for t in range(n_tokens)])
 
 
 class FirstGradients(L.Callback):

@@ -299,8 +299,13 @@ class OffsetEngine(HFEngine):
             )
         self.model.train(was)
         for i, g in enumerate(gens):
-            g.logprobs = (lp[i, : len(g.token_ids)] + self.offset).tolist()
+            n_tok = len(g.token_ids)
+            g.logprobs = (lp[i, :n_tok] + self.offsets(i, n_tok)).tolist()
         return gens
+
+    def offsets(self, row: int, n_tokens: int) -> torch.Tensor:
+        """What is added to the trainer's log-prob of each token of response ``row``."""
+        return torch.full((n_tokens,), self.offset)
 
 
 class SilentEngine(HFEngine):
