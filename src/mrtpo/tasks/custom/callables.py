@@ -31,12 +31,22 @@ def launch_dir() -> Path:
     return Path(os.getcwd())
 
 
+def on_import_path(folder: str | Path, *, first: bool) -> Path:
+    """Put ``folder`` on ``sys.path`` once: ``first`` ahead of installed modules (a folder the
+    user named), else after them. The path, not a loader, so that worker processes started
+    by spawn (which copy ``sys.path``) import the same module by name."""
+    folder = Path(folder).expanduser().resolve()
+    if str(folder) not in sys.path:
+        if first:
+            sys.path.insert(0, str(folder))
+        else:
+            sys.path.append(str(folder))
+    return folder
+
+
 def search_launch_dir() -> Path:
     """Put the launch folder on ``sys.path`` (last: installed modules keep their names)."""
-    folder = launch_dir().resolve()
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
-    return folder
+    return on_import_path(launch_dir(), first=False)
 
 
 def _module_from_file(text: str, key: str) -> tuple[str, str]:
@@ -57,8 +67,7 @@ def _module_from_file(text: str, key: str) -> tuple[str, str]:
             f"{key}={text!r}: a module named {name!r} is already imported from "
             f"{where or 'a built-in'}; rename {path.name}"
         )
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
+    on_import_path(path.parent, first=True)
     return name, attr_path
 
 

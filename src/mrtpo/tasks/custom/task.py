@@ -24,14 +24,19 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.base import Example, Messages, Score, Task
-from mrtpo.tasks.custom.callables import label, resolve, search_launch_dir, short_name
+from mrtpo.tasks.custom.callables import (
+    label,
+    on_import_path,
+    resolve,
+    search_launch_dir,
+    short_name,
+)
 from mrtpo.tasks.custom.data import columns, detect_format, read_rows
 
 log = logging.getLogger(__name__)
@@ -126,9 +131,7 @@ class CustomTask(Task):
         self.max_block_chars = int(max_block_chars)
         self.cfg = CustomDataConfig.from_mapping(data)
         for d in import_dirs or ():  # so that 'mymod.r1' is found in the user's folder
-            d = str(Path(d).expanduser().resolve())
-            if d not in sys.path:
-                sys.path.insert(0, d)
+            on_import_path(d, first=True)
         search_launch_dir()  # and in the folder the command was started in
         self._rewards = self._resolve_rewards(rewards, reward_names)
         self.reward_names = tuple(r.name for r in self._rewards)
