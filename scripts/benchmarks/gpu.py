@@ -759,7 +759,6 @@ def stage_jsd_memory(sizes: Sizes) -> dict[str, Any]:
         device=sizes.device,
         dtype=dtype,
         threads=1 if sizes.device == "cpu" else (os.cpu_count() or 1),
-        skip={("candidate", sizes.jsd_vocab, t) for t in sizes.jsd_lengths},
         quick=sizes.device == "cpu",
         one_process=sizes.jsd_one_process,
     )

@@ -63,11 +63,7 @@ QUICK: dict[str, Any] = {
         quick=True,  # one timed run per configuration
         # a CPU does ~40 positions/s at 152k: the quick mode runs what the claims need
         # (chunked and replay at every size; unchunked ~15 GiB at 152k x 2048: --full only)
-        skip=[
-            ("unchunked", 152064, 2048),
-            ("candidate", 32768, 2048),
-            ("candidate", 152064, 2048),
-        ],
+        skip=[("unchunked", 152064, 2048)],
     ),
     "trl": [
         dict(size="tiny", prompts=4, group=4, rewards=4, new_tokens=32, steps=6),

@@ -9,15 +9,11 @@ Implementations:
 * ``unchunked``: ``log_softmax`` of both rows over all T, then ``credit.js_distance``;
 * ``chunked``: ``credit.js_distance_chunked`` (``chunk`` positions at a time);
 * ``replay``: replay's own scoring loop (``Replayer._score``) on the same logits;
-* ``candidate``: a proposed rewrite of ``js_distance`` that evaluates ``log(p/m)`` once and
-  gets ``log(q/m) = log(p/m) + (log q - log p)`` from it (half the transcendental work),
-  chunked like ``chunked``. It is checked against ``js_distance`` on every run.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import subprocess
@@ -27,25 +23,7 @@ from typing import Any
 
 from benchmarks.common import child_pythonpath
 
-IMPLS = ("unchunked", "chunked", "replay", "candidate")
-LN2 = math.log(2.0)
-
-
-def candidate_js_distance(logp_a, logp_b):
-    """``sqrt(JSD / ln 2)`` from log-probs [..., V], one mixture log-ratio per element."""
-    import torch
-    import torch.nn.functional as F
-
-    a, b = logp_a.float(), logp_b.float()
-    p, q = a.exp(), b.exp()
-    d = b - a
-    # r = log(p / m) = -log((1 + e^d) / 2): log1p/expm1 near 0, softplus far from it
-    r = torch.where(
-        d.abs() < 1.0, -torch.log1p(0.5 * torch.expm1(d.clamp(max=1.0))), LN2 - F.softplus(d)
-    )
-    zero = torch.zeros((), dtype=r.dtype, device=r.device)
-    terms = torch.where(p > 0, p * r, zero) + torch.where(q > 0, q * (r + d), zero)
-    return (0.5 * terms.sum(-1) / LN2).clamp(0.0, 1.0).sqrt()
+IMPLS = ("unchunked", "chunked", "replay")
 
 
 def _status_kib(key: str) -> int | None:
@@ -112,19 +90,10 @@ def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps:
         rep._score(jobs, states, None, Roll, ("r",), "per_reward", q, logp)
         return q[0, 0]
 
-    def run_candidate():
-        out = torch.empty(t, device=dev)
-        for s in range(0, t, chunk):
-            la = torch.log_softmax(a[s : s + chunk].float(), -1)
-            lb = torch.log_softmax(b[s : s + chunk].float(), -1)
-            out[s : s + chunk] = candidate_js_distance(la, lb)
-        return out
-
     fn = {
         "unchunked": run_unchunked,
         "chunked": run_chunked,
         "replay": run_replay,
-        "candidate": run_candidate,
     }[impl]
 
     def sync():
