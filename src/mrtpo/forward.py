@@ -330,8 +330,21 @@ def _shared_prompt_logits(
     """``response_logits`` with each distinct prompt's prefix (all but its last token) run
     once; each row's last prompt token and response continue the prefix's cache, reordered
     to the rows (``index_select``: differentiable, so gradients reach the prefix)."""
+    t = response_ids.shape[1]
+    cache, seen = prompt_prefix_cache(model, groups, prompt_ids, prompt_mask)
+    seg_ids = torch.cat([prompt_ids[:, -1:], response_ids], dim=1)
+    seg_mask = torch.cat([prompt_mask[:, -1:], response_mask], dim=1)
+    out = _continue_cache(model, cache, seen, seg_ids, seg_mask, logits_to_keep=t + 1)
+    return out.logits[:, :-1]
+
+
+def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_mask: Tensor):
+    """Each distinct prompt's prefix (all but its last token) run once, its key/value cache
+    reordered to the rows (``index_select``: differentiable, so gradients reach the prefix).
+    Returns the cache and ``seen`` [n, W], the cached keys each row reads: with the rows'
+    last prompt tokens appended, the cache covers exactly the rows' left-padded prompts."""
     device = next(model.parameters()).device
-    w, t = groups.width, response_ids.shape[1]
+    w = groups.width
     p_ids = prompt_ids[groups.first, -1 - w : -1].to(device)
     p_mask = prompt_mask[groups.first, -1 - w : -1].to(device)
     p_pos = (p_mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -351,10 +364,7 @@ def _shared_prompt_logits(
     cache = out.past_key_values
     rows = groups.row_prefix.to(device)
     cache.reorder_cache(rows)
-    seg_ids = torch.cat([prompt_ids[:, -1:], response_ids], dim=1)
-    seg_mask = torch.cat([prompt_mask[:, -1:], response_mask], dim=1)
-    out = _continue_cache(model, cache, p_mask[rows], seg_ids, seg_mask, logits_to_keep=t + 1)
-    return out.logits[:, :-1]
+    return cache, p_mask[rows]
 
 
 def _continue_cache(model, cache, seen: Tensor, seg_ids: Tensor, seg_mask: Tensor, **kwargs):

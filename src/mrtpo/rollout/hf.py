@@ -183,8 +183,16 @@ class _FiniteLogits:
 class HFEngine(RolloutEngine):
     """Batched sampling with ``model.generate`` (left padding, stop at EOS)."""
 
-    def __init__(self, batch_size: int = 64) -> None:
+    def __init__(self, batch_size: int = 64, share_prompt: str | bool = "auto") -> None:
+        mode = str(share_prompt).lower()
+        mode = {"false": "off", "true": "auto"}.get(mode, mode)
+        if mode not in ("auto", "off", "always"):
+            raise ValueError(
+                f"rollout.engine.share_prompt={share_prompt!r}: use auto, false or always"
+            )
         self.batch_size = batch_size  # prompts x samples per generate call
+        # "auto": the G samples of a prompt prefill it once (forward.prompt_groups' rules)
+        self.share_prompt = mode
         self.model = None
         self.tokenizer = None
         self.eos_ids: list[int] = []
@@ -243,9 +251,11 @@ class HFEngine(RolloutEngine):
                 # resumed run draws the same samples as an uninterrupted one.
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
                 recorder = _SampledLogprobs(sampling.temperature) if record else None
+                ids, attn, cache = self._prefilled(ids, attn, n, sampling.max_new_tokens)
                 seqs = model.generate(
                     input_ids=ids.to(device),
                     attention_mask=attn.to(device),
+                    past_key_values=cache,
                     generation_config=config,
                     logits_processor=[guard] if recorder is None else [guard, recorder],
                     synced_gpus=lockstep,
@@ -259,6 +269,26 @@ class HFEngine(RolloutEngine):
         if ranks.any(guard.bad):
             raise NonFiniteLogitsError()
         return out
+
+    def _prefilled(self, ids: torch.Tensor, attn: torch.Tensor, n: int, new_tokens: int):
+        """``(ids, attn, cache)`` for one ``generate`` call: where rows repeat a prompt (the
+        G samples of a group) and sharing pays (``forward.prompt_groups``), each distinct
+        prompt's prefix runs once and ``generate`` continues its cache row by row, computing
+        only each row's last prompt token; else the plain prefill (``cache`` None). The cached
+        distributions are the plain prefill's to fp32 rounding, and sampling draws the same
+        random numbers either way."""
+        if n < 2 or self.share_prompt == "off":
+            return ids, attn, None
+        from mrtpo.forward import prompt_groups, prompt_prefix_cache
+
+        groups = prompt_groups(self.model, ids, attn, new_tokens, self.share_prompt)
+        if groups is None:
+            return ids, attn, None
+        cache, _ = prompt_prefix_cache(self.model, groups, ids, attn)
+        # the cache holds the rows' last `width` columns but one: generate() feeds only what
+        # follows the cache, i.e. each row's last prompt token
+        keep = groups.width + 1
+        return ids[:, -keep:], attn[:, -keep:], cache
 
     def _warn_overridden_once(self, model, config) -> None:
         """Name, once per engine, the checkpoint sampling settings that are not applied."""
