@@ -7,6 +7,7 @@
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere
     make replicate ARGS=--long           # the long toy: a free part of 0, 20, 60 words at K=4
     make replicate ARGS="--long --full"  # + K = 2 and 8 at 60 words, 8 seeds (docs/replication_long.md)
+    make replicate ARGS="--long --warm-from logs/replicate_long/<run>"  # RL only, its warm starts
 
 The harness is the package beside this file, ``scripts/replication``; this file only reads
 the command line.
@@ -45,7 +46,7 @@ def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOption
         steps=None if a.full else L.QUICK_STEPS,
         full=a.full, workers=a.workers, threads=a.threads, logdir=a.logdir, docs=a.docs,
         report_only=a.report_only, override=a.override, sft_override=a.sft_override,
-        sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed,
+        sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed, warm_from=a.warm_from,
     )  # fmt: skip
     if a.cells:
         opts.cells = [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
@@ -82,6 +83,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
     p.add_argument(
         "--cells", type=str, default=None,
         help="--long: comma-separated K:free cells, e.g. 4:0,4:60 (default: the mode's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warm-from", type=Path, default=None,
+        help="--long: reuse the warm starts of an earlier --long run folder (same SFT options)",
     )  # fmt: skip
     p.add_argument("--no-determinism", action="store_true", help="skip the rerun check")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
@@ -120,6 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
         p.error("--report-only needs --logdir")
     if a.cells and not a.long:
         p.error("--cells is a --long option")
+    if a.warm_from is not None and not a.long:
+        p.error("--warm-from is a --long option")
     if a.long:
         try:
             return long_options(a, given)

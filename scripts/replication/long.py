@@ -94,10 +94,15 @@ class LongOptions:
     sft_override: list[str] = field(default_factory=list)
     full: bool = False
     commit: str | None = None
+    #: an earlier long-toy run folder whose warm starts this run reuses instead of making its own
+    warm_from: Path | None = None
 
 
 _RUN_KEYS = ("cells", "seeds", "methods", "ablations", "steps", "threshold", "sft_max_steps", "sft_seed",
-             "workers", "threads", "override", "sft_override", "full", "commit")  # fmt: skip
+             "workers", "threads", "override", "sft_override", "full", "commit",
+             "warm_from")  # fmt: skip
+#: The options that decide what a warm start is: a reused one must have been made with these.
+_WARM_KEYS = ("sft_max_steps", "sft_seed", "sft_override")
 
 
 def methods_of(cell: Cell, opts: LongOptions) -> list[str]:
@@ -170,8 +175,57 @@ def sft_waves(cells: list[Cell]) -> list[list[tuple[Cell, str]]]:
     return waves
 
 
+def reuse_warm_starts(opts: LongOptions) -> str:
+    """Copy the warm-start passes of ``opts.cells`` from the run folder ``opts.warm_from``
+    (policies, metrics and job records), so that their SFT jobs count as done; return the
+    commit they were made at. Refused, naming what differs, unless that run made them with the
+    same SFT options and holds every pass needed. Nothing is written to ``warm_from``."""
+    import shutil
+
+    src = Path(opts.warm_from).resolve()
+    run = src / "run.json"
+    if not run.exists():
+        raise ValueError(f"--warm-from {src}: no run.json there; give a long-toy run folder")
+    saved = json.loads(run.read_text())
+    differ = [k for k in _WARM_KEYS if saved.get(k) != getattr(opts, k)]
+    if differ:
+        raise ValueError(
+            f"--warm-from {src}: its warm starts were made with other SFT options "
+            + ", ".join(f"{k}={saved.get(k)!r} (here {getattr(opts, k)!r})" for k in differ)
+        )
+    needed = [(c, ph) for wave in sft_waves(list(opts.cells)) for c, ph in wave]
+    missing = []
+    for cell, phase in needed:
+        job = cell_dir(src, cell) / phase / "job.json"
+        ok = job.exists() and not json.loads(job.read_text()).get("error")
+        if not ok or not (job.parent / "policy").is_dir():
+            missing.append(f"k{cell[0]}_f{cell[1]}/{phase}")
+    if missing:
+        raise ValueError(f"--warm-from {src}: no finished warm start for {', '.join(missing)}")
+    for cell, phase in needed:
+        frm, to = cell_dir(src, cell) / phase, cell_dir(opts.logdir, cell) / phase
+        if (to / "job.json").exists():
+            continue
+        shutil.copytree(frm, to, dirs_exist_ok=True)
+        info = json.loads((to / "job.json").read_text())
+        if info.get("csv"):
+            csv = Path(info["csv"])
+            rel = csv.relative_to(frm) if csv.is_relative_to(frm) else None
+            info["csv"] = str(to / rel) if rel is not None else info["csv"]
+        info["copied_from"] = str(frm)
+        (to / "job.json").write_text(json.dumps(info, indent=2))
+    return str(saved.get("commit"))
+
+
 def run_cells(opts: LongOptions, console) -> bool:
     """Every warm start, then every RL run (finished jobs are skipped: a rerun resumes)."""
+    if opts.warm_from is not None:
+        try:
+            made = reuse_warm_starts(opts)
+        except ValueError as exc:
+            console.print(f"[red]{exc}")
+            return False
+        console.print(f"warm starts reused from {opts.warm_from} (made at commit {made})")
     for wave in sft_waves(list(opts.cells)):
         jobs = [sft_job(c, phase, opts) for c, phase in wave]
         res = run_all(jobs, opts.workers, opts.threads, console, f"SFT ({wave[0][1]})")
@@ -273,7 +327,9 @@ def main(opts: LongOptions) -> int:
     else:
         opts.logdir.mkdir(parents=True, exist_ok=True)
         opts.commit = opts.commit or source_commit()
-        run_file.write_text(json.dumps({k: getattr(opts, k) for k in _RUN_KEYS}, indent=2))
+        saved = {k: getattr(opts, k) for k in _RUN_KEYS}
+        saved["warm_from"] = None if opts.warm_from is None else str(Path(opts.warm_from).resolve())
+        run_file.write_text(json.dumps(saved, indent=2))
         console.rule(f"[bold]Long toy: cells {opts.cells}, {opts.seeds} seeds → {opts.logdir}")
         if not run_cells(opts, console):
             return 1

@@ -9,6 +9,7 @@ replication pools K: each cell has its own warm start, so its differences are in
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -380,6 +381,16 @@ def _design(add, opts: LongOptions, wall_s: float) -> None:
         f"over the run's steps; steps to threshold = first step where the trailing {SMOOTH}-step "
         f"mean reaches it (success ≥ {opts.threshold:g}; `mark` ≥ {MARK_THRESHOLD:g}), a run "
         "that never does counting its number of steps")  # fmt: skip
+    if opts.warm_from:
+        src = Path(opts.warm_from)
+        made = (
+            json.loads((src / "run.json").read_text()).get("commit")
+            if (src / "run.json").exists()
+            else None
+        )
+        add(f"- warm starts: **reused** from the run folder `{src}` (`--warm-from`), made at "
+            f"commit `{made}` with the same SFT options; the wall time below is this run's RL "
+            "only")  # fmt: skip
     add("- predictions and their rules (verdicts: **reproduced** when the interval lies wholly "
         "on the predicted side, **not reproduced** when wholly on the other, **inconclusive** "
         "otherwise):")  # fmt: skip

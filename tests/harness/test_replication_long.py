@@ -81,6 +81,53 @@ def test_replicate_long_flags():
     assert L.FULL_SEEDS >= 8
 
 
+def _made_warm_starts(root: Path, cells, **saved) -> Path:
+    """A made-up earlier run folder holding finished warm-start passes for ``cells``."""
+    run = {"commit": "abc1234", "sft_max_steps": None, "sft_seed": 0, "sft_override": []}
+    (root / "run.json").parent.mkdir(parents=True, exist_ok=True)
+    (root / "run.json").write_text(json.dumps(run | saved))
+    for cell, phase in [(c, ph) for w in L.sft_waves(list(cells)) for c, ph in w]:
+        d = L.cell_dir(root, cell) / phase
+        (d / "policy").mkdir(parents=True)
+        (d / "policy" / "model.safetensors").write_bytes(b"weights")
+        (d / "csv").mkdir()
+        (d / "csv" / "metrics.csv").write_text("step\n1\n")
+        csv = str(d / "csv" / "metrics.csv")
+        (d / "job.json").write_text(json.dumps({"key": phase, "csv": csv, "error": None}))
+    return root
+
+
+def test_warm_from_copies_an_earlier_runs_warm_starts_and_leaves_it_as_it_was(tmp_path):
+    src = _made_warm_starts(tmp_path / "earlier", L.QUICK_CELLS)
+    before = sorted((p.relative_to(src), p.stat().st_mtime_ns) for p in src.rglob("*"))
+    opts = L.LongOptions(logdir=tmp_path / "now", warm_from=src)
+    assert L.reuse_warm_starts(opts) == "abc1234"
+    assert sorted((p.relative_to(src), p.stat().st_mtime_ns) for p in src.rglob("*")) == before
+    for cell in L.QUICK_CELLS:
+        for phase in L.SFT_PHASES:
+            job = L.sft_job(cell, phase, opts)
+            info = json.loads((job.out / "job.json").read_text())
+            assert not info.get("error") and Path(info["csv"]).is_relative_to(opts.logdir)
+            assert (job.out / "policy" / "model.safetensors").read_bytes() == b"weights"
+    # its RL runs start from the copies, inside this run's folder
+    assert L.warm_start(opts.logdir, (4, 60)).is_dir()
+
+
+def test_warm_from_refuses_other_sft_options_or_missing_passes(tmp_path):
+    other = _made_warm_starts(tmp_path / "other", L.QUICK_CELLS, sft_seed=3)
+    with pytest.raises(ValueError, match="sft_seed=3"):
+        L.reuse_warm_starts(L.LongOptions(logdir=tmp_path / "a", warm_from=other))
+    part = _made_warm_starts(tmp_path / "part", [(4, 0)])
+    with pytest.raises(ValueError, match="k4_f60/sft"):
+        L.reuse_warm_starts(L.LongOptions(logdir=tmp_path / "b", warm_from=part))
+    with pytest.raises(ValueError, match=r"no run\.json"):
+        L.reuse_warm_starts(L.LongOptions(logdir=tmp_path / "c", warm_from=tmp_path))
+    rep = _script()
+    assert rep.parse_args(["--long", f"--warm-from={other}"]).warm_from == other
+    with pytest.raises(SystemExit):
+        rep.parse_args([f"--warm-from={other}"])  # not without --long
+
+
 def _series(success: list[float], mark: list[float]) -> dict[str, list[float]]:
     return {"success": success, "mark": mark, "first": [1.0] * len(success)}
 
