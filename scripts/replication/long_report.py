@@ -583,6 +583,7 @@ def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: P
     add("```")
     add("make replicate ARGS=--long            # quick mode")
     add("make replicate ARGS='--long --full'   # + K = 2 and 8 at the longest free part, 8 seeds")
+    add("make replicate ARGS='--long --warm-from logs/replicate_long/<run>'  # RL only")
     add("python scripts/replicate.py --long --report-only --logdir <logs/replicate_long/...>")
     add("```")
     add("")
