@@ -62,6 +62,7 @@ def test_rl_job_composes_the_free_part_and_a_budget_that_fits_it(tmp_path, free)
     assert Path(cfg.model.name_or_path) == L.warm_start(tmp_path, (4, free))
     noisy = compose("train.yaml", L.sft_job((4, free), "sft_noisy", opts).overrides)
     assert noisy.task.mark_success == 0.0 and noisy.stage.sft.target_metric == "reward/mark"
+    assert noisy.task.mark_break == "none"
     assert noisy.stage.sft.eval_max_new_tokens == cfg.rollout.sampling.max_new_tokens
 
 

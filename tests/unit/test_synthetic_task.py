@@ -268,9 +268,21 @@ def test_mark_success_sets_the_marks_rate_apart_from_the_others(k):
     assert summary["reward/mark"] == pytest.approx(mark)
 
 
+def test_mark_break_none_leaves_a_broken_mark_out():
+    kw = dict(num_train=600, reference_success=0.3, mark_success=0.0)
+    either = [ex.reference for ex in _long(**kw).examples("train")]
+    none = [ex.reference for ex in _long(mark_break="none", **kw).examples("train")]
+    # by default a broken mark is missing or another one; with "none" it is always missing
+    assert any(r.endswith(("!", "?", ".")) for r in either)
+    assert not any(r.endswith(("!", "?", ".")) for r in none)
+    clean = [ex.reference for ex in _long(mark_break="none", num_train=50).examples("train")]
+    assert all(r.endswith(("!", "?", ".")) for r in clean)  # only broken marks are left out
+
+
 @pytest.mark.parametrize(
     ("kw", "key"),
     [
+        ({"mark_break": "other"}, "mark_break"),
         ({"free_tokens": -1}, "free_tokens"),
         ({"free_tokens": [5, 2]}, "free_tokens"),
         ({"free_tokens": "60"}, "free_tokens"),

@@ -25,7 +25,8 @@ before an answer. The answer is what follows the first ``</think>``; a response 
 open with ``<think>`` or never closes it has no answer part, and every constraint then scores 0
 (with the reason). ``mark_success`` gives the ``mark`` constraint its own reference rate in
 noisy references, so that a warm start can make it rare while the other constraints keep the
-rate ``reference_success`` sets. Both are off by default.
+rate ``reference_success`` sets (``mark_break="none"``: a broken mark is always left out). All
+are off by default.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ _CORRUPT_ORDER = {"count": 0, "include": 1, "exclude": 2, "first": 3, "last": 4,
 
 #: Closing marks of the optional ``mark`` constraint; each is one token of the toy tokenizer.
 MARKS = ("!", "?", ".")
+MARK_BREAKS = ("none_or_other", "none")
 
 BASE_PROMPT = "Write a short sequence of lowercase words separated by spaces."
 
@@ -201,6 +203,7 @@ class SyntheticTask(Task):
         closing_mark: bool = False,
         free_tokens: int | Sequence[int] | None = None,
         mark_success: float | None = None,
+        mark_break: str = "none_or_other",
     ) -> None:
         if num_constraints not in LAYOUTS:
             raise ValueError(
@@ -235,6 +238,12 @@ class SyntheticTask(Task):
             self.mark_noise = 1.0 - float(mark_success)
             others = max(len(self.kinds) - 1, 1)
             self.reference_noise = 1.0 - self.reference_success ** (1.0 / others)
+        # How a noisy reference breaks `mark`: no mark or one of the other two at random
+        # ("none_or_other"), or no mark at all ("none": a policy then learns to leave the mark
+        # out instead of learning to avoid the asked one, which needs reading the prompt).
+        if mark_break not in MARK_BREAKS:
+            raise ValueError(f"task.mark_break={mark_break!r}; use one of {list(MARK_BREAKS)}")
+        self.mark_break = mark_break
         self._cache: dict[str, list[Example]] = {}
 
     # ---- data ---------------------------------------------------------------------------
@@ -345,7 +354,10 @@ class SyntheticTask(Task):
                 words[-1] = rng.choice(fillers)
         mark_noise = self.reference_noise if self.mark_noise is None else self.mark_noise
         if mark is not None and rng.random() < mark_noise:
-            mark = rng.choice(["", *(m for m in MARKS if m != mark)])  # none, or another
+            if self.mark_break == "none":
+                mark = ""
+            else:
+                mark = rng.choice(["", *(m for m in MARKS if m != mark)])  # none, or another
         return " ".join(words) + (mark or "")
 
     # ---- rewards ------------------------------------------------------------------------
