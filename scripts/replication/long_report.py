@@ -112,7 +112,19 @@ DESIGN_HISTORY: tuple[str, ...] = (
     "now leave a broken mark out (`task.mark_break=none`), so the pass only has to unlearn "
     "writing a mark. The second passes were run again from the same clean passes (kept), and "
     "to shorten the quick mode its cells are now free parts 0 and 60 at K = 4; the full mode "
-    "keeps 20 words.",
+    "keeps 20 words. Time: the clean passes took 9.0 min (free part 0), then 17.1 min (60, "
+    "beside 20's 8.0 min); the restarted run (second passes and RL, commit a31e255) 12.6 min, "
+    "of which the 18 RL runs 9.2 min. From scratch the quick mode is therefore about 39 min "
+    "here, not the 15 asked; with `--warm-from` an earlier run's warm starts, about 10.",
+    "After that quick run's results had been seen (3 seeds; P3 reproduced at 0.099 "
+    "[0.085, 0.112]; MRTPO − GDPO Δ AUC −0.012 [−0.066, +0.042] at free part 0 and +0.036 "
+    "[−0.039, +0.112] at 60; MRTPO − shuffle +0.043 [−0.043, +0.129], joint − GDPO +0.020 "
+    "[−0.025, +0.065]; Δ steps to `mark` ≥ 0.5 −3.7 [−13.7, +6.4]; everything else "
+    "inconclusive), the same folder was extended with no change to code or presets: 8 seeds "
+    "instead of 3 and the 20-word cell (its clean pass from the second run, its second pass "
+    "new), still 30 RL steps, so that the predictions on the length axis are tested with "
+    "three lengths and intervals from 8 seeds. The K axis (P5) needs warm starts at K = 2 "
+    "and 8 (K = 8's clean pass alone took 4425 steps in the toy replication) and was not run.",
 )
 
 
@@ -375,7 +387,9 @@ def _design(add, opts: LongOptions, wall_s: float) -> None:
         f"(checks every {clean.stage.sft.eval_every} steps from step {clean.stage.sft.min_steps}"
         f"), from random weights at free part 0 and from the same K's free-part-0 clean policy "
         f"for a longer free part (K = 8's free-part-0 pass from K = 4's); (2) references that "
-        f"never carry the asked mark (task.mark_success = {noisy.task.mark_success:g}) and whose "
+        f"never carry the asked mark (task.mark_success = {noisy.task.mark_success:g}; a broken "
+        f"mark is {'left out' if noisy.task.get('mark_break') == 'none' else 'missing or another one'}"
+        f", task.mark_break = {noisy.task.get('mark_break', 'none_or_other')}) and whose "
         f"other constraints are all met with probability {noisy.task.reference_success:g} (each "
         f"broken independently, so at every K), lr {noisy.stage.sft.lr}, until the held-out "
         f"`{noisy.stage.sft.target_metric}` is ≤ {noisy.stage.sft.target_success} (checks every "
