@@ -252,7 +252,12 @@ def plot_long_curves(
             ax.tick_params(labelsize=7)
             if row == len(rows) - 1:
                 ax.set_xlabel("RL step (moving average of 5)", fontsize=8)
-    axes[0][0].legend(fontsize=7)
+    # one legend for every method of any panel (the ablations run only at the longest free part)
+    by_label = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            by_label.setdefault(lab, h)
+    axes[0][0].legend(by_label.values(), by_label.keys(), fontsize=7)
     axes[0][0].set_ylabel("share of samples", fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
