@@ -123,8 +123,15 @@ DESIGN_HISTORY: tuple[str, ...] = (
     "inconclusive), the same folder was extended with no change to code or presets: 8 seeds "
     "instead of 3 and the 20-word cell (its clean pass from the second run, its second pass "
     "new), still 30 RL steps, so that the predictions on the length axis are tested with "
-    "three lengths and intervals from 8 seeds. The K axis (P5) needs warm starts at K = 2 "
-    "and 8 (K = 8's clean pass alone took 4425 steps in the toy replication) and was not run.",
+    "three lengths and intervals from 8 seeds.",
+    "After the 8-seed results had been seen (P1, P3 and P4 reproduced, P2 inconclusive, P5 "
+    "untested with one K): K = 2 at 60 words was added in the same folder, again with no "
+    "change to code or presets (its clean passes from random weights at free part 0, then at "
+    "60 words; 8 seeds; GDPO, MRTPO and both ablations, since it is a longest-free-part cell), "
+    "the cheapest second K for P5. K = 8 was not run: its clean pass took 4425 steps in the toy "
+    "replication. The runs' commits: a31e255 (K = 4, free parts 0 and 60, seeds 0–2), 0b74b61 "
+    "(seeds 3–7 and the 20-word cell), 8f27056 (K = 2); `src/` and `configs/` are the same at "
+    "all three.",
 )
 
 
@@ -366,7 +373,11 @@ def _design(add, opts: LongOptions, wall_s: float) -> None:
     steps = opts.steps or int(cfg.trainer.max_steps)
     add("## Design and predictions (fixed before any run)")
     add("")
-    add(f"- mode: **{'full' if opts.full else 'quick'}**; cells (K, free words): "
+    mode = f"**{'full' if opts.full else 'quick'}**"
+    cells0, seeds0 = (FULL_CELLS, FULL_SEEDS) if opts.full else (QUICK_CELLS, QUICK_SEEDS)
+    if [tuple(c) for c in opts.cells] != list(cells0) or opts.seeds != seeds0:
+        mode += " (its RL steps and methods, with the cells and seeds given here)"
+    add(f"- mode: {mode}; cells (K, free words): "
         f"{', '.join(f'({k}, {f})' for k, f in opts.cells)}; seeds: {opts.seeds}; methods: "
         f"{', '.join(opts.methods)} (+ {', '.join(opts.ablations)} at the longest free part); "
         f"{steps} RL steps")  # fmt: skip
