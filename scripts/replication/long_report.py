@@ -57,7 +57,8 @@ CONCENTRATION = (0.13, 0.29)
 
 #: The predictions as stated before any run (the issue's five), each with its rule.
 PREDICTIONS = (
-    "**P1** MRTPO − GDPO grows with the length of the free part: at K = 4, the least-squares "
+    "**P1** MRTPO − GDPO grows with the length of the free part: at K = 4 (without a K = 4 "
+    "cell, as in the quick mode, at the smallest K run), the least-squares "
     "slope, in the free part's length, of each seed's paired MRTPO − GDPO Δ AUC (success) is "
     "positive; the slope of Δ steps to success ≥ the threshold is reported beside it "
     "(predicted negative).",
