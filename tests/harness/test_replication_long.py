@@ -111,15 +111,16 @@ def test_warm_from_copies_an_earlier_runs_warm_starts_and_leaves_it_as_it_was(tm
             assert not info.get("error") and Path(info["csv"]).is_relative_to(opts.logdir)
             assert (job.out / "policy" / "model.safetensors").read_bytes() == b"weights"
     # its RL runs start from the copies, inside this run's folder
-    assert L.warm_start(opts.logdir, (4, 60)).is_dir()
+    assert all(L.warm_start(opts.logdir, c).is_dir() for c in L.QUICK_CELLS)
 
 
 def test_warm_from_refuses_other_sft_options_or_missing_passes(tmp_path):
     other = _made_warm_starts(tmp_path / "other", L.QUICK_CELLS, sft_seed=3)
     with pytest.raises(ValueError, match="sft_seed=3"):
         L.reuse_warm_starts(L.LongOptions(logdir=tmp_path / "a", warm_from=other))
-    part = _made_warm_starts(tmp_path / "part", [(4, 0)])
-    with pytest.raises(ValueError, match="k4_f60/sft"):
+    k, free = L.QUICK_CELLS[-1]
+    part = _made_warm_starts(tmp_path / "part", [(k, 0)])
+    with pytest.raises(ValueError, match=f"k{k}_f{free}/sft"):
         L.reuse_warm_starts(L.LongOptions(logdir=tmp_path / "b", warm_from=part))
     with pytest.raises(ValueError, match=r"no run\.json"):
         L.reuse_warm_starts(L.LongOptions(logdir=tmp_path / "c", warm_from=tmp_path))
