@@ -133,6 +133,14 @@ DESIGN_HISTORY: tuple[str, ...] = (
     "replication. The runs' commits: a31e255 (K = 4, free parts 0 and 60, seeds 0–2), 0b74b61 "
     "(seeds 3–7 and the 20-word cell), 8f27056 (K = 2); `src/` and `configs/` are the same at "
     "all three.",
+    "After the K = 2 results had been seen: the quick mode moved to K = 2 at free parts 0 and "
+    "60 (commit ce812d8), whose warm starts took about 2 min against about 26 for K = 4's. A "
+    "run of it from scratch (`logs/replicate_long/2026-12-02_quick-k2`, report written "
+    "elsewhere, so not this one) took 8.9 min; with 3 seeds it found P1 reproduced (MRTPO − "
+    "GDPO Δ AUC +0.032 [+0.008, +0.055] at 60 words, −0.003 [−0.035, +0.029] at 0), P3 not "
+    "reproduced (0.353 [0.349, 0.358]; the extended run's K = 2 cell at 60 words measured "
+    "0.34–0.35 per reward too, against 0.09–0.13 at K = 4), P2, P4 and P5 inconclusive. This report is the extended run "
+    "above; the full mode as defined (K = 8, 50 RL steps) has not been run.",
 )
 
 
