@@ -210,10 +210,9 @@ def reuse_warm_starts(opts: LongOptions) -> str:
             continue
         shutil.copytree(frm, to, dirs_exist_ok=True)
         info = json.loads((to / "job.json").read_text())
-        if info.get("csv"):
-            csv = Path(info["csv"])
-            rel = csv.relative_to(frm) if csv.is_relative_to(frm) else None
-            info["csv"] = str(to / rel) if rel is not None else info["csv"]
+        csv = Path(info.get("csv") or "")
+        if csv.is_relative_to(frm):  # the metrics now lie in the copy
+            info["csv"] = str(to / csv.relative_to(frm))
         info["copied_from"] = str(frm)
         (to / "job.json").write_text(json.dumps(info, indent=2))
     return str(saved.get("commit"))

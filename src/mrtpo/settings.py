@@ -45,6 +45,15 @@ def _finite(value: Any) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
+def shared_prompt_mode(value: Any) -> str | None:
+    """A shared-prompt switch as written in a config (``rl.shared_prompt_forward``,
+    ``rollout.engine.share_prompt``) as ``auto``, ``off`` or ``always``, YAML's ``false`` and
+    ``true`` read as off and auto; None when it is none of them."""
+    mode = str(value).lower()
+    mode = {"false": "off", "true": "auto"}.get(mode, mode)
+    return mode if mode in ("auto", "off", "always") else None
+
+
 def _need(ok: bool, section: str, key: str, value: Any, allowed: str) -> None:
     # NaN fails every comparison, but inf passes ">= 0": a number is also refused when it is
     # not finite (rl.kl_coef=inf skipped every update and the run still ended with rc 0).
@@ -173,10 +182,9 @@ class RLConfig(_Section):
             "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)",
         )
 
-        mode = str(self.shared_prompt_forward).lower()
-        mode = {"false": "off", "true": "auto"}.get(mode, mode)
+        mode = shared_prompt_mode(self.shared_prompt_forward)
         _need(
-            mode in ("auto", "off", "always"),
+            mode is not None,
             s,
             "shared_prompt_forward",
             self.shared_prompt_forward,

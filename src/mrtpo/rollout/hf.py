@@ -30,6 +30,7 @@ import torch
 from mrtpo.distributed import Ranks
 from mrtpo.faults import NonFiniteLogitsError
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
+from mrtpo.settings import shared_prompt_mode
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +185,8 @@ class HFEngine(RolloutEngine):
     """Batched sampling with ``model.generate`` (left padding, stop at EOS)."""
 
     def __init__(self, batch_size: int = 64, share_prompt: str | bool = "auto") -> None:
-        mode = str(share_prompt).lower()
-        mode = {"false": "off", "true": "auto"}.get(mode, mode)
-        if mode not in ("auto", "off", "always"):
+        mode = shared_prompt_mode(share_prompt)
+        if mode is None:
             raise ValueError(
                 f"rollout.engine.share_prompt={share_prompt!r}: use auto, false or always"
             )
