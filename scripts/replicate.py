@@ -43,7 +43,7 @@ def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOption
     opts = LongOptions(
         cells=list(L.FULL_CELLS if a.full else L.QUICK_CELLS),
         seeds=L.FULL_SEEDS if a.full else L.QUICK_SEEDS,
-        steps=None if a.full else L.QUICK_STEPS,
+        steps=L.FULL_STEPS if a.full else L.QUICK_STEPS,
         full=a.full, workers=a.workers, threads=a.threads, logdir=a.logdir, docs=a.docs,
         report_only=a.report_only, override=a.override, sft_override=a.sft_override,
         sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed, warm_from=a.warm_from,

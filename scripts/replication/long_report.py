@@ -33,6 +33,7 @@ from replication.long import (
     FREE,
     FULL_CELLS,
     FULL_SEEDS,
+    FULL_STEPS,
     LONG_FREE,
     METHODS,
     QUICK_CELLS,
@@ -139,8 +140,14 @@ DESIGN_HISTORY: tuple[str, ...] = (
     "elsewhere, so not this one) took 8.9 min; with 3 seeds it found P1 reproduced (MRTPO − "
     "GDPO Δ AUC +0.032 [+0.008, +0.055] at 60 words, −0.003 [−0.035, +0.029] at 0), P3 not "
     "reproduced (0.353 [0.349, 0.358]; the extended run's K = 2 cell at 60 words measured "
-    "0.34–0.35 per reward too, against 0.09–0.13 at K = 4), P2, P4 and P5 inconclusive. This report is the extended run "
-    "above; the full mode as defined (K = 8, 50 RL steps) has not been run.",
+    "0.34–0.35 per reward too, against 0.09–0.13 at K = 4), P2, P4 and P5 inconclusive. The extended run above was the report "
+    "in docs/ at that point.",
+    "Before the full mode's own run, with no change to code or presets: the full mode was "
+    "redefined as the extended run's cells (K = 4 at free parts 0, 20 and 60, K = 2 at 60), "
+    "8 seeds and 30 RL steps, instead of adding K = 8 at 60 and running the preset's 50 steps. "
+    "K = 8's warm starts (4425 clean-pass steps in the toy replication) and 50 steps were "
+    "estimated at 2.5–3 h here in all, more than a session on this machine holds. This report "
+    "is that full mode, run from scratch in one command.",
 )
 
 
@@ -392,7 +399,7 @@ def _design(add, opts: LongOptions, wall_s: float) -> None:
         f"{steps} RL steps")  # fmt: skip
     add(f"- modes: quick = cells {', '.join(map(str, QUICK_CELLS))}, {QUICK_SEEDS} seeds, "
         f"{QUICK_STEPS} RL steps; full = cells {', '.join(map(str, FULL_CELLS))}, "
-        f"{FULL_SEEDS} seeds, {int(cfg.trainer.max_steps)} RL steps; both run "
+        f"{FULL_SEEDS} seeds, {FULL_STEPS} RL steps; both run "
         f"{', '.join(METHODS)} in every cell and {', '.join(ABLATIONS)} also at the longest "
         "free part")  # fmt: skip
     add("- response: `<think> w1 … wn </think> answer`, n filler words (16 words that are "
@@ -627,7 +634,7 @@ def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: P
     add("")
     add("```")
     add("make replicate ARGS=--long            # quick mode")
-    add("make replicate ARGS='--long --full'   # + K = 2 and 8 at the longest free part, 8 seeds")
+    add("make replicate ARGS='--long --full'   # K = 4 at 0, 20, 60 words + K = 2 at 60; 8 seeds")
     add("make replicate ARGS='--long --warm-from logs/replicate_long/<run>'  # RL only")
     add("python scripts/replicate.py --long --report-only --logdir <logs/replicate_long/...>")
     add("```")

@@ -32,7 +32,8 @@ def _value(job, key: str) -> str | None:
 
 
 def test_clean_passes_start_from_the_free_part_0_policy_and_noisy_passes_from_their_own(tmp_path):
-    opts = L.LongOptions(cells=list(L.FULL_CELLS), logdir=tmp_path)
+    cells = [*L.FULL_CELLS, (8, L.LONG_FREE)]  # K = 8 runs only when asked (--cells)
+    opts = L.LongOptions(cells=cells, logdir=tmp_path)
     assert _value(L.sft_job((4, 0), "sft", opts), "model.name_or_path") is None  # random weights
     for cell, parent in [((4, 20), (4, 0)), ((4, 60), (4, 0)), ((8, 0), (4, 0)), ((8, 60), (8, 0))]:
         job = L.sft_job(cell, "sft", opts)
@@ -45,10 +46,10 @@ def test_clean_passes_start_from_the_free_part_0_policy_and_noisy_passes_from_th
         Path(_value(noisy, "model.name_or_path"))
         == L.cell_dir(tmp_path, (4, 60)) / "sft" / "policy"
     )
-    waves = L.sft_waves(list(L.FULL_CELLS))
+    waves = L.sft_waves(cells)
     assert waves[0] == [((2, 0), "sft"), ((4, 0), "sft")]  # (2, 0) only as (2, 60)'s parent
     assert ((8, 0), "sft") in waves[1] and ((8, 60), "sft") in waves[2]
-    assert waves[-1] == [(c, "sft_noisy") for c in L.FULL_CELLS]
+    assert waves[-1] == [(c, "sft_noisy") for c in cells]
 
 
 @pytest.mark.parametrize("free", L.FREE)
@@ -72,7 +73,7 @@ def test_replicate_long_flags():
     assert isinstance(quick, L.LongOptions) and quick.cells == list(L.QUICK_CELLS)
     assert quick.seeds == L.QUICK_SEEDS and quick.steps == L.QUICK_STEPS
     full = rep.parse_args(["--long", "--full", "--seeds=9"])
-    assert full.cells == list(L.FULL_CELLS) and full.seeds == 9 and full.steps is None
+    assert full.cells == list(L.FULL_CELLS) and full.seeds == 9 and full.steps == L.FULL_STEPS
     assert rep.parse_args(["--long", "--cells=2:0,2:5"]).cells == [(2, 0), (2, 5)]
     with pytest.raises(SystemExit):
         rep.parse_args(["--cells=4:0"])  # not without --long
