@@ -8,7 +8,11 @@ The G rows of a group repeat one prompt. With ``shared_prompt="auto"`` (the trai
 forwards: ``rl.shared_prompt_forward``) each distinct prompt of a batch runs once, all but its
 last token, and every row continues that prefix's key/value cache with its last prompt token
 and its response (``_shared_prompt_logits``): same log-probs and gradients, gradients flowing
-into the prefix through the cache.
+into the prefix through the cache. Where that cache cannot be used (``trainer=fsdp``, where
+every forward is a collective; gradient checkpointing while training, which drops the cache)
+each group is packed into one sequence instead, its prompt once and its rows' responses after
+it, with a block attention mask that lets a response see the prompt and itself only
+(``_packed_prompt_logits``): one forward call per micro-batch, as the plain forward.
 
 Replay wants more than one log-prob per position (the whole next-token distribution), so it
 asks for hidden states instead of logits (``response_hidden``) and applies the LM head a few
@@ -62,11 +66,11 @@ def response_logits(
     shared_prompt: str = "off",  # "auto": each distinct prompt once where that helps
 ) -> Tensor:
     """Logits predicting each response token: [n, T, V] (in the model's dtype)."""
-    groups = prompt_groups(model, prompt_ids, prompt_mask, response_ids.shape[1], shared_prompt)
+    t = response_ids.shape[1]
+    groups = prompt_groups(model, prompt_ids, prompt_mask, t, shared_prompt, packable=True)
     if groups is not None:
-        return _shared_prompt_logits(
-            model, groups, prompt_ids, prompt_mask, response_ids, response_mask
-        )
+        run = _packed_prompt_logits if groups.packed else _shared_prompt_logits
+        return run(model, groups, prompt_ids, prompt_mask, response_ids, response_mask)
     inputs = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
     out = model(**inputs, logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
     return out.logits[:, :-1]
@@ -212,6 +216,7 @@ class PromptGroups:
     row_prefix: Tensor  # [n] long: each row's distinct prompt (index into ``first``)
     width: int  # columns of the shared prefixes (the longest one, less its last token)
     saved: int  # tokens a plain forward computes that the shared one does not
+    packed: bool = False  # one packed sequence per group (``_packed_prompt_logits``)
 
 
 def shared_prompt_blocker(model: torch.nn.Module) -> str | None:
@@ -237,6 +242,27 @@ def shared_prompt_blocker(model: torch.nn.Module) -> str | None:
     return None
 
 
+#: Attention implementations that apply a 4D mask as given (the packed forward passes one).
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def packed_prompt_blocker(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run the packed shared-prompt forward (None: it can). It needs
+    rotary positions taken from ``position_ids`` and a 4D mask applied as given, which the
+    plain-head decoders here have with SDPA or eager attention; a sliding window would be
+    lost (HF applies none of its own to a mask passed in)."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in PLAIN_HEAD_MODEL_TYPES:
+        return f"model type {kind!r} is not one whose packed forward is checked here"
+    if _windowed(cfg):
+        return "sliding-window attention (a packed mask would have to carry the window)"
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in MASKED_ATTENTION:
+        return f"attention implementation {impl!r} (the packed forward needs one of {MASKED_ATTENTION})"
+    return None
+
+
 def _windowed(cfg) -> bool:
     types = getattr(cfg, "layer_types", None)
     if types:
@@ -251,14 +277,22 @@ def _say_once(reason: str) -> None:
 
 
 def prompt_groups(
-    model, prompt_ids: Tensor, prompt_mask: Tensor, t: int, mode: str = "auto"
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    t: int,
+    mode: str = "auto",
+    packable: bool = False,
 ) -> PromptGroups | None:
     """The batch's distinct prompts when the shared-prompt forward is to run, else None.
 
     ``auto`` runs it where at least two rows repeat a prompt and the tokens saved pass
-    ``worth_sharing``. Data-dependent, so it must not decide how many collectives a rank
-    runs: under trainer=fsdp it is off (``shared_prompt_blocker``), and under DDP forwards
-    are local (the gradient all-reduce comes once per backward, shared or not).
+    ``worth_sharing``. The key/value-cache form is a second decoder call, data-dependent, so
+    under trainer=fsdp (where each forward is a collective) it is off
+    (``shared_prompt_blocker``); under DDP forwards are local (the gradient all-reduce comes
+    once per backward, shared or not). Where the cache is blocked and the caller can run the
+    packed form (``packable``: ``response_logits``) the groups come back ``packed``: one
+    forward call either way, so the choice never changes a rank's collectives.
     """
     if mode not in SHARED_PROMPT_MODES:
         raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
@@ -267,8 +301,10 @@ def prompt_groups(
         return None  # nothing to share, or a row without prompt tokens
     blocker = shared_prompt_blocker(model)
     if blocker is not None:
-        _say_once(blocker)
-        return None
+        unpackable = packed_prompt_blocker(model) if packable else blocker
+        if unpackable is not None:
+            _say_once(blocker if unpackable == blocker else f"{blocker}; not packed: {unpackable}")
+            return None
     keyed = torch.where(prompt_mask.bool(), prompt_ids, -1)
     uniq, row_prefix = torch.unique(keyed, dim=0, return_inverse=True)
     lengths = (uniq[:, :-1] >= 0).sum(-1)  # each prefix's real tokens
@@ -278,6 +314,8 @@ def prompt_groups(
             _say_once("some forwards have no two rows sharing a prompt")
         return None
     first = torch.zeros(r, dtype=torch.long).scatter_(0, row_prefix, torch.arange(n))
+    if blocker is not None:
+        return _packed_groups(model, first, row_prefix, w + 1, n, t, mode, blocker)
     plain = n * (width + t)
     saved = plain - r * w - n * (1 + t)  # the rows pass reads the prefix, computes 1 + t
     groups = PromptGroups(first=first, row_prefix=row_prefix, width=w, saved=saved)
@@ -288,6 +326,44 @@ def prompt_groups(
         f"(it must save >= {MIN_SAVED_TOKENS} tokens and >= {MIN_SAVED_SHARE:.0%} of them)"
     )
     return None
+
+
+def _packed_groups(model, first, row_prefix, width, n, t, mode, why) -> PromptGroups | None:
+    """``prompt_groups`` for the packed form: each group is one sequence of ``S = width + M t``
+    columns (M: the most rows of one group), against ``n`` rows of ``width + t`` for the plain
+    forward (after ``_joined`` drops the columns that are padding in every row). Both forwards
+    attend with a mask, so attention computes every (query, key) pair: ``R S^2`` packed against
+    ``n (width + t)^2``. ``auto`` packs when ``worth_sharing`` passes on the tokens and the
+    packed forward's cost, ``tokens x c + pairs`` with ``c`` a token's weight in attention
+    pairs (``_token_cost``), is no more than the plain one's."""
+    r = first.numel()
+    m = int(torch.bincount(row_prefix, minlength=r).max())
+    packed_len, plain_len = width + m * t, width + t
+    plain = n * plain_len
+    groups = PromptGroups(
+        first=first, row_prefix=row_prefix, width=width, saved=plain - r * packed_len, packed=True
+    )
+    c = _token_cost(model)
+    cheaper = r * (c * packed_len + packed_len**2) <= n * (c * plain_len + plain_len**2)
+    if mode == "always" or (worth_sharing(groups.saved, plain) and cheaper):
+        _say_once(f"shared-prompt forward packs each group into one sequence: {why}")
+        return groups
+    _say_once(
+        "some packed forwards would not pay (they must save >= "
+        f"{MIN_SAVED_TOKENS} tokens and >= {MIN_SAVED_SHARE:.0%} of them, at no more cost "
+        "counting the attention over each packed sequence)"
+    )
+    return None
+
+
+def _token_cost(model) -> float:
+    """What one token's linear layers cost in units of one attention (query, key) pair, per
+    layer: ``2 (4 h^2 + 3 h i)`` FLOPs (projections, gated MLP) against ``4 h`` (scores and
+    values). About 320 for the tiny model, 35,600 for a 7B Qwen2.5."""
+    cfg = model.config
+    h = int(cfg.hidden_size)
+    i = int(getattr(cfg, "intermediate_size", None) or 4 * h)
+    return (4 * h + 3 * i) / 2
 
 
 def shared_context_layout(model, contexts: list[list[int]], t: int, pad_id: int, mode="auto"):
@@ -336,6 +412,69 @@ def _shared_prompt_logits(
     seg_mask = torch.cat([prompt_mask[:, -1:], response_mask], dim=1)
     out = _continue_cache(model, cache, seen, seg_ids, seg_mask, logits_to_keep=t + 1)
     return out.logits[:, :-1]
+
+
+def _packed_prompt_logits(
+    model, groups: PromptGroups, prompt_ids, prompt_mask, response_ids, response_mask
+):
+    """``response_logits`` with each group as one sequence: its prompt right-aligned to the
+    batch's longest (``groups.width`` columns), then one ``T``-column segment per row. A
+    segment sees the prompt's real tokens and its own earlier columns; positions restart
+    after the prompt in every segment, so each row is computed as in the plain forward. The
+    first response token's logits come from the prompt's last column, shared by the group's
+    rows (the gather sums their gradients there). Padding columns see only themselves."""
+    device = next(model.parameters()).device
+    n, p = prompt_ids.shape
+    t, w = response_ids.shape[1], groups.width
+    rows, first = groups.row_prefix, groups.first
+    r = first.numel()
+    order = torch.argsort(rows, stable=True)
+    counts = torch.bincount(rows, minlength=r)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty(n, dtype=torch.long)
+    slot[order] = torch.arange(n) - starts[rows[order]]
+    m = int(counts.max())
+    s = w + m * t
+    cols = torch.arange(t)
+    seg_cols = w + slot[:, None] * t + cols[None, :]  # [n, T] each row's segment columns
+
+    ids = torch.zeros((r, s), dtype=torch.long)
+    ids[:, :w] = prompt_ids[first, p - w :]
+    ids[rows[:, None], seg_cols] = response_ids
+    prompt_real = prompt_mask[first, p - w :].bool()  # [R, W]
+    length = prompt_real.sum(-1)  # [R] each prompt's real tokens
+    pos = torch.zeros((r, s), dtype=torch.long)
+    pos[:, :w] = (prompt_real.long().cumsum(-1) - 1).clamp_min(0)
+    pos[rows[:, None], seg_cols] = length[rows][:, None] + cols[None, :]
+    key = torch.zeros((r, s), dtype=torch.bool)  # columns a later column may attend to
+    key[:, :w] = prompt_real
+    key[rows[:, None], seg_cols] = True
+    seg = torch.cat([torch.full((w,), -1), torch.arange(m).repeat_interleave(t)])
+    allowed = torch.ones((s, s), dtype=torch.bool).tril() & (
+        (seg[None, :] < 0) | (seg[None, :] == seg[:, None])
+    )
+    mask = (allowed[None] & key[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
+    mask = mask[:, None].to(device)  # [R, 1, S, S]
+    if getattr(model.config, "_attn_implementation", None) == "eager":  # eager adds the mask
+        mask = torch.zeros(mask.shape, device=device).masked_fill_(
+            ~mask, torch.finfo(torch.float32).min
+        )
+    keep = torch.cat(
+        [torch.tensor([w - 1]), (w + torch.arange(m)[:, None] * t + cols[None, :-1]).flatten()]
+    )
+    out = model(
+        input_ids=ids.to(device),
+        attention_mask=mask,
+        position_ids=pos.to(device),
+        use_cache=False,
+        logits_to_keep=keep.to(device),
+    )
+    # kept column 0 predicts every row's first token; row i's t-th token (t >= 1) is
+    # predicted by kept column 1 + slot_i (T - 1) + t - 1
+    pick = torch.cat(
+        [torch.zeros((n, 1), dtype=torch.long), 1 + slot[:, None] * (t - 1) + cols[None, :-1]], 1
+    )
+    return out.logits[rows[:, None].to(device), pick.to(device)]
 
 
 def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_mask: Tensor):

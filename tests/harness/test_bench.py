@@ -267,3 +267,23 @@ def test_rollout_section_without_vllm_is_skipped_with_the_install_command(
     assert not (bench_env / "rollout.json").exists()
     # the document renders without the section (and says nothing about it)
     assert "## 5." not in render({"rollout": None})
+
+
+def test_shared_prompt_script_runs_its_quick_case():
+    """scripts/benchmarks/shared_prompt.py (docs/scaling.md's timings) on its smallest case:
+    a table with the plain, cache and packed forms, every time positive."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'scripts'}"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmarks" / "shared_prompt.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=600,  # a hang guard (about 2 s)
+    )
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("| model | prompt | plain | cache form")
+    (row,) = lines[2:]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["h64, 2 layers", "128"]
+    assert all(float(cells[i].split()[0].replace(",", "")) > 0 for i in (2, 3, 5, 6))

@@ -1,15 +1,19 @@
 """rl.shared_prompt_forward in training: the update, old-policy and reference passes run each
-prompt once and the step's numbers are those of the plain forwards (one process, and two gloo
-DDP ranks)."""
+prompt once and the step's numbers are those of the plain forwards (one process, two gloo DDP
+ranks, gradient checkpointing, and two FSDP2 ranks where the forward packs each group)."""
 
 from __future__ import annotations
 
 import csv
 import math
+import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from tests.conftest import ROOT
 from tests.integration.test_ddp import _env
 
@@ -68,6 +72,45 @@ def test_shared_prompt_step_matches_plain_step(train_cfg, tmp_path, monkeypatch)
     _assert_same_numbers(steps["always"], steps["false"])
 
 
+def test_packed_prompt_step_under_gradient_checkpointing_matches_plain_step(
+    train_cfg, tmp_path, monkeypatch
+):
+    """Gradient checkpointing drops the key/value cache while training: the updates run the
+    packed form, the no-grad passes (eval mode) the cache form, same numbers as plain."""
+    from mrtpo.pipeline import train
+
+    calls = []
+    for name in ("_shared_prompt_logits", "_packed_prompt_logits"):
+        real = getattr(forward, name)
+
+        def counted(model, groups, *args, _real=real, _name=name):
+            calls.append((_name, model.training))
+            return _real(model, groups, *args)
+
+        monkeypatch.setattr(forward, name, counted)
+    steps = {}
+    for mode in ("always", "false"):
+        out = tmp_path / mode
+        cfg = train_cfg(
+            "method=gdpo",
+            "model.gradient_checkpointing=true",
+            f"rl.shared_prompt_forward={mode}",
+            "rl.kl_coef=0.05",
+            "rl.ppo_epochs=2",
+            "trainer.max_steps=1",
+            f"paths.output_dir={out}",
+        )
+        train(cfg)
+        steps[mode] = _first_step(out / "csv" / "metrics.csv")
+        if mode == "always":
+            assert ("_packed_prompt_logits", True) in calls, calls
+            assert ("_shared_prompt_logits", True) not in calls, calls
+            assert ("_shared_prompt_logits", False) in calls, calls
+            calls.clear()
+    assert calls == []
+    _assert_same_numbers(steps["always"], steps["false"])
+
+
 @pytest.mark.slow
 def test_shared_prompt_under_ddp_matches_plain(tmp_path, cache_dir):
     """Two gloo ranks: the shared forward keeps the ranks in step (one backward, one gradient
@@ -102,3 +145,67 @@ def test_shared_prompt_under_ddp_matches_plain(tmp_path, cache_dir):
         (metrics,) = (tmp_path / mode).rglob("metrics.csv")
         steps[mode] = _first_step(metrics)
     _assert_same_numbers(steps["always"], steps["false"])
+
+
+# ---- FSDP2: each forward is a collective ------------------------------------------------------
+
+#: Each rank's shared-prompt mode in each pass: rank 0 packs while rank 1 runs plain (one
+#: forward call either way, so the ranks stay in step), then both pack.
+FSDP_MODES = (("off", "off"), ("always", "off"), ("always", "always"))
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from tests.unit.test_shared_prompt_forward import _batch
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from mrtpo.forward import prompt_groups, response_logprobs
+        from mrtpo.sharding import shard_policy
+
+        torch.manual_seed(0)
+        cfg = Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(cfg).float()
+        model.set_attn_implementation("sdpa")
+        shard_policy(model, init_device_mesh("cpu", (world,)))
+        model.train()
+        batch = _batch(cfg.vocab_size, 0, seed=10 + rank)  # each rank its own rows
+        groups = prompt_groups(model, *batch[:2], batch[2].shape[1], "always", packable=True)
+        found = {"packed": groups is not None and groups.packed, "passes": []}
+        for modes in FSDP_MODES:
+            model.zero_grad(set_to_none=True)
+            lp = response_logprobs(model, *batch, temperature=0.8, shared_prompt=modes[rank])
+            weights = torch.linspace(-1.0, 2.0, lp.numel()).reshape(lp.shape)
+            (lp * weights).sum().backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            found["passes"].append({"logp": lp.detach(), "grads": grads})
+        torch.save(found, Path(out) / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_packed_prompt_under_fsdp_matches_plain(tmp_path):
+    """Two FSDP2 ranks on gloo: with the cache form blocked, each group is packed into one
+    sequence; log-probs and the reduced gradients equal the plain forward's, also when one
+    rank packs and the other does not (a data-dependent choice may not change collectives)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_fsdp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(r["packed"] for r in ranks)
+    for r in ranks:
+        plain = r["passes"][0]
+        assert plain["logp"].abs().sum() > 0
+        for other in r["passes"][1:]:
+            torch.testing.assert_close(other["logp"], plain["logp"], rtol=1e-5, atol=1e-5)
+            for name, g in plain["grads"].items():
+                atol = 1e-6 * max(1.0, float(g.abs().max()))
+                torch.testing.assert_close(other["grads"][name], g, rtol=1e-5, atol=atol)
