@@ -147,14 +147,28 @@ def test_shared_prompt_under_ddp_matches_plain(tmp_path, cache_dir):
     _assert_same_numbers(steps["always"], steps["false"])
 
 
-# ---- FSDP2: each forward is a collective ------------------------------------------------------
+# ---- two ranks in-process: FSDP2 (each forward a collective) and DDP -------------------------
 
-#: Each rank's shared-prompt mode in each pass: rank 0 packs while rank 1 runs plain (one
-#: forward call either way, so the ranks stay in step), then both pack.
-FSDP_MODES = (("off", "off"), ("always", "off"), ("always", "always"))
+#: Each rank's shared-prompt mode in each pass: rank 0 shares while rank 1 runs plain (under
+#: FSDP one forward call either way, so the ranks stay in step), then both share.
+MODES = (("off", "off"), ("always", "off"), ("always", "always"))
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+class _Scored(torch.nn.Module):
+    """The policy's log-probs as one module call: what DDP wraps (Lightning wraps the
+    LightningModule, whose step calls the policy)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch, mode):
+        from mrtpo.forward import response_logprobs
+
+        return response_logprobs(self.model, *batch, temperature=0.8, shared_prompt=mode)
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out: str, wrap: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -162,7 +176,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        from mrtpo.forward import prompt_groups, response_logprobs
+        from mrtpo.forward import prompt_groups
         from mrtpo.sharding import shard_policy
 
         torch.manual_seed(0)
@@ -172,35 +186,45 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         )  # fmt: skip
         model = Qwen2ForCausalLM(cfg).float()
         model.set_attn_implementation("sdpa")
-        shard_policy(model, init_device_mesh("cpu", (world,)))
+        if wrap == "fsdp":
+            shard_policy(model, init_device_mesh("cpu", (world,)))
+            scored = _Scored(model)
+        else:
+            scored = torch.nn.parallel.DistributedDataParallel(_Scored(model))
         model.train()
         batch = _batch(cfg.vocab_size, 0, seed=10 + rank)  # each rank its own rows
         groups = prompt_groups(model, *batch[:2], batch[2].shape[1], "always", packable=True)
-        found = {"packed": groups is not None and groups.packed, "passes": []}
-        for modes in FSDP_MODES:
+        form = None if groups is None else "packed" if groups.packed else "cache"
+        found = {"form": form, "passes": []}
+        for modes in MODES:
             model.zero_grad(set_to_none=True)
-            lp = response_logprobs(model, *batch, temperature=0.8, shared_prompt=modes[rank])
+            lp = scored(batch, modes[rank])
             weights = torch.linspace(-1.0, 2.0, lp.numel()).reshape(lp.shape)
             (lp * weights).sum().backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            grads = {
+                n: p.grad.full_tensor() if wrap == "fsdp" else p.grad.clone()
+                for n, p in model.named_parameters()
+            }
             found["passes"].append({"logp": lp.detach(), "grads": grads})
         torch.save(found, Path(out) / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_packed_prompt_under_fsdp_matches_plain(tmp_path):
-    """Two FSDP2 ranks on gloo: with the cache form blocked, each group is packed into one
-    sequence; log-probs and the reduced gradients equal the plain forward's, also when one
-    rank packs and the other does not (a data-dependent choice may not change collectives)."""
+@pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
+def test_shared_prompt_on_two_ranks_matches_plain(tmp_path, wrap):
+    """Two gloo ranks, each with its own rows: log-probs and the reduced gradients equal the
+    plain forward's, also when one rank shares and the other does not. Under FSDP the cache
+    form is off and each group is packed (a data-dependent choice may not change the
+    collectives); under DDP forwards are local and the cache form runs."""
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_fsdp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(2, port, str(tmp_path), wrap), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert all(r["packed"] for r in ranks)
+    assert [r["form"] for r in ranks] == 2 * ["packed" if wrap == "fsdp" else "cache"]
     for r in ranks:
         plain = r["passes"][0]
         assert plain["logp"].abs().sum() > 0
@@ -209,3 +233,6 @@ def test_packed_prompt_under_fsdp_matches_plain(tmp_path):
             for name, g in plain["grads"].items():
                 atol = 1e-6 * max(1.0, float(g.abs().max()))
                 torch.testing.assert_close(other["grads"][name], g, rtol=1e-5, atol=atol)
+    # the reduced gradients are the ranks' mean: the same on both ranks
+    for name, g in ranks[0]["passes"][1]["grads"].items():
+        torch.testing.assert_close(ranks[1]["passes"][1]["grads"][name], g, rtol=0, atol=0)
