@@ -219,9 +219,10 @@ class PromptGroups:
     packed: bool = False  # one packed sequence per group (``_packed_prompt_logits``)
 
 
-def shared_prompt_blocker(model: torch.nn.Module) -> str | None:
+def shared_prompt_blocker(model: torch.nn.Module, in_step: bool = False) -> str | None:
     """Why ``model`` cannot run the shared-prompt forward now (None: it can). Depends on the
-    model and its mode only, never on the data."""
+    model and its mode only, never on the data. ``in_step``: the caller agrees with the other
+    ranks before it runs the extra prefix call (the HF engine), so FSDP does not block it."""
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in PLAIN_HEAD_MODEL_TYPES:
@@ -230,7 +231,7 @@ def shared_prompt_blocker(model: torch.nn.Module) -> str | None:
         return "sliding-window attention (a windowed cache does not hold the whole prompt)"
     from mrtpo.sharding import is_sharded
 
-    if is_sharded(model):
+    if is_sharded(model) and not in_step:
         return "trainer=fsdp (each extra forward is a collective; kept to one per micro-batch)"
     if model.training and any(
         getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
@@ -283,6 +284,7 @@ def prompt_groups(
     t: int,
     mode: str = "auto",
     packable: bool = False,
+    in_step: bool = False,
 ) -> PromptGroups | None:
     """The batch's distinct prompts when the shared-prompt forward is to run, else None.
 
@@ -292,14 +294,15 @@ def prompt_groups(
     (``shared_prompt_blocker``); under DDP forwards are local (the gradient all-reduce comes
     once per backward, shared or not). Where the cache is blocked and the caller can run the
     packed form (``packable``: ``response_logits``) the groups come back ``packed``: one
-    forward call either way, so the choice never changes a rank's collectives.
+    forward call either way, so the choice never changes a rank's collectives. ``in_step``:
+    see ``shared_prompt_blocker``.
     """
     if mode not in SHARED_PROMPT_MODES:
         raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
     n, width = prompt_ids.shape
     if mode == "off" or n < 2 or width < 2 or not bool(prompt_mask[:, -1].all()):
         return None  # nothing to share, or a row without prompt tokens
-    blocker = shared_prompt_blocker(model)
+    blocker = shared_prompt_blocker(model, in_step)
     if blocker is not None:
         unpackable = packed_prompt_blocker(model) if packable else blocker
         if unpackable is not None:
@@ -487,8 +490,12 @@ def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_
     p_ids = prompt_ids[groups.first, -1 - w : -1].to(device)
     p_mask = prompt_mask[groups.first, -1 - w : -1].to(device)
     p_pos = (p_mask.long().cumsum(-1) - 1).clamp_min(0)
-    split = split_head(model)
-    if split is not None:  # the decoder alone: no LM head on the prefix
+    from mrtpo.sharding import is_sharded
+
+    # the decoder alone skips the LM head on the prefix, but under FSDP only a call to the
+    # root gathers the root unit's weights (embeddings, final norm)
+    split = None if is_sharded(model) else split_head(model)
+    if split is not None:
         out = split[0](
             input_ids=p_ids, attention_mask=p_mask.long(), position_ids=p_pos, use_cache=True
         )

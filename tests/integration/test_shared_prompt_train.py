@@ -154,6 +154,17 @@ def test_shared_prompt_under_ddp_matches_plain(tmp_path, cache_dir):
 MODES = (("off", "off"), ("always", "off"), ("always", "always"))
 
 
+def _init(rank: int, world: int, port: int) -> None:
+    """A gloo group whose collectives give up after 5 min: ranks that fall out of step fail
+    the test instead of hanging it (a collective here takes milliseconds)."""
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+
+
 class _Scored(torch.nn.Module):
     """The policy's log-probs as one module call: what DDP wraps (Lightning wraps the
     LightningModule, whose step calls the policy)."""
@@ -169,8 +180,7 @@ class _Scored(torch.nn.Module):
 
 
 def _two_rank_worker(rank: int, world: int, port: int, out: str, wrap: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    _init(rank, world, port)
     try:
         from tests.unit.test_shared_prompt_forward import _batch
         from torch.distributed.device_mesh import init_device_mesh
@@ -236,3 +246,71 @@ def test_shared_prompt_on_two_ranks_matches_plain(tmp_path, wrap):
     # the reduced gradients are the ranks' mean: the same on both ranks
     for name, g in ranks[0]["passes"][1]["grads"].items():
         torch.testing.assert_close(ranks[1]["passes"][1]["grads"][name], g, rtol=0, atol=0)
+
+
+def _hf_worker(rank: int, world: int, port: int, out: str) -> None:
+    _init(rank, world, port)
+    try:
+        from types import SimpleNamespace
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from mrtpo.rollout.base import SamplingConfig
+        from mrtpo.rollout.hf import HFEngine
+        from mrtpo.sharding import shard_policy
+
+        torch.manual_seed(0)
+        cfg = Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(cfg).float()
+        shard_policy(model, init_device_mesh("cpu", (world,)))
+        calls: list[int] = []
+        real = forward.prompt_prefix_cache
+
+        def counted(m, groups, *args):
+            calls.append(len(groups.first))
+            return real(m, groups, *args)
+
+        forward.prompt_prefix_cache = counted
+        g = torch.Generator().manual_seed(rank)
+        # one generate call per prompt (batch_size = n = 3). Rank 0 has two prompts, so its
+        # first call is an idle one; rank 1's second prompt is one token (nothing to share).
+        lengths = (30, 22) if rank == 0 else (25, 1, 28)
+        prompts = [torch.randint(5, 96, (k,), generator=g).tolist() for k in lengths]
+        found = {}
+        for mode in ("off", "always"):
+            engine = HFEngine(batch_size=3, share_prompt=mode)
+            engine.bind(model, SimpleNamespace(pad_token_id=0), [1])
+            gens = engine.generate(prompts, 3, SamplingConfig(temperature=0.7, max_new_tokens=6), 5)
+            found[mode] = {
+                "tokens": [x.token_ids for x in gens],
+                "logprobs": [x.logprobs for x in gens],
+                "calls": list(calls),
+            }
+            calls.clear()
+        torch.save(found, Path(out) / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_hf_shared_prefill_under_fsdp_is_agreed_by_the_ranks(tmp_path):
+    """Under FSDP the HF engine's prefix call is a collective: a generate call shares only
+    when every rank's does (an idle call never does), and samples what the plain prefill
+    samples. Rank 0's calls: idle, then its two prompts; rank 1's: a prompt, a one-token
+    prompt, a prompt. Only the third call of each rank shares."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_hf_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for r in (0, 1):
+        found = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        plain, shared = found["off"], found["always"]
+        assert plain["calls"] == [] and shared["calls"] == [1]  # one prefix for 3 rows
+        assert shared["tokens"] == plain["tokens"]
+        for a, b in zip(shared["logprobs"], plain["logprobs"], strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,8 @@ With several ranks (``trainer=fsdp``, where every forward is a collective, and
 ``trainer=ddp`` alike) ``generate`` runs with ``synced_gpus=True``: a rank whose responses
 have ended keeps stepping, without sampling, until every rank's have. Every rank also makes
 as many ``generate`` calls as the busiest one (a one-token dummy prompt, discarded). The
-samples are those a lone rank would draw.
+samples are those a lone rank would draw. Under FSDP the shared prefill's prefix forward is
+one more collective, so the ranks agree on it call by call (``_prefilled``'s ``agree``).
 
 Each sampled token's log-prob is recorded during generation from the model's raw logits:
 ``log_softmax(z / temperature)``, the distribution sampled from (RL training refuses
@@ -233,10 +234,20 @@ class HFEngine(RolloutEngine):
         lockstep = ranks.world_size > 1
         calls = -(-len(flat) // self.batch_size)
         idle = ranks.max(calls) - calls if lockstep else 0
+        # Under FSDP a shared prefill's prefix call is a collective: the ranks agree on each
+        # generate call (every rank shares it or none does; an idle call never shares).
+        agree = None
+        if lockstep and n >= 2 and self.share_prompt != "off":
+            from mrtpo.sharding import is_sharded
+
+            if is_sharded(model):
+                agree = lambda want: not ranks.any(not want)  # noqa: E731
         try:
             # transformers fills unset fields from model.generation_config: leave it nothing
             model.generation_config = GenerationConfig()
             for _ in range(idle):  # keep in step with busier ranks, output discarded
+                if agree is not None:
+                    agree(False)
                 model.generate(
                     input_ids=torch.full((1, 1), pad, dtype=torch.long, device=device),
                     attention_mask=torch.ones((1, 1), dtype=torch.long, device=device),
@@ -251,7 +262,7 @@ class HFEngine(RolloutEngine):
                 # resumed run draws the same samples as an uninterrupted one.
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
                 recorder = _SampledLogprobs(sampling.temperature) if record else None
-                ids, attn, cache = self._prefilled(ids, attn, n, sampling.max_new_tokens)
+                ids, attn, cache = self._prefilled(ids, attn, n, sampling.max_new_tokens, agree)
                 seqs = model.generate(
                     input_ids=ids.to(device),
                     attention_mask=attn.to(device),
@@ -270,18 +281,22 @@ class HFEngine(RolloutEngine):
             raise NonFiniteLogitsError()
         return out
 
-    def _prefilled(self, ids: torch.Tensor, attn: torch.Tensor, n: int, new_tokens: int):
+    def _prefilled(self, ids, attn, n: int, new_tokens: int, agree=None):
         """``(ids, attn, cache)`` for one ``generate`` call: where rows repeat a prompt (the
         G samples of a group) and sharing pays (``forward.prompt_groups``), each distinct
         prompt's prefix runs once and ``generate`` continues its cache row by row, computing
         only each row's last prompt token; else the plain prefill (``cache`` None). The cached
         distributions are the plain prefill's to fp32 rounding, and sampling draws the same
-        random numbers either way."""
+        random numbers either way. ``agree(want) -> bool`` (FSDP): the ranks' joint choice."""
         if n < 2 or self.share_prompt == "off":
             return ids, attn, None
         from mrtpo.forward import prompt_groups, prompt_prefix_cache
 
-        groups = prompt_groups(self.model, ids, attn, new_tokens, self.share_prompt)
+        groups = prompt_groups(
+            self.model, ids, attn, new_tokens, self.share_prompt, in_step=agree is not None
+        )
+        if agree is not None and not agree(groups is not None):
+            groups = None
         if groups is None:
             return ids, attn, None
         cache, _ = prompt_prefix_cache(self.model, groups, ids, attn)
