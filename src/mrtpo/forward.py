@@ -223,12 +223,9 @@ def shared_prompt_blocker(model: torch.nn.Module, in_step: bool = False) -> str 
     """Why ``model`` cannot run the shared-prompt forward now (None: it can). Depends on the
     model and its mode only, never on the data. ``in_step``: the caller agrees with the other
     ranks before it runs the extra prefix call (the HF engine), so FSDP does not block it."""
-    cfg = getattr(model, "config", None)
-    kind = getattr(cfg, "model_type", None)
-    if kind not in PLAIN_HEAD_MODEL_TYPES:
-        return f"model type {kind!r} is not one whose key/value cache is checked here"
-    if _windowed(cfg):
-        return "sliding-window attention (a windowed cache does not hold the whole prompt)"
+    reason = _architecture_blocker(model, "key/value cache")
+    if reason is not None:
+        return reason
     from mrtpo.sharding import is_sharded
 
     if is_sharded(model) and not in_step:
@@ -252,15 +249,25 @@ def packed_prompt_blocker(model: torch.nn.Module) -> str | None:
     rotary positions taken from ``position_ids`` and a 4D mask applied as given, which the
     plain-head decoders here have with SDPA or eager attention; a sliding window would be
     lost (HF applies none of its own to a mask passed in)."""
+    reason = _architecture_blocker(model, "packed forward")
+    if reason is not None:
+        return reason
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in MASKED_ATTENTION:
+        return f"attention implementation {impl!r} (the packed forward needs one of {MASKED_ATTENTION})"
+    return None
+
+
+def _architecture_blocker(model, form: str) -> str | None:
+    """Why ``model``'s architecture rules out a shared-prompt ``form`` (None: it does not):
+    an architecture whose forward is not checked here, or a sliding window (a windowed cache
+    does not hold the whole prompt, and HF adds no window to a mask passed in)."""
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in PLAIN_HEAD_MODEL_TYPES:
-        return f"model type {kind!r} is not one whose packed forward is checked here"
+        return f"model type {kind!r} is not one whose {form} is checked here"
     if _windowed(cfg):
-        return "sliding-window attention (a packed mask would have to carry the window)"
-    impl = getattr(cfg, "_attn_implementation", None)
-    if impl not in MASKED_ATTENTION:
-        return f"attention implementation {impl!r} (the packed forward needs one of {MASKED_ATTENTION})"
+        return f"sliding-window attention (not carried by the {form})"
     return None
 
 

@@ -37,46 +37,11 @@ def _assert_same_numbers(a: dict[str, float], b: dict[str, float]) -> None:
         assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (k, a[k], b[k])
 
 
-def test_shared_prompt_step_matches_plain_step(train_cfg, tmp_path, monkeypatch):
-    from mrtpo.pipeline import train
-
-    calls = []
-    real = forward._shared_prompt_logits
-
-    def counted(model, groups, *args):
-        calls.append((model.training, len(groups.first), len(groups.row_prefix)))
-        return real(model, groups, *args)
-
-    monkeypatch.setattr(forward, "_shared_prompt_logits", counted)
-    steps = {}
-    for mode in ("always", "false"):
-        out = tmp_path / mode
-        # kl_coef > 0: the reference pass too; two epochs: the old-policy pass too
-        cfg = train_cfg(
-            "method=gdpo",
-            f"rl.shared_prompt_forward={mode}",
-            "rl.kl_coef=0.05",
-            "rl.ppo_epochs=2",
-            "trainer.max_steps=1",
-            f"paths.output_dir={out}",
-        )
-        train(cfg)
-        steps[mode] = _first_step(out / "csv" / "metrics.csv")
-        if mode == "always":
-            # old-policy and reference passes (eval) and the two updates (train)
-            assert [c[0] for c in calls].count(True) == 2, calls
-            assert [c[0] for c in calls].count(False) >= 2, calls
-            assert all(c[1] < c[2] for c in calls), calls  # fewer prompts than rows
-            calls.clear()
-    assert calls == []
-    _assert_same_numbers(steps["always"], steps["false"])
-
-
-def test_packed_prompt_step_under_gradient_checkpointing_matches_plain_step(
-    train_cfg, tmp_path, monkeypatch
-):
-    """Gradient checkpointing drops the key/value cache while training: the updates run the
-    packed form, the no-grad passes (eval mode) the cache form, same numbers as plain."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompt_step_matches_plain_step(train_cfg, tmp_path, monkeypatch, checkpointing):
+    """One step, shared against plain: the update's forwards (training mode) run the cache
+    form, or the packed form under gradient checkpointing (HF drops the cache in checkpointed
+    layers); the old-policy and reference passes (eval mode) the cache form; same numbers."""
     from mrtpo.pipeline import train
 
     calls = []
@@ -84,16 +49,18 @@ def test_packed_prompt_step_under_gradient_checkpointing_matches_plain_step(
         real = getattr(forward, name)
 
         def counted(model, groups, *args, _real=real, _name=name):
-            calls.append((_name, model.training))
+            calls.append((_name, model.training, len(groups.first), len(groups.row_prefix)))
             return _real(model, groups, *args)
 
         monkeypatch.setattr(forward, name, counted)
+    update_form = "_packed_prompt_logits" if checkpointing else "_shared_prompt_logits"
     steps = {}
     for mode in ("always", "false"):
         out = tmp_path / mode
+        # kl_coef > 0: the reference pass too; two epochs: the old-policy pass too
         cfg = train_cfg(
             "method=gdpo",
-            "model.gradient_checkpointing=true",
+            f"model.gradient_checkpointing={str(checkpointing).lower()}",
             f"rl.shared_prompt_forward={mode}",
             "rl.kl_coef=0.05",
             "rl.ppo_epochs=2",
@@ -103,9 +70,11 @@ def test_packed_prompt_step_under_gradient_checkpointing_matches_plain_step(
         train(cfg)
         steps[mode] = _first_step(out / "csv" / "metrics.csv")
         if mode == "always":
-            assert ("_packed_prompt_logits", True) in calls, calls
-            assert ("_shared_prompt_logits", True) not in calls, calls
-            assert ("_shared_prompt_logits", False) in calls, calls
+            updates = [c[0] for c in calls if c[1]]
+            no_grad = [c[0] for c in calls if not c[1]]
+            assert updates == [update_form] * 2, calls  # the two updates
+            assert len(no_grad) >= 2 and set(no_grad) == {"_shared_prompt_logits"}, calls
+            assert all(c[2] < c[3] for c in calls), calls  # fewer prompts than rows
             calls.clear()
     assert calls == []
     _assert_same_numbers(steps["always"], steps["false"])
@@ -165,6 +134,26 @@ def _init(rank: int, world: int, port: int) -> None:
     )
 
 
+def _small_model(world: int, sharded: bool) -> torch.nn.Module:
+    """A random 2-layer Qwen2 (SDPA attention), the same on every rank; FSDP2 over ``world``
+    ranks when ``sharded``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mrtpo.sharding import shard_policy
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).float()
+    model.set_attn_implementation("sdpa")
+    if sharded:
+        shard_policy(model, init_device_mesh("cpu", (world,)))
+    return model
+
+
 class _Scored(torch.nn.Module):
     """The policy's log-probs as one module call: what DDP wraps (Lightning wraps the
     LightningModule, whose step calls the policy)."""
@@ -183,24 +172,14 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str, wrap: str) -> N
     _init(rank, world, port)
     try:
         from tests.unit.test_shared_prompt_forward import _batch
-        from torch.distributed.device_mesh import init_device_mesh
-        from transformers import Qwen2Config, Qwen2ForCausalLM
 
         from mrtpo.forward import prompt_groups
-        from mrtpo.sharding import shard_policy
 
-        torch.manual_seed(0)
-        cfg = Qwen2Config(
-            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        )  # fmt: skip
-        model = Qwen2ForCausalLM(cfg).float()
-        model.set_attn_implementation("sdpa")
-        if wrap == "fsdp":
-            shard_policy(model, init_device_mesh("cpu", (world,)))
-            scored = _Scored(model)
-        else:
-            scored = torch.nn.parallel.DistributedDataParallel(_Scored(model))
+        model = _small_model(world, sharded=wrap == "fsdp")
+        cfg = model.config
+        scored = _Scored(model)
+        if wrap == "ddp":
+            scored = torch.nn.parallel.DistributedDataParallel(scored)
         model.train()
         batch = _batch(cfg.vocab_size, 0, seed=10 + rank)  # each rank its own rows
         groups = prompt_groups(model, *batch[:2], batch[2].shape[1], "always", packable=True)
@@ -253,20 +232,10 @@ def _hf_worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         from types import SimpleNamespace
 
-        from torch.distributed.device_mesh import init_device_mesh
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
         from mrtpo.rollout.base import SamplingConfig
         from mrtpo.rollout.hf import HFEngine
-        from mrtpo.sharding import shard_policy
 
-        torch.manual_seed(0)
-        cfg = Qwen2Config(
-            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        )  # fmt: skip
-        model = Qwen2ForCausalLM(cfg).float()
-        shard_policy(model, init_device_mesh("cpu", (world,)))
+        model = _small_model(world, sharded=True)
         calls: list[int] = []
         real = forward.prompt_prefix_cache
 
