@@ -244,6 +244,18 @@ def run_cells(opts: LongOptions, console) -> bool:
     return True
 
 
+def _moved(csv: Path, run: Path) -> Path:
+    """A job's metrics file, also when the run folder was moved or copied since the job wrote
+    its absolute path: the same path below the job's own folder."""
+    if csv.exists():
+        return csv
+    for depth in range(1, len(csv.parts)):
+        candidate = run.joinpath(*csv.parts[-depth:])
+        if candidate.exists():
+            return candidate
+    return csv
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading the runs
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +299,7 @@ def read_cells(opts: LongOptions) -> list[CellRuns]:
                 info = json.loads(job.read_text()) if job.exists() else {}
                 if info.get("error") or not info.get("csv"):
                     continue
-                series = read_run(info["csv"])
+                series = read_run(_moved(Path(info["csv"]), job.parent))
                 if series["success"]:
                     runs.setdefault(m, {})[s] = series
                 if m == "mrtpo":
