@@ -147,10 +147,24 @@ DESIGN_HISTORY: tuple[str, ...] = (
     "and K = 8 was dropped from its cells on an estimate of 2.5–3 h for the whole mode, made "
     "from timings taken while other work loaded the machine. The run of the other four cells "
     "(commit f10d785) then took 28.4 min from scratch here (one restart, after its workers "
-    "were killed by mistake; finished jobs were kept, and the wall time adds both parts). "
-    "Before any of its results were read, K = 8 at 60 words was put back in the full mode and "
-    "the same folder extended with it at the same commit, so this report is the full mode as "
-    "now defined, all of it run at f10d785.",
+    "were killed by mistake; finished jobs were kept, and the wall time adds both parts).",
+    "Before any of that run's results were read, K = 8 at 60 words was put back in the full "
+    "mode and the same folder extended with it at the same commit. Its free-part-0 clean pass "
+    "(from K = 4's clean policy, lr 0.003) did not learn to read the constraints: after 4331 "
+    "of its 5000 steps (13 min), held-out success had never passed 0.012 in 172 checks, the "
+    "include and exclude constraints sat at 0.44–0.61 (chance) and `first` and `last` at "
+    "0.12–0.40 and 0.06–0.17, unchanged since about step 550, while `count` and `mark` were "
+    "at 1.00 (training loss flat at 0.40 from step ~1000). A cell that starts RL unable to do "
+    "the task says nothing about P5, so the pass was stopped, K = 8 left out of the full mode "
+    "again, and the folder's record set back to the four cells (its jobs all done: nothing "
+    "rerun). Why the toy replication's K = 8 pass learned (4425 steps) and this one does not "
+    "is not known; the two prompts differ by the free-part instruction and the markers. This "
+    "report is the four-cell full mode, all of it run at f10d785; P5 rests on K = 2 and 4.",
+    "After this run's results had been read: the extended run's open question, a negative "
+    "MRTPO − GDPO Δ AUC at 20 words (−0.024 [−0.038, −0.010]) from a cell whose second pass "
+    "had left the other constraints at 0.04, does not come back with fresh warm starts: here "
+    "that pass left them at 0.24 and the difference is +0.003 [−0.001, +0.007]. The earlier "
+    "value is most likely that warm start's, not the length's.",
 )
 
 
@@ -637,9 +651,7 @@ def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: P
     add("")
     add("```")
     add("make replicate ARGS=--long            # quick mode")
-    add(
-        "make replicate ARGS='--long --full'   # K = 4 at 0, 20, 60 words + K = 2, 8 at 60; 8 seeds"
-    )
+    add("make replicate ARGS='--long --full'   # K = 4 at 0, 20, 60 words + K = 2 at 60; 8 seeds")
     add("make replicate ARGS='--long --warm-from logs/replicate_long/<run>'  # RL only")
     add("python scripts/replicate.py --long --report-only --logdir <logs/replicate_long/...>")
     add("```")
