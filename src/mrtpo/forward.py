@@ -436,7 +436,9 @@ def _packed_prompt_logits(
     device = next(model.parameters()).device
     n, p = prompt_ids.shape
     t, w = response_ids.shape[1], groups.width
-    rows, first = groups.row_prefix, groups.first
+    # the layout is built on the CPU (index tensors, small) and moved once
+    prompt_ids, prompt_mask, response_ids = prompt_ids.cpu(), prompt_mask.cpu(), response_ids.cpu()
+    rows, first = groups.row_prefix.cpu(), groups.first.cpu()
     r = first.numel()
     order = torch.argsort(rows, stable=True)
     counts = torch.bincount(rows, minlength=r)
