@@ -200,3 +200,16 @@ def test_packed_cost_weighs_attention_against_the_model_size():
     )
     assert packs(3584, 18944) is not None
     assert packs(64, 128) is None
+
+
+def test_packed_prompt_with_one_response_token_and_an_empty_response(tiny):
+    """Edge shapes of the packed layout: T = 1 (only the prompt's last column is kept) and a
+    row whose response is all padding."""
+    model, tok = tiny
+    m = _checkpointed(model, "sdpa")
+    p_ids, p_mask, _, _ = _batch(model.config.vocab_size, tok.pad_token_id, seed=5)
+    one = pad_right([[7]] * p_ids.shape[0], tok.pad_token_id)
+    assert prompt_groups(m, p_ids, p_mask, 1, "always", packable=True).packed
+    _assert_same(m, (p_ids, p_mask, *one), tau=0.9)
+    r_ids, r_mask = pad_right([[9, 10, 11], [], [12], [13, 14], [], [15], [16, 17, 18]], 0)
+    _assert_same(m, (p_ids, p_mask, r_ids, r_mask), tau=0.9)
