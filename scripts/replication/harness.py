@@ -48,7 +48,7 @@ from mrtpo.analysis.stats import (
 )
 from mrtpo.config import CONFIG_DIR, compose
 from replication import claims as claims_mod
-from replication.jobs import Job, quieted, run_all
+from replication.jobs import Job, quieted, recorded_csv, run_all
 from replication.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
 from replication.relevance import pick_record, relevance_stats, replay_records
 
@@ -423,7 +423,7 @@ def analyse(opts: Options, console) -> list[KResult]:
                 info = json.loads(job.read_text())
                 if info.get("error") or not info.get("csv"):
                     continue
-                c = run_series(info["csv"])
+                c = run_series(recorded_csv(Path(info["csv"]), job.parent))
                 if c["success"]:
                     r.curves.setdefault(m, []).append(c)
                     r.seeds.setdefault(m, []).append(s)

@@ -92,6 +92,19 @@ def _reporter(queue, key: str):
     return Reporter()
 
 
+def recorded_csv(csv: Path, job_dir: Path) -> Path:
+    """The metrics file a job record (``job.json``, written by ``run_job``) names, also when
+    the run folder was moved or copied since: the record holds the absolute path it was
+    written at, so the same path's tail is looked for below the job's own folder."""
+    if csv.exists():
+        return csv
+    for depth in range(1, len(csv.parts)):
+        candidate = job_dir.joinpath(*csv.parts[-depth:])
+        if candidate.exists():
+            return candidate
+    return csv
+
+
 def run_job(job: Job, queue=None) -> dict[str, Any]:
     """Train one composed config (in a worker process); return where its results are."""
     from mrtpo.pipeline import build, metrics_csv

@@ -31,7 +31,7 @@ from typing import Any
 from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
 from mrtpo.config import compose
 from replication.harness import ROOT, method_dir, parse_method
-from replication.jobs import Job, quieted, run_all
+from replication.jobs import Job, quieted, recorded_csv, run_all
 
 Cell = tuple[int, int]  # (K, free part length in filler words)
 
@@ -245,18 +245,6 @@ def run_cells(opts: LongOptions, console) -> bool:
     return True
 
 
-def _moved(csv: Path, run: Path) -> Path:
-    """A job's metrics file, also when the run folder was moved or copied since the job wrote
-    its absolute path: the same path below the job's own folder."""
-    if csv.exists():
-        return csv
-    for depth in range(1, len(csv.parts)):
-        candidate = run.joinpath(*csv.parts[-depth:])
-        if candidate.exists():
-            return candidate
-    return csv
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading the runs
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +288,7 @@ def read_cells(opts: LongOptions) -> list[CellRuns]:
                 info = json.loads(job.read_text()) if job.exists() else {}
                 if info.get("error") or not info.get("csv"):
                     continue
-                series = read_run(_moved(Path(info["csv"]), job.parent))
+                series = read_run(recorded_csv(Path(info["csv"]), job.parent))
                 if series["success"]:
                     runs.setdefault(m, {})[s] = series
                 if m == "mrtpo":

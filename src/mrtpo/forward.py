@@ -76,6 +76,12 @@ def response_logits(
     return out.logits[:, :-1]
 
 
+def positions(mask: Tensor) -> Tensor:
+    """Position ids that count only a row's real tokens (``mask`` true): padding, on the left
+    or in the middle of a row, does not shift them (0 on leading padding)."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 def _joined(model, prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, Tensor]:
     """The model's keyword inputs for context + response rows, on the model's device.
     Positions count only real tokens, so left padding does not shift them, and the leading
@@ -89,7 +95,7 @@ def _joined(model, prompt_ids, prompt_mask, response_ids, response_mask) -> dict
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
     ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
     attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
-    pos = (attn.long().cumsum(-1) - 1).clamp_min(0)
+    pos = positions(attn)
     return {"input_ids": ids, "attention_mask": attn.long(), "position_ids": pos}
 
 
@@ -102,9 +108,15 @@ PLAIN_HEAD_MODEL_TYPES = frozenset(
 
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """``(decoder, lm_head)`` when logits are the head applied to the decoder's last hidden
-    state, else ``None`` (callers then fall back to full logits)."""
+    state and the two may be called apart, else ``None`` (callers then fall back to full
+    logits). Under FSDP they may not: embeddings, final norm and head sit in the root unit,
+    whose weights only a forward of the root gathers."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    from mrtpo.sharding import is_sharded
+
+    if is_sharded(model):  # only a call to the root gathers the root unit's weights
         return None
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
         return None
@@ -153,7 +165,7 @@ def response_hidden_shared_prefix(
     """
     device = next(decoder.parameters()).device
     p_mask = prefix_mask.to(device)
-    p_pos = (p_mask.long().cumsum(-1) - 1).clamp_min(0)
+    p_pos = positions(p_mask)
     out = decoder(
         input_ids=prefix_ids.to(device),
         attention_mask=p_mask.long(),
@@ -456,7 +468,7 @@ def _packed_prompt_logits(
     prompt_real = prompt_mask[first, p - w :].bool()  # [R, W]
     length = prompt_real.sum(-1)  # [R] each prompt's real tokens
     pos = torch.zeros((r, s), dtype=torch.long)
-    pos[:, :w] = (prompt_real.long().cumsum(-1) - 1).clamp_min(0)
+    pos[:, :w] = positions(prompt_real)
     pos[rows[:, None], seg_cols] = length[rows][:, None] + cols[None, :]
     key = torch.zeros((r, s), dtype=torch.bool)  # columns a later column may attend to
     key[:, :w] = prompt_real
@@ -498,13 +510,9 @@ def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_
     w = groups.width
     p_ids = prompt_ids[groups.first, -1 - w : -1].to(device)
     p_mask = prompt_mask[groups.first, -1 - w : -1].to(device)
-    p_pos = (p_mask.long().cumsum(-1) - 1).clamp_min(0)
-    from mrtpo.sharding import is_sharded
-
-    # the decoder alone skips the LM head on the prefix, but under FSDP only a call to the
-    # root gathers the root unit's weights (embeddings, final norm)
-    split = None if is_sharded(model) else split_head(model)
-    if split is not None:
+    p_pos = positions(p_mask)
+    split = split_head(model)
+    if split is not None:  # the decoder alone: no LM head on the prefix
         out = split[0](
             input_ids=p_ids, attention_mask=p_mask.long(), position_ids=p_pos, use_cache=True
         )
@@ -528,7 +536,7 @@ def _continue_cache(model, cache, seen: Tensor, seg_ids: Tensor, seg_mask: Tenso
     device = seen.device
     seg_mask = seg_mask.to(device)
     full = torch.cat([seen, seg_mask], dim=1)
-    pos = (full.long().cumsum(-1) - 1).clamp_min(0)[:, seen.shape[1] :]
+    pos = positions(full)[:, seen.shape[1] :]
     return model(
         input_ids=seg_ids.to(device),
         attention_mask=full.long(),

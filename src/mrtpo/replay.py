@@ -209,7 +209,7 @@ class Replayer:
         roll, mode, names = batch.rollout, request.contexts, batch.reward_names
         device = next(model.parameters()).device
         ranks, sharded = Ranks(lambda: device), is_sharded(model)
-        split = None if sharded else split_head(model)
+        split = split_head(model)  # None when sharded: the root's forward gathers
         low_precision = _low_precision(model, device)
         chunks = self._pack(jobs_by_resp, roll.response_mask)
         idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0

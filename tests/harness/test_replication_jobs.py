@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from mrtpo.config import compose
 from mrtpo.credit import CoRT
 from replication import harness as rep
+from replication.jobs import recorded_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,3 +75,15 @@ def test_toy_replication_composes_a_cort_row(tmp_path) -> None:
     explicit = rep.Options(logdir=tmp_path, override=["method.beta_warmup_steps=7"])
     cort = compose("train.yaml", rep.rl_job(4, "cort", 0, explicit).overrides)
     assert cort.method["beta_warmup_steps"] == 7
+
+
+def test_a_moved_run_folder_still_finds_its_metrics(tmp_path):
+    """job.json holds the metrics file's absolute path: a copied or moved run folder (the
+    report read from elsewhere) finds it below the job's own folder."""
+    run = tmp_path / "moved" / "k4_f60" / "gdpo" / "s0"
+    (run / "csv").mkdir(parents=True)
+    (run / "csv" / "metrics.csv").write_text("step\n")
+    gone = tmp_path / "original" / "k4_f60" / "gdpo" / "s0" / "csv" / "metrics.csv"
+    assert recorded_csv(gone, run) == run / "csv" / "metrics.csv"
+    assert recorded_csv(run / "csv" / "metrics.csv", tmp_path) == run / "csv" / "metrics.csv"
+    assert recorded_csv(tmp_path / "nowhere.csv", run) == tmp_path / "nowhere.csv"  # left as is

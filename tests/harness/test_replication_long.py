@@ -291,15 +291,3 @@ def test_credit_stats_reading_and_picture_of_a_made_up_dump(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 0 and "q=0.9000" in (
         tmp_path / "r.html"
     ).read_text()
-
-
-def test_a_moved_run_folder_still_finds_its_metrics(tmp_path):
-    """job.json holds the metrics file's absolute path: a copied or moved run folder (the
-    report read from elsewhere) finds it below the job's own folder."""
-    run = tmp_path / "moved" / "k4_f60" / "gdpo" / "s0"
-    (run / "csv").mkdir(parents=True)
-    (run / "csv" / "metrics.csv").write_text("step\n")
-    gone = tmp_path / "original" / "k4_f60" / "gdpo" / "s0" / "csv" / "metrics.csv"
-    assert L._moved(gone, run) == run / "csv" / "metrics.csv"
-    assert L._moved(run / "csv" / "metrics.csv", tmp_path) == run / "csv" / "metrics.csv"
-    assert L._moved(tmp_path / "nowhere.csv", run) == tmp_path / "nowhere.csv"  # left as is

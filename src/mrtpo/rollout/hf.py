@@ -234,14 +234,17 @@ class HFEngine(RolloutEngine):
         lockstep = ranks.world_size > 1
         calls = -(-len(flat) // self.batch_size)
         idle = ranks.max(calls) - calls if lockstep else 0
+
         # Under FSDP a shared prefill's prefix call is a collective: the ranks agree on each
         # generate call (every rank shares it or none does; an idle call never shares).
+        def agreed(want: bool) -> bool:
+            return not ranks.any(not want)
+
         agree = None
         if lockstep and n >= 2 and self.share_prompt != "off":
             from mrtpo.sharding import is_sharded
 
-            if is_sharded(model):
-                agree = lambda want: not ranks.any(not want)  # noqa: E731
+            agree = agreed if is_sharded(model) else None
         try:
             # transformers fills unset fields from model.generation_config: leave it nothing
             model.generation_config = GenerationConfig()
