@@ -3,7 +3,8 @@
 A task's ``score_many`` (a process pool, a batched verifier) may raise or return the wrong
 number of scores; the batch is then scored one response at a time with ``Task.safe_score``.
 Every returned ``Score`` is then cleaned: each reward becomes a float or ``None``
-("does not apply"), and what cannot be used is recorded as that sample's error with a reason.
+("does not apply") by the one rule of ``tasks.base.reward_value``, and what cannot be used is
+recorded as that sample's error with a reason.
 A reward name the task did not declare is a bug in the task, not a property of one sample:
 it stops the run at the first step, naming the key and the declared ones.
 
@@ -16,15 +17,11 @@ scored one response at a time); a ``KeyboardInterrupt`` stops the run, logged wi
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
-from mrtpo.tasks.base import Example, Score, Task
+from mrtpo.tasks.base import Example, Score, Task, reward_value
 
 log = logging.getLogger(__name__)
-
-# float32 holds the reward tensor: a finite float64 beyond it would become inf there.
-_F32_MAX = 3.4028234663852886e38
 
 
 class UndeclaredReward(KeyError):
@@ -60,26 +57,9 @@ def clean_score(
             problems.append(f"reward {k!r} missing")
             score.rewards[k] = None
             continue
-        v = score.rewards[k]
-        if v is None:
-            continue
-        if isinstance(v, bool):
-            v = float(v)
-        if not isinstance(v, (int, float)):
-            problems.append(f"reward {k!r} is {type(v).__name__} {v!r:.40}, not a number")
-            score.rewards[k] = None
-            continue
-        try:
-            f = float(v)
-        except OverflowError:  # an int beyond any float: 10**400
-            problems.append(f"reward {k!r} is an int of {v.bit_length()} bits, beyond float32")
-            score.rewards[k] = None
-            continue
-        if math.isnan(f):
-            f = None  # NaN means "does not apply", like None
-        elif math.isfinite(f) and abs(f) > _F32_MAX:
-            problems.append(f"reward {k!r}={f:g} is beyond float32")
-            f = None
+        f, problem = reward_value(score.rewards[k])
+        if problem:
+            problems.append(f"reward {k!r} is {problem}")
         score.rewards[k] = f
     if problems:
         score.error = _join(score.error, "; ".join(problems))

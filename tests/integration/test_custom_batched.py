@@ -43,6 +43,22 @@ def even_length(prompt, response, **row):
 
 def batched_block(prompts, completions, **kwargs):
     return ["block"] * len(completions)
+
+
+ZERO_D_CALLS = []
+
+
+def zero_d(prompts, completions, **kwargs):
+    """One value for the whole batch: a 0-d tensor, then a 0-d numpy array, then a list."""
+    import numpy as np
+    import torch
+
+    ZERO_D_CALLS.append(len(completions))
+    if len(ZERO_D_CALLS) == 1:
+        return torch.tensor(1.0)
+    if len(ZERO_D_CALLS) == 2:
+        return np.array(0.5)
+    return [0.25] * len(completions)
 '''
 
 ROWS = [
@@ -132,3 +148,38 @@ def test_trains_two_steps_with_a_trl_reward(user, train_cfg):
     sizes = [n for n, _ in sys.modules[MODULE].CALLS]
     per_step = cfg.rl.prompts_per_step * cfg.rl.group_size
     assert len(sizes) == 2 and all(n == per_step for n in sizes), sizes
+
+
+# ---- issue 37, case 8: a 0-d tensor or array for a whole batch ------------------------------
+
+
+def test_a_zero_d_return_costs_only_that_reward_of_the_batch(user, train_cfg):
+    task = instantiate(train_cfg(*custom(user, "keyword,zero_d,even_length")).task)
+    ex = list(task.examples("train"))
+    for kind in ("0-d Tensor", "0-d ndarray"):
+        scores = task.score_many(ex, ["yes!", "no", "ok", "bcd"])
+        assert [s.rewards["keyword"] for s in scores] == [1.0, None, 1.0, 0.0]
+        assert [s.rewards["even_length"] for s in scores] == [1.0, 1.0, 1.0, 0.0]
+        assert [s.rewards["zero_d"] for s in scores] == [None] * 4
+        assert f"zero_d ({MODULE}.zero_d) returned a {kind} (one value)" in scores[0].error
+        assert "not a list of 4 values" in scores[0].error
+    scores = task.score_many(ex, ["yes!", "no", "ok", "bcd"])  # a list again: read as usual
+    assert [s.rewards["zero_d"] for s in scores] == [0.25] * 4
+    assert all(s.error is None for s in scores)
+
+
+def test_a_run_keeps_the_healthy_rewards_when_a_batched_one_returns_0_d(user, train_cfg):
+    cfg = train_cfg(*custom(user, "keyword,zero_d"), "method=mrtpo", "rl.group_size=4")
+    trainer, module, dm = build(cfg)
+    trainer.fit(module, datamodule=dm)
+    assert module.iteration == 2
+    with open(metrics_csv(trainer)) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/scoring_errors")]
+    per_step = cfg.rl.prompts_per_step * cfg.rl.group_size
+    # the 0-d reward fails on every response of both steps; the healthy one is kept
+    assert [float(r["train/scoring_errors"]) for r in rows] == [per_step, per_step]
+    assert all(r["train/reward/keyword/mean"] not in ("", "nan") for r in rows)
+    assert all(r.get("train/reward/zero_d/mean") in (None, "", "nan") for r in rows)
+    last = module.last.scores
+    assert all(s.rewards["zero_d"] is None and s.rewards["keyword"] is not None for s in last)
+    assert "returned a 0-d ndarray (one value)" in last[0].error

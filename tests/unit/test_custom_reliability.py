@@ -14,6 +14,7 @@ import logging
 import os
 
 import pytest
+from tests.unit.test_scoring import NUMERIC_CASES, NUMERIC_IDS
 
 from mrtpo.faults import FaultTracker
 from mrtpo.scoring import score_batch
@@ -152,7 +153,7 @@ def test_a_huge_int_reward_is_none_and_keeps_the_other_rewards(tmp_path):
     ex = task.examples("train")[0]
     s = task.score(ex, "x")
     assert s.rewards == {"ok": 1.0, "huge_int": None}
-    assert "returned an int too large for a float (1329 bits)" in s.error
+    assert "returned an int ('1000" in s.error and "too large for a reward" in s.error
     (cleaned,) = score_batch(task, [ex], ["x"], FaultTracker(3, 3))
     assert cleaned.rewards == {"ok": 1.0, "huge_int": None}
 
@@ -246,3 +247,22 @@ def test_a_byte_order_mark_is_accepted_as_evaluation_accepts_it(tmp_path, suffix
     path.write_bytes(b"\xef\xbb\xbf" + body.encode())
     task = _task(path)
     assert [e.messages[-1]["content"] for e in task.examples("train")] == ["a", "b"]
+
+
+# ---- issue 37, case 10: the same rule as every other task ------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expect", "reason"), NUMERIC_CASES, ids=NUMERIC_IDS)
+def test_a_custom_reward_follows_the_one_numeric_rule(tmp_path, value, expect, reason):
+    def odd(prompt, response, **row):
+        return value
+
+    task = _task(_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]), rewards=[ok, odd])
+    ex = task.examples("train")[0]
+    (s,) = score_batch(task, [ex], ["x"], FaultTracker(3, 3))
+    assert s.rewards == {"ok": 1.0, "odd": expect}
+    if reason:
+        assert f"reward odd ({__name__}.{odd.__qualname__}) returned a" in s.error
+        assert reason in s.error
+    else:
+        assert s.error is None

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,8 +49,8 @@ def _ex(i=0):
     [
         (None, {"a": None, "b": None}, "returned NoneType"),
         (Score(rewards=None), {"a": None, "b": None}, "Score.rewards is NoneType"),
-        (Score(rewards={"a": "1.0", "b": 1}), {"a": None, "b": 1.0}, "'a' is str"),
-        (Score(rewards={"a": 1e308, "b": 0.0}), {"a": None, "b": 0.0}, "beyond float32"),
+        (Score(rewards={"a": "1.0", "b": 1}), {"a": None, "b": 1.0}, "'a' is a str"),
+        (Score(rewards={"a": 1e308, "b": 0.0}), {"a": None, "b": 0.0}, "too large for a reward"),
         (Score(rewards={"a": 1.0}), {"a": 1.0, "b": None}, "reward 'b' missing"),
         (Score(rewards={"a": True, "b": float("nan")}), {"a": 1.0, "b": None}, None),
     ],
@@ -84,7 +87,7 @@ def test_score_batch_falls_back_per_response_and_cleans():
     faults = FaultTracker(3, 3)
     scores = score_batch(task, [_ex(0), _ex(1)], ["r0", "r1"], faults)
     assert faults.counters["score_many_fallbacks"] == 1
-    assert scores[0].rewards == {"a": 1.0, "b": None} and "'b' is str" in scores[0].error
+    assert scores[0].rewards == {"a": 1.0, "b": None} and "'b' is a str" in scores[0].error
     assert scores[1].rewards == {"a": None, "b": None}
 
 
@@ -121,7 +124,7 @@ def test_all_failed_steps_stop_after_the_configured_streak():
 def test_an_int_beyond_any_float_costs_only_its_reward():
     s = clean_score(Score(rewards={"a": 10**400, "b": 1}), NAMES, "scripted")
     assert s.rewards == {"a": None, "b": 1.0}
-    assert "'a' is an int of 1329 bits, beyond float32" in s.error
+    assert "'a' is an int ('1000" in s.error and "too large for a reward" in s.error
 
 
 def test_system_exit_in_scoring_code_is_a_scoring_error_not_the_end_of_the_run():
@@ -176,3 +179,49 @@ def test_a_huge_block_is_cut_with_a_note_in_its_text_and_the_log(caplog, monkeyp
     logged = [r for r in caplog.records if "task.max_block_chars=1000" in r.message]
     assert len(logged) == 1  # once per task and reward
     assert Task.max_block_chars == 16384  # every task has a cap by default
+
+
+# ---- issue 37, case 10: one rule for every numeric type --------------------------------------
+
+TOO_LARGE = "too large for a reward (float32 holds up to 3.4e+38)"
+NOT_REAL = "not a real number"
+
+#: (value, the reward it becomes, what the reason says; None: no reason). Shared with
+#: tests/unit/test_custom_reliability.py, which sends the same values through a custom task.
+NUMERIC_CASES = [
+    (1 + 1j, None, NOT_REAL),
+    (np.complex128(1 + 1j), None, NOT_REAL),
+    (np.array(1 + 1j), None, NOT_REAL),
+    (torch.tensor(1 + 1j), None, NOT_REAL),
+    (10**400, None, TOO_LARGE),
+    (Fraction(10**400, 3), None, TOO_LARGE),
+    (Decimal("1e999999"), None, TOO_LARGE),
+    (Decimal("-1e39"), None, TOO_LARGE),
+    (np.longdouble("1e4000"), None, TOO_LARGE),
+    (1e308, None, TOO_LARGE),
+    (torch.tensor(1e300, dtype=torch.float64), None, TOO_LARGE),
+    (Decimal("0.5"), 0.5, None),
+    (Fraction(1, 4), 0.25, None),
+    (np.float32(0.5), 0.5, None),
+    (np.int64(2), 2.0, None),
+    (np.bool_(True), 1.0, None),
+    (torch.tensor(0.75), 0.75, None),
+    (Decimal("NaN"), None, None),
+    (Decimal("sNaN"), None, None),
+    (np.float64("nan"), None, None),
+    (math.inf, math.inf, None),  # a genuine infinity: the step's update is skipped
+    (Decimal("-Infinity"), -math.inf, None),
+    (np.float32("inf"), math.inf, None),
+]
+NUMERIC_IDS = [f"{type(v).__name__}-{i}" for i, (v, _, _) in enumerate(NUMERIC_CASES)]
+
+
+@pytest.mark.parametrize(("value", "expect", "reason"), NUMERIC_CASES, ids=NUMERIC_IDS)
+def test_one_rule_for_every_numeric_reward_type(value, expect, reason):
+    s = clean_score(Score(rewards={"a": value, "b": 1.0}), NAMES, "scripted")
+    assert s.rewards == {"a": expect, "b": 1.0}
+    assert s.rewards["a"] is None or type(s.rewards["a"]) is float
+    if reason:
+        assert "reward 'a' is a" in s.error and reason in s.error
+    else:
+        assert s.error is None

@@ -5,7 +5,8 @@ following, tool calling, the synthetic test bed). The trainer never looks inside
 ``Example.data``; it only calls the methods below.
 
 Rewards are pure functions of (example, response). ``None`` means "does not apply to this
-sample" and becomes NaN in the reward tensor. A verifier block is the text its verifier
+sample" and becomes NaN in the reward tensor. ``reward_value`` is the one rule for what a
+reward may be, for every task. A verifier block is the text its verifier
 scores against (a reference query, an error message, a format requirement); replay appends
 blocks to the prompt to build ``P_all`` and ``P_\\k``.
 """
@@ -13,14 +14,20 @@ blocks to the prompt to build ``P_all`` and ``P_\\k``.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, ClassVar
 
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
+
+# float32 holds the reward tensor: a finite value beyond it would become inf there.
+F32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -44,6 +51,69 @@ class Score:
     reasons: dict[str, str] = field(default_factory=dict)  # why a reward is 0 / None (logged)
     checks: dict[str, Any] = field(default_factory=dict)  # evaluation-only extras (loose acc, ...)
     error: str | None = None  # why scoring failed (all rewards None) or partly failed
+
+
+def reward_value(value: Any) -> tuple[float | None, str | None]:
+    """A reward as a float (or None), and what was wrong with it (None: nothing).
+
+    One rule for every type: a reward is a real number (bool, int, float, Fraction, Decimal,
+    a numpy or torch scalar) whose value fits the float32 reward tensor. Text is never read
+    as a number; a complex value is refused, not cut to its real part; a value too large for
+    float32 (``10**400``, ``Fraction(10**400, 3)``, ``Decimal('1e999999')``, ``1e308``) is
+    refused with the same reason whatever its type. NaN is None ("does not apply"); a true
+    infinity (``inf``, ``Decimal('Infinity')``) is kept, and the step's update is skipped.
+    """
+    if value is None:
+        return None, None
+    if isinstance(value, (str, bytes, bytearray)):
+        return None, f"{_kind(value)}, not a number or None"
+    if _is_complex(value):
+        return None, f"{_kind(value)}, not a real number (a reward has no imaginary part)"
+    if isinstance(value, Decimal) and value.is_nan():
+        return None, None  # float() refuses a signalling NaN
+    try:  # plain numbers, Fraction, Decimal, numpy scalars, 0-d arrays and tensors
+        f = float(value)
+    except OverflowError:  # an int or a Fraction beyond any float
+        return None, _too_large(value)
+    except Exception:
+        return None, f"{_kind(value)}, not a number or None"
+    if math.isnan(f):
+        return None, None
+    if math.isinf(f) and not _is_infinite(value, f):  # Decimal or longdouble beyond float
+        return None, _too_large(value)
+    if math.isfinite(f) and abs(f) > F32_MAX:
+        return None, _too_large(value)
+    return f, None
+
+
+def _is_complex(value: Any) -> bool:
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        return True  # complex, numpy complex scalars
+    dtype = getattr(value, "dtype", None)
+    torch_says = getattr(dtype, "is_complex", None)  # torch.dtype has it, numpy's has kind
+    return torch_says if isinstance(torch_says, bool) else getattr(dtype, "kind", "") == "c"
+
+
+def _is_infinite(value: Any, f: float) -> bool:
+    """Whether ``value`` itself is infinite (not a finite number that overflowed to ``f``)."""
+    try:
+        return bool(value == f)
+    except Exception:
+        return False
+
+
+def _too_large(value: Any) -> str:
+    return f"{_kind(value)} too large for a reward (float32 holds up to {F32_MAX:.2g})"
+
+
+def _kind(value: Any) -> str:
+    """``a str ('1.0')``: the type and the start of the value, safe for any object."""
+    name = type(value).__name__
+    try:
+        text = repr(str(value)[:40])
+    except Exception:  # an object whose str() fails (or an int too long to print)
+        text = "unprintable"
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} ({text})"
 
 
 @dataclass

@@ -12,9 +12,18 @@ The interrupt is a ``BaseException`` inside the checker, so a checker's own ``ex
 Exception`` cannot swallow it; the caller sees an ordinary ``CheckTimeout``. No process is
 started: arming and clearing the timer costs a few system calls per check.
 
+The same timer gives a custom task's reward, block and success functions their budget
+(``task.reward_timeout_s``): a user's function that sleeps or loops forever is cut off like a
+slow checker, and that reward is None for that call, with the reason.
+
 Signals reach only the main thread. Off it (a trainer run in a thread), on a platform without
 ``SIGALRM``, or while another timer of the process is running (we never move someone else's
 alarm), the call runs without a budget, and that is logged once.
+
+A budget is a number of seconds in (0, ``MAX_BUDGET_S``] or None (no budget);
+``budget_seconds`` checks a config value when the task is built, before any model loads: the
+timer cannot take much more than 1e9 s (``OverflowError`` on every call), and a budget of a
+day or more per call is better written as null.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any, TypeVar
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MAX_BUDGET_S = 86400.0  # one day: the largest budget a config may give one call
 _ARMED: list[object] = []  # the token of the call whose timer is running (at most one)
 _WARNED: set[str] = set()
 
@@ -42,6 +52,23 @@ class CheckTimeout(Exception):
 
 class _Expired(BaseException):
     """Raised by the timer inside the interrupted call; turned into ``CheckTimeout``."""
+
+
+def budget_seconds(value: Any, key: str) -> float | None:
+    """A config value as a time budget in seconds (None: no budget), or a ``ValueError``
+    naming ``key`` and the allowed range (``inf``, ``1e12``, ``0``, ``nan``, text)."""
+    if value is None:
+        return None
+    try:
+        seconds = None if isinstance(value, (bool, str)) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        seconds = None
+    if seconds is None or not 0 < seconds <= MAX_BUDGET_S:  # NaN fails this too
+        raise ValueError(
+            f"{key}={value} is not allowed: seconds per call in (0, {MAX_BUDGET_S:g}], or "
+            "null for no time budget"
+        )
+    return seconds
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
@@ -70,7 +97,11 @@ def call_with_budget(fn: Callable[..., T], *args: Any, seconds: float | None, wh
     if why is not None:
         if why not in _WARNED:
             _WARNED.add(why)
-            log.warning("verifier calls run without their time budget: %s", why)
+            log.warning(
+                "verifier and reward calls run without their time budget "
+                "(task.checker_timeout_s, task.reward_timeout_s): %s",
+                why,
+            )
         return fn(*args)
     token = object()
     old = signal.signal(signal.SIGALRM, _on_alarm)

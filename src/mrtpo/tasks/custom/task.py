@@ -17,19 +17,23 @@ verifier-block function of the same signature returning the text its verifier ch
 against (``None``: no block); blocks are appended to the last user message to build the
 leave-one-out contexts, as the base ``Task.contexts`` does. docs/extending.md shows a
 complete example.
+
+Every call of a user's function (reward, block, success) has ``task.reward_timeout_s``
+seconds (``tasks.deadline``); past it, that value is None with the reason. What a reward may
+return is the rule of every task, ``tasks.base.reward_value``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mrtpo.tasks.base import Example, Messages, Score, Task
+from mrtpo.tasks.base import Example, Messages, Score, Task, reward_value
 from mrtpo.tasks.custom.callables import (
     label,
     on_import_path,
@@ -38,6 +42,7 @@ from mrtpo.tasks.custom.callables import (
     short_name,
 )
 from mrtpo.tasks.custom.data import columns, detect_format, read_rows
+from mrtpo.tasks.deadline import CheckTimeout, budget_seconds, call_with_budget
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +129,10 @@ class CustomTask(Task):
         import_dirs: Sequence[str] = (),
         name: str = "custom",
         max_block_chars: int = 16384,
+        reward_timeout_s: float | None = 60.0,
     ) -> None:
         self.name = name
+        self.reward_timeout_s = budget_seconds(reward_timeout_s, "task.reward_timeout_s")
         if int(max_block_chars) < 1:
             raise ValueError(f"task.max_block_chars must be >= 1, got {max_block_chars}")
         self.max_block_chars = int(max_block_chars)
@@ -449,8 +456,8 @@ class CustomTask(Task):
                 r.fn, (), {"prompts": list(prompts), "completions": list(completions), **cols},
                 f"reward {r.name} ({r.label})", where,
             )  # fmt: skip
-            failed = failed or _batch_problem(values, n)
-            out[r.name] = [(None, failed)] * n if failed else [(v, None) for v in values]
+            items, failed = ([], failed) if failed else _batch_values(values, n)
+            out[r.name] = [(None, failed)] * n if failed else [(v, None) for v in items]
         return out
 
     def _call(
@@ -460,18 +467,21 @@ class CustomTask(Task):
         args = (example.data["prompt"], response)
         return self._guarded(fn, args, example.data["row"], who, f"example {example.id}")
 
-    @staticmethod
     def _guarded(
-        fn: Callable, args: tuple, kwargs: Mapping[str, Any], who: str, where: str
+        self, fn: Callable, args: tuple, kwargs: Mapping[str, Any], who: str, where: str
     ) -> tuple[Any, str | None]:
         """``fn(*args, **kwargs)`` and None, or None and why it failed.
 
-        A ``SystemExit`` from a user's function (``sys.exit()`` in a reward) is a failure of
-        that call, not the end of the run. A ``KeyboardInterrupt`` (Ctrl-C, or raised by the
-        function) stops the run, with the function named in the log and on the exception.
+        The call runs under ``task.reward_timeout_s`` (``tasks.deadline``); past it, it is a
+        failure of that call, logged once per function. A ``SystemExit`` from a user's
+        function (``sys.exit()`` in a reward) is a failure of that call, not the end of the
+        run. A ``KeyboardInterrupt`` (Ctrl-C, or raised by the function) stops the run, with
+        the function named in the log and on the exception.
         """
+        budget = self.reward_timeout_s
         try:
-            return fn(*args, **kwargs), None
+            call = functools.partial(fn, *args, **kwargs)
+            return call_with_budget(call, seconds=budget, what=who), None
         except KeyboardInterrupt as exc:
             msg = f"KeyboardInterrupt while {who} scored {where}: the run stops"
             log.error("%s (Ctrl-C, or the function raised KeyboardInterrupt)", msg)
@@ -483,6 +493,16 @@ class CustomTask(Task):
                 f"raised SystemExit({exc.code!r}): a reward function must return a value "
                 "(or None), not exit; the run goes on and counts a scoring error"
             )
+        except CheckTimeout:
+            why = f"ran past its time budget (task.reward_timeout_s={budget:g} s)"
+            if f"timeout {who}" not in self._warned:
+                self._warned.add(f"timeout {who}")
+                log.warning(
+                    "%s %s on %s: that value is None, and each such call costs up to %g s "
+                    "(further timeouts of it are not logged)",
+                    who, why, where, budget,
+                )  # fmt: skip
+            return None, why
         except Exception as exc:
             return None, f"raised {type(exc).__name__}: {exc}"
 
@@ -522,50 +542,34 @@ def _refuse_batched(fn: Callable, key: str) -> None:
         )
 
 
-def _batch_problem(values: Any, n: int) -> str | None:
-    """What is wrong with a batched reward's return value (None: one value per completion)."""
+def _batch_values(values: Any, n: int) -> tuple[list[Any], str | None]:
+    """A batched reward's return value as one value per completion, or what is wrong with it.
+
+    A 0-d tensor or array is one value, not ``n`` (it is refused, not copied to every
+    completion); anything that cannot be listed is refused with its type. Nothing here
+    raises, so a bad return costs only that reward of the batch."""
+    want = f"not a list of {n} values (one per completion, None where the reward does not apply)"
+    if getattr(values, "ndim", None) == 0 or getattr(values, "shape", None) == ():
+        return [], f"returned a 0-d {type(values).__name__} (one value), {want}"
     if isinstance(values, (str, bytes, bytearray, Mapping)) or not hasattr(values, "__len__"):
-        return (
-            f"returned a {type(values).__name__}, not a list of {n} values (one per completion, "
-            "None where the reward does not apply)"
-        )
-    if len(values) != n:
-        return f"returned {len(values)} values for {n} completions (one per completion)"
-    return None
+        return [], f"returned a {type(values).__name__}, {want}"
+    try:
+        items = list(values)
+    except Exception as exc:
+        return [], f"returned a {type(values).__name__} that cannot be listed ({exc}), {want}"
+    if len(items) != n:
+        return [], f"returned {len(items)} values for {n} completions (one per completion)"
+    return items, None
 
 
 def _as_reward(value: Any) -> tuple[float | None, str | None]:
-    """A reward function's return value as a float or None, and what was wrong with it.
-
-    Text is never read as a number (``"1.0"`` is a mistake in the function, not 1.0); a
-    number too large for a float (``10**400``) is refused with that reason.
-    """
-    if value is None:
-        return None, None
-    if isinstance(value, bool):
-        return float(value), None
-    if isinstance(value, (str, bytes, bytearray)):
-        return None, f"a {type(value).__name__} ({str(value)[:40]!r}), not a number or None"
-    try:  # plain numbers, 0-d tensors, numpy scalars
-        f = float(value)
-    except OverflowError:
-        size = f"{value.bit_length()} bits" if isinstance(value, int) else "its magnitude"
-        return None, f"an {type(value).__name__} too large for a float ({size})"
-    except (TypeError, ValueError):
-        hint = (
-            "; a function that scores a batch takes (prompts, completions, **kwargs)"
-            if isinstance(value, (list, tuple))
-            else ""
-        )
-        return None, f"a {type(value).__name__} ({_preview(value)}), not a number or None{hint}"
-    return (None, None) if math.isnan(f) else (f, None)
-
-
-def _preview(value: Any) -> str:
-    try:
-        return repr(str(value)[:40])
-    except Exception:  # an object whose str() fails (or an int too long to print)
-        return "unprintable"
+    """A reward function's return value as a float or None, and what was wrong with it: the
+    rule of every task (``tasks.base.reward_value``), with a hint for a per-sample function
+    that returns a list."""
+    f, problem = reward_value(value)
+    if problem and isinstance(value, (list, tuple)):
+        problem += "; a function that scores a batch takes (prompts, completions, **kwargs)"
+    return f, problem
 
 
 def _check_text(text: str, where: str, what: str) -> None:

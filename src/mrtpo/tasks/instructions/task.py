@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task
+from mrtpo.tasks.deadline import budget_seconds
 from mrtpo.tasks.instructions import checkers, muldimif
 from mrtpo.tasks.instructions.data import (
     HIR_SUBSETS,
@@ -60,13 +61,6 @@ DEFAULT_EVAL_FILES = {
     "muldimif": "../shared/data/muldimif/test.json",
 }
 DEFAULT_MULDIMIF_DIR = "../shared/vendor/muldimif"
-
-
-def _budget(seconds: float | None) -> float | None:
-    """``task.checker_timeout_s``: seconds per checker call, or None for no budget."""
-    if seconds is not None and not float(seconds) > 0:
-        raise ValueError("task.checker_timeout_s must be > 0 seconds (or null for no budget)")
-    return None if seconds is None else float(seconds)
 
 
 class InstructionTask(Task):
@@ -100,7 +94,7 @@ class InstructionTask(Task):
         if max_response_chars is not None and int(max_response_chars) < 1:
             raise ValueError("task.max_response_chars must be >= 1 (or null for no cap)")
         self.max_response_chars = None if max_response_chars is None else int(max_response_chars)
-        self.checker_timeout_s = _budget(checker_timeout_s)
+        self.checker_timeout_s = budget_seconds(checker_timeout_s, "task.checker_timeout_s")
         self.n_timeouts = 0  # checker calls that ran past the budget (logged once)
         self.muldimif_cfg = {"checker_dir": DEFAULT_MULDIMIF_DIR, **dict(muldimif or {})}
         self.n_over_length = 0  # responses refused by the length cap (logged once)
