@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mrtpo.analysis.runs import UnsafeOutput, check_output, write_file
+
 log = logging.getLogger(__name__)
 
 
@@ -331,17 +333,32 @@ def write(table: Table, out: Path) -> tuple[Path, Path]:
     if missing:
         lines += ["Not scored:", "", *[f"- {m}" for m in missing], ""]
     lines += ["Folders:", "", *[f"- {s.path} (seed {s.seed})" for s in table.sources], ""]
-    out.mkdir(parents=True, exist_ok=True)
-    md = out / "table.md"
-    md.write_text("\n".join(lines), encoding="utf-8")
     buf = io.StringIO()
     fields = ["method", "benchmark", "metric", "mean", "ci95_half", "n", "values"]
     writer = csv.DictWriter(buf, fieldnames=fields)
     writer.writeheader()
     writer.writerows(recs)
-    path_csv = out / "table.csv"
-    path_csv.write_text(buf.getvalue(), encoding="utf-8")
+    md, path_csv = outputs(out)
+    for p in (md, path_csv):
+        check_output(p)  # both refused before either is written
+    out.mkdir(parents=True, exist_ok=True)
+    write_file(md, "\n".join(lines))
+    write_file(path_csv, buf.getvalue())
     return md, path_csv
+
+
+def outputs(out: Path) -> tuple[Path, Path]:
+    """The files ``write`` makes in ``out``."""
+    return out / "table.md", out / "table.csv"
+
+
+def scored_summary(table: Table) -> str | None:
+    """None when some cell has a number; else the error line that says so, counting why."""
+    status = [c.status for c in table.cells.values()]
+    if "ok" in status:
+        return None
+    counts = ", ".join(f"{status.count(s)} {s}" for s in ("failed", "absent", "skipped"))
+    return f"no benchmark was scored ({counts} of {len(status)} cells)"
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -381,8 +398,23 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"error: --set {bad[0]!r} is not KEY=VALUE")
     out = Path(args.out or Path("tables") / family)
+    try:
+        for p in outputs(out):  # before an hour of evaluation, not after
+            check_output(p)
+    except UnsafeOutput as exc:
+        raise SystemExit(f"error: {exc}") from None
     table = build(family, args.folders, out, list(args.overrides))
-    md, path_csv = write(table, out)
+    try:
+        md, path_csv = write(table, out)
+    except UnsafeOutput as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:
+        raise SystemExit(f"error: cannot write {exc.filename}: {exc.strerror}; give --out "
+                         "<a writable folder>") from None  # fmt: skip
     print(md.read_text(encoding="utf-8"))
     print(f"wrote {md} and {path_csv}")
+    nothing = scored_summary(table)
+    if nothing:  # the files list why; the exit status must say it too
+        print(f"error: {nothing}: see 'Not scored' in {md}")
+        return 1
     return 0

@@ -2,9 +2,11 @@
 
 ``relevance.jsonl`` (written by ``mrtpo.callbacks.samples.RelevanceDump``) holds, for a few
 responses every N steps, each replayed reward's relevance ``q`` of every response token and
-the token weight ``w`` the method derived from it. The page shows every record it is given:
-one block per response, two rows per reward (q, then w), each token shaded on one scale for
-the whole page, so that shades compare across tokens, rewards, responses and steps:
+the token weight ``w`` the method derived from it. The page shows at most ``--max-steps``
+steps and ``--max-per-step`` responses a step (it says what it leaves out, and names each
+line it cannot draw): one block per response, two rows per reward (q, then w), each token
+shaded on one scale for the whole page, so that shades compare across tokens, rewards,
+responses and steps:
 
 * q (Jensen–Shannon distance, in [0, 1]) from 0 to the largest q on the page, sequential;
 * w around 1, the even share GDPO gives every token, on a log scale: below 1 (less credit
@@ -16,16 +18,24 @@ reward filters hide the rest. The PNG draws one response the same way, for a pap
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import html
+import io
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from mrtpo.analysis.runs import read_jsonl
+from mrtpo.analysis.runs import UnsafeOutput, check_output, write_file
 
 FILE = "relevance.jsonl"
+#: a longer line is left out unread (a record of 8,192 tokens and 13 rewards takes ~3 MB)
+MAX_LINE = 16 << 20
+#: a longer prompt is cut on the page
+MAX_PROMPT = 20_000
 Q_CMAP, W_CMAP = "YlOrRd", "PRGn"
 #: the w scale spans at most 2^-W_OCTAVES .. 2^W_OCTAVES (larger weights get the end colour)
 W_OCTAVES = 4.0
@@ -55,54 +65,195 @@ def find_file(source: str | Path) -> Path:
     )
 
 
-def _problem(rec) -> str | None:
-    """Why a record cannot be drawn (None when it can)."""
+# A record whose every value is checked (``clean``) is what the rest of this module draws; a
+# line that is not one is left out, with a note naming its line. The file is read twice, a
+# line at a time, never whole: once to find each step's records (keeping only where they
+# start), then once more for the records the page shows.
+def _a(value: Any) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a finite float; None when it is no number (a bool is none either), or not
+    finite, or an int beyond any float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _rows(rows: Any, kind: str, n: int) -> dict[str, list[float]]:
+    """``q`` or ``w``: reward name -> one finite number per token."""
+    if not isinstance(rows, dict):
+        raise ValueError(f"'{kind}' is not an object of reward name -> numbers ({_a(rows)})")
+    out = {}
+    for name, values in rows.items():
+        if not isinstance(values, list) or len(values) != n:
+            raise ValueError(f"{kind}[{name!r}] does not have one number per token ({n})")
+        out[name] = [_finite(v) for v in values]
+        if None in out[name]:
+            raise ValueError(f"{kind}[{name!r}] holds a value that is not a finite number")
+    return out
+
+
+def _step(rec: dict) -> int:
+    step = rec.get("step", 0)
+    if isinstance(step, float) and step.is_integer():
+        return int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"'step' is not a whole number ({_a(step)})")
+    return step
+
+
+def _rewards(rec: dict) -> dict[str, float | None]:
+    """Each reward of the response: a number, or None where it did not apply (NaN too)."""
+    rewards = rec.get("rewards") or {}
+    if isinstance(rewards, dict):
+        out = {k: v if isinstance(v, float) else _finite(v) for k, v in rewards.items()}
+        if all(out[k] is not None or v is None for k, v in rewards.items()):
+            return out
+    raise ValueError("'rewards' is not an object of numbers (or null) by reward name")
+
+
+def clean(rec: Any) -> dict | None:
+    """The record as the page draws it, each value checked (a ValueError says what is
+    wrong); None for a record with no replayed reward, which has nothing to draw."""
     if not isinstance(rec, dict):
-        return "not a JSON object"
-    tokens, q, w = rec.get("tokens"), rec.get("q"), rec.get("w", {})
-    if not isinstance(tokens, list) or not isinstance(q, dict) or not isinstance(w, dict):
-        return "needs 'tokens' (a list) and 'q' and 'w' (objects by reward name)"
-    for kind, rows in (("q", q), ("w", w)):
-        for name, values in rows.items():
-            if not isinstance(values, list) or len(values) != len(tokens):
-                return f"{kind}[{name!r}] does not have one number per token ({len(tokens)})"
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
-                return f"{kind}[{name!r}] holds a value that is not a finite number"
-    return None
+        raise ValueError(f"not a JSON object ({_a(rec)})")
+    tokens = rec.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("'tokens' is not a list of strings")
+    if "w" not in rec:
+        raise ValueError("no 'w' (each reward's token weights)")
+    q, w = _rows(rec.get("q"), "q", len(tokens)), _rows(rec["w"], "w", len(tokens))
+    step, rewards, beta = _step(rec), _rewards(rec), rec.get("beta")
+    if beta is not None and _finite(beta) is None:
+        raise ValueError(f"'beta' is not a finite number ({_a(beta)})")
+    if not q:
+        return None
+    prompt = rec.get("prompt", "")
+    prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    if len(prompt) > MAX_PROMPT:
+        prompt = prompt[:MAX_PROMPT] + f" [... {len(prompt) - MAX_PROMPT} more characters]"
+    beta = None if beta is None else _finite(beta)
+    ident = str(rec.get("id", "?"))[:200]
+    return {"step": step, "id": ident, "beta": beta, "prompt": prompt, "tokens": tokens,
+            "rewards": rewards, "q": q, "w": w}  # fmt: skip
 
 
-def load_records(path: Path) -> tuple[list[dict], list[str]]:
-    """The drawable records of ``path`` and, for each one left out, why (naming its line)."""
+def parse_line(raw: bytes, first: bool = False) -> dict | None:
+    """One line of the file as a checked record (``clean``); None for a blank line or a
+    record with nothing to draw; a ValueError says why the line cannot be drawn."""
+    if first and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
     try:
-        records = read_jsonl(path)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
+        raise ValueError(f"not UTF-8 ({where})") from None
+    if not text.strip():
+        return None
+    try:
+        rec = json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
     except json.JSONDecodeError as exc:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        bad = next((i for i, ln in enumerate(lines, 1) if ln.strip() and not _parses(ln)), "?")
-        raise ValueError(f"{path}, line {bad}: not valid JSON ({exc.msg})") from exc
-    kept, skipped = [], []
-    for i, rec in enumerate(records, 1):
-        why = _problem(rec)
-        if why:
-            skipped.append(f"{path.name} record {i}: {why}")
-        elif rec["q"]:
-            kept.append(rec)
-    return kept, skipped
+        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # an int of more digits than Python converts
+        raise ValueError(f"not valid JSON ({exc})") from None
+    return clean(rec)
 
 
-def _parses(line: str) -> bool:
-    try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return True
+def _lines(f) -> Iterator[tuple[int, int, bytes | None]]:
+    """(line number, byte offset, the line) for each line of the binary file ``f``, the line
+    None when longer than ``MAX_LINE`` (then skipped unread). Lines end at ``\\n`` only: the
+    trainer writes text as it is, so a prompt may hold U+2028 or U+0085, which
+    ``str.splitlines`` takes for line ends."""
+    n = offset = 0
+    while raw := f.readline(MAX_LINE + 1):
+        n, start = n + 1, offset
+        offset += len(raw)
+        if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(1 << 20)
+                offset += len(raw)
+            yield n, start, None
+        else:
+            yield n, start, raw
+
+
+@dataclass
+class Scan:
+    """One pass over the file: where each step's drawable records start, and each line
+    left out with why (naming the file and line)."""
+
+    offsets: dict[int, list[int]] = field(default_factory=dict)  # step -> byte offsets
+    problems: list[str] = field(default_factory=list)
+    lines: int = 0
+
+
+def scan(path: Path) -> Scan:
+    found = Scan()
+    with open(path, "rb") as f:
+        for n, offset, raw in _lines(f):
+            found.lines = n
+            try:
+                if raw is None:
+                    raise ValueError(f"longer than {MAX_LINE >> 20} MiB, left out unread")
+                rec = parse_line(raw, first=n == 1)
+            except ValueError as exc:
+                found.problems.append(f"{path.name} line {n}: {exc}")
+                continue
+            if rec is not None:
+                found.offsets.setdefault(rec["step"], []).append(offset)
+    return found
+
+
+def read_records(path: Path, offsets: Sequence[int]) -> list[dict]:
+    """The records starting at ``offsets`` (found by ``scan``), in file order."""
+    out = []
+    with open(path, "rb") as f:
+        for o in sorted(offsets):
+            f.seek(o)
+            with contextlib.suppress(ValueError):  # the file changed since it was scanned
+                rec = parse_line(f.readline(MAX_LINE + 1), first=o == 0)
+                if rec is not None:
+                    out.append(rec)
+    return out
+
+
+def load_records(
+    path: Path, steps: Sequence[int] | None = None, max_steps: int = 25, per_step: int = 8
+) -> tuple[list[dict], list[str], list[str]]:
+    """The records the page shows, the notes saying what it leaves out (steps, responses
+    past ``per_step``), and each line left out with why."""
+    found = scan(path)
+    if not found.offsets:
+        why = (f"{len(found.problems)} left out, the first: {found.problems[0]}"
+               if found.problems else "none with a replayed reward")  # fmt: skip
+        lines = f"{found.lines} line" + "s" * (found.lines != 1)
+        raise ValueError(f"{path}: no record to draw ({lines}, {why})")
+    keep, note = choose_steps(sorted(found.offsets), steps, max_steps)
+    capped = [s for s in sorted(keep) if len(found.offsets[s]) > per_step]
+    notes = [note] if note else []
+    if capped:
+        more = f"; {len(capped) - 1} more steps hold more than {per_step}" * (len(capped) > 1)
+        notes.append(f"at most {per_step} of the {len(found.offsets[capped[0]])} responses at "
+                     f"step {capped[0]} are shown (--max-per-step){more}")  # fmt: skip
+    wanted = [o for s in keep for o in found.offsets[s][:per_step]]
+    return read_records(path, wanted), notes, found.problems
 
 
 def choose_steps(
-    records: list[dict], steps: Sequence[int] | None = None, max_steps: int = 25
-) -> tuple[list[dict], str]:
-    """The records of ``steps`` (all when None, thinned to ``max_steps`` evenly spaced steps
-    including the first and last); and a note saying what was left out ('' when nothing)."""
-    have = sorted({int(r.get("step", 0)) for r in records})
+    have: list[int], steps: Sequence[int] | None = None, max_steps: int = 25
+) -> tuple[set[int], str]:
+    """Of the file's steps ``have`` (sorted): ``steps`` (all when None, thinned to
+    ``max_steps`` evenly spaced steps including the first and last); and a note saying
+    what was left out ('' when nothing)."""
     if steps:
         missing = sorted(set(steps) - set(have))
         if missing:
@@ -113,14 +264,13 @@ def choose_steps(
         keep = {have[i] for i in idx}
     else:
         keep = set(have)
-    out = [r for r in records if int(r.get("step", 0)) in keep]
     note = ""
     if len(keep) < len(have):
         note = (
             f"{len(keep)} of the file's {len(have)} steps are shown (--steps or --max-steps "
             "choose others)"
         )
-    return out, note
+    return keep, note
 
 
 # ---- one scale for the whole page --------------------------------------------------------------
@@ -368,18 +518,22 @@ def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: in
                 bg = colour(cmap, pos(values[t]))
                 ax.add_patch(plt.Rectangle((c, y), 1, 1, facecolor=bg, edgecolor="white", lw=0.5))
                 ax.text(c + 0.5, y + 0.5, toks[t], ha="center", va="center", fontsize=6,
-                        color=ink(bg), family="monospace")  # fmt: skip
-            ax.text(-0.2, y + 0.5, f"{name} {kind}", ha="right", va="center", fontsize=7)
+                        color=ink(bg), family="monospace", parse_math=False)  # fmt: skip
+            ax.text(-0.2, y + 0.5, f"{name} {kind}", ha="right", va="center", fontsize=7,
+                    parse_math=False)  # fmt: skip
     ax.set_xlim(0, min(width, len(toks)))
     ax.set_ylim(lines * height - 1, 0)
     ax.axis("off")
     cut = f" (first {limit} of {len(rec['tokens'])} tokens)" if len(rec["tokens"]) > limit else ""
-    ax.set_title(f"step {rec.get('step', 0)}, prompt {rec.get('id', '?')}{cut}", fontsize=9)
+    ax.set_title(f"step {rec.get('step', 0)}, prompt {rec.get('id', '?')}{cut}", fontsize=9,
+                 parse_math=False)  # fmt: skip
     _colourbars(fig, q_bar, w_bar, scales)
     fig.subplots_adjust(hspace=0.9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, bbox_inches="tight")
     plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, buf.getvalue())
 
 
 def _colourbars(fig, q_axes, w_axes, scales: Scales) -> None:
@@ -412,7 +566,7 @@ def parse_steps(text: str | None) -> list[int] | None:
         raise ValueError(f"--steps takes step numbers separated by commas, got {text!r}") from exc
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser():
     import argparse
 
     p = argparse.ArgumentParser(
@@ -427,28 +581,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", help="only these steps, e.g. 1,51,101")
     p.add_argument("--max-steps", type=int, default=25,
                    help="without --steps, at most this many evenly spaced steps (default 25)")  # fmt: skip
+    p.add_argument("--max-per-step", type=int, default=8,
+                   help="at most this many responses of a step, its first ones (default 8; "
+                   "the trainer writes callbacks.relevance_dump.num = 4 a step)")  # fmt: skip
+    return p
+
+
+def _notes(notes: list[str], problems: list[str], limit: int) -> list[str]:
+    """``notes`` and the first ``limit`` lines left out, then how many more."""
+    more = [f"... and {len(problems) - limit} more lines left out"] * (len(problems) > limit)
+    return [*notes, *problems[:limit], *more]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
-    if a.max_steps < 1:
-        p.error(f"--max-steps must be >= 1, got {a.max_steps}")
+    for flag, value in (("--max-steps", a.max_steps), ("--max-per-step", a.max_per_step)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     try:
         path = find_file(a.run)
-        records, skipped = load_records(path)
-        if not records:
-            raise ValueError(f"{path}: no record with a replayed reward to draw")
-        records, note = choose_steps(records, parse_steps(a.steps), a.max_steps)
-    except (FileNotFoundError, ValueError) as exc:
+        records, notes, problems = load_records(
+            path, parse_steps(a.steps), a.max_steps, a.max_per_step
+        )
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
-    out = a.out or path.parent
-    out.mkdir(parents=True, exist_ok=True)
-    notes = [n for n in (note, *skipped[:5]) if n]
-    if len(skipped) > 5:
-        notes.append(f"... and {len(skipped) - 5} more records left out")
-    for n in notes:
+    for n in _notes(notes, problems, 20):
         print(f"note: {n}")
+    out = a.out or path.parent
     page, png = out / "relevance.html", out / "relevance.png"
     title = path.parent.name if path.name == FILE else path.name
-    page.write_text(render_html(records, title, notes), encoding="utf-8")
-    render_png(pick(records), Scales.of(records), png)
+    try:
+        for target in (page, png):
+            check_output(target)  # both refused before either is written
+        out.mkdir(parents=True, exist_ok=True)
+        write_file(page, render_html(records, title, _notes(notes, problems, 5)))
+        render_png(pick(records), Scales.of(records), png)
+    except UnsafeOutput as exc:
+        print(f"error: {exc}")
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write {exc.filename}: {exc.strerror}; give --out <a writable "
+              "folder>")  # fmt: skip
+        return 2
     print(f"wrote {page} ({len(records)} responses) and {png}")
     return 0

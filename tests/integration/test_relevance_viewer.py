@@ -114,10 +114,14 @@ def test_bad_input_is_named(run, tmp_path, capsys):
     short = json.dumps({**_record(2, 0), "q": {"format": [0.1]}})
     (bad / "relevance.jsonl").write_text(good + "\n" + short + "\n")
     assert main([str(bad)]) == 0  # the record that cannot be drawn is left out, and said so
-    assert "record 2: q['format'] does not have one number per token" in capsys.readouterr().out
-    (bad / "relevance.jsonl").write_text(good + "\n" + good[:40] + "\n")
-    assert main([str(bad)]) == 2
-    assert "relevance.jsonl, line 2: not valid JSON" in capsys.readouterr().out
+    assert "line 2: q['format'] does not have one number per token" in capsys.readouterr().out
+    # a line cut short (a run killed mid-write) is left out the same way, naming its line
+    (bad / "relevance.jsonl").write_text(good + "\n\n" + good[:40] + "\n")
+    assert main([str(bad)]) == 0
+    assert "relevance.jsonl line 3: not valid JSON" in capsys.readouterr().out
+    (bad / "relevance.jsonl").write_text(good[:40] + "\n")
+    assert main([str(bad)]) == 2  # nothing left to draw
+    assert "relevance.jsonl: no record to draw (1 line," in capsys.readouterr().out
 
 
 def test_entry_point_runs(run):

@@ -6,8 +6,11 @@ import contextlib
 import csv
 import json
 import math
+import os
 import re
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 #: the project root of a source checkout (src/mrtpo/analysis/runs.py -> <root>)
@@ -73,11 +76,68 @@ def rl_curves(path: str | Path) -> dict[str, list[float]]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent."""
+    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent.
+
+    Lines end at ``\n`` only: the trainer writes text as it is (``ensure_ascii=False``), so a
+    prompt may hold U+2028 or U+0085, which ``str.splitlines`` would take for line ends. A
+    leading BOM is skipped."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8-sig")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+
+class UnsafeOutput(ValueError):
+    """An output path holds a link, folder, FIFO or device: nothing was written there."""
+
+
+def check_output(path: str | Path) -> None:
+    """Raise ``UnsafeOutput`` (naming it) when something other than a regular file stands at
+    ``path``: a link (which may point to a user's file), a folder, a FIFO, a device."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISLNK(st.st_mode):
+        what = f"a symbolic link (to {os.readlink(path)})"
+    else:
+        what = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+    raise UnsafeOutput(
+        f"refusing to write {path}: it is {what}; the project writes only files it makes "
+        "itself, never through a link. Move it away (what it points to is left as it is) and "
+        "run again, or write elsewhere (--out)"
+    )
+
+
+def write_file(path: str | Path, data: bytes | str) -> Path:
+    """Write ``path`` whole: a new file in the same folder, renamed over ``path``.
+
+    A reader never sees half a file. A link (or a folder, FIFO, device) at ``path`` is refused
+    with ``UnsafeOutput`` naming it, so a file a link points to is never written; were a link
+    put there after that check, the rename replaces the link itself, never its target. The
+    temporary file has a random name and is created exclusively, so it cannot be a planted
+    link either. A failed write removes it and raises an ``OSError`` naming ``path``."""
+    path = Path(path)
+    check_output(path)
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            mask = os.umask(0o022)  # reading the mask means setting it: put it straight back
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # what a plain open() would have given it
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    return path
 
 
 #: Per-step replay metrics of a run, by the name ``run_series`` gives them.

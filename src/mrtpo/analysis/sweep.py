@@ -23,6 +23,7 @@ mean over a handful of sampled responses, too noisy to report on its own. The st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import glob
 import io
@@ -41,7 +42,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from mrtpo.analysis.runs import rl_curves
+from mrtpo.analysis.runs import check_output, rl_curves, write_file
 from mrtpo.analysis.stats import (
     FINAL_WINDOW,
     SMOOTH,
@@ -111,10 +112,19 @@ class Run:
     curves: dict[str, list[float]] = field(default_factory=dict)
     job_num: int | None = None
     error: str | None = None
+    max_steps: int | None = None  # trainer.max_steps it was last started with (None: unknown)
+    warnings: list[str] = field(default_factory=list)  # what of its records was ignored, why
 
     @property
     def steps(self) -> int:
         return max((len(c) for c in self.curves.values()), default=0)
+
+    @property
+    def incomplete(self) -> bool:
+        """Short of ``trainer.max_steps`` and not recorded as completed: still running, or
+        stopped (killed, interrupted) before its last step."""
+        done = self.status in ("completed", "failed")
+        return not done and self.max_steps is not None and self.steps < self.max_steps
 
     @property
     def group(self) -> tuple[str, ...]:
@@ -173,18 +183,87 @@ def _saved_seed(run: Path) -> str | None:
     return None if seed is None else str(seed)
 
 
+def _saved_max_steps(run: Path) -> int | None:
+    """``trainer.max_steps`` of the run's newest start: its latest resume's config
+    (``.hydra/resumes/<time>-<pid>/``), else its own; None when unknown or not positive."""
+    hydra = run / ".hydra"
+    resumes = sorted((hydra / "resumes").glob("*/config.yaml"), key=lambda p: p.parent.name)
+    for p in [*reversed(resumes), hydra / "config.yaml"]:
+        if not p.is_file():
+            continue
+        try:
+            value = OmegaConf.select(OmegaConf.load(p), "trainer.max_steps", default=None)
+        except Exception:
+            continue
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else None
+    return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) and abs(v) < 2**53) or (isinstance(v, float) and math.isfinite(v))
+
+
+#: The keys of job.json that are read, what each must be, and its name in a warning.
+JOB_KEYS = (
+    ("overrides", lambda v: isinstance(v, list) and all(isinstance(o, str) for o in v),
+     "a list of strings"),
+    (SEED, lambda v: isinstance(v, str) or _is_int(v), "a number or a string"),
+    ("status", lambda v: isinstance(v, str), "a string"),
+    ("wall_s", _is_number, "a number"),
+    ("run_name", lambda v: isinstance(v, str), "a string"),
+    ("job_num", _is_int, "a whole number"),
+    ("error", lambda v: isinstance(v, str), "a string"),
+)  # fmt: skip
+
+
+def _a(value: Any) -> str:
+    """``an int``, ``a list``: what a JSON value is, for a message."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def read_job(folder: Path) -> tuple[dict[str, Any], list[str]]:
+    """The keys of a run's ``job.json`` that have the right type, and a warning naming the
+    file and key for each thing left out (the run is then read from ``.hydra/``, as a run
+    without job.json). ({}, []) when the folder holds none."""
+    path = folder / RUN_JSON
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, []
+    except json.JSONDecodeError as exc:
+        return {}, [f"{path}: not valid JSON (line {exc.lineno}: {exc.msg}); ignored"]
+    except (OSError, ValueError, RecursionError) as exc:  # a folder, not UTF-8, too deep
+        return {}, [f"{path}: cannot be read ({type(exc).__name__}: {exc}); ignored"[:400]]
+    if not isinstance(info, dict):
+        return {}, [f"{path}: not a JSON object ({_a(info)}); ignored"]
+    kept: dict[str, Any] = {}
+    warnings = []
+    for key, ok, what in JOB_KEYS:
+        value = info.get(key)
+        if value is None or ok(value):
+            kept[key] = value
+        else:
+            warnings.append(f'{path}: "{key}" is not {what} ({_a(value)}); ignored')
+    return kept, warnings
+
+
 def load_run(folder: str | Path) -> Run:
-    """A run folder (one holding ``csv/metrics.csv``): its ``job.json`` when the job wrote one,
-    else Hydra's saved overrides and config, and its curves."""
+    """A run folder (one holding ``csv/metrics.csv``): its ``job.json`` when the job wrote one
+    (the keys of the right type), else Hydra's saved overrides and config, and its curves."""
     folder = Path(folder)
-    info = _read_json(folder / RUN_JSON)
+    info, warnings = read_job(folder)
     overrides = info.get("overrides")
     if overrides is None:
         overrides = _saved_overrides(folder)
-    given = overrides or []
-    seed = next((o.split("=", 1)[1] for o in given if override_key(o) == SEED), None)
+    seed = next((o.split("=", 1)[1] for o in overrides or [] if override_key(o) == SEED), None)
     if seed is None:
-        seed = str(info["seed"]) if info.get("seed") is not None else _saved_seed(folder)
+        seed = str(info[SEED]) if info.get(SEED) is not None else _saved_seed(folder)
     wall = info.get("wall_s")
     if wall is None:  # a run from before job.json: from its first to its last file write
         cfg, metrics = folder / ".hydra" / "config.yaml", folder / METRICS
@@ -193,7 +272,7 @@ def load_run(folder: str | Path) -> Run:
     metrics = folder / METRICS
     return Run(
         path=folder,
-        overrides=None if overrides is None else [str(o) for o in overrides],
+        overrides=overrides,
         seed=seed,
         status=info.get("status"),
         wall_s=None if wall is None else float(wall),
@@ -201,6 +280,8 @@ def load_run(folder: str | Path) -> Run:
         curves=rl_curves(metrics) if metrics.is_file() else {},
         job_num=info.get("job_num"),
         error=info.get("error"),
+        max_steps=_saved_max_steps(folder),
+        warnings=warnings,
     )
 
 
@@ -289,7 +370,8 @@ def _n(k: int, noun: str) -> str:
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
-    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+    """A number with ``digits`` decimals; "–" for None, NaN, inf or what is no number."""
+    return f"{x:.{digits}f}" if _is_number(x) else "–"
 
 
 def fmt_ci(iv: Interval, digits: int = 3) -> str:
@@ -311,10 +393,9 @@ def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def _atomic_write(path: Path, text: str) -> None:
     """Several jobs of a parallel sweep may rewrite the summary at once: each writes its own
-    file and renames it, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    file and renames it, so a reader never sees half a file (``runs.write_file``: a random
+    temporary name, and never through a link planted at ``path``)."""
+    write_file(path, text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +417,7 @@ def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[
         row: dict[str, Any] = {
             "job": r.job_num if r.job_num is not None else "",
             "run": str(r.path.relative_to(root)) if r.path.is_relative_to(root) else str(r.path),
-            "status": r.status or "",
+            "status": r.status or ("incomplete" if r.incomplete else ""),
             SEED: r.seed if r.seed is not None else "",
             "overrides": " ".join(r.overrides or []),
             "steps": r.steps,
@@ -376,9 +457,9 @@ EVAL_HEADLINES = ("exec_acc", "prompt_level_strict_acc", "inst_level_strict_acc"
 
 
 def eval_metrics(folder: Path) -> dict[str, Any] | None:
-    """An evaluation job's ``metrics.json`` (None: the folder holds none)."""
+    """An evaluation job's ``metrics.json`` (None: the folder holds none, or not an object)."""
     data = _read_json(folder / "metrics.json")
-    return data if data else None
+    return data if data and isinstance(data, dict) else None
 
 
 def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
@@ -458,7 +539,8 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     for r, row in zip(runs, rows, strict=True):
         if r.status == "failed":
             lines.append(f"- job {row['job']} failed: `{(r.error or '?')[:300]}`")
-    if any(r.status == "failed" for r in runs):
+    lines += [f"- warning: {w}" for r in runs for w in r.warnings]
+    if any(r.status == "failed" or r.warnings for r in runs):
         lines.append("")
     lines.append(f"Compare over seeds: `python src/report.py {root}`")
     _atomic_write(md_path, "\n".join(lines) + "\n")
@@ -606,15 +688,39 @@ class Report:
     figures: list[Path]
 
 
+def _why_left_out(r: Run) -> str:
+    if r.status == "failed":
+        return "failed"
+    if not r.steps:
+        return "no RL steps logged"
+    return (
+        f"incomplete: {r.steps} of {r.max_steps} steps, still running or stopped before the "
+        "end; --incomplete counts it"
+    )
+
+
 def _left_out(skipped: Sequence[Run]) -> list[str]:
     """One line per run left out of the report (the first five), then a count of the rest."""
-    lines = []
-    for r in skipped[:5]:
-        why = "failed" if r.status == "failed" else "no RL steps logged"
-        lines.append(f"Left out ({why}): {r.path}")
+    lines = [f"Left out ({_why_left_out(r)}): {r.path}" for r in skipped[:5]]
     if len(skipped) > 5:
-        lines.append(f"... and {len(skipped) - 5} more runs left out (failed or no RL steps)")
+        lines.append(f"... and {len(skipped) - 5} more runs left out (failed, incomplete or no RL "
+                     "steps)")  # fmt: skip
     return lines
+
+
+def _counted(iv: Interval, of: int) -> str:
+    """``mean ± half``, with ``(n=k)`` when the metric has a value in only k of the ``of``
+    seeds (or seed pairs) the row counts."""
+    text = fmt_ci(iv)
+    return f"{text} (n={iv.n})" if 0 < iv.n < of else text
+
+
+#: Said under a table in which some cell averages fewer seeds than its row counts.
+FEWER = (
+    "(n=k): the mean is over k seeds (or seed pairs), not all of the row's: the metric has no "
+    "finite value in the others (a reward that applied to no response, or a metric a run did "
+    "not log)."
+)
 
 
 def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
@@ -627,52 +733,24 @@ def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
         b = baseline_of(k, baseline, keys)
         if b is None or b == k:
             continue
-        cells = [names[k], names[b]]
-        pairs = 0
-        for m in metrics:
-            d = paired_interval(_by_seed(rs, m, 0), _by_seed(groups[b], m, 0), level)
-            pairs = max(pairs, d.n)
-            cells.append(fmt_ci(d))
-        rows.append([cells[0], cells[1], pairs, *cells[2:]])
+        diffs = [paired_interval(_by_seed(rs, m, 0), _by_seed(groups[b], m, 0), level)
+                 for m in metrics]  # fmt: skip
+        pairs = max(d.n for d in diffs)
+        rows.append([names[k], names[b], pairs, *[_counted(d, pairs) for d in diffs]])
     spec = " ".join(baseline)
     lines += ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
     if rows:
         lines.append(markdown_table(["group", "baseline", "seed pairs", *metrics], rows))
+        if any("(n=" in str(c) for r in rows for c in r[3:]):
+            lines += ["", FEWER]
     else:
         lines.append(f"No group matches `{spec}`: groups are {[names[k] for k in keys]}")
     return lines
 
 
-def report(
-    runs: Sequence[Run],
-    out: Path | None = None,
-    baseline: Sequence[str] = (),
-    level: float = 0.95,
-    plots: bool = True,
-    only: Sequence[str] = (),
-) -> Report:
-    """The paper-style table of ``runs`` grouped by their overrides minus the seed."""
-    skipped = [r for r in runs if r.status == "failed" or not r.steps]
-    used = [r for r in runs if r not in skipped]
-    if not used and any(eval_metrics(r.path) for r in runs):
-        return eval_report(runs, level)
-    if not used:
-        raise ValueError(
-            "no finished RL run with logged steps among "
-            f"{len(runs)} run folder(s) (their csv/metrics.csv hold no train/reward rows)"
-        )
-    groups = group_runs(used)
-    keys = list(groups)
-    names, common = labels(keys)
-    metrics = metric_names(used, only)
-    pct = f"{100 * level:g}%"
-    lines = [
-        f"{_n(len(used), 'run')} in {_n(len(groups), 'group')}; mean ± {pct} t interval over "
-        "seeds.",
-    ]
-    if common:
-        lines.append(f"Every run: `{' '.join(common)}`.")
-    lines += _left_out(skipped)
+def _tables(groups, names, metrics, level) -> list[str]:
+    """The final and best tables: per group, its seeds, steps and each metric's interval."""
+    lines: list[str] = []
     for which, title in (
         (0, f"Final (mean of the last {FINAL_WINDOW} steps)"),
         (1, f"Best ({SMOOTH}-step moving average)"),
@@ -683,19 +761,74 @@ def report(
             ivs = intervals(
                 {m: list(_by_seed(rs, m, which).values()) for m in metrics}, level=level
             )
-            steps = sorted({r.steps for r in rs})
-            cells = [names[k], len({r.seed_key for r in rs}), "/".join(map(str, steps))]
-            rows.append(cells + [fmt_ci(ivs[m]) for m in metrics])
+            seeds = len({r.seed_key for r in rs})
+            steps = "/".join(map(str, sorted({r.steps for r in rs})))
+            rows.append([names[k], seeds, steps, *[_counted(ivs[m], seeds) for m in metrics]])
         lines += ["", f"## {title}", "", markdown_table(head, rows)]
+        if any("(n=" in str(c) for r in rows for c in r[3:]):
+            lines += ["", FEWER]
+    return lines
 
+
+def _preamble(groups, names, common, skipped, used, level) -> list[str]:
+    """What the report counts: runs, groups, the runs left out and why, the incomplete runs
+    counted (``--incomplete``), and what was ignored of the runs' records."""
+    pct = f"{100 * level:g}%"
+    lines = [
+        f"{_n(len(used), 'run')} in {_n(len(groups), 'group')}; mean ± {pct} t interval over "
+        "seeds.",
+    ]
+    if common:
+        lines.append(f"Every run: `{' '.join(common)}`.")
+    lines += _left_out(skipped)
+    for k, rs in groups.items():
+        part = [f"{r.steps} of {r.max_steps} steps" for r in rs if r.incomplete]
+        if part:
+            lines.append(f"Counted although incomplete (--incomplete): {names[k]}: "
+                         f"{len(part)} incomplete ({', '.join(part)}).")  # fmt: skip
+    lines += [f"Warning: {w}" for r in [*used, *skipped] for w in r.warnings]
+    return lines
+
+
+def report(
+    runs: Sequence[Run],
+    out: Path | None = None,
+    baseline: Sequence[str] = (),
+    level: float = 0.95,
+    plots: bool = True,
+    only: Sequence[str] = (),
+    incomplete: bool = False,
+) -> Report:
+    """The paper-style table of ``runs`` grouped by their overrides minus the seed. Runs that
+    are incomplete (short of ``trainer.max_steps``, not recorded as completed) are left out
+    and named, unless ``incomplete``; then they are counted and named."""
+    skipped = [r for r in runs if r.status == "failed" or not r.steps
+               or (r.incomplete and not incomplete)]  # fmt: skip
+    used = [r for r in runs if r not in skipped]
+    if not used and any(eval_metrics(r.path) for r in runs):
+        return eval_report(runs, level)
+    if not used:
+        short = sum(r.incomplete for r in runs)
+        also = f"; {short} incomplete (still running or stopped): --incomplete counts them"
+        raise ValueError(
+            "no finished RL run with logged steps among "
+            f"{len(runs)} run folder(s) (their csv/metrics.csv hold no train/reward rows)"
+            + (also if short else "")
+        )
+    groups = group_runs(used)
+    names, common = labels(list(groups))
+    metrics = metric_names(used, only)
+    lines = _preamble(groups, names, common, skipped, used, level)
+    lines += _tables(groups, names, metrics, level)
     if baseline:
         lines += _paired_section(groups, names, metrics, baseline, level)
-
     figures: list[Path] = []
     if plots and out is not None:
+        paths = {m: out / f"curves_{re.sub(r'[^A-Za-z0-9_.-]+', '_', m)}.png" for m in metrics}
+        for p in [*paths.values(), out / "report.md"]:
+            check_output(p)  # before anything is written
         out.mkdir(parents=True, exist_ok=True)
-        for m in metrics:
-            path = out / f"curves_{re.sub(r'[^A-Za-z0-9_.-]+', '_', m)}.png"
+        for m, path in paths.items():
             plot_metric({names[k]: [r.curves.get(m, []) for r in rs] for k, rs in groups.items()},
                         m, path, level)  # fmt: skip
             figures.append(path)
@@ -719,7 +852,7 @@ def eval_report(runs: Sequence[Run], level: float = 0.95) -> Report:
     rows = []
     for k, rs in groups.items():
         vals = {m: [found[r.path].get(m) for r in rs] for m in metrics}
-        ivs = intervals({m: [v for v in vs if v is not None] for m, vs in vals.items()}, level)
+        ivs = intervals({m: [v for v in vs if _is_number(v)] for m, vs in vals.items()}, level)
         rows.append([names[k], len(rs), *[fmt_ci(ivs[m]) for m in metrics]])
     lines += ["", markdown_table(["group", "jobs", *metrics], rows)]
     return Report("\n".join(lines) + "\n", [])
@@ -758,9 +891,11 @@ def plot_metric(
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, buf.getvalue())
 
 
 def default_out(sources: Sequence[str]) -> Path:
@@ -790,24 +925,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--metric", nargs="+", default=[], metavar="NAME",
                    help="the metrics to compare (default: all, the task's headline first: "
                    "success, execution or correctness)")  # fmt: skip
+    p.add_argument("--incomplete", action="store_true",
+                   help="count runs short of trainer.max_steps that are not recorded as "
+                   "completed (still running, or stopped); by default they are left out "
+                   "and named")  # fmt: skip
     a = p.parse_args(argv)
     if not 0.0 < a.level < 1.0:
         p.error(f"--level must be in (0, 1), got {a.level}")
     for b in a.baseline:
         if "=" not in b:
             p.error(f"--baseline takes KEY=VALUE overrides (e.g. method=gdpo), got {b!r}")
+    args = {"baseline": a.baseline, "level": a.level, "only": a.metric,
+            "incomplete": a.incomplete}  # fmt: skip
+    runs: list[Run] = []
     try:
         runs = find_runs(a.sources)
         if not runs:
             raise ValueError(f"no run folders (with {METRICS}) under {' '.join(a.sources)}")
         out = a.out or default_out(a.sources)
-        rep = report(runs, out, a.baseline, a.level, plots=not a.no_plots, only=a.metric)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 2
+        rep = report(runs, out, plots=not a.no_plots, **args)
+        if not a.no_plots:
+            write_file(out / "report.md", rep.text)
+    except (OSError, ValueError) as exc:
+        return _failed(exc, runs, args)
     print(rep.text, end="")
     if not a.no_plots:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.md").write_text(rep.text, encoding="utf-8")
         print(f"\nwrote {out / 'report.md'} and {len(rep.figures)} figures in {out}")
     return 0
+
+
+def _failed(exc: Exception, runs: Sequence[Run] | None, args: dict[str, Any]) -> int:
+    """The one error line of ``main`` (exit status 2). When the runs were read but a file
+    could not be written (a read-only run folder), the table is printed first."""
+    if isinstance(exc, OSError) and runs and exc.filename and exc.strerror:
+        with contextlib.suppress(OSError, ValueError):
+            print(report(runs, None, plots=False, **args).text)
+        print(f"error: cannot write {exc.filename}: {exc.strerror}; give --out <a writable "
+              "folder>, or --no-plots")  # fmt: skip
+    else:
+        print(f"error: {exc}")
+    return 2
