@@ -8,7 +8,8 @@ which extra of this project installs what is missing.
 
 ``RunCSVLogger`` is Lightning's CSV logger made safe for resuming in place: ``metrics.csv`` is
 never deleted or truncated, only replaced atomically, so a run's history is on disk at every
-instant (``build_loggers`` uses it for ``lightning.pytorch.loggers.CSVLogger``).
+instant (``build_loggers`` uses it for ``lightning.pytorch.loggers.CSVLogger``). It never
+writes through a link planted in the run folder (``mrtpo.safe_files``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import importlib.util
 import io
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.safe_files import check_folders, no_follow, refuse_unsafe, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -165,21 +167,11 @@ def _read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 def _write_csv_atomic(path: Path, fields: list[str], rows: list[dict[str, Any]]) -> None:
     """``rows`` into ``path`` through a fsynced temporary file beside it and one rename, so
     that at every instant ``path`` holds either the old or the new table."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(path, text.getvalue())
 
 
 class KeepingWriter(ExperimentWriter):
@@ -213,6 +205,7 @@ class KeepingWriter(ExperimentWriter):
             return super().save()  # a remote store: Lightning's writer
         new_keys = self._record_new_keys()
         if not self._merged or new_keys or not path.is_file():
+            refuse_unsafe(path)  # a link planted here: never read nor written through
             old_fields, old = _read_rows(path) if path.is_file() else ([], [])
             if not self._merged:
                 keep = [r for r in old if (s := _step_of(r)) is not None and s < self.start_step]
@@ -222,7 +215,7 @@ class KeepingWriter(ExperimentWriter):
             _write_csv_atomic(path, self.metrics_keys, old + self.metrics)
             self._merged = True
         else:
-            with open(path, "a", newline="", encoding="utf-8") as f:
+            with open(path, "a", newline="", encoding="utf-8", opener=no_follow) as f:
                 csv.DictWriter(f, fieldnames=self.metrics_keys).writerows(self.metrics)
                 f.flush()
                 os.fsync(f.fileno())
@@ -244,6 +237,9 @@ class RunCSVLogger(CSVLogger):
     @rank_zero_experiment
     def experiment(self) -> KeepingWriter:
         if self._experiment is None:
+            save_dir, log_dir = Path(self.save_dir or "."), Path(self.log_dir)
+            if "://" not in str(self.save_dir) and log_dir.is_relative_to(save_dir):
+                check_folders(log_dir, save_dir)  # csv/ planted as a link to a user's folder
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = KeepingWriter(self.log_dir, None if self.resuming else 0)
         return self._experiment

@@ -10,14 +10,17 @@ is null for a resume, see configs/hydra/default.yaml); once the resume is valida
 recorded beside the original under ``.hydra/resumes/<time>/`` and appended to
 ``.hydra/history.yaml``. The original ``.hydra/overrides.yaml`` is never rewritten.
 
-One process at a time runs in a run folder (``RunFolderLock``, an ``flock`` on ``run.lock``
-that the kernel drops with its process), and a resume may change only the settings of
-``RESUME_MAY_CHANGE``: every checkpoint records its run's settings (``settings_record``).
+One process at a time runs in a run folder (``RunFolderLock``, an ``flock`` on the folder
+itself that the kernel drops with its process; ``run.lock`` says who holds it), and a resume
+may change only the settings of ``RESUME_MAY_CHANGE``: every checkpoint records its run's
+settings (``settings_record``). Nothing the run writes in its folder goes through a link
+someone else put there (``mrtpo.safe_files``): such a folder is refused before it is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import logging
@@ -32,6 +35,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mrtpo.cli import log_to_files
+from mrtpo.safe_files import (
+    NoFollowFileHandler,
+    UnsafePath,
+    check_folders,
+    make_dirs,
+    no_follow,
+    open_fd,
+    refuse_unsafe,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +132,10 @@ def validate_resume(ckpt: dict[str, Any], module, ckpt_path: str | Path) -> None
 
 
 def record_resume(cfg: DictConfig, run: str | Path) -> None:
-    """After a validated resume: save this invocation beside the original config."""
+    """After a validated resume: save this invocation beside the original config.
+
+    Nothing is written through a link: a planted one is refused naming it (``safe_files``).
+    """
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     try:
@@ -128,17 +144,22 @@ def record_resume(cfg: DictConfig, run: str | Path) -> None:
         overrides = list(HydraConfig.get().overrides.task)
     except Exception:
         overrides = []
+    run = Path(run)
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    folder = Path(run) / ".hydra" / "resumes" / f"{stamp}-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=False))
+    folder = run / ".hydra" / "resumes" / f"{stamp}-{os.getpid()}"
+    make_dirs(folder, run)
+    write_atomic(folder / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    write_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg, resolve=False))
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "resume": True, "overrides": overrides}
-    with open(Path(run) / ".hydra" / "history.yaml", "a", encoding="utf-8") as f:
+    with open(run / ".hydra" / "history.yaml", "a", encoding="utf-8", opener=no_follow) as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
-    # Hydra's job log of a resume went outside the folder until now (mrtpo.config.job_log):
-    # move what it holds into the run's own log and log there from here on.
-    target = Path(run) / "train.log"
+    _log_into(run / "train.log")
+
+
+def _log_into(target: Path) -> None:
+    """Hydra's job log of a resume went outside the folder until now (mrtpo.config.job_log):
+    move what it holds to the end of ``target`` (the run's own log) and log there from here
+    on."""
     root = logging.getLogger()
     fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     for h in list(root.handlers):
@@ -150,12 +171,12 @@ def record_resume(cfg: DictConfig, run: str | Path) -> None:
             fmt = h.formatter or fmt
             pending = Path(name)
             if pending.is_file():
-                with open(target, "ab") as out:
+                with open(target, "ab", opener=no_follow) as out:
                     out.write(pending.read_bytes())
                 pending.unlink()
                 with contextlib.suppress(OSError):  # kept while another resume is pending
                     pending.parent.rmdir()
-    handler = logging.FileHandler(target, encoding="utf-8")
+    handler = NoFollowFileHandler(target, encoding="utf-8")
     handler.setFormatter(fmt)
     root.addHandler(handler)
 
@@ -178,7 +199,7 @@ def record_invocation(cfg: DictConfig) -> None:
     if not folder.is_dir():
         return
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "overrides": list(hc.overrides.task)}
-    with open(folder / "history.yaml", "a", encoding="utf-8") as f:
+    with open(folder / "history.yaml", "a", encoding="utf-8", opener=no_follow) as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
 
 
@@ -386,23 +407,45 @@ def drop_pending_log() -> None:
 
 # ---- one process at a time in a run folder -------------------------------------------------
 
-#: The lock file of a run folder: locked (``flock``) by the process that runs there, and
-#: holding who that is while it runs (empty otherwise).
+#: The record of a run folder: who runs there while a run does (empty otherwise). The lock
+#: itself is an ``flock`` on the folder, which deleting this file cannot break.
 LOCK_NAME = "run.lock"
 
-_HELD: dict[str, int] = {}  # resolved run folder -> locked descriptor, in this process
+#: What a run writes in its folder, besides its checkpoints: a run starting in a folder where
+#: one of these is a link, or not a regular file, is refused before anything is written.
+RUN_FILES = (
+    LOCK_NAME,
+    "train.log",
+    ".hydra/history.yaml",
+    "csv/metrics.csv",
+    "samples.jsonl",
+    "relevance.jsonl",
+    "curves.png",
+    "job.json",
+)
+
+#: The folders they go in (checkpoints/ is ``mrtpo.checkpointing``'s).
+RUN_FOLDERS = (".hydra", ".hydra/resumes", "csv")
+
+_HELD: dict[str, tuple[int, ...]] = {}  # resolved run folder -> its open descriptors, here
 
 
 class RunFolderBusy(ResumeRefused):
     """Another live process runs in this run folder; nothing was changed."""
 
 
+class RunFolderUnusable(ResumeRefused):
+    """The run folder cannot take a run: read-only, or a name the run writes is a link, a
+    FIFO or a folder. Nothing was changed."""
+
+
 def _close_held_in_child() -> None:
     # A forked child (a worker pool) must not keep the parent's lock alive after the parent
     # dies; closing its copy does not release the parent's lock.
-    for fd in _HELD.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    for fds in _HELD.values():
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     _HELD.clear()
 
 
@@ -427,73 +470,157 @@ def _holder() -> bytes:
     return (json.dumps(info) + "\n").encode()
 
 
-def _busy_message(folder: Path, data: bytes) -> str:
+def _flock(fd: int) -> bool | None:
+    """Lock ``fd`` exclusively without waiting: True, False (another process holds it), or
+    None (this filesystem has no ``flock`` for it)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _flock_owner(fd: int) -> int | None:
+    """The pid holding an ``flock`` on ``fd``'s file, from ``/proc/locks`` (Linux)."""
+    st = os.fstat(fd)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        f = line.split()
+        if len(f) > 5 and f[1] == "FLOCK" and f[5] == ident and f[4].isdigit():
+            return int(f[4])
+    return None
+
+
+def _busy_message(folder: Path, dir_fd: int | None = None) -> str:
+    """Who holds ``folder``: the record in its run.lock, else the pid the kernel knows."""
+    data = b""
+    with contextlib.suppress(OSError, ValueError):
+        fd = open_fd(folder / LOCK_NAME, os.O_RDONLY)
+        data = os.pread(fd, 1 << 16, 0)
+        os.close(fd)
     try:
         h = json.loads(data.decode())
         who = f"process {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
-    except (ValueError, KeyError, UnicodeDecodeError):
-        who = "a process that is still starting (it has not recorded itself yet)"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        pid = _flock_owner(dir_fd) if dir_fd is not None else None
+        gone = not os.path.lexists(folder / LOCK_NAME)
+        who = (
+            "a process that is still starting (it has not recorded itself yet)"
+            if pid is None
+            else f"process {pid} on this machine"
+            + (f", whose record in {LOCK_NAME} was deleted" if gone else "")
+        )
     return (
         f"run folder {folder} is in use by another run ({who}); two runs in one folder would "
         f"mix their metrics and checkpoints. Wait for it to end or stop it, then resume. "
-        f"The lock ({folder / LOCK_NAME}) is released by the system when its process dies: "
-        "there is nothing to delete"
+        "The lock is released by the system when its process dies: there is nothing to delete"
     )
+
+
+def _cannot_write(folder: Path, exc: OSError) -> RunFolderUnusable:
+    """A one-line refusal for a run folder that cannot be written (read-only, no
+    permission); any other error is raised as it is."""
+    if exc.errno == errno.EROFS:
+        return RunFolderUnusable(
+            f"run folder {folder} is on a read-only filesystem, and a run writes its "
+            f"metrics, checkpoints and log there. Copy it somewhere writable (cp -a {folder} "
+            "<new place>) and resume the copy"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return RunFolderUnusable(
+            f"run folder {folder} cannot be written by this user ({exc.strerror}): give this "
+            "user write permission, or copy the folder somewhere writable and resume the copy"
+        )
+    raise exc
+
+
+def check_planted(folder: Path) -> None:
+    """Refuse a folder where a name a run writes (``RUN_FILES``, ``RUN_FOLDERS``) is a link
+    or not what it should be: nothing written there may land elsewhere."""
+    try:
+        for name in RUN_FOLDERS:
+            check_folders(folder / name, folder)
+        for name in RUN_FILES:
+            check_folders((folder / name).parent, folder)
+            refuse_unsafe(folder / name)
+    except UnsafePath as exc:
+        raise RunFolderUnusable(str(exc)) from None
 
 
 class RunFolderLock:
     """An exclusive lock on a run folder for the ``with`` block (a no-op in worker ranks).
 
-    Taken with ``flock`` on ``<folder>/run.lock``, so the kernel releases it when the process
-    dies however it dies (a stale lock needs no cleaning). Another process gets
-    ``RunFolderBusy`` naming the holder. Until ``accept()`` is called, leaving the block by
-    an exception puts ``run.lock`` back as it was, so a refused run changes nothing.
+    Taken with ``flock`` on the folder itself, so the kernel releases it when the process
+    dies however it dies (a stale lock needs no cleaning), and deleting ``run.lock`` does not
+    free it. The holder records itself in ``run.lock``; another process gets
+    ``RunFolderBusy`` naming it. A folder that is read-only, or where a name the run writes
+    is a link, a FIFO or a folder, is refused (``RunFolderUnusable``). Until ``accept()`` is
+    called, leaving the block by an exception puts ``run.lock`` back as it was, so a refused
+    run changes nothing.
     """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.fd: int | None = None
+        self.fd: int | None = None  # run.lock, while held
+        self.dir_fd: int | None = None  # the folder, locked
         self.previous: bytes | None = None  # None: this lock created run.lock
         self.accepted = False
 
     def accept(self) -> None:
         self.accepted = True
 
-    def _open(self, path: Path) -> tuple[int, bool]:
+    def _open_record(self) -> tuple[int, bool]:
+        """run.lock, opened for writing (created when missing); never through a link."""
+        path = self.folder / LOCK_NAME
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            return os.open(path, os.O_RDWR), False
+            try:
+                return open_fd(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                return open_fd(path, os.O_RDWR), False
+        except UnsafePath as exc:
+            raise RunFolderUnusable(str(exc)) from None
+        except OSError as exc:
+            raise _cannot_write(self.folder, exc) from exc
 
     def __enter__(self) -> RunFolderLock:
-        import fcntl
-
         key = str(self.folder.resolve())
         if _secondary_process() or key in _HELD or not self.folder.is_dir():
             return self
-        path = self.folder / LOCK_NAME
-        for _ in range(10):  # retried only when the file was replaced while we locked it
-            fd, created = self._open(path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                data = os.pread(fd, 1 << 16, 0)
-                os.close(fd)
-                raise RunFolderBusy(_busy_message(self.folder, data)) from None
-            except OSError as exc:  # a filesystem without flock: run unlocked, say so
+        try:
+            dir_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _cannot_write(self.folder, exc) from exc
+        fd, created = None, False
+        try:
+            locked = _flock(dir_fd)
+            if locked is False:
+                raise RunFolderBusy(_busy_message(self.folder, dir_fd))
+            check_planted(self.folder)
+            fd, created = self._open_record()
+            if locked is None:  # no flock on folders here: lock run.lock itself
+                locked = _flock(fd)
+                if locked is False:
+                    raise RunFolderBusy(_busy_message(self.folder))
+                if locked is None:
+                    log.warning("cannot lock run folder %s; running without", self.folder)
+        except BaseException:
+            if fd is not None:
                 os.close(fd)
                 if created:
-                    path.unlink(missing_ok=True)
-                log.warning("cannot lock run folder %s (%s); running without", self.folder, exc)
-                return self
-            if os.fstat(fd).st_nlink > 0:
-                break
-            os.close(fd)
-        else:  # pragma: no cover - ten replacements in a row
-            raise RunFolderBusy(_busy_message(self.folder, b""))
+                    (self.folder / LOCK_NAME).unlink(missing_ok=True)
+            os.close(dir_fd)
+            raise
         self.previous = None if created else os.pread(fd, os.fstat(fd).st_size, 0)
-        self.fd = fd
-        _HELD[key] = fd
+        self.fd, self.dir_fd = fd, dir_fd
+        _HELD[key] = (fd, dir_fd)
         self._write(_holder())
         return self
 
@@ -515,8 +642,9 @@ class RunFolderLock:
                 self._write(b"")
         finally:
             _HELD.pop(str(self.folder.resolve()), None)
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+            os.close(self.fd)
+            os.close(self.dir_fd)  # releases the flock
+            self.fd = self.dir_fd = None
 
 
 def run_folder_of(cfg: DictConfig) -> Path | None:
@@ -555,7 +683,7 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
             shutil.move(name, moved)
         with contextlib.suppress(OSError):
             name.parent.rmdir()
-        handler = logging.FileHandler(moved, encoding="utf-8")
+        handler = NoFollowFileHandler(moved, encoding="utf-8")
         handler.setFormatter(h.formatter)
         root.addHandler(handler)
         log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {moved})")

@@ -10,6 +10,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mrtpo.safe_files import no_follow  # never append through a link planted in the folder
+
 
 def _run_dir(trainer) -> Path:
     # The run folder itself (as the README says), not a logger's subfolder. Not
@@ -75,7 +77,9 @@ class SampleTable(L.Callback):
                     "reasons": s.reasons,
                 }
             )
-        with open(_run_dir(trainer) / "samples.jsonl", "a", encoding="utf-8") as f:
+        with open(
+            _run_dir(trainer) / "samples.jsonl", "a", encoding="utf-8", opener=no_follow
+        ) as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
         if self.print_table:
@@ -110,7 +114,9 @@ class RelevanceDump(L.Callback):
         w = pl_module.method.token_weights(scored.q, roll.response_mask, scored.replayed, step - 1)
         names = scored.reward_names if scored.q.shape[1] == len(scored.reward_names) else ("joint",)
         picked = scored.replayed.any(-1).nonzero().flatten().tolist()[: self.num]
-        with open(_run_dir(trainer) / "relevance.jsonl", "a", encoding="utf-8") as f:
+        with open(
+            _run_dir(trainer) / "relevance.jsonl", "a", encoding="utf-8", opener=no_follow
+        ) as f:
             for j in picked:
                 rec = relevance_record(
                     scored, j, scored.q, w, scored.replayed, names, tok, step=step, beta=beta
