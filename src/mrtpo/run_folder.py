@@ -283,7 +283,11 @@ def settings_record(cfg: DictConfig) -> str | None:
         log.debug("settings not recorded: %s", exc)
         return None
     flat = _flatten(tree, "", {})
-    return json.dumps({"version": 1, "settings": flat}, sort_keys=True, default=str)
+    from mrtpo.settings import global_batch
+
+    # the world size and the global batch it makes: what a resume on other ranks must keep
+    record = {"version": 1, "settings": flat, "batch": global_batch(cfg)}
+    return json.dumps(record, sort_keys=True, default=str)
 
 
 def may_change(key: str) -> bool:
@@ -294,7 +298,9 @@ def check_resume_settings(
     ckpt: dict[str, Any], settings: str | None, ckpt_path: str | Path
 ) -> None:
     """Refuse a resume whose settings (``settings_record`` of its config, taken before the
-    run derives anything from it) differ from the checkpoint's, except ``RESUME_MAY_CHANGE``."""
+    run derives anything from it) differ from the checkpoint's, except ``RESUME_MAY_CHANGE``.
+    The batch keys are compared by the global batch they make on each world size
+    (``mrtpo.settings.batch_on_resume``)."""
     raw = ckpt.get(SETTINGS_KEY)
     mine_raw = settings
     if raw is None or mine_raw is None:
@@ -304,13 +310,20 @@ def check_resume_settings(
             ckpt_path,
         )
         return
-    theirs = json.loads(raw)["settings"]
-    mine = json.loads(mine_raw)["settings"]
+    from mrtpo.settings import batch_on_resume
+
+    theirs, mine = json.loads(raw), json.loads(mine_raw)
+    same_batch, refusal = batch_on_resume(theirs, mine, ckpt_path)  # another world size
+    if refusal:
+        raise ResumeRefused(refusal)
+    theirs, mine = theirs["settings"], mine["settings"]
     missing = "<not set>"
     changed = [
         f"{k}: {theirs.get(k, missing)!r} -> {mine.get(k, missing)!r}"
         for k in sorted(set(theirs) | set(mine))
-        if not may_change(k) and theirs.get(k, missing) != mine.get(k, missing)
+        if not may_change(k)
+        and k not in same_batch
+        and theirs.get(k, missing) != mine.get(k, missing)
     ]
     if changed:
         raise ResumeRefused(
@@ -355,7 +368,9 @@ def check_steps_left(cfg: DictConfig, ckpt_path: str | Path) -> None:
 
     A ``+resume`` whose checkpoint is at ``trainer.max_steps`` (the run finished) raises
     ``NothingToTrain`` with the command that trains longer (its settings are checked first,
-    so that command is accepted). A checkpoint past ``trainer.max_steps`` (a resume), or at
+    so that command is accepted), unless the run was stopped while it exported its policy
+    (``mrtpo.callbacks.export.pending_export``): then it returns, and the resume trains no
+    step and writes the export. A checkpoint past ``trainer.max_steps`` (a resume), or at
     or past it for a new run from ``ckpt_path=`` (which counts on from the checkpoint's
     step), is refused naming both numbers.
     """
@@ -382,6 +397,16 @@ def check_steps_left(cfg: DictConfig, ckpt_path: str | Path) -> None:
             f"train nothing. To train longer, resume with trainer.max_steps above {step}"
         )
     check_resume_settings(peek, settings_record(cfg), ckpt_path)
+    from mrtpo.callbacks.export import pending_export
+
+    owed = pending_export(cfg, step)
+    if owed is not None:  # stopped while it exported: the resume trains nothing, exports
+        log.warning(
+            "run %s finished training at step %d but holds no export of it in %s (stopped "
+            "while exporting?): resuming to export the policy of %s",
+            *(resume, step, owed, ckpt_path),
+        )
+        return
     raise NothingToTrain(
         f"run {resume} already finished: {Path(ckpt_path).name} is at step {step} of "
         f"trainer.max_steps={limit}, so there is nothing to train.\n"

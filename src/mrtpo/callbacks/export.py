@@ -3,9 +3,13 @@ and print the ``src/eval.py`` command that evaluates it on the run's task."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import shlex
+import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -113,11 +117,80 @@ def run_eval_command(policy: str | Path) -> str:
     return " ".join(shlex.quote(w) for w in [*words, *extra])
 
 
+# ---- an export that a kill interrupted ---------------------------------------------------------
+
+#: The folders ``save_policy`` writes beside its target before renaming (``.policy.tmp<pid>``)
+#: and moves the previous export to while it does (``.policy.old<pid>``).
+_STAGING = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_exports(out: str | Path) -> list[Path]:
+    """Remove the staging folders of exports to ``out`` whose process is dead (killed while
+    it exported); return them. A live process's folder, and anything that is not a plain
+    folder (a link), is left alone."""
+    out = Path(out)
+    removed = []
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:  # no parent folder yet: nothing was staged there
+        return removed
+    for entry in sorted(entries):
+        m = _STAGING.fullmatch(entry.name)
+        if m is None or m["name"] != out.name or _alive(int(m["pid"])):
+            continue
+        if not stat.S_ISDIR(os.lstat(entry).st_mode):
+            continue
+        shutil.rmtree(entry)
+        removed.append(entry)
+        log.info("removed %s, left by an export that was stopped (process %s)", entry, m["pid"])
+    return removed
+
+
+def _exported_step(out: Path) -> int | None:
+    """The training step of the export in ``out`` (None: none there, or unreadable)."""
+    try:
+        step = json.loads((out / MARKER).read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def pending_export(cfg: Any, step: int) -> Path | None:
+    """Where a run that finished training at ``step`` still owes its end-of-run export (the
+    process was stopped while exporting), or None: no RL export is configured, its folder
+    already holds this step's export, or it holds something else (which the export refuses
+    to replace)."""
+    node = OmegaConf.select(cfg, "callbacks.export", default=None)
+    if not node or OmegaConf.select(cfg, "stage.name", default="rl") != "rl":
+        return None
+    if not str(node.get("_target_", "")).endswith(ExportPolicy.__name__):
+        return None
+    out = Path(str(node.dirpath))
+    if os.path.lexists(out) and not stat.S_ISDIR(os.lstat(out).st_mode):
+        return None
+    if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
+        return None
+    return None if _exported_step(out) == step else out
+
+
 class ExportPolicy(L.Callback):
     """At the end of training, write the policy as a Hugging Face folder (LoRA merged).
 
     Only the RL module is exported here; the SFT stage saves its own ``<run>/policy``
-    (``mrtpo.sft.SavePolicy``). A run that stops on an error exports nothing.
+    (``mrtpo.sft.SavePolicy``). A run that stops on an error exports nothing. A run resumed
+    after it finished training but not its export (``pending_export``) trains no step and
+    exports from its last checkpoint when the fit ends; staging folders that a stopped export
+    left are removed when a run starts.
     """
 
     def __init__(self, dirpath: str, sampling: Mapping[str, Any] | None = None) -> None:
@@ -127,6 +200,7 @@ class ExportPolicy(L.Callback):
         self.sampling = dict(sampling) if sampling else None
         self.path: Path | None = None
         self.skip: str | None = None
+        self.exported = False
 
     def _refusal(self, pl_module) -> str | None:
         """Why ``dirpath`` must not be written (None: it may)."""
@@ -141,7 +215,7 @@ class ExportPolicy(L.Callback):
         return None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.skip = None
+        self.skip, self.exported = None, False
         if isinstance(pl_module, PolicyModule) and trainer.is_global_zero:
             self.skip = self._refusal(pl_module)
             if self.skip:
@@ -152,16 +226,30 @@ class ExportPolicy(L.Callback):
                     self.dirpath,
                     self.skip,
                 )
+            else:
+                remove_stale_exports(self.dirpath)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._export(trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        # A resume of a run whose training had finished (its checkpoint at max_steps) trains
+        # no step, so on_train_end never comes: the export it owes is written here.
+        if not self.exported and 0 < int(trainer.max_steps) <= int(trainer.global_step):
+            self._export(trainer, pl_module, owed=True)
+
+    def _export(self, trainer, pl_module, owed: bool = False) -> None:
+        """Export on rank 0; ``owed``: only when ``dirpath`` holds no export of this step."""
         if not isinstance(pl_module, PolicyModule):
             return
-
+        self.exported = True
         # Sharded weights are gathered by every rank together (a collective); rank 0 writes.
         state = full_state_dict(pl_module.policy) if is_sharded(pl_module.policy) else None
         if not trainer.is_global_zero:
             return
         if getattr(self, "skip", None) or self._refusal(pl_module):
+            return
+        if owed and _exported_step(Path(self.dirpath)) == int(trainer.global_step):
             return
 
         info = {

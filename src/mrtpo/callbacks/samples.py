@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import re
+import stat
+import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +18,8 @@ from rich.table import Table
 
 from mrtpo.safe_files import no_follow  # never append through a link planted in the folder
 
+log = logging.getLogger(__name__)
+
 
 def _run_dir(trainer) -> Path:
     # The run folder itself (as the README says), not a logger's subfolder. Not
@@ -20,6 +28,123 @@ def _run_dir(trainer) -> Path:
     d = Path(trainer.default_root_dir)
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+# ---- a resumed run's records ----------------------------------------------------------------
+
+#: A record's step, read from the start of its line (both writers put "step" first).
+_STEP = re.compile(rb'\{"step": (-?\d+)[,}]')
+
+
+def _step_of(line: bytes) -> int | None:
+    """The ``step`` of one JSONL record, or None for a line that is not a record with one."""
+    m = _STEP.match(line)
+    if m:
+        return int(m.group(1))
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _keep(line: bytes, last: int) -> bytes | None:
+    """``line`` as it stays in the file (None: dropped). A record of a step after ``last``
+    goes; so does a last line that a kill cut off (no newline, not whole JSON). Other lines
+    are not ours to judge and stay."""
+    if not line.endswith(b"\n"):
+        try:
+            json.loads(line)
+        except ValueError:
+            return None
+        line += b"\n"
+    step = _step_of(line)
+    return None if step is not None and step > last else line
+
+
+def _open_records(path: Path) -> int | None:
+    """``path`` opened for reading without following a link (None: there is no file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ValueError(
+            f"{path} is a symbolic link; the run keeps its own records there and writes "
+            "through no link: remove the link (a copy of its file may take its place)"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(
+            f"{path} is not a regular file: move it away, the run writes its records there"
+        )
+    return fd
+
+
+def drop_records_after(path: str | Path, last: int) -> int:
+    """On resume from a checkpoint at step ``last``: take out of the JSONL file ``path`` the
+    records of later steps, written by the run that stopped after that checkpoint (the
+    resumed run writes them again), and a last line cut off by a kill. Returns how many
+    lines went.
+
+    Only when something goes, the kept lines (byte for byte) are written to a new file beside
+    ``path``, which then replaces it in one rename: the earlier records are on disk at every
+    instant. A link at ``path`` is refused, neither read nor replaced.
+    """
+    path = Path(path)
+    fd = _open_records(path)
+    if fd is None:
+        return 0
+    with open(fd, "rb") as src:
+        dropped = sum(_keep(line, last) is None for line in src)
+        fixed = dropped or not _ends_with_newline(src)
+        if not fixed:
+            return 0
+        src.seek(0)
+        out, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with open(out, "wb") as dst:
+                for line in src:
+                    kept = _keep(line, last)
+                    if kept is not None:
+                        dst.write(kept)
+                dst.flush()
+                os.fchmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+                os.fsync(dst.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return dropped
+
+
+def _ends_with_newline(f) -> bool:
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return True
+    f.seek(size - 1)
+    return f.read(1) == b"\n"
+
+
+def _drop_rerun_records(trainer, pl_module, name: str) -> None:
+    """In a run started from a checkpoint: drop the records of ``<run>/name`` that belong to
+    steps after it (see ``drop_records_after``), on rank 0, which alone writes them."""
+    if trainer.ckpt_path is None or not trainer.is_global_zero:
+        return
+    last = int(getattr(pl_module, "iteration", trainer.global_step))
+    path = _run_dir(trainer) / name
+    dropped = drop_records_after(path, last)
+    if dropped:
+        log.info(
+            "resume: %d line(s) of %s after step %d (the stopped run's) dropped; those steps "
+            "run again and write their own",
+            dropped,
+            path,
+            last,
+        )
 
 
 def relevance_record(
@@ -55,6 +180,9 @@ class SampleTable(L.Callback):
 
     def __init__(self, every: int = 10, num: int = 4, print_table: bool = True) -> None:
         self.every, self.num, self.print_table = every, num, print_table
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        _drop_rerun_records(trainer, pl_module, "samples.jsonl")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         scored = pl_module.last
@@ -100,6 +228,9 @@ class RelevanceDump(L.Callback):
 
     def __init__(self, every: int = 10, num: int = 4) -> None:
         self.every, self.num = every, num
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        _drop_rerun_records(trainer, pl_module, "relevance.jsonl")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         scored = pl_module.last
