@@ -21,6 +21,14 @@ reader passes torch's errors through unchanged (a miniz error, a bare ``EOFError
 * **Clear errors.** An empty, truncated, altered or unreadable file fails with
   ``CheckpointError`` naming the file and the other checkpoints of its folder that can be
   used instead.
+* **Data only.** Every read uses torch's weights-only unpickler with ``CHECKPOINT_GLOBALS``
+  allowed for that read alone; a pickle that names any other function or class (one that
+  would call ``os.system``, say) is refused naming it, and nothing in it runs. A matching
+  ``.sha256`` proves only that the bytes are the ones written, not who wrote them.
+* **No writes through links.** Files are written under temporary names and renamed over
+  the target, which replaces a symlink planted there instead of writing into what it points
+  to; a removal removes only a checkpoint that this project wrote in its own folder (see
+  ``SafeCheckpointIO.remove_checkpoint``).
 
 ``assert_finite_state(model, optimizer)`` is the same finiteness check for live training
 state, meant to run after every optimizer update.
@@ -31,9 +39,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import re
 import tempfile
 import zipfile
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +58,26 @@ _CHUNK = 1 << 24  # 16 MiB per read when hashing
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be used (empty, truncated, altered, non-finite)."""
+    """A checkpoint file that cannot be used (empty, truncated, altered, non-finite, or
+    holding more than tensors and plain values).
+
+    ``path`` and ``reason`` are set for a damaged file, so that a caller can say what to do
+    instead in its own words (``advice``)."""
+
+    def __init__(self, message: str, path: Path | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.path, self.reason = path, reason
+
+    def advice(self, use: str) -> str:
+        """The message, with the other checkpoints offered for ``use`` ("evaluate one",
+        "export one", ...) rather than for resuming."""
+        if self.path is None or self.reason is None:
+            return str(self)
+        return damaged_message(self.path, self.reason, use)
+
+
+def _damaged(path: str | Path, what: str) -> CheckpointError:
+    return CheckpointError(damaged_message(path, what), Path(path), what)
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -305,7 +334,7 @@ def read_checksum(path: str | Path) -> tuple[str, int | None] | None:
         elif line.strip() and not digest:
             digest = line.split()[0].lower()
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise CheckpointError(damaged_message(path, f"has an unreadable checksum file {side.name}"))
+        raise _damaged(path, f"has an unreadable checksum file {side.name}")
     return digest, size
 
 
@@ -346,14 +375,16 @@ def alternatives(path: str | Path) -> list[Path]:
     return sorted(out, key=lambda p: (p.stat().st_mtime, _step_of(p)), reverse=True)
 
 
-def damaged_message(path: str | Path, what: str) -> str:
+def damaged_message(path: str | Path, what: str, use: str = "resume from one") -> str:
+    """``checkpoint <path> <what>``, then the usable checkpoints beside it, offered with
+    ``<use> with ckpt_path=...``."""
     path = Path(path)
     alt = alternatives(path)
     if alt:
         names = ", ".join(p.name for p in alt[:5])
         hint = (
-            f"Other checkpoints in {path.parent} (newest first): {names}. Resume from one "
-            f"with ckpt_path={alt[0]}"
+            f"Other checkpoints in {path.parent} (newest first): {names}. "
+            f"{use[:1].upper() + use[1:]} with ckpt_path={alt[0]}"
         )
     else:
         hint = f"There is no other checkpoint in {path.parent}; the run has to start again"
@@ -367,17 +398,13 @@ def _check_zip(path: Path) -> None:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(
-            damaged_message(
-                path,
-                "is not a complete checkpoint: its zip structure cannot be read "
-                f"({type(exc).__name__}), as when a file is truncated or overwritten",
-            )
+        raise _damaged(
+            path,
+            "is not a complete checkpoint: its zip structure cannot be read "
+            f"({type(exc).__name__}), as when a file is truncated or overwritten",
         ) from exc
     if bad is not None:
-        raise CheckpointError(
-            damaged_message(path, f"is damaged: its record {bad!r} fails its CRC-32 check")
-        )
+        raise _damaged(path, f"is damaged: its record {bad!r} fails its CRC-32 check")
 
 
 def verify_file(path: str | Path) -> str:
@@ -392,7 +419,7 @@ def verify_file(path: str | Path) -> str:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     size = path.stat().st_size
     if size == 0:
-        raise CheckpointError(damaged_message(path, "is empty (0 bytes)"))
+        raise _damaged(path, "is empty (0 bytes)")
     rec = read_checksum(path)
     if rec is None:
         log.warning(
@@ -406,19 +433,42 @@ def verify_file(path: str | Path) -> str:
     digest, want = rec
     if want is not None and size != want:
         what = "truncated" if size < want else "longer than it was written"
-        raise CheckpointError(
-            damaged_message(path, f"is {what}: {size} bytes, {want} were written")
-        )
+        raise _damaged(path, f"is {what}: {size} bytes, {want} were written")
     got = sha256_file(path)
     if got != digest:
-        raise CheckpointError(
-            damaged_message(
-                path,
-                f"was changed or damaged after it was written: its SHA-256 is {got[:16]}..., "
-                f"{checksum_path(path).name} recorded {digest[:16]}...",
-            )
+        raise _damaged(
+            path,
+            f"was changed or damaged after it was written: its SHA-256 is {got[:16]}..., "
+            f"{checksum_path(path).name} recorded {digest[:16]}...",
         )
     return "sha256"
+
+
+#: What the pickles of this project's checkpoints name, and all that a read allows besides
+#: the tensors (every dtype's storage), numbers, strings, lists, tuples and dicts that torch's
+#: weights-only reader always allows. Found by saving real checkpoints of RL runs (every
+#: method), SFT and LoRA runs and listing the globals of their pickles: Lightning's and our
+#: own ``on_save_checkpoint`` entries are plain values. A checkpoint naming anything else is
+#: refused (``load_checkpoint``); widen this tuple only for a type our own writer produces.
+CHECKPOINT_GLOBALS: tuple[Any, ...] = (OrderedDict, torch._utils._rebuild_tensor_v2)
+
+
+def _torch_load(path: Any, map_location: Any, mmap: bool) -> Any:
+    """``torch.load`` with the weights-only reader, ``CHECKPOINT_GLOBALS`` allowed for this
+    read only (the process-wide list is left as it was)."""
+    with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+def _refused_globals(path: Path, exc: BaseException) -> list[str]:
+    """The functions and classes a checkpoint's pickle names that the reader refused."""
+    names = re.findall(r"GLOBAL ([\w.]+)", str(exc))
+    try:
+        with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
+            names += torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # the static listing is best effort; torch's message named one
+        pass
+    return sorted(set(names))
 
 
 def load_checkpoint(
@@ -427,35 +477,52 @@ def load_checkpoint(
     weights_only: bool | None = None,
     mmap: bool = False,
 ) -> dict[str, Any]:
-    """Verify and load a checkpoint; refuse one with non-finite weights or optimizer state."""
+    """Verify and load a checkpoint; refuse one with non-finite weights or optimizer state,
+    and one whose pickle names anything but ``CHECKPOINT_GLOBALS`` (nothing in it runs).
+
+    ``weights_only`` is accepted for Lightning's call and ignored: every read is weights-only,
+    whatever a caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` asks for.
+    """
     path = Path(path)
     how = verify_file(path)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
-    except Exception as exc:
-        # The bytes are the ones written, so torch's own reason is the real one here
-        # (e.g. an object that weights_only=True does not allow).
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        ckpt = _torch_load(path, map_location, mmap)
+    except pickle.UnpicklingError as exc:
+        names = _refused_globals(path, exc)
+        if not names:
+            raise _unloadable(path, how, exc) from exc
         raise CheckpointError(
-            f"checkpoint {path} is intact (its {how} check passes) but torch could not "
-            f"load it: {type(exc).__name__}: {reason}"
+            f"checkpoint {path} names {', '.join(names[:5])} in its pickle, which no "
+            "checkpoint of this project does: it was refused before anything in it could "
+            "run (checkpoints are read as tensors and plain values only). Use a checkpoint "
+            "this project wrote"
         ) from exc
+    except Exception as exc:
+        raise _unloadable(path, how, exc) from exc
     if not isinstance(ckpt, dict):
-        raise CheckpointError(
-            damaged_message(path, f"holds a {type(ckpt).__name__}, not a checkpoint dict")
-        )
+        raise _damaged(path, f"holds a {type(ckpt).__name__}, not a checkpoint dict")
     bad = checkpoint_nonfinite(ckpt)
     if bad is not None:
-        raise CheckpointError(damaged_message(path, f"holds non-finite values: {bad}"))
+        raise _damaged(path, f"holds non-finite values: {bad}")
     return ckpt
+
+
+def _unloadable(path: Path, how: str, exc: BaseException) -> CheckpointError:
+    # The bytes are the ones written, so torch's own reason is the real one here.
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return CheckpointError(
+        f"checkpoint {path} is intact (its {how} check passes) but torch could not "
+        f"load it: {type(exc).__name__}: {reason}"
+    )
 
 
 def peek_checkpoint(path: str | Path, keys: Iterable[str]) -> dict[str, Any] | None:
     """Some top-level entries of a checkpoint (its ``global_step``, ...), read in a moment:
     unverified, with every tensor memory-mapped and none read. None when torch cannot open
-    the file; ``load_checkpoint``, which verifies it, then names what is wrong."""
+    the file (or it names more than ``CHECKPOINT_GLOBALS``); ``load_checkpoint``, which
+    verifies it, then names what is wrong."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = _torch_load(path, "cpu", mmap=True)
     except Exception:
         return None
     if not isinstance(ckpt, dict):
@@ -466,7 +533,7 @@ def peek_checkpoint(path: str | Path, keys: Iterable[str]) -> dict[str, Any] | N
 def verify_checkpoint(path: str | Path) -> None:
     """Everything ``load_checkpoint`` checks, with tensors memory-mapped rather than read
     into memory; for validating a resume before anything in the run folder changes."""
-    load_checkpoint(path, map_location="cpu", weights_only=True, mmap=True)
+    load_checkpoint(path, map_location="cpu", mmap=True)
 
 
 def _is_local(path: Any) -> bool:
@@ -474,10 +541,35 @@ def _is_local(path: Any) -> bool:
     return "://" not in s or s.startswith("file://")
 
 
+def _not_removable(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint this project wrote and may remove, or None.
+
+    Lightning removes the oldest kept checkpoint by a path it restored from the checkpoint
+    it resumed from, and checks that it lies in the checkpoint folder by its text only: a
+    path like ``<folder>/../../notes.ckpt`` passes. Only a ``.ckpt`` file whose ``.sha256``
+    sidecar records its size is removed (a symlink is removed itself, never its target).
+    """
+    if ".." in path.parts:
+        return "its path leaves the checkpoint folder through '..'"
+    if path.is_symlink() or not path.exists():
+        return None
+    if path.suffix != ".ckpt" or not path.is_file():
+        return "it is not a .ckpt file"
+    try:
+        rec = read_checksum(path)
+        size = path.stat().st_size
+    except (OSError, CheckpointError):
+        rec = None
+    if rec is None or rec[1] != size:
+        return f"no {CHECKSUM_SUFFIX} file beside it records its size (not written here?)"
+    return None
+
+
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO``: atomic, checksummed, finite-only checkpoints (see above).
 
-    Remote paths (``s3://...``) fall back to Lightning's own writer and reader.
+    Remote paths (``s3://...``) fall back to Lightning's own writer and reader; they are read
+    weights-only too.
     """
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
@@ -486,11 +578,19 @@ class SafeCheckpointIO(TorchCheckpointIO):
         atomic_save(checkpoint, str(path).removeprefix("file://"))
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None):
+        # Lightning passes weights_only=None (or what trainer.fit was given): read data only
         if not _is_local(path):
-            return super().load_checkpoint(path, map_location, weights_only)
-        return load_checkpoint(str(path).removeprefix("file://"), map_location, weights_only)
+            with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
+                return super().load_checkpoint(path, map_location, weights_only=True)
+        return load_checkpoint(str(path).removeprefix("file://"), map_location)
 
     def remove_checkpoint(self, path) -> None:
-        super().remove_checkpoint(path)
-        if _is_local(path):
-            checksum_path(str(path).removeprefix("file://")).unlink(missing_ok=True)
+        if not _is_local(path):
+            return super().remove_checkpoint(path)
+        path = Path(str(path).removeprefix("file://"))
+        why = _not_removable(path)
+        if why is not None:
+            log.warning("not removing %s, which Lightning asked to remove: %s", path, why)
+            return
+        path.unlink(missing_ok=True)
+        checksum_path(path).unlink(missing_ok=True)

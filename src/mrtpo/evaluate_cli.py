@@ -5,6 +5,12 @@ task come from that training run's saved config, ``<run>/.hydra/config.yaml``: t
 is scored as it was trained. A group chosen on the command line (``model=...``, ``task=...``)
 replaces the run's; a single key (``model.name_or_path=...``, ``task.num_val=...``) changes
 only that key of the run's group.
+
+A run folder may come from someone else, and its config may name code: a custom task's
+reward modules, a task class. Evaluating it imports that code only when the command line
+names the code itself (``task.rewards=...``, ``task=...``) or says
+``eval.trust_run_code=true``; otherwise the job stops naming the keys and the flag
+(``run_code``).
 """
 
 from __future__ import annotations
@@ -137,7 +143,7 @@ def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
 
 
 def from_training_run(
-    cfg: DictConfig, overrides: list[str] | None = None
+    cfg: DictConfig, overrides: list[str] | None = None, builds_task: bool = True
 ) -> tuple[DictConfig, dict[str, Any]]:
     """``cfg`` with ``model`` and ``task`` taken from the training run of ``cfg.ckpt_path``.
 
@@ -145,6 +151,9 @@ def from_training_run(
     overrides of a whole group win, and overridden keys are applied on top of the run's group.
     Returns the config and a record of where each group came from. ``overrides``: the
     command line of a caller that composed ``cfg`` itself (default: Hydra's).
+    ``builds_task``: the caller will build the task, so code that the run's task config
+    names is refused unless trusted (``check_run_code``); export, which never builds it,
+    passes False.
     """
     ckpt = cfg.get("ckpt_path")
     if not ckpt:
@@ -179,6 +188,8 @@ def from_training_run(
             ) from exc
         node = OmegaConf.create(node)
         if group == "task":
+            if builds_task:
+                check_run_code(cfg, node, keys, saved)
             info["dropped"] = _drop_smoke_limits(node, keys)
         for key in keys:  # e.g. model.name_or_path=/local/copy of the run's model
             sub = key[len(group) + 1 :]
@@ -191,6 +202,102 @@ def from_training_run(
         )
         log.info("eval: %s from the training run %s", group, saved.parent.parent)
     return cfg, info
+
+
+# ---- code named by a run folder's config ------------------------------------------------------
+
+#: Keys of a task config that name code (import strings, folders put on the import path, a
+#: folder of checker modules), with the evaluation split that imports it (None: every split).
+#: A task's ``_target_`` is code too: only the project's own task classes are taken as given.
+CODE_KEYS: dict[str, str | None] = {
+    "rewards": None,
+    "blocks": None,
+    "success": None,
+    "import_dirs": None,
+    "muldimif.checker_dir": "muldimif",
+}
+
+
+def _own_task_configs(cfg: DictConfig) -> dict[str, dict]:
+    """configs/task/*.yaml by ``_target_``, resolved with this command's ``paths``."""
+    from mrtpo.config import CONFIG_DIR
+
+    out: dict[str, dict] = {}
+    for path in sorted((CONFIG_DIR / "task").glob("*.yaml")):
+        try:
+            both = OmegaConf.create({"paths": cfg.get("paths") or {}, "task": OmegaConf.load(path)})
+            node = OmegaConf.to_container(both.task, resolve=True)
+        except Exception:  # a key this command cannot resolve: compared unresolved, differs
+            node = OmegaConf.to_container(OmegaConf.load(path))
+        if isinstance(node, dict) and node.get("_target_"):
+            out.setdefault(str(node["_target_"]), node)
+    return out
+
+
+def _targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every ``_target_`` in ``node`` as (dotted key, value)."""
+    found = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{path}.{k}" if path else str(k)
+            found += [(key, v)] if k == "_target_" else _targets(v, key)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _targets(v, f"{path}.{i}" if path else str(i))
+    return found
+
+
+def _dig(node: Any, key: str) -> Any:
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def run_code(task: DictConfig, given: list[str], cfg: DictConfig) -> list[str]:
+    """``task.<key>=<value>`` for each piece of code the run's ``task`` config names that the
+    command line does not name itself (``given``: its ``task.x`` keys)."""
+    node = OmegaConf.to_container(task, resolve=True)
+    own = _own_task_configs(cfg)
+    mine = own.get(str(node.get("_target_")), {})
+    split = OmegaConf.select(cfg, "eval.split", default=None)
+    found = [(k, v) for k, v in _targets(node) if not (k == "_target_" and v in own)]
+    for key, only_on in CODE_KEYS.items():
+        value = _dig(node, key)
+        if value in (None, [], {}, False) or (only_on is not None and split != only_on):
+            continue
+        if key == "success" and (not isinstance(value, str) or not any(c in value for c in ".:")):
+            continue  # "all" or a reward's name: no import
+        if value != _dig(mine, key):
+            found.append((key, value))
+
+    def named_here(key: str) -> bool:
+        full = f"task.{key}"
+        return any(full == g or full.startswith(g + ".") for g in given)
+
+    return [f"task.{k}={v!r}" for k, v in found if not named_here(k)]
+
+
+def check_run_code(cfg: DictConfig, task: DictConfig, given: list[str], saved: Path) -> None:
+    """Refuse to build a task whose code the run folder's config names, unless the user
+    trusts that folder (``eval.trust_run_code=true``); one line naming the keys."""
+    trust = OmegaConf.select(cfg, "eval.trust_run_code", default=False)
+    if not isinstance(trust, bool):
+        raise ValueError(f"eval.trust_run_code={trust!r} is not allowed: true or false")
+    code = run_code(task, given, cfg)
+    if not code:
+        return
+    listing = "; ".join(code)[:600]
+    if trust:
+        log.warning("eval: importing the code that %s names (eval.trust_run_code=true): %s",
+                    saved, listing)  # fmt: skip
+        return
+    keys = "=..., +".join(dict.fromkeys(c.split("=", 1)[0] for c in code))
+    raise ValueError(
+        f"ckpt_path={cfg.ckpt_path}: its training run's config {saved} names code that "
+        f"evaluating it would import and run: {listing}. Nothing of it was imported. If you "
+        "trust that run folder, add eval.trust_run_code=true; or name the code yourself on "
+        f"the command line (+{keys}=..., or task=<name>)"
+    )
 
 
 #: Task keys that shrink a training run's data (smoke runs, tests): an evaluation of its
@@ -215,16 +322,23 @@ def _drop_smoke_limits(task: DictConfig, given: list[str]) -> list[str]:
     return dropped
 
 
-def load_checkpoint_weights(policy, ckpt_path: str, model_source: str = "") -> int | None:
+def load_checkpoint_weights(
+    policy, ckpt_path: str, model_source: str = "", use: str = "evaluate one"
+) -> int | None:
     """Put the policy weights of a training checkpoint into ``policy``; return its step.
 
     A checkpoint of another model (other shapes or parameter names) fails naming the first
-    differences and where the model config came from, not with torch's size mismatch.
+    differences and where the model config came from, not with torch's size mismatch. A
+    damaged or refused checkpoint is a one-line ValueError naming it and the other
+    checkpoints of its folder, offered for ``use`` (``"export one"`` for src/export.py).
     """
-    from mrtpo.checkpointing import load_checkpoint
+    from mrtpo.checkpointing import CheckpointError, load_checkpoint
     from mrtpo.lora import checkpoint_keys
 
-    ckpt = load_checkpoint(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        ckpt = load_checkpoint(ckpt_path, map_location="cpu", mmap=True)
+    except CheckpointError as exc:
+        raise ValueError(exc.advice(use)) from exc
     state = ckpt.get("state_dict") or {}
     weights = {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
     ours = policy.state_dict()

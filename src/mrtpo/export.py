@@ -194,7 +194,7 @@ def run(cfg: DictConfig) -> Path:
         raise ValueError("ckpt_path= is required: the checkpoint to export (a .ckpt file)")
     if not cfg.get("out"):
         raise ValueError("out= is required: the folder to write the Hugging Face model to")
-    cfg, source = from_training_run(cfg)
+    cfg, source = from_training_run(cfg, builds_task=False)  # the run's task: never built
     ckpt_file = Path(str(ckpt)).resolve()
     model_dir = Path(str(cfg.model.name_or_path))
     out = check_destination(
@@ -205,7 +205,9 @@ def run(cfg: DictConfig) -> Path:
         ],
     )
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
-    step = load_checkpoint_weights(policy, str(ckpt_file), source.get("model_source", ""))
+    step = load_checkpoint_weights(
+        policy, str(ckpt_file), source.get("model_source", ""), use="export one"
+    )
     sampling = cfg.get("sampling")
     sampling = (
         dict(OmegaConf.to_container(sampling, resolve=True))

@@ -85,13 +85,14 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """Verify (checksum, finiteness) and load a checkpoint on the CPU, memory-mapped.
 
     A damaged, truncated or empty file is refused naming it and the earlier checkpoints of
-    its folder (``mrtpo.checkpointing``), not with torch's internal messages.
+    its folder (``mrtpo.checkpointing``), not with torch's internal messages. The read is
+    weights-only: a pickle that would call a function is refused naming it, and never runs.
     """
     from mrtpo.checkpointing import CheckpointError, load_checkpoint
 
     path = Path(path)
     try:
-        ckpt = load_checkpoint(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = load_checkpoint(path, map_location="cpu", mmap=True)
     except CheckpointError as exc:
         raise ResumeRefused(str(exc)) from exc
     if "state_dict" not in ckpt:
