@@ -72,3 +72,21 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+
+# ---- sharded models: facts the step needs without Lightning --------------------------
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    """True for a model wrapped by ``fully_shard`` (its forwards are collectives)."""
+    if model is None:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def dummy_batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt ids, prompt mask, response ids, response mask) of one row, one token each: the
+    cheapest forward a rank with no work left runs to keep a sharded loop in step."""
+    one = torch.full((1, 1), int(pad_id), dtype=torch.long)
+    mask = torch.ones((1, 1), dtype=torch.bool)
+    return one, mask, one.clone(), mask.clone()

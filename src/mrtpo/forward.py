@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,6 +32,15 @@ from torch import Tensor
 from mrtpo.loss import token_logprobs
 
 log = logging.getLogger(__name__)
+
+
+def shared_prompt_mode(value: Any) -> str | None:
+    """A shared-prompt switch as written in a config (``rl.shared_prompt_forward``,
+    ``rollout.engine.share_prompt``) as ``auto``, ``off`` or ``always``, YAML's ``false`` and
+    ``true`` read as off and auto; None when it is none of them."""
+    mode = str(value).lower()
+    mode = {"false": "off", "true": "auto"}.get(mode, mode)
+    return mode if mode in ("auto", "off", "always") else None
 
 
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -114,7 +124,7 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
-    from mrtpo.sharding import is_sharded
+    from mrtpo.distributed import is_sharded
 
     if is_sharded(model):  # only a call to the root gathers the root unit's weights
         return None
@@ -238,7 +248,7 @@ def shared_prompt_blocker(model: torch.nn.Module, in_step: bool = False) -> str 
     reason = _architecture_blocker(model, "key/value cache")
     if reason is not None:
         return reason
-    from mrtpo.sharding import is_sharded
+    from mrtpo.distributed import is_sharded
 
     if is_sharded(model) and not in_step:
         return "trainer=fsdp (each extra forward is a collective; kept to one per micro-batch)"

@@ -40,7 +40,7 @@ from torch import Tensor
 from mrtpo.batch import ScoredBatch
 from mrtpo.credit import js_distance
 from mrtpo.credit.methods import RelevanceRequest
-from mrtpo.distributed import Ranks
+from mrtpo.distributed import Ranks, dummy_batch, is_sharded
 from mrtpo.forward import (
     pad_left,
     response_hidden,
@@ -49,7 +49,6 @@ from mrtpo.forward import (
     split_head,
 )
 from mrtpo.rollout.build import chat_ids
-from mrtpo.sharding import dummy_batch, is_sharded
 from mrtpo.tasks.base import Contexts, Task
 
 log = logging.getLogger(__name__)

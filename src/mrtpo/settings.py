@@ -30,6 +30,9 @@ except ImportError:  # pragma: no cover - exercised by the GPU runner's dry run
         """Stands in for Hydra's where Hydra is not installed."""
 
 
+from mrtpo.forward import shared_prompt_mode
+
+
 class ConfigError(ValueError, CompactHydraException):
     """A config value that cannot work; the message names the key and what is allowed.
 
@@ -43,15 +46,6 @@ def _finite(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_finite(v) for v in value)
     return not isinstance(value, float) or math.isfinite(value)
-
-
-def shared_prompt_mode(value: Any) -> str | None:
-    """A shared-prompt switch as written in a config (``rl.shared_prompt_forward``,
-    ``rollout.engine.share_prompt``) as ``auto``, ``off`` or ``always``, YAML's ``false`` and
-    ``true`` read as off and auto; None when it is none of them."""
-    mode = str(value).lower()
-    mode = {"false": "off", "true": "auto"}.get(mode, mode)
-    return mode if mode in ("auto", "off", "always") else None
 
 
 def _need(ok: bool, section: str, key: str, value: Any, allowed: str) -> None:

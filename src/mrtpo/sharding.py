@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from mrtpo.distributed import dummy_batch, is_sharded  # noqa: F401  (re-exported)
 from mrtpo.models import DTYPES as _DTYPES
 
 
@@ -65,15 +66,6 @@ def check_shardable(model: torch.nn.Module) -> None:
             f"model.name_or_path); supported model_types: {sorted(LAYER_RULES)}. Use "
             "trainer=ddp (or trainer=gpu), or add a rule to mrtpo.sharding.LAYER_RULES"
         )
-
-
-def is_sharded(model: torch.nn.Module | None) -> bool:
-    """True for a model wrapped by ``fully_shard`` (its forwards are collectives)."""
-    if model is None:
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def resolve_dtype(name: str | None, key: str) -> torch.dtype | None:
@@ -198,14 +190,6 @@ def shard_module_policies(module) -> None:
     ref = getattr(module, "ref_policy", None)
     if ref is not None:
         shard_policy(ref, dp, mp, master, reshard)
-
-
-def dummy_batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(prompt ids, prompt mask, response ids, response mask) of one row, one token each: the
-    cheapest forward a rank with no work left runs to keep a sharded loop in step."""
-    one = torch.full((1, 1), int(pad_id), dtype=torch.long)
-    mask = torch.ones((1, 1), dtype=torch.bool)
-    return one, mask, one.clone(), mask.clone()
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

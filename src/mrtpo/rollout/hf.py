@@ -30,8 +30,8 @@ import torch
 
 from mrtpo.distributed import Ranks
 from mrtpo.faults import NonFiniteLogitsError
+from mrtpo.forward import shared_prompt_mode
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
-from mrtpo.settings import shared_prompt_mode
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class HFEngine(RolloutEngine):
 
         agree = None
         if lockstep and n >= 2 and self.share_prompt != "off":
-            from mrtpo.sharding import is_sharded
+            from mrtpo.distributed import is_sharded
 
             agree = agreed if is_sharded(model) else None
         try:
