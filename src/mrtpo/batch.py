@@ -6,7 +6,7 @@ N = B * G responses (B prompts, G samples each, prompt-major), K rewards, P prom
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,20 +67,14 @@ class RolloutBatch:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScoredBatch:
+    """Phase 2 of the step (``mrtpo.step``): the rollout and every response's rewards."""
+
     rollout: RolloutBatch
     scores: list[Score]  # N
     reward_names: tuple[str, ...]  # K
     rewards: Tensor  # [N, K] float32, NaN = does not apply
-    old_logp: Tensor | None = None  # [N, T] log pi_old(y_t | P0, y_<t), at the sampling temperature
-    # [N, T] detached min(pi_old / pi_engine, rl.tis_cap) per token, when rl.tis_cap is set
-    tis_weights: Tensor | None = None
-    ref_logp: Tensor | None = None  # [N, T] frozen reference, when kl_coef > 0
-    q: Tensor | None = None  # [N, K, T] or [N, 1, T] relevance from replay
-    replayed: Tensor | None = None  # [N, K] / [N, 1] bool
-    advantages: Tensor | None = None  # [N, T] token advantages
-    stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def mask(self) -> Tensor:

@@ -50,9 +50,19 @@ def _container(node) -> Any:
 
 
 class RLStage(Stage):
-    """Multi-reward RL: ``PolicyModule`` plus the rollout callback that feeds it."""
+    """Multi-reward RL: ``PolicyModule`` plus the rollout callback that feeds it.
+
+    ``optimizer`` (``params -> Optimizer``) and ``scheduler`` (``optimizer -> LRScheduler``)
+    come from ``_partial_`` nodes of configs/stage/rl.yaml; None: AdamW and the linear
+    warm-up of the ``optim`` settings."""
 
     name = "rl"
+
+    def __init__(
+        self, name: str | None = None, optimizer: Any = None, scheduler: Any = None
+    ) -> None:
+        super().__init__(name)
+        self.optimizer, self.scheduler = optimizer, scheduler
 
     def check(self, cfg: DictConfig, task: Task) -> None:
         from hydra.utils import instantiate
@@ -93,6 +103,8 @@ class RLStage(Stage):
             optim=section(cfg, "optim"),
             replay=section(cfg, "replay"),
             seed=cfg.seed,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
         )
         engine = instantiate(cfg.rollout.engine)
         rollout = RolloutCallback(

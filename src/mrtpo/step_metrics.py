@@ -1,6 +1,6 @@
 """The metrics of one RL step (``train/...``), and their combination over ranks.
 
-``assemble`` turns a scored, updated batch into flat metrics plus the weight of each mean
+``assemble`` turns a step's record (``mrtpo.step.StepRecord``) into flat metrics plus the weight of each mean
 (how many values it averages on this rank); ``combine`` merges every rank's into the global
 batch's; ``AbsentAsNaN`` writes NaN for a metric that existed before but not at this step
 (Lightning would otherwise repeat its stale last value).
@@ -9,9 +9,12 @@ batch's; ``AbsentAsNaN`` writes NaN for a metric that existed before but not at 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from mrtpo.batch import ScoredBatch
 from mrtpo.distributed import Ranks
+
+if TYPE_CHECKING:
+    from mrtpo.step.records import StepRecord
 
 # Step metrics that add up over ranks (the others are averaged, or min/max-reduced).
 SUM_METRICS = frozenset({"replay/forwards", "replay/tokens", "tokens_per_s"})
@@ -21,7 +24,7 @@ STAGE_TIMES = ("rollout", "reward", "old_logp", "replay", "update", "step")
 
 
 def assemble(
-    scored: ScoredBatch,
+    scored: StepRecord,
     update: Mapping[str, float],
     replay: Mapping[str, float],
     timings: Mapping[str, float],
@@ -65,7 +68,7 @@ def assemble(
 
 
 def _rewards(
-    scored: ScoredBatch, success_check: str | None
+    scored: StepRecord, success_check: str | None
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Each reward's mean over the responses it applies to, the summed reward, the success
     rate; with the counts they are means over (the weights of the rank reduction)."""

@@ -17,9 +17,9 @@ import pytest
 import torch
 from tests.integration.test_on_policy import OffsetEngine
 
-import mrtpo.module as module_mod
 from mrtpo.loss import EngineGap, engine_gap
 from mrtpo.pipeline import build, metrics_csv
+from mrtpo.step.passes import LogprobPasses
 
 TAU = 0.7
 CAP = 1.1  # some tokens' ratios are above it, some below
@@ -52,7 +52,7 @@ def _run(cfg, *, old_path: bool, monkeypatch):
     """One fit; returns (module, metrics rows, first gradients, no-grad forwards per step)."""
     with monkeypatch.context() as mp:
         if old_path:  # the extra no-grad pass, as before: the reference the new path must equal
-            mp.setattr(module_mod.PolicyModule, "gap_in_update", lambda *a: False)
+            mp.setattr(LogprobPasses, "gap_in_update", lambda *a: False)
         return _fit(cfg)
 
 
@@ -168,7 +168,7 @@ def test_a_policy_with_dropout_keeps_its_own_eval_pass(train_cfg, tmp_path, monk
         return trainer, module, dm
 
     monkeypatch.setattr(f"{__name__}.build", with_dropout)
-    with caplog.at_level(logging.INFO, logger="mrtpo.module"):
+    with caplog.at_level(logging.INFO, logger="mrtpo.step.passes"):
         _, rows, *_, nograd, _ = _run(cfg, old_path=False, monkeypatch=monkeypatch)
     assert nograd == 2
     assert "attention_dropout=0.1" in caplog.text

@@ -123,7 +123,7 @@ def test_kl_reference_is_the_base_model(lora_run, cache_dir):
         want = response_logprobs(
             base, roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask
         )
-    got = module.reference_logprobs(roll, micro=2)
+    got = module.step.passes.reference(roll, micro=2)
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
     assert module.last.ref_logp is not None
 

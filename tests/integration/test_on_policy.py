@@ -21,7 +21,7 @@ from scipy.spatial.distance import jensenshannon
 from tests.integration.test_replay import BlockTask
 
 import mrtpo.models as models_mod
-import mrtpo.module as module_mod
+import mrtpo.step.update as update_mod
 from mrtpo.batch import ScoredBatch, rewards_tensor
 from mrtpo.forward import response_logits, response_logprobs
 from mrtpo.models import load_policy
@@ -31,6 +31,7 @@ from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout, chat_ids
 from mrtpo.rollout.hf import HFEngine
 from mrtpo.settings import ConfigError
+from mrtpo.step import Relevance
 from mrtpo.tasks.synthetic.task import SyntheticTask
 
 TAU = 0.7
@@ -73,7 +74,7 @@ def test_engine_and_old_logprobs_are_the_tempered_distributions(tiny):
     from mrtpo.module import PolicyModule
 
     module = PolicyModule(model, tok, task, GDPO(), rl={"micro_batch_size": 5})
-    old = module._old_logprobs(roll, None, 5)
+    old = module.step.passes.old(roll, Relevance(), 5)
     torch.testing.assert_close(old, want, atol=1e-5, rtol=0)
     # the untempered log-probs are far from these: the test tells the two apart
     raw = _tempered_logp(model, roll, tau=1.0)
@@ -88,8 +89,8 @@ def test_first_update_ratio_is_exactly_one(train_cfg, monkeypatch):
         seen.append((kwargs["logp"].detach().clone(), kwargs["old_logp"].clone(), kwargs["mask"]))
         return policy_loss(**kwargs)
 
-    policy_loss = module_mod.policy_loss
-    monkeypatch.setattr(module_mod, "policy_loss", spy)
+    policy_loss = update_mod.policy_loss
+    monkeypatch.setattr(update_mod, "policy_loss", spy)
     cfg = train_cfg(
         "method=gdpo",
         f"rollout.sampling.temperature={TAU}",

@@ -138,17 +138,21 @@ def test_updates_move_the_student_toward_the_teacher(train_cfg, variant):
     for _ in range(6):
         opt.zero_grad(set_to_none=True)
         if variant == "full":
-            logp, logits = module._policy_logprobs(roll, 1.0)
+            logp, logits = module.step.updater.policy_logprobs(
+                roll, 1.0, module.method.wants_logits
+            )
             loss, _ = module.method.token_loss(logits, roll, 1.0, "token-mean", tokens)
         else:
-            old = module._logprobs(policy, roll, micro=8)
+            old = module.step.passes.logprobs(policy, roll, micro=8)
             scores = module.method.frozen.score(task, roll, old)
             adv = module.method(
                 CreditInputs(
                     rewards=torch.zeros(roll.n, 1), group=roll.group, mask=mask, extra=scores
                 )
             ).advantages
-            logp, logits = module._policy_logprobs(roll, 1.0)
+            logp, logits = module.step.updater.policy_logprobs(
+                roll, 1.0, module.method.wants_logits
+            )
             assert logits is None
             loss, _ = policy_loss(logp, logp.detach(), adv, mask, denom=tokens)
         loss.backward()

@@ -294,7 +294,7 @@ def test_fused_old_logprobs_match_the_plain_pass(tiny, dtype, layout):
     fused = dtype == torch.float32 or layout == "plain"
     assert bool(res.logp_rows.all()) == fused and bool(res.logp_rows.any()) == fused
     module = PolicyModule(model, tok, task, MRTPO(), rl={"micro_batch_size": 8})
-    old = module._old_logprobs(roll, res, 8)
+    old = module.step.passes.old(roll, res, 8)
     with torch.no_grad():
         plain = response_logprobs(
             model, roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask

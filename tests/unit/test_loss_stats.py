@@ -14,11 +14,12 @@ from mrtpo.batch import ScoredBatch, rewards_tensor
 from mrtpo.credit.methods import GDPO
 from mrtpo.forward import response_logprobs
 from mrtpo.loss import engine_gap, policy_loss
-from mrtpo.module import PolicyModule
+from mrtpo.module import PolicyModule, _Host
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
 from mrtpo.settings import ConfigError, RLConfig
+from mrtpo.step import MINIBATCH_STREAM, Advantages, OldPolicy
 from mrtpo.tasks.synthetic.task import SyntheticTask
 
 
@@ -158,11 +159,12 @@ def test_tis_cap_must_be_positive(cap):
 class _FixedUpdate(PolicyModule):
     """Runs only the update phase of a step, on a batch the test fixed."""
 
-    fixed: ScoredBatch
+    fixed: tuple[ScoredBatch, OldPolicy, Advantages]
     result: dict
 
     def training_step(self, batch, batch_idx):
-        self.result = self._update(self.fixed)
+        gen = self.step.generator(MINIBATCH_STREAM)
+        self.result = self.step.updater(_Host(self), self.method, *self.fixed, gen).metrics
 
 
 def test_logged_loss_and_clip_frac_match_a_hand_computation(tiny):
@@ -188,9 +190,9 @@ def test_logged_loss_and_clip_frac_match_a_hand_computation(tiny):
     # ratios far from the band's edges (1.65, 0.61, 0.90, 1.0), advantages of both signs
     g = torch.Generator().manual_seed(0)
     delta = torch.tensor([-0.5, 0.5, 0.1, 0.0])[torch.randint(0, 4, (n, t), generator=g)]
-    scored.old_logp = (logp + delta) * mask
+    old_logp = (logp + delta) * mask
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 1.0, -1.0])
-    scored.advantages = adv[:, None].expand(n, t) * mask
+    advantages = adv[:, None].expand(n, t) * mask
 
     module = _FixedUpdate(
         model,
@@ -202,7 +204,7 @@ def test_logged_loss_and_clip_frac_match_a_hand_computation(tiny):
         optim={"lr": 1e-12},
         seed=5,
     )
-    module.fixed = scored
+    module.fixed = (scored, OldPolicy(logp=old_logp), Advantages(advantages))
     trainer = L.Trainer(
         max_steps=1,
         accelerator="cpu",
@@ -214,8 +216,8 @@ def test_logged_loss_and_clip_frac_match_a_hand_computation(tiny):
     trainer.fit(module, train_dataloaders=[0])
     got = module.result
 
-    ratio = torch.exp(logp - scored.old_logp)
-    a = scored.advantages
+    ratio = torch.exp(logp - old_logp)
+    a = advantages
     unclipped, clipped = ratio * a, ratio.clamp(0.8, 1.28) * a
     per_token = -torch.minimum(unclipped, clipped)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(5 * 104729 + 0))

@@ -1,0 +1,111 @@
+"""The frozen records one RL step passes from phase to phase (shapes as in ``mrtpo.batch``).
+
+Each phase of ``mrtpo.step.RLStep`` takes the records before it and returns a new one; no
+record is changed after it is made. ``StepRecord`` joins them at the end of the step, for
+the metrics, the callbacks (sample tables, relevance dumps) and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from mrtpo.batch import RolloutBatch, ScoredBatch
+from mrtpo.tasks.base import Score
+
+
+@dataclass(frozen=True)
+class Relevance:
+    """Phase 3 (replay): per-token relevance of the replayed (response, reward) pairs."""
+
+    q: Tensor | None = None  # [N, K, T] or [N, 1, T]; None when nothing was replayed
+    replayed: Tensor | None = None  # [N, K] / [N, 1] bool
+    #: replay's ``P_all`` log-probs [N, T], valid on ``logp_rows`` [N]: where P_all is the
+    #: sampling prompt they are pi_old's and save that forward (``OldPolicy``)
+    logp: Tensor | None = None
+    logp_rows: Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
+
+
+@dataclass(frozen=True)
+class OldPolicy:
+    """Phase 4: what the updates compare against (a field is None when not needed)."""
+
+    logp: Tensor | None = None  # [N, T] pi_old, when more than one update follows
+    tis: Tensor | None = None  # [N, T] truncated importance weights (rl.tis_cap)
+    ref_logp: Tensor | None = None  # [N, T] the KL reference's (rl.kl_coef > 0)
+    extra: Any = None  # the method's own no-grad inputs (``score_inputs``)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # the engine gap
+    #: the engine gap (and TIS weights) come from the update's own forward, which is pi_old's
+    #: when one update follows (``OldPolicyPass.gap_in_update``)
+    gap_in_update: bool = False
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Phase 5: token advantages and the method's statistics (logged as train/adv/<key>)."""
+
+    advantages: Tensor  # [N, T]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Update:
+    """Phase 6: the step's update metrics, and what the update measured on the way."""
+
+    metrics: dict[str, float]
+    tis: Tensor | None = None  # [N, T] TIS weights measured by the update's forward
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # the engine gap, idem
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything one step computed, made once at its end."""
+
+    rollout: RolloutBatch
+    scores: list[Score]
+    reward_names: tuple[str, ...]
+    rewards: Tensor  # [N, K]
+    q: Tensor | None = None
+    replayed: Tensor | None = None
+    old_logp: Tensor | None = None
+    tis_weights: Tensor | None = None
+    ref_logp: Tensor | None = None
+    advantages: Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mask(self) -> Tensor:
+        return self.rollout.response_mask
+
+    @classmethod
+    def of(
+        cls, scored: ScoredBatch, rel: Relevance, old: OldPolicy, adv: Advantages, upd: Update
+    ) -> StepRecord:
+        return cls(
+            rollout=scored.rollout,
+            scores=scored.scores,
+            reward_names=scored.reward_names,
+            rewards=scored.rewards,
+            q=rel.q,
+            replayed=rel.replayed,
+            old_logp=old.logp,
+            tis_weights=upd.tis if upd.tis is not None else old.tis,
+            ref_logp=old.ref_logp,
+            advantages=adv.advantages,
+            stats=adv.stats,
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What ``RLStep.run`` returns: the global metrics to log (``train/`` prefixed), the
+    progress-bar values, and the step's record (None when the update was skipped)."""
+
+    metrics: dict[str, float]
+    bar: dict[str, float] = field(default_factory=dict)
+    record: StepRecord | None = None
+    skipped: str | None = None  # what was not finite ("rewards", "advantages", "loss")
+    times: dict[str, float] = field(default_factory=dict)  # seconds of each phase

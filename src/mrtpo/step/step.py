@@ -1,0 +1,323 @@
+"""One multi-reward RL step, top to bottom, with no training framework around it.
+
+``RLStep.run(rollout, host)`` goes through the phases in order, each taking the records
+before it and returning a frozen one (``mrtpo.step.records``):
+
+1. sample: the rollout, from whatever source the caller has (the rollout callback under
+   Lightning, ``RolloutSource`` in a plain loop): G responses for each of B prompts;
+2. score: the task's K named rewards and verifier blocks (``ScoredBatch``);
+3. relevance: if the method asks for it, replay scores the tokens of each requested
+   (response, reward) pair under the parameters that sampled them (``Relevance``);
+4. old policy: pi_old's log-probs when more than one update follows (from replay's P_all
+   pass where P_all is the sampling prompt), the KL reference's, the method's own no-grad
+   inputs, the engine-trainer gap (``OldPolicy``);
+5. advantages: the method turns rewards (and relevance) into token advantages
+   (``Advantages``);
+6. update: clipped-surrogate updates over mini-batches, through the ``UpdateHost`` that owns
+   the optimizer (``Update``).
+
+Distributed agreement (a skip any rank decides, metrics of the global batch) goes through
+``mrtpo.distributed.Ranks``. The step never looks at a method's, task's or engine's name.
+This module imports neither Lightning nor Hydra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mrtpo import step_metrics
+from mrtpo.batch import RolloutBatch, ScoredBatch, rewards_tensor
+from mrtpo.credit.methods import AdvantageMethod, CreditInputs, MethodServices, StepView
+from mrtpo.distributed import Ranks, is_sharded
+from mrtpo.faults import FaultTracker
+from mrtpo.loss import engine_gap
+from mrtpo.replay import Replayer
+from mrtpo.scoring import score_batch
+from mrtpo.step.passes import LogprobPasses, Once
+from mrtpo.step.records import Advantages, OldPolicy, Relevance, StepRecord, StepResult
+from mrtpo.step.update import UpdateHost, Updater
+from mrtpo.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+
+#: The step's random streams (``generator``): a generator seeded ``seed * stream +
+#: iteration`` per stream, so the shuffle ablation's draws and the mini-batch order do not
+#: depend on each other (two primes; changing one changes every run's numbers).
+SHUFFLE_STREAM = 7919
+MINIBATCH_STREAM = 104729
+
+
+class RLStep:
+    """The step and the state it keeps between steps (the iteration, fault counters)."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        tokenizer,
+        task: Task,
+        method: AdvantageMethod,
+        rl,
+        replayer: Replayer,
+        *,
+        ref_policy: torch.nn.Module | None = None,
+        seed: int = 0,
+        ranks: Ranks | None = None,
+        device: Callable[[], torch.device] | None = None,
+    ) -> None:
+        self.policy, self.tokenizer, self.task, self.method = policy, tokenizer, task, method
+        self.rl, self.replayer, self.seed = rl, replayer, seed
+        self.device = device or (lambda: torch.device("cpu"))
+        self.ranks = ranks or Ranks(self.device)
+        self.iteration = 0  # completed RL steps (one per prompt batch, skipped ones included)
+        self.faults = FaultTracker(rl.max_nonfinite_steps, rl.max_consecutive_score_failures)
+        pad = tokenizer.pad_token_id
+        share = rl.shared_prompt_forward
+        self.passes = LogprobPasses(policy, ref_policy, pad, self.ranks, share)
+        self.updater = Updater(policy, rl, self.ranks, pad, self.device)
+        self.absent_as_nan = step_metrics.AbsentAsNaN()
+
+    def method_services(self) -> MethodServices:
+        """What ``AdvantageMethod.bind`` lends a method: the task, the tokenizer, replay's
+        forward sizes and a frozen copy of the policy as it is now (the initial weights when
+        the step is built), made on first use."""
+        made: list[tuple[torch.nn.Module, bool]] = []
+
+        def frozen_policy() -> tuple[torch.nn.Module, bool]:
+            if not made:
+                made.append(self.passes.frozen_policy())
+            return made[0]
+
+        return MethodServices(
+            task=self.task,
+            tokenizer=self.tokenizer,
+            frozen_policy=frozen_policy,
+            token_budget=int(self.replayer.token_budget),
+            chunk=int(self.replayer.jsd_chunk),
+            shared_prompt=self.rl.shared_prompt_forward,
+        )
+
+    def generator(self, stream: int) -> torch.Generator:
+        """A generator seeded by the run's seed, this step and one of the step's streams: the
+        same on every rank, and the same again when the step is rerun after a resume."""
+        return torch.Generator().manual_seed(self.seed * stream + self.iteration)
+
+    # ---- the step ----------------------------------------------------------------------
+    def run(self, rollout: RolloutBatch, host: UpdateHost, rollout_s: float = 0.0) -> StepResult:
+        """Phases 2-6 on ``rollout`` (phase 1); ``rollout_s``: the seconds it took."""
+        t_step, times = time.perf_counter(), {"rollout": rollout_s}
+        with _timed(times, "reward"):
+            scored = self.score(rollout)
+        self.faults.check_scoring(scored.scores, rollout.examples, self.iteration, self.ranks)
+        # NaN means "does not apply"; +-inf is a broken reward: skip rather than train on it.
+        if self.ranks.any(bool(torch.isinf(scored.rewards).any())):
+            return self.skip(host, "rewards", scored)
+        with _timed(times, "replay"):
+            rel = self.relevance(scored)
+        with _timed(times, "old_logp"):
+            old = self.old_policy(rollout, rel)
+        adv = self.advantages(scored, rel, old)
+        if self.ranks.any(not bool(torch.isfinite(adv.advantages).all())):
+            return self.skip(host, "advantages", scored, adv.advantages)
+        with _timed(times, "update"):
+            upd = self.updater(
+                host, self.method, scored, old, adv, self.generator(MINIBATCH_STREAM)
+            )
+        if upd is None:
+            return self.skip(host, "loss", scored, adv.advantages)
+        self.iteration += 1
+        record = StepRecord.of(scored, rel, old, adv, upd)
+        times["step"] = time.perf_counter() - t_step + rollout_s
+        gap = upd.rollout_metrics or old.rollout_metrics
+        return self.result(record, {**upd.metrics, **gap}, rel.metrics, times)
+
+    def score(self, rollout: RolloutBatch) -> ScoredBatch:
+        """2. Every response's rewards (NaN: does not apply) and verifier blocks."""
+        scores = score_batch(self.task, rollout.examples, rollout.texts, self.faults)
+        names = tuple(self.task.reward_names)
+        return ScoredBatch(rollout, scores, names, rewards_tensor(scores, names))
+
+    def relevance(self, scored: ScoredBatch) -> Relevance:
+        """3. Replay, before any parameter update of this step, as the method's request says.
+        At beta = 0 (e.g. the first step of a warm-up) relevance cannot change the
+        advantages, so it is skipped."""
+        if self.method.relevance is None or not self.method.beta(self.iteration) > 0:
+            return Relevance()
+        roll = scored.rollout
+        pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_info(scored))
+        res = self._replay(scored, pairs)
+        metrics = {f"replay/{k}": v for k, v in res.metrics.items()}
+        return Relevance(res.q, res.replayed, res.logp, res.logp_rows, metrics)
+
+    def has_info(self, scored: ScoredBatch) -> torch.Tensor:
+        """[N, K] bool: which present rewards have verifier information for replay."""
+        if self.task.info_in_prompt:
+            out = torch.ones(scored.rewards.shape, dtype=torch.bool)
+        else:
+            out = torch.tensor(
+                [[s.blocks.get(k) is not None for k in scored.reward_names] for s in scored.scores],
+                dtype=torch.bool,
+            ).reshape(scored.rewards.shape)
+        return out & ~scored.rewards.isnan()
+
+    def old_policy(self, roll: RolloutBatch, rel: Relevance) -> OldPolicy:
+        """4. What the updates compare against, under P0 at the sampling temperature.
+
+        pi_old's log-probs when more than one update follows (with one they equal the current
+        policy's, so the ratio does not need them). Then the KL reference's, and the method's
+        own no-grad inputs. Where the engine reported its own log-probs, the engine-trainer
+        gap (and, with rl.tis_cap, the weights that correct for it) is measured against pi_old:
+        from these log-probs when they exist, else from the update's own forward, else (a
+        policy with dropout) by a pass of its own.
+        """
+        rl, micro = self.rl, int(self.rl.micro_batch_size)
+        several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
+        gap = roll.engine_logp is not None and (
+            several or rl.tis_cap is not None or rl.measure_logp_gap
+        )
+        if rl.tis_cap is not None and roll.engine_logp is None:  # refused at start-up, unless
+            raise RuntimeError(  # the engine's class claims log-probs it did not deliver
+                f"rl.tis_cap={rl.tis_cap} needs the engine's log-probs of the sampled tokens and "
+                "the engine returned none; set reports_logprobs = False on its class"
+            )
+        logp = Once(lambda: self.passes.old(roll, rel, micro))
+        old_logp = logp() if several else None
+        ref = self.passes.reference(roll, micro) if rl.kl_coef > 0 else None
+        extra = self.method.score_inputs(StepView(roll, logp, self.device()))
+        fields: dict[str, Any] = {"logp": old_logp, "ref_logp": ref, "extra": extra}
+        if gap and self.passes.gap_in_update(several, logp.made):
+            return OldPolicy(**fields, gap_in_update=True)
+        if gap:
+            metrics, tis = engine_gap(logp(), roll.engine_logp, roll.response_mask, rl.tis_cap)
+            return OldPolicy(**fields, tis=tis, rollout_metrics=metrics)
+        return OldPolicy(**fields)
+
+    def advantages(self, scored: ScoredBatch, rel: Relevance, old: OldPolicy) -> Advantages:
+        """5. Token advantages [N, T] and the method's statistics. Group ids are local to this
+        rank (0..B-1): a group never spans ranks. Under DDP the inputs go to this rank's
+        device, which the collective backend needs (NCCL reduces CUDA tensors only); batch
+        statistics are then global."""
+        dev = self.device() if self.ranks.group is not None else torch.device("cpu")
+
+        def on_dev(x):
+            return x.to(dev) if x is not None else None
+
+        roll = scored.rollout
+        out = self.method(
+            CreditInputs(
+                rewards=on_dev(scored.rewards),
+                group=on_dev(roll.group),
+                mask=on_dev(roll.response_mask),
+                step=self.iteration,
+                q=on_dev(rel.q),
+                replayed=on_dev(rel.replayed),
+                process_group=self.ranks.group,
+                generator=self.generator(SHUFFLE_STREAM),
+                extra=old.extra,
+            )
+        )
+        return Advantages(out.advantages.cpu(), dict(out.stats))
+
+    def _replay(self, scored: ScoredBatch, pairs: torch.Tensor):
+        """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
+
+        The smaller budget is kept for the rest of the run (the next batch would fail the
+        same way). Replay runs no collectives, so a retry on one rank alone is safe; under
+        sharding every forward is a collective and a rank cannot retry alone: no retry.
+        """
+        retries = 0 if is_sharded(self.policy) else int(self.rl.replay_oom_retries)
+        for attempt in range(retries + 1):
+            failed = None
+            try:
+                return self.replayer.run(
+                    self.policy, self.task, scored, pairs, self.method.relevance
+                )
+            except OOM_ERRORS as exc:
+                failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+            # Outside the except block, so the failed forward's tensors can be freed.
+            _free_accelerator_memory()
+            old = int(self.replayer.token_budget)
+            if attempt == retries or old <= 1:
+                raise RuntimeError(
+                    f"replay ran out of memory {attempt + 1} time(s), down to "
+                    f"replay.token_budget={old} ({failed}); lower rollout.sampling."
+                    "max_new_tokens or rl.prompts_per_step, or raise rl.replay_oom_retries"
+                )
+            self.replayer.token_budget = max(1, old // 2)
+            self.faults.count("replay_oom_retries")
+            log.warning(
+                "replay ran out of memory at step %d (%s); retrying with replay.token_budget=%d "
+                "(set it in the config to avoid the retry)",
+                self.iteration,
+                failed,
+                self.replayer.token_budget,
+            )
+        raise AssertionError("unreachable")
+
+    # ---- skips and metrics -------------------------------------------------------------
+    def skip(self, host: UpdateHost, what: str, scored: ScoredBatch, adv=None) -> StepResult:
+        """Skip this step's update (every rank does, the decision being joint).
+
+        The step still counts: the iteration and the host's step count advance, so the data
+        stream, the β schedule, ``trainer.max_steps`` and the metrics' step column stay
+        aligned, and the learning-rate warm-up counts it as β's does.
+        """
+        bad = ~torch.isfinite(scored.rewards).all(-1)
+        if adv is not None:
+            bad = bad | ~torch.isfinite(adv).all(-1)
+        ids = [scored.rollout.examples[i].id for i in bad.nonzero().flatten().tolist()[:5]]
+        self.faults.nonfinite(what, self.iteration, ids)
+        host.skip_step()
+        self.iteration += 1
+        metrics = {
+            "train/nonfinite_skips": float(self.faults.nonfinite_steps),
+            "train/skipped": 1.0,
+            "train/iteration": float(self.iteration),
+            "train/beta": float(self.method.beta(self.iteration - 1)),
+            "train/scoring_errors": float(self.faults.step_scoring_errors),
+        }
+        return StepResult(metrics, skipped=what)
+
+    def result(self, record: StepRecord, upd, replay_metrics, times) -> StepResult:
+        """The step's metrics over the global batch (every rank gets the same values)."""
+        m, weights = step_metrics.assemble(
+            record,
+            upd,
+            replay_metrics,
+            times,
+            self.faults.counters,
+            success_check=self.task.success_check,
+            beta=self.method.beta(self.iteration - 1),
+            iteration=self.iteration,
+            nonfinite_skips=self.faults.nonfinite_steps,
+            scoring_errors=self.faults.step_scoring_errors,
+        )
+        m = self.absent_as_nan(step_metrics.combine(m, weights, self.ranks, self.faults.counters))
+        bar = {"reward": m["reward/total/mean"]}
+        if "success" in m:
+            bar["success"] = m["success"]
+        return StepResult({f"train/{k}": v for k, v in m.items()}, bar, record, times=times)
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], phase: str):
+    """Time one phase of the step (logged as ``train/time/<phase>``)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] = time.perf_counter() - t0
+
+
+def _free_accelerator_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
