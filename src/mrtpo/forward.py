@@ -300,10 +300,12 @@ def _windowed(cfg) -> bool:
     return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True)
 
 
-def _say_once(reason: str) -> None:
+def _say_once(reason: str, used: bool = False) -> None:
+    """Log once per reason and process why the key/value-cache form of the shared-prompt
+    forward is not used (``used``: a form of it is, and ``reason`` says which)."""
     if reason not in _said:
         _said.add(reason)
-        log.info("shared-prompt forward not used: %s", reason)  # once per reason and process
+        log.info("%s%s", "" if used else "shared-prompt forward not used: ", reason)
 
 
 def prompt_groups(
@@ -378,7 +380,7 @@ def _packed_groups(model, first, row_prefix, width, n, t, mode, why) -> PromptGr
     c = _token_cost(model)
     cheaper = r * (c * packed_len + packed_len**2) <= n * (c * plain_len + plain_len**2)
     if mode == "always" or (worth_sharing(groups.saved, plain) and cheaper):
-        _say_once(f"shared-prompt forward packs each group into one sequence: {why}")
+        _say_once(f"shared-prompt forward packs each group into one sequence: {why}", used=True)
         return groups
     _say_once(
         "some packed forwards would not pay (they must save >= "

@@ -178,6 +178,8 @@ def test_packed_form_is_used_only_where_it_saves(tiny, caplog):
         assert prompt_groups(m, long_ids, long_mask, t, "auto", packable=True) is None
     said = [r.getMessage() for r in caplog.records if "shared-prompt" in r.getMessage()]
     assert any("packs each group" in s and "gradient checkpointing" in s for s in said)
+    # the packed form is a shared-prompt forward: its line does not say "not used" (issue 37)
+    assert not any("packs each group" in s and "not used" in s for s in said)
     assert sum("flash_attention_2" in s for s in said) == 1
 
 
