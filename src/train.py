@@ -31,10 +31,13 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
+    from mrtpo.faults import run_and_exit
     from mrtpo.settings import ConfigError, check_overrides
 
     try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts
         check_overrides(sys.argv[1:])
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
-    main()
+    # SIGTERM/SIGINT end the run within a bounded time (exit status 143/130), and threads a
+    # reward left running do not keep the process alive after the run (mrtpo.faults)
+    run_and_exit(main)

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.cli import load_model
 from mrtpo.config import compose
+from mrtpo.faults import STOP, RunInterrupted
 from mrtpo.run_folder import (
     NothingToTrain,
     RunFolderLock,
@@ -169,6 +170,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     The run folder is locked for the whole run (``RunFolderLock``): a second process in the
     same folder is refused at once, naming the first. A ``+resume`` of a run that already
     reached ``trainer.max_steps`` raises ``NothingToTrain`` (saying so) before anything loads.
+    A SIGTERM or SIGINT ends it as ``RunInterrupted`` (``mrtpo.faults.SignalStop``).
     """
     if cfg.get("print_config"):
         print_config(cfg)
@@ -181,12 +183,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if folder is not None and not cfg.get("resume"):
         folder.mkdir(parents=True, exist_ok=True)
     try:
-        if cfg.get("resume"):
-            resume_checkpoint(cfg)  # a folder that is not a run is refused before the lock
-        with RunFolderLock(folder) if folder is not None else contextlib.nullcontext() as lock:
-            return _train_locked(cfg, lock)
+        with STOP.guarding(folder):
+            if cfg.get("resume"):
+                resume_checkpoint(cfg)  # a folder that is not a run is refused before the lock
+            with RunFolderLock(folder) if folder is not None else contextlib.nullcontext() as lock:
+                return _train_locked(cfg, lock)
     except NothingToTrain:
         drop_pending_log()  # the run finished already: nothing changed, nothing to keep
+        raise
+    except RunInterrupted as exc:
+        if cfg.get("resume") and not exc.trained:  # stopped before it changed the folder
+            park_refused_log(cfg, exc)
         raise
     except Exception as exc:
         if cfg.get("resume"):
@@ -228,11 +235,12 @@ def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, floa
         held = lock is not None and lock.fd is not None
         inside = held and Path(str(ckpt_dir)).resolve().is_relative_to(lock.folder.resolve())
         remove_stale_temporaries(ckpt_dir, all_stale=inside)
-    if cfg.get("resume"):
-        record_resume(cfg, cfg.resume)
-    else:
-        record_invocation(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    with STOP.fitting(trainer, ckpt_dir):  # a SIGTERM from here on lets the step end
+        if cfg.get("resume"):
+            record_resume(cfg, cfg.resume)
+        else:
+            record_invocation(cfg)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     path = metrics_csv(trainer)
     if path is not None and trainer.is_global_zero:

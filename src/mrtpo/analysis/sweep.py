@@ -586,7 +586,8 @@ def _run_dir(config: DictConfig) -> Path:
 class RunRecorder(Callback):
     """Writes ``job.json`` for each job (resolved run name, overrides, status, wall time) and a
     multirun's ``summary.csv`` / ``summary.md``. Hydra turns an exception raised here into a
-    warning, so recording never fails a run."""
+    warning, so recording never fails a run. A job stopped by SIGTERM or SIGINT
+    (``mrtpo.faults.RunInterrupted``) is recorded as ``"interrupted"`` and ends its sweep."""
 
     def __init__(self, summary: bool = True) -> None:
         self.summary = summary
@@ -600,7 +601,11 @@ class RunRecorder(Callback):
             return
         out = _run_dir(config)
         failed = getattr(getattr(job_return, "status", None), "name", "") == "FAILED"
-        if failed and OmegaConf.select(config, "resume", default=None):
+        # the property re-raises a failed job's exception; the field holds it
+        error = getattr(job_return, "_return_value", None) if failed else None
+        status = getattr(error, "job_status", "failed") if failed else "completed"
+        refused = failed and not getattr(error, "trained", False)  # (interrupted: it trained)
+        if refused and OmegaConf.select(config, "resume", default=None):
             return  # a refused resume leaves the run folder exactly as it was
         if not out.is_dir():
             return
@@ -615,9 +620,8 @@ class RunRecorder(Callback):
             "started": started,
             "finished": _now(),
             "wall_s": None if wall is None else round(wall, 3),
-            "status": "failed" if failed else "completed",
-            # the property re-raises a failed job's exception; the field holds it
-            "error": repr(getattr(job_return, "_return_value", None))[:2000] if failed else None,
+            "status": status,
+            "error": repr(error)[:2000] if failed else None,
             "overrides": [str(o) for o in getattr(job_return, "overrides", None) or []],
         }
         previous = _read_json(out / RUN_JSON).get("invocations", [])
@@ -641,10 +645,13 @@ class RunRecorder(Callback):
         }
         _atomic_write(out / RUN_JSON, json.dumps(record, indent=2) + "\n")
         mode = OmegaConf.select(config, "hydra.mode", default=None)
-        if self.summary and getattr(mode, "name", str(mode)).endswith("MULTIRUN"):
+        multirun = getattr(mode, "name", str(mode)).endswith("MULTIRUN")
+        if self.summary and multirun:
             sweep = _sweep_dir(config)
             if sweep is not None:
                 write_summary(sweep)
+        if multirun and status == "interrupted":  # the signal was for the sweep: no next job
+            raise SystemExit(getattr(error, "exit_status", 1))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.summary:
