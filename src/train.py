@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
-    from mrtpo.faults import run_and_exit
+    from mrtpo.signals import run_and_exit
     from mrtpo.settings import ConfigError, check_overrides
 
     try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts

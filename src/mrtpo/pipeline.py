@@ -10,7 +10,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.cli import load_model
 from mrtpo.config import compose
-from mrtpo.faults import STOP, RunInterrupted
 from mrtpo.run_folder import (
     NothingToTrain,
     RunFolderLock,
@@ -27,6 +26,7 @@ from mrtpo.run_folder import (
     validate_resume,
 )
 from mrtpo.settings import check_placement, resolve_batch, section, validate
+from mrtpo.signals import STOP, RunInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     The run folder is locked for the whole run (``RunFolderLock``): a second process in the
     same folder is refused at once, naming the first. A ``+resume`` of a run that already
     reached ``trainer.max_steps`` raises ``NothingToTrain`` (saying so) before anything loads.
-    A SIGTERM or SIGINT ends it as ``RunInterrupted`` (``mrtpo.faults.SignalStop``).
+    A SIGTERM or SIGINT ends it as ``RunInterrupted`` (``mrtpo.signals.SignalStop``).
     """
     if cfg.get("print_config"):
         print_config(cfg)

@@ -587,7 +587,7 @@ class RunRecorder(Callback):
     """Writes ``job.json`` for each job (resolved run name, overrides, status, wall time) and a
     multirun's ``summary.csv`` / ``summary.md``. Hydra turns an exception raised here into a
     warning, so recording never fails a run. A job stopped by SIGTERM or SIGINT
-    (``mrtpo.faults.RunInterrupted``) is recorded as ``"interrupted"`` and ends its sweep."""
+    (``mrtpo.signals.RunInterrupted``) is recorded as ``"interrupted"`` and ends its sweep."""
 
     def __init__(self, summary: bool = True) -> None:
         self.summary = summary
