@@ -45,7 +45,7 @@ def assemble(
             {
                 "adv/mean": float(a.mean()),
                 "adv/abs_mean": float(a.abs().mean()),
-                "adv/std": float(a.std()) if a.numel() > 1 else 0.0,
+                "adv/std": float(a.std(unbiased=False)) if a.numel() > 1 else 0.0,
                 "adv/min": float(a.min()),
                 "adv/max": float(a.max()),
             }
@@ -54,6 +54,13 @@ def assemble(
     m.update({f"adv/{k}": float(v) for k, v in scored.stats.items()})
     m.update(replay)
     m.update(update)
+    # means over this rank's valid tokens (the engine gap, the update's per-token statistics)
+    # or its responses (sequence ratios) are combined over ranks weighted by those counts
+    tokens, rows = float(mask.sum()), float(mask.shape[0])
+    for k in update:
+        if k not in ("loss", "lr") and not k.endswith(("/min", "/max")):
+            weights[k] = rows if k.startswith("rollout/seq_") else tokens
+    weights["adv/std"] = weights["adv/mean"]
     lengths = mask.sum(-1).float()
     m["response_len/mean"] = float(lengths.mean())
     m["response_len/max"] = float(lengths.max())
@@ -127,10 +134,28 @@ def combine(
             out[k] = float(max(xs))
         elif k in GLOBAL_METRICS or k in already_global:
             out[k] = float(xs[0])  # already global (or identical on every rank)
+        elif k.endswith("/std") and k.removesuffix("/std") + "/mean" in keys:
+            out[k] = _pooled_std(parts, k, k.removesuffix("/std") + "/mean")
         else:
             total = sum(w for _, w in vals)
             out[k] = float(sum(v * w for v, w in vals) / total) if total > 0 else float(xs[0])
     return out
+
+
+def _pooled_std(parts, std_key: str, mean_key: str) -> float:
+    """The standard deviation over every rank's values, from each rank's count (the mean's
+    weight), mean and (population) standard deviation."""
+    stats = [
+        (p[1].get(mean_key, 1.0), p[0][mean_key], p[0][std_key])
+        for p in parts
+        if std_key in p[0] and mean_key in p[0]
+    ]
+    n = sum(w for w, _, _ in stats)
+    if n <= 0:
+        return float(stats[0][2]) if stats else float("nan")
+    mu = sum(w * m for w, m, _ in stats) / n
+    var = sum(w * (sd * sd + (m - mu) ** 2) for w, m, sd in stats) / n
+    return float(var**0.5)
 
 
 class AbsentAsNaN:

@@ -101,22 +101,26 @@ class Updater:
         gap = EngineGap(rl.tis_cap) if old.gap_in_update else None
         tis = torch.zeros(roll.response_ids.shape) if gap and gap.tis_cap is not None else None
         inputs = _Inputs(method, roll, adv.advantages, old, gap, tis)
-        # Several ranks: loop over the busiest rank's rows (one collective); a rank out of rows
-        # runs idle forward+backward passes so every gradient all-reduce has all ranks.
-        n = roll.n
-        rows = self.ranks.max(n) if self.ranks.world_size > 1 else n
-        mini = max(1, min(int(rl.mini_batch_size), rows))
+        start, total = self._rows_in_global_batch(roll.n)
+        # the global mini-batch: rl.mini_batch_size responses per rank, drawn from the whole
+        # batch (as one process holding it would draw them); a rank updates on its share
+        mini = max(1, min(int(rl.mini_batch_size), total)) * self.ranks.world_size
+        mini = min(mini, total)
         micro = max(1, min(int(rl.micro_batch_size), mini))
         acc = _Totals(lr=host.lr())
-        n_updates, u = int(rl.ppo_epochs) * ((rows + mini - 1) // mini), 0
+        per_epoch = (total + mini - 1) // mini
+        n_updates, u = int(rl.ppo_epochs) * per_epoch, 0
         for _ in range(int(rl.ppo_epochs)):
-            perm = torch.randperm(n, generator=generator)
-            # Each mini-batch's rows in order: a group's rows that meet in it land in the same
-            # micro-batches, where the forward runs their prompt once (rl.shared_prompt_forward).
-            for s in range(0, rows, mini):
+            perm = torch.randperm(total, generator=generator)
+            for s in range(0, total, mini):
                 u += 1
-                mb = perm[s : s + mini].sort().values
-                if not self._accumulate(host, inputs, mb, min(mini, rows - s), micro, acc):
+                # Each mini-batch's rows in order: a group's rows that meet in it land in the
+                # same micro-batches, where the forward runs their prompt once.
+                chosen = perm[s : s + mini]
+                mb = (chosen[(chosen >= start) & (chosen < start + roll.n)] - start).sort().values
+                # several ranks: every rank loops over the busiest rank's share (idle passes)
+                width = self.ranks.max(len(mb)) if self.ranks.world_size > 1 else len(mb)
+                if not self._accumulate(host, inputs, mb, width, micro, acc):
                     return None
                 if rl.max_grad_norm:
                     host.clip_gradients(float(rl.max_grad_norm))
@@ -124,6 +128,14 @@ class Updater:
         host.end_step()
         gap_metrics = gap.metrics() if gap is not None else {}
         return Update(acc.metrics(), tis=tis, rollout_metrics=gap_metrics)
+
+    def _rows_in_global_batch(self, n: int) -> tuple[int, int]:
+        """(where this rank's rows start, how many rows all ranks hold): rank r holds the r-th
+        block of the global batch, as it reads the r-th block of the prompts."""
+        if self.ranks.world_size == 1:
+            return 0, n
+        counts = [int(c) for c in self.ranks.gather(int(n))]
+        return sum(counts[: self.ranks.rank]), sum(counts)
 
     def _accumulate(self, host, inputs: _Inputs, mb, width: int, micro: int, acc) -> bool:
         """One optimizer update's gradients: micro-batches of ``mb`` (``width`` rows on the
