@@ -7,15 +7,12 @@ N = B * G responses (B prompts, G samples each, prompt-major), K rewards, P prom
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from mrtpo.sampling import SamplingConfig
 from mrtpo.tasks.base import Example, Score
-
-if TYPE_CHECKING:  # an annotation only: batch.py imports nothing from rollout/, which uses it
-    from mrtpo.rollout.base import SamplingConfig
 
 
 @dataclass

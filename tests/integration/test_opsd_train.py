@@ -62,8 +62,8 @@ def test_two_training_steps(train_cfg, variant):
 
 def test_teacher_scores_equal_an_unpadded_forward(tiny):
     from mrtpo.credit import OPSD
+    from mrtpo.credit.teacher import Teacher
     from mrtpo.tasks.synthetic.task import SyntheticTask
-    from mrtpo.teacher import Teacher
 
     model, tok = tiny
     model.eval()

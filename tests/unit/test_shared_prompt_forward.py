@@ -102,8 +102,7 @@ def test_auto_shares_only_where_it_saves_enough(tiny, caplog):
 
 def test_teacher_states_match_with_shared_contexts(tiny):
     """The OPSD teacher runs a context repeated by several rows once (no grad)."""
-    import mrtpo.credit  # noqa: F401  (mrtpo.teacher imported first is a circular import)
-    from mrtpo.teacher import Teacher
+    from mrtpo.credit.teacher import Teacher
 
     model, tok = tiny
     model = copy.deepcopy(model).float().eval()

@@ -45,8 +45,8 @@ from mrtpo.credit.methods import (
     TeacherRequest,
     _adv_stats,
 )
+from mrtpo.credit.teacher import Teacher
 from mrtpo.loss import aggregate
-from mrtpo.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
