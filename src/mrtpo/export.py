@@ -170,7 +170,7 @@ def save_policy(
 
 def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
     """``rollout.sampling`` of the training run behind ``ckpt_path`` (None if unknown)."""
-    from mrtpo.evaluate_cli import run_config_path
+    from mrtpo.trained_run import run_config_path
 
     saved = run_config_path(ckpt_path)
     if not saved.is_file():
@@ -187,7 +187,7 @@ def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
 
 def run(cfg: DictConfig) -> Path:
     """Export the policy of ``cfg.ckpt_path`` to ``cfg.out`` (see configs/export.yaml)."""
-    from mrtpo.evaluate_cli import from_training_run, load_checkpoint_weights
+    from mrtpo.trained_run import from_training_run, load_checkpoint_weights
 
     ckpt = cfg.get("ckpt_path")
     if not ckpt:

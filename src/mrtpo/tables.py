@@ -1,7 +1,7 @@
 """The paper's tables: every benchmark of a task family, for several runs, in one command.
 
 ``src/table.py <family> <run or policy folder>...`` evaluates each folder on each benchmark of
-the family with the evaluation job of ``src/eval.py`` (``mrtpo.evaluate_cli.run``: the same
+the family with the evaluation job of ``src/eval.py`` (``mrtpo.eval_job.run``: the same
 generation and scoring, one call per split; each folder's policy is loaded once and kept for
 all its splits, and the engines seed each call, so the numbers are those of separate
 ``src/eval.py`` runs), then writes ``table.md`` and ``table.csv``:
@@ -185,7 +185,7 @@ def evaluate_cell(
     """One split of one folder, through the evaluation job of ``src/eval.py``; ``models``
     keeps the folder's loaded policy for its next splits."""
     from mrtpo.config import compose
-    from mrtpo.evaluate_cli import SplitDataMissing, run
+    from mrtpo.eval_job import SplitDataMissing, run
 
     overrides = [
         *prefer,

@@ -7,7 +7,7 @@ import json
 import pytest
 from tests.conftest import SHARED_DATA, compose_config
 
-from mrtpo.evaluate_cli import run
+from mrtpo.eval_job import run
 from mrtpo.pipeline import build
 
 

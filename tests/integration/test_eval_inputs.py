@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SHARED_DATA, compose_config
 
-from mrtpo.evaluate_cli import run
+from mrtpo.eval_job import run
 from mrtpo.evaluation import write_results
 
 

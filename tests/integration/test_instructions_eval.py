@@ -171,7 +171,7 @@ def test_ifbench_generation_checks_only_the_prompts_within_the_limit(strict_task
 def test_eval_job_scores_an_ifbench_file_that_avoids_them(strict_task, shared_data, tmp_path):
     """Through the evaluation job of src/eval.py (responses mode needs no model)."""
     from mrtpo.config import compose
-    from mrtpo.evaluate_cli import run
+    from mrtpo.eval_job import run
 
     preds = _lines(tmp_path / "preds.jsonl", ["0", "5"])
     overrides = [

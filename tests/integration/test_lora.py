@@ -175,8 +175,8 @@ def test_the_cli_command_trains_lora_and_exports_the_checkpointed_policy(tmp_pat
     weights of the policy in ``<run>/checkpoints/last.ckpt``."""
     from safetensors.torch import load_file
 
-    from mrtpo.evaluate_cli import load_checkpoint_weights
     from mrtpo.export import merged_state_dict
+    from mrtpo.trained_run import load_checkpoint_weights
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [

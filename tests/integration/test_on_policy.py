@@ -412,7 +412,7 @@ def test_truncated_refusal_says_why(train_cfg):
 def test_eval_sampling_is_greedy_or_at_the_stated_temperature(tmp_path):
     from tests.conftest import compose_config
 
-    from mrtpo.evaluate_cli import eval_sampling
+    from mrtpo.eval_job import eval_sampling
 
     cfg = compose_config("eval.yaml", [f"paths.output_dir={tmp_path}"])
     assert eval_sampling(cfg, 1).greedy

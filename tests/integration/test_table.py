@@ -10,7 +10,7 @@ from tests.conftest import SHARED_DATA, compose_config
 from tests.task_fixtures import make_spider
 
 from mrtpo import tables
-from mrtpo.evaluate_cli import run
+from mrtpo.eval_job import run
 
 SHORT = ["eval.limit=2", "rollout.sampling.max_new_tokens=8"]
 

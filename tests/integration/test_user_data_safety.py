@@ -51,7 +51,7 @@ def test_train_and_eval_never_write_to_a_user_model_folder(train_cfg, user_model
     # The README's way to use a local model, keeping the default model=tiny.
     cfg = train_cfg(f"model.name_or_path={user_model}", f"paths.output_dir={tmp_path}/run")
     train(cfg)
-    from mrtpo.evaluate_cli import run
+    from mrtpo.eval_job import run
 
     out = tmp_path / "eval"
     run(

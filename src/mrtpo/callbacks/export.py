@@ -73,7 +73,7 @@ def eval_overrides(saved: Any, task: str) -> list[str]:
     task key the run set beyond the group's file (its command line or its experiment, but not
     the smoke limits of ``SMOKE_LIMITS``: evaluation scores the whole split), and the data
     folder, token limit and dtype when they are not eval's defaults."""
-    from mrtpo.evaluate_cli import SMOKE_LIMITS
+    from mrtpo.trained_run import SMOKE_LIMITS
 
     raw = OmegaConf.to_container(saved.task, resolve=False)
     run, default = _leaves(raw), _leaves(_group_file("task", task))
