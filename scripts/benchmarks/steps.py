@@ -264,10 +264,9 @@ def alternate(
     variants.update({name: (m, False) for name, m in (others or {}).items()})
     for name, (m, _) in variants.items():
         if name != "mrtpo":
-            m.setup(tuple(module.task.reward_names), bool(module.task.rewards_vary_per_prompt))
-            # what the module lends its own method (OPSD builds its frozen teacher from it,
-            # with the initial weights, as the module would have for that method)
-            m.bind(module.method_services())
+            # with what the step lends its own method (OPSD builds its frozen teacher from
+            # it, with the initial weights, as the module would have for that method)
+            m.setup(module.task, module.step.method_services())
     if fused:
         fuse_old_logp(module)
         variants["mrtpo_fused"] = (module.method, True)

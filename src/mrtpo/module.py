@@ -88,11 +88,6 @@ class PolicyModule(L.LightningModule):
             jsd_chunk=rcfg.jsd_chunk,
             share_prefix=rcfg.share_prefix,
         )
-        method.setup(
-            tuple(task.reward_names),
-            bool(task.rewards_vary_per_prompt),
-            reward_ranges=getattr(task, "reward_ranges", None),
-        )
         self.ref_policy = None
         # Under LoRA the reference is the base model itself, adapters off: no second copy.
         if self.rl.kl_coef > 0 and not is_lora(policy):
@@ -118,7 +113,7 @@ class PolicyModule(L.LightningModule):
         self.timings: dict[str, float] = {}  # the rollout callback's and the step's phases
         self._unwritten: dict[str, torch.Tensor] | None = None  # the step's, for the loggers
         self._val_rows: list = []
-        method.bind(self.step.method_services())
+        method.setup(task, self.step.method_services())
 
     # ---- the step's parts and state, as callbacks and tests read (and swap) them -----------
     @property

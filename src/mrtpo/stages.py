@@ -71,7 +71,7 @@ class RLStage(Stage):
         # fails at once, naming the key.
         SamplingConfig(**_container(cfg.rollout.sampling)).check_for_training()
         self._method = instantiate(cfg.method)
-        self._method.check_task(task)
+        self._method.setup(task)  # validation only: the step binds it with its services
         strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "")
         if strategy.endswith("FSDP2Strategy"):
             # Combinations whose sharded forwards are not yet in lockstep, or whose adapter

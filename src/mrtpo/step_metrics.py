@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # Step metrics that add up over ranks (the others are averaged, or min/max-reduced).
 SUM_METRICS = frozenset({"replay/forwards", "replay/tokens", "tokens_per_s"})
 # Step metrics that are already global (reduced before logging, or equal on every rank).
-GLOBAL_METRICS = frozenset({"iteration", "nonfinite_skips", "beta", "scoring_errors"})
+GLOBAL_METRICS = frozenset({"iteration", "nonfinite_skips", "scoring_errors"})
 STAGE_TIMES = ("rollout", "reward", "old_logp", "replay", "update", "step")
 
 
@@ -31,7 +31,7 @@ def assemble(
     faults: Mapping[str, float],
     *,
     success_check: str | None,
-    beta: float,
+    schedule: Mapping[str, float],
     iteration: int,
     nonfinite_skips: int,
     scoring_errors: float,
@@ -66,7 +66,8 @@ def assemble(
     m["response_len/max"] = float(lengths.max())
     m["finished_frac"] = float(scored.rollout.finished.float().mean())
     m["scoring_errors"] = float(scoring_errors)
-    m["beta"] = float(beta)
+    # the method's scheduled values (MRTPO's beta): the same on every rank
+    m.update({k: float(v) for k, v in schedule.items()})
     m.update(_times(timings, float(lengths.sum())))
     m["iteration"] = float(iteration)
     m.update({k: float(v) for k, v in faults.items()})

@@ -66,8 +66,7 @@ def test_toy_replication_composes_a_cort_row(tmp_path) -> None:
         cfg = compose("train.yaml", job.overrides)
         method, task = instantiate(cfg.method), instantiate(cfg.task)
         assert isinstance(method, CoRT) and method.beta_warmup_steps == warmup
-        method.check_task(task)
-        method.setup(tuple(task.reward_names), task.rewards_vary_per_prompt)
+        method.setup(task)
         assert job.steps == (steps or 50) and cfg.trainer.max_steps == job.steps
     # other methods are composed as before
     gdpo = compose("train.yaml", rep.rl_job(4, "gdpo", 0, rep.Options(logdir=tmp_path)).overrides)

@@ -337,4 +337,4 @@ METHODS = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
 def test_composes_with_every_method(method, user, train_cfg):
     cfg = train_cfg(*custom(user, f"method={method}"))
     task = instantiate(cfg.task)
-    instantiate(cfg.method).setup(tuple(task.reward_names), task.rewards_vary_per_prompt)
+    instantiate(cfg.method).setup(task)

@@ -166,7 +166,7 @@ def test_two_processes_match_one_process_over_the_gathered_batch(tmp_path, cache
 
         batch = _gather(records)
         method = instantiate(cfg.method)
-        method.setup(tuple(task.reward_names), task.rewards_vary_per_prompt)
+        method.setup(task)
         out = method(
             CreditInputs(
                 rewards=batch["rewards"],

@@ -71,7 +71,10 @@ class HintedTeacherMethod(AdvantageMethod):
     def __init__(self, coef: float = 0.5) -> None:
         self.coef = coef
 
-    def bind(self, services: MethodServices) -> None:
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        super().setup(task, services)
+        if services is None:  # validation only, before the model loads
+            return
         self.teacher, adapters_off = services.frozen_policy()
         self.tokenizer = services.tokenizer
         SEEN["bound"].append((self.teacher, adapters_off))

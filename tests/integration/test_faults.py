@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from mrtpo.credit.methods import GDPO, CreditOutput
+from mrtpo.credit.methods import GDPO, CreditOutput, RewardSet
 from mrtpo.data import PromptDataModule
 from mrtpo.evaluation import read_jsonl, score_responses
 from mrtpo.pipeline import build, metrics_csv
@@ -123,7 +123,7 @@ def fit_with(cfg, task=None, method=None, replayer=None):
     if task is not None:
         module.task = dm.task = task
     if method is not None:
-        method.setup(tuple(module.task.reward_names), module.task.rewards_vary_per_prompt)
+        method.setup(module.task)
         module.method = method
     if replayer is not None:
         module.replayer = replayer
@@ -241,7 +241,7 @@ def test_non_finite_advantages_skip_without_touching_the_weights(train_cfg):
     trainer, module, dm = build(cfg)
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     method = NaNAdvantages()
-    method.setup(tuple(module.task.reward_names), False)
+    method.setup(RewardSet(tuple(module.task.reward_names), False))
     module.method = method
     trainer.fit(module, datamodule=dm)
     for k, v in module.policy.state_dict().items():

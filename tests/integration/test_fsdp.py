@@ -278,7 +278,7 @@ def test_fsdp_trains_in_the_uneven_setup_and_matches_one_process(fsdp_run, train
         assert records[1]["mask"].sum(-1).max() <= 4 < records[0]["mask"].sum(-1).max()
         batch = _gather(records)
         method = instantiate(cfg.method)
-        method.setup(tuple(task.reward_names), task.rewards_vary_per_prompt)
+        method.setup(task)
         out = method(
             CreditInputs(
                 rewards=batch["rewards"],

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mrtpo.callbacks.console import RunSummary
+from mrtpo.credit.methods import RewardSet
 from mrtpo.pipeline import build, metrics_csv
 
 
@@ -35,7 +36,7 @@ class SeenByCallbacks(L.Callback):
 def _fit(cfg, method=None):
     trainer, module, dm = build(cfg)
     if method is not None:
-        method.setup(tuple(module.task.reward_names), False)
+        method.setup(RewardSet(tuple(module.task.reward_names), False))
         module.method = method
     seen, summary = SeenByCallbacks(), RunSummary(block=1, plot=False)
     trainer.callbacks.extend([seen, summary])

@@ -13,6 +13,7 @@ import torch
 from hydra.utils import instantiate
 from tests.conftest import CONFIG_DIR, ROOT, compose_config
 
+from mrtpo.credit.methods import RewardSet
 from mrtpo.pipeline import build, metrics_csv
 
 # task=custom needs a user's data file and reward functions: tests/integration/test_custom_task.py
@@ -41,9 +42,9 @@ def test_every_task_and_method_composes(task, method, train_cfg):
     assert t.reward_names, f"task {task} declares no rewards"
     if t.rewards_vary_per_prompt and "saw" in method:
         with pytest.raises(ValueError, match="method"):
-            m.setup(tuple(t.reward_names), True)
+            m.setup(RewardSet(tuple(t.reward_names), True))
     else:
-        m.setup(tuple(t.reward_names), t.rewards_vary_per_prompt)
+        m.setup(t)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -13,6 +13,7 @@ from tests.conftest import compose_config
 
 from mrtpo.credit import GRPO, CoRT, CreditInputs, RelevanceRequest, cort_weights
 from mrtpo.credit.advantages import grpo_advantages
+from mrtpo.credit.methods import RewardSet
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs"
 NAN = float("nan")
@@ -27,7 +28,7 @@ def _inputs(seed: int = 0, step: int = 0, n: int = 12, k: int = 3, t: int = 9) -
     mask = torch.arange(t)[None] < torch.randint(1, t + 1, (n, 1), generator=gen)
     q = 3.0 * torch.randn(n, 1, t, generator=gen)
     m = CoRT()
-    m.setup(tuple(f"c{i}" for i in range(k)), False)
+    m.setup(RewardSet(tuple(f"c{i}" for i in range(k)), info_in_prompt=True))
     replayed = m.replay_pairs(rewards, group, ~rewards.isnan())
     return CreditInputs(rewards, group, mask, step=step, q=q, replayed=replayed)
 
@@ -103,16 +104,16 @@ def test_bad_knobs_name_the_key() -> None:
 def test_zero_beta_is_grpo_bit_for_bit(seed: int) -> None:
     inputs = _inputs(seed)
     grpo = GRPO(reward_weights={"c1": 2.0})
-    grpo.setup(("c0", "c1", "c2"), False)
+    grpo.setup(RewardSet(("c0", "c1", "c2"), False))
     ref = grpo(inputs).advantages
     for m in (CoRT(beta=0.0, reward_weights={"c1": 2.0}),  # β = 0 outright
               CoRT(beta=1.0, beta_warmup_steps=10, reward_weights={"c1": 2.0})):  # fmt: skip
-        m.setup(("c0", "c1", "c2"), False)
+        m.setup(RewardSet(("c0", "c1", "c2"), info_in_prompt=True))
         assert m.beta(inputs.step) == 0.0
         assert torch.equal(m(inputs).advantages, ref)  # contrasts given, schedule at 0
     nothing = CreditInputs(inputs.rewards, inputs.group, inputs.mask, step=50)
     m = CoRT(reward_weights={"c1": 2.0})
-    m.setup(("c0", "c1", "c2"), False)
+    m.setup(RewardSet(("c0", "c1", "c2"), info_in_prompt=True))
     assert torch.equal(m(nothing).advantages, ref)  # nothing replayed
 
 
@@ -124,7 +125,7 @@ def test_advantage_is_grpo_times_weight_by_hand() -> None:
     mask = torch.tensor([[True, True, True], [True, True, False]])
     d = torch.tensor([[[0.0, 2.0, -4.0]], [[-3.0, 0.0, 7.0]]], dtype=torch.float64)
     m = CoRT(beta=1.0, beta_warmup_steps=0, contrast_clip=2.0, max_weight=4.0)
-    m.setup(("a", "b"), False)
+    m.setup(RewardSet(("a", "b"), info_in_prompt=True))
     replayed = m.replay_pairs(rewards, group, torch.ones(2, 2, dtype=torch.bool))
     assert replayed.tolist() == [[True], [True]]
     out = m(CreditInputs(rewards, group, mask, step=0, q=d, replayed=replayed))
@@ -148,7 +149,7 @@ def test_advantage_is_grpo_times_weight_by_hand() -> None:
 def test_mean_token_advantage_is_grpos(seed: int) -> None:
     inputs = _inputs(seed, step=100)
     m = CoRT()
-    m.setup(("c0", "c1", "c2"), False)
+    m.setup(RewardSet(("c0", "c1", "c2"), info_in_prompt=True))
     out = m(inputs)
     mask = inputs.mask
     per = (out.advantages * mask).sum(-1) / mask.sum(-1)
@@ -166,7 +167,7 @@ def test_wrong_relevance_shape_is_an_error() -> None:
     inputs = _inputs(0, step=100)
     inputs.q = inputs.q.expand(-1, 3, -1)
     m = CoRT()
-    m.setup(("c0", "c1", "c2"), False)
+    m.setup(RewardSet(("c0", "c1", "c2"), info_in_prompt=True))
     with pytest.raises(ValueError, match=r"cort expects .* \[N=12, 1, T\]"):
         m(inputs)
 
@@ -193,12 +194,12 @@ def test_replay_pairs_follow_grpos_summed_reward() -> None:
     group = torch.arange(8) // 2
     has = ~rewards.isnan()
     m = CoRT()
-    m.setup(("a", "b"), False)
+    m.setup(RewardSet(("a", "b"), info_in_prompt=True))
     got = m.replay_pairs(rewards, group, has)
     assert got.shape == (8, 1)
     assert got[:, 0].tolist() == [False, False, True, True, True, True, False, True]
     weighted = CoRT(reward_weights={"b": 2.0})  # sums 1, 2 in group 0 now differ
-    weighted.setup(("a", "b"), False)
+    weighted.setup(RewardSet(("a", "b"), info_in_prompt=True))
     assert weighted.replay_pairs(rewards, group, has)[:2, 0].tolist() == [True, True]
 
 
@@ -223,7 +224,7 @@ def test_config_defaults_are_the_documented_ones() -> None:
 def test_refuses_tasks_without_the_rubric_in_the_prompt(task: str) -> None:
     cfg = compose_config("train.yaml", [f"task={task}", "method=cort"])
     with pytest.raises(ValueError, match=rf"method=cort .* task={task} .*info_in_prompt=False"):
-        instantiate(cfg.method).check_task(instantiate(cfg.task))
+        instantiate(cfg.method).setup(instantiate(cfg.task))
 
 
 @pytest.mark.parametrize("task", ["ifeval", "synthetic"])
@@ -231,8 +232,8 @@ def test_accepts_tasks_with_the_rubric_in_the_prompt(task: str) -> None:
     cfg = compose_config("train.yaml", [f"task={task}", "method=cort"])
     t = instantiate(cfg.task)
     m = instantiate(cfg.method)
-    m.check_task(t)
-    m.setup(tuple(t.reward_names), t.rewards_vary_per_prompt)
+
+    m.setup(t)
 
 
 def test_start_up_fails_before_the_model_loads(tmp_path) -> None:

@@ -21,6 +21,7 @@ from mrtpo.credit import (
     replay_mask,
     saw_weights,
 )
+from mrtpo.credit.methods import RewardSet
 
 NAN = float("nan")
 SPLIT = 12  # rank 0 holds 3 groups of 4, rank 1 the other 5: unequal shares on purpose
@@ -55,7 +56,7 @@ def compute_all(b: dict[str, torch.Tensor], pg: object) -> dict[str, torch.Tenso
         ("mrtpo_shuffle", MRTPOShuffle(beta=0.5), q, rep),
         ("gdpo_saw", GDPOSAW(), None, None),
     ):
-        method.setup(names, False, reward_ranges={"b": (-1.0, 2.0)})
+        method.setup(RewardSet(names, False, {"b": (-1.0, 2.0)}))
         # the same generator seed on every rank, as the module seeds it
         gen = torch.Generator().manual_seed(2024)
         res = method(CreditInputs(r, g, mask, q=qq, replayed=rr, process_group=pg, generator=gen))

@@ -26,6 +26,7 @@ from mrtpo.credit import (
     replay_mask,
     saw_weights,
 )
+from mrtpo.credit.methods import RewardSet
 
 METHOD_DIR = Path(__file__).resolve().parents[2] / "configs" / "method"
 NAN = float("nan")
@@ -54,7 +55,7 @@ def test_every_config_instantiates_its_method() -> None:
         method = instantiate(compose_config("train.yaml", [f"method={f.stem}"]).method)
         assert isinstance(method, AdvantageMethod)
         assert type(method).config_name == f.stem
-        method.setup(NAMES, rewards_vary_per_prompt=False)
+        method.setup(RewardSet(NAMES, False, info_in_prompt=True))  # (CoRT needs it)
         inputs = make_inputs(joint=method.relevance is not None and method.relevance.joint)
         out = method(inputs)
         assert out.advantages.shape == inputs.mask.shape
@@ -67,7 +68,7 @@ def test_reward_weights_from_config_override() -> None:
     cfg.reward_weights = {"match": 2.0, "format": 0.5}
     cfg.beta = 0.0
     method = instantiate(cfg)
-    method.setup(NAMES, False)
+    method.setup(RewardSet(NAMES, False))
     inputs = make_inputs(8)
     ref = gdpo_advantages(inputs.rewards, inputs.group, [0.5, 1.0, 2.0])
     assert torch.equal(method(inputs).advantages[:, 0], ref)
@@ -84,28 +85,28 @@ def test_relevance_attribute() -> None:
 def test_saw_refuses_per_prompt_rewards(cls: type[AdvantageMethod]) -> None:
     method = cls()
     with pytest.raises(ValueError, match=f"method={cls.config_name} needs the same reward set"):
-        method.setup(("c0", "c1"), rewards_vary_per_prompt=True)
+        method.setup(RewardSet(("c0", "c1"), True))
     with pytest.raises(ValueError, match="use method="):
-        cls().setup(("c0", "c1"), rewards_vary_per_prompt=True)
-    cls().setup(NAMES, rewards_vary_per_prompt=False)  # fine with a fixed reward set
+        cls().setup(RewardSet(("c0", "c1"), True))
+    cls().setup(RewardSet(NAMES, False))  # fine with a fixed reward set
 
 
 def test_non_saw_methods_accept_per_prompt_rewards() -> None:
     for cls in (GRPO, GDPO, MRTPO, MRTPOShuffle, MRTPOJoint):
-        cls().setup(("c0", "c1"), rewards_vary_per_prompt=True)
+        cls().setup(RewardSet(("c0", "c1"), True))
 
 
 def test_reward_weights_by_name() -> None:
     inputs = make_inputs(1)
     method = GDPO(reward_weights={"match": 2.0})
-    method.setup(NAMES, False)
+    method.setup(RewardSet(NAMES, False))
     got = method(inputs).advantages
     ref = gdpo_advantages(inputs.rewards, inputs.group, [1.0, 1.0, 2.0])
     assert torch.equal(got, torch.where(inputs.mask, ref[:, None].expand(got.shape), 0.0))
     with pytest.raises(ValueError, match=r"method.reward_weights names unknown reward\(s\)"):
-        GDPO(reward_weights={"nope": 1.0}).setup(NAMES, False)
+        GDPO(reward_weights={"nope": 1.0}).setup(RewardSet(NAMES, False))
     grpo = GRPO(reward_weights={"format": 0.0})
-    grpo.setup(NAMES, False)
+    grpo.setup(RewardSet(NAMES, False))
     ref = grpo_advantages(inputs.rewards, inputs.group, [0.0, 1.0, 1.0])
     assert torch.equal(grpo(inputs).advantages[:, 0], ref)
 
@@ -177,14 +178,14 @@ def test_relevance_shape_is_checked() -> None:
 def test_saw_methods_use_saw_weights() -> None:
     inputs = make_inputs(5)
     method = GDPOSAW()
-    method.setup(NAMES, False)
+    method.setup(RewardSet(NAMES, False))
     out = method(inputs)
     sw = saw_weights(inputs.rewards)
     ref = gdpo_advantages(inputs.rewards, inputs.group, sw)
     assert torch.equal(out.advantages[:, 0], ref)
     assert out.stats["saw_weight/match"] == pytest.approx(float(sw[2]))
     mrtpo_saw = MRTPOSAW(beta=0.0)
-    mrtpo_saw.setup(NAMES, False)
+    mrtpo_saw.setup(RewardSet(NAMES, False))
     assert torch.equal(mrtpo_saw(inputs).advantages, out.advantages)
 
 
@@ -201,20 +202,20 @@ def test_saw_methods_use_the_tasks_reward_ranges() -> None:
     cv_f, cv_c = 0.5 / 0.75, 12**0.5 / 3
     for cls in (GDPOSAW, MRTPOSAW):
         method = cls()
-        method.setup(names, False, reward_ranges=ToolCallTask.reward_ranges)
+        method.setup(RewardSet(names, False, ToolCallTask.reward_ranges))
         out = method(inputs)
         assert out.stats["saw_weight/format"] == pytest.approx(2 * cv_f / (cv_f + cv_c))
         assert out.stats["saw_weight/correctness"] == pytest.approx(2 * cv_c / (cv_f + cv_c))
     plain = GDPOSAW()
-    plain.setup(names, False)  # no ranges: every reward counts from 0, as before
+    plain.setup(RewardSet(names, False))  # no ranges: every reward counts from 0, as before
     assert plain(inputs).stats["saw_weight/correctness"] == pytest.approx(2.0)
 
 
 def test_reward_ranges_are_validated() -> None:
     with pytest.raises(ValueError, match=r"unknown reward\(s\) \['nope'\]"):
-        GDPOSAW().setup(NAMES, False, reward_ranges={"nope": (0.0, 1.0)})
+        GDPOSAW().setup(RewardSet(NAMES, False, {"nope": (0.0, 1.0)}))
     with pytest.raises(ValueError, match="lowest above highest"):
-        GDPOSAW().setup(NAMES, False, reward_ranges={"match": (1.0, 0.0)})
+        GDPOSAW().setup(RewardSet(NAMES, False, {"match": (1.0, 0.0)}))
 
 
 def test_shuffle_uses_the_generator() -> None:

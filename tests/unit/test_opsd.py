@@ -275,8 +275,8 @@ class _NoReferences(Task):
 
 def test_opsd_refuses_a_task_without_references():
     with pytest.raises(ValueError, match=r"method=opsd .*task=no_refs"):
-        OPSD().check_task(_NoReferences())
-    OPSD().check_task(SyntheticTask(num_constraints=2))  # references: accepted
+        OPSD().setup(_NoReferences())
+    OPSD().setup(SyntheticTask(num_constraints=2))  # references: accepted
 
 
 # ---- OmniSQL's solutions ------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mrtpo.credit.relevance import relevance_weights
 from mrtpo.safe_files import no_follow  # never append through a link planted in the folder
 
 log = logging.getLogger(__name__)
@@ -240,9 +241,13 @@ class RelevanceDump(L.Callback):
         if (step - 1) % self.every != 0:
             return
         roll, tok = scored.rollout, pl_module.tokenizer
-        beta = pl_module.method.beta(step - 1)
-        # the method's own weights (MRTPO's from JSD, CoRT's from log-likelihood contrasts)
-        w = pl_module.method.token_weights(scored.q, roll.response_mask, scored.replayed, step - 1)
+        method = pl_module.method
+        beta = float(method.schedule(step - 1).get("beta", 0.0))
+        # the method's own weights (MRTPO's from JSD, CoRT's from log-likelihood contrasts);
+        # a method without them spreads credit evenly: 1 on every token
+        w = method.token_weights(scored.q, roll.response_mask, scored.replayed, step - 1)
+        if w is None:
+            w = relevance_weights(scored.q, roll.response_mask, scored.replayed, 0.0)
         names = scored.reward_names if scored.q.shape[1] == len(scored.reward_names) else ("joint",)
         picked = scored.replayed.any(-1).nonzero().flatten().tolist()[: self.num]
         with open(

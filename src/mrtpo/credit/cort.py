@@ -33,6 +33,7 @@ from mrtpo.credit.advantages import compute_dtype, grpo_advantages, replay_mask
 from mrtpo.credit.methods import (
     CreditInputs,
     CreditOutput,
+    MethodServices,
     RelevanceRequest,
     _adv_stats,
     _broadcast,
@@ -111,7 +112,8 @@ class CoRT(_RewardWeighted):
         self.contrast_clip = float(contrast_clip)
         self.max_weight = float(max_weight)
 
-    def check_task(self, task) -> None:
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        super().setup(task, services)
         # CoRT rescores the response under the prompt it was sampled from (the rubric in it)
         # and under the same prompt without the rubric. Information that arrives as
         # per-response verifier blocks (an SQLite error) is not in the sampling prompt.
@@ -126,7 +128,14 @@ class CoRT(_RewardWeighted):
             )
 
     def beta(self, step: int) -> float:
+        """Share of the advantage that follows the weights at ``step`` (SmoothStep ramp)."""
         return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
+
+    def replays(self, step: int) -> bool:
+        return self.beta(step) > 0
+
+    def schedule(self, step: int) -> dict[str, float]:
+        return {"beta": float(self.beta(step))}
 
     def _c_vector(self, k: int, dtype: torch.dtype, device) -> Tensor:
         if self._c is not None and len(self._c) == k:

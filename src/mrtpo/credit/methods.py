@@ -129,14 +129,33 @@ class CreditOutput:
     stats: dict[str, float] = field(default_factory=dict)  # logged under train/adv/...
 
 
+@dataclass(frozen=True)
+class RewardSet:
+    """What a method reads of a task in ``setup``: a ``Task`` has these attributes too, so
+    either may be passed (tests and tools without a task pass this)."""
+
+    reward_names: tuple[str, ...]
+    rewards_vary_per_prompt: bool = False
+    #: reward name -> (lowest, highest) value; names left out range over [0, 1]
+    reward_ranges: Mapping[str, tuple[float, float]] | None = None
+    #: the verifier information is part of the prompt (``Task.info_in_prompt``)
+    info_in_prompt: bool = False
+
+
 class AdvantageMethod(ABC):
     """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``.
 
-    Two optional hooks let a method bring its own signal without the trainer knowing it:
+    One lifecycle hook, ``setup(task, services)``: it validates the method against the task
+    (called first before the model loads, without services, so a bad combination fails
+    cheaply) and, when the step is built, takes what its other hooks need from ``services``
+    (a frozen copy of the initial policy, the tokenizer).
+
+    Two optional hooks let a method bring its own signal without the step knowing it:
     ``score_inputs`` (no-grad inputs scored once per step, before the advantages; they arrive
     as ``CreditInputs.extra``) and ``token_loss`` (a term added to the surrogate in every
-    update micro-batch, over the policy's logits when ``wants_logits``). ``bind`` gives the
-    method, once, what those hooks may need (the task, a frozen copy of the initial policy).
+    update micro-batch, over the policy's logits when ``wants_logits``). A method with a
+    schedule of its own reports it with ``schedule`` (logged as ``train/<key>``) and says
+    with ``replays`` whether this step needs replay.
     """
 
     #: What replay must compute for this method (None: no replay).
@@ -146,43 +165,38 @@ class AdvantageMethod(ABC):
     #: ``token_loss`` needs the policy's logits ``[n, T, V]`` in every update micro-batch.
     wants_logits: bool = False
 
-    def check_task(self, task) -> None:  # noqa: B027  (optional hook)
-        """Refuse, before the model loads, a task that lacks what this method needs (e.g.
-        reference responses); the error names the method and the task."""
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        """Validate against ``task`` (a ``Task`` or a ``RewardSet``) and raise a clear config
+        error naming the method and the task; with ``services``, also bind to the step.
 
-    def setup(
-        self,
-        reward_names: tuple[str, ...],
-        rewards_vary_per_prompt: bool,
-        reward_ranges: Mapping[str, tuple[float, float]] | None = None,
-    ) -> None:
-        """Validate the method against a task's reward set (raise a clear config error).
-
-        ``reward_ranges`` is the task's ``Task.reward_ranges`` (reward name -> (lowest,
-        highest) value; names it leaves out range over [0, 1]).
+        Subclasses extend it (calling ``super().setup``) to refuse a task that lacks what
+        they need (e.g. reference responses) and to take what their hooks use.
         """
-        self.reward_names = reward_names
-        self.reward_lower_bounds = _lower_bounds(reward_names, reward_ranges)
+        self.reward_names = tuple(task.reward_names)
+        ranges = getattr(task, "reward_ranges", None)
+        self.reward_lower_bounds = _lower_bounds(self.reward_names, ranges)
 
     def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
         """bool ``[N, K]`` (or ``[N, 1]`` for joint): which pairs replay must score."""
         raise NotImplementedError(f"{type(self).__name__} does not use relevance")
 
-    def beta(self, step: int) -> float:
-        """Share of the advantage that follows relevance at ``step`` (0 for uniform methods)."""
-        return 0.0
+    def replays(self, step: int) -> bool:
+        """Whether step ``step`` needs replay (default: whenever the method asks for
+        relevance; a method may skip steps where relevance cannot change its advantages)."""
+        return self.relevance is not None
 
-    def bind(self, services: MethodServices) -> None:  # noqa: B027  (optional hook)
-        """Called once when the trainer is built, before the first step."""
+    def schedule(self, step: int) -> dict[str, float]:
+        """The method's own scheduled values at ``step`` (logged as ``train/<key>``)."""
+        return {}
 
     def score_inputs(self, view: StepView) -> Any:
         """Extra no-grad inputs for this step's advantages (``CreditInputs.extra``); None: none."""
         return None
 
-    def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor:
+    def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor | None:
         """The per-token weights this method derives from replay's ``q`` (for the relevance
-        dumps and pictures). Default: MRTPO's ``(1 - β) + β q / mean q``."""
-        return relevance_weights(q, mask, replayed, self.beta(step))
+        dumps and pictures); None for a method without them."""
+        return None
 
     def token_loss(
         self, logits: Tensor | None, batch, temperature: float, agg: str, denom: float, device=None
@@ -275,14 +289,9 @@ class _RewardWeighted(AdvantageMethod):
         self.reward_lower_bounds: tuple[float, ...] | None = None
         self._c: list[float] | None = None
 
-    def setup(
-        self,
-        reward_names: tuple[str, ...],
-        rewards_vary_per_prompt: bool,
-        reward_ranges: Mapping[str, tuple[float, float]] | None = None,
-    ) -> None:
-        super().setup(tuple(reward_names), rewards_vary_per_prompt, reward_ranges)
-        if self.saw and rewards_vary_per_prompt:
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        super().setup(task, services)
+        if self.saw and getattr(task, "rewards_vary_per_prompt", False):
             uniform = self.config_name.removesuffix("_saw")
             raise ValueError(
                 f"method={self.config_name} needs the same reward set for every prompt (SAW "
@@ -404,7 +413,19 @@ class MRTPO(_RewardWeighted):
         )
 
     def beta(self, step: int) -> float:
+        """Share of the advantage that follows relevance at ``step`` (the warm-up ramp)."""
         return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
+
+    def replays(self, step: int) -> bool:
+        # at beta = 0 (a warm-up's first step) relevance cannot change the advantages
+        return self.beta(step) > 0
+
+    def schedule(self, step: int) -> dict[str, float]:
+        return {"beta": float(self.beta(step))}
+
+    def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor:
+        """``(1 - β) + β q / mean q`` per reward."""
+        return relevance_weights(q, mask, replayed, self.beta(step))
 
     def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
         pairs = replay_mask(rewards, group, has_block)

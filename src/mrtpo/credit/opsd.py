@@ -86,7 +86,14 @@ class OPSD(AdvantageMethod):
         self._task = None
 
     # ---- start-up --------------------------------------------------------------------
-    def check_task(self, task) -> None:
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        super().setup(task, services)
+        if hasattr(task, "examples"):  # a task, not only its reward set (``RewardSet``)
+            self._check_references(task)
+        if services is not None:
+            self._bind(services)
+
+    def _check_references(self, task) -> None:
         name = getattr(task, "name", type(task).__name__)
         examples = list(task.examples("train"))
         # A task may refuse here with its own config key (text2sql: task.reference_solutions).
@@ -108,7 +115,7 @@ class OPSD(AdvantageMethod):
                 name,
             )
 
-    def bind(self, services: MethodServices) -> None:
+    def _bind(self, services: MethodServices) -> None:
         model, adapters_off = services.frozen_policy()
         self.frozen = Teacher(
             model,
@@ -121,7 +128,9 @@ class OPSD(AdvantageMethod):
 
     def _bound(self) -> Teacher:
         if self.frozen is None:
-            raise RuntimeError("method=opsd was never bound to a trainer (AdvantageMethod.bind)")
+            raise RuntimeError(
+                "method=opsd was never set up with a trainer's services (AdvantageMethod.setup)"
+            )
         return self.frozen
 
     # ---- the hooks -------------------------------------------------------------------

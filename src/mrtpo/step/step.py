@@ -149,7 +149,7 @@ class RLStep:
         """3. Replay, before any parameter update of this step, as the method's request says.
         At beta = 0 (e.g. the first step of a warm-up) relevance cannot change the
         advantages, so it is skipped."""
-        if self.method.relevance is None or not self.method.beta(self.iteration) > 0:
+        if self.method.relevance is None or not self.method.replays(self.iteration):
             return Relevance()
         roll = scored.rollout
         pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_info(scored))
@@ -281,13 +281,14 @@ class RLStep:
             "train/nonfinite_skips": float(self.faults.nonfinite_steps),
             "train/skipped": 1.0,
             "train/iteration": float(self.iteration),
-            "train/beta": float(self.method.beta(self.iteration - 1)),
             "train/scoring_errors": float(self.faults.step_scoring_errors),
+            **{f"train/{k}": float(v) for k, v in self.method.schedule(self.iteration - 1).items()},
         }
         return StepResult(metrics, skipped=what)
 
     def result(self, record: StepRecord, upd, replay_metrics, times) -> StepResult:
         """The step's metrics over the global batch (every rank gets the same values)."""
+        schedule = self.method.schedule(self.iteration - 1)
         m, weights = step_metrics.assemble(
             record,
             upd,
@@ -295,12 +296,13 @@ class RLStep:
             times,
             self.faults.counters,
             success_check=self.task.success_check,
-            beta=self.method.beta(self.iteration - 1),
+            schedule=schedule,
             iteration=self.iteration,
             nonfinite_skips=self.faults.nonfinite_steps,
             scoring_errors=self.faults.step_scoring_errors,
         )
-        m = self.absent_as_nan(step_metrics.combine(m, weights, self.ranks, self.faults.counters))
+        same_everywhere = {*self.faults.counters, *schedule}
+        m = self.absent_as_nan(step_metrics.combine(m, weights, self.ranks, same_everywhere))
         bar = {"reward": m["reward/total/mean"]}
         if "success" in m:
             bar["success"] = m["success"]
