@@ -448,6 +448,20 @@ def _shared_prompt_logits(
     return out.logits[:, :-1]
 
 
+def _attention_mask(model, allowed: Tensor, key: Tensor, device) -> Tensor:
+    """[R, 1, S, S] mask of a packed batch: ``allowed`` column pairs among the columns each
+    row may attend to (``key``); every column sees itself. Eager attention adds its mask, so
+    there it is 0 where allowed and the most negative float elsewhere."""
+    s = allowed.shape[0]
+    mask = (allowed[None] & key[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
+    mask = mask[:, None].to(device)
+    if getattr(model.config, "_attn_implementation", None) == "eager":
+        mask = torch.zeros(mask.shape, device=device).masked_fill_(
+            ~mask, torch.finfo(torch.float32).min
+        )
+    return mask
+
+
 def _packed_prompt_logits(
     model, groups: PromptGroups, prompt_ids, prompt_mask, response_ids, response_mask
 ):
@@ -489,12 +503,7 @@ def _packed_prompt_logits(
     allowed = torch.ones((s, s), dtype=torch.bool).tril() & (
         (seg[None, :] < 0) | (seg[None, :] == seg[:, None])
     )
-    mask = (allowed[None] & key[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
-    mask = mask[:, None].to(device)  # [R, 1, S, S]
-    if getattr(model.config, "_attn_implementation", None) == "eager":  # eager adds the mask
-        mask = torch.zeros(mask.shape, device=device).masked_fill_(
-            ~mask, torch.finfo(torch.float32).min
-        )
+    mask = _attention_mask(model, allowed, key, device)
     keep = torch.cat(
         [torch.tensor([w - 1]), (w + torch.arange(m)[:, None] * t + cols[None, :-1]).flatten()]
     )
