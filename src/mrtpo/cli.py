@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from mrtpo.settings import CompactHydraException
+from mrtpo.settings import CompactHydraException, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +97,38 @@ class JobFailed(CompactHydraException):
     load: Hydra records it as failed, runs the others, and prints this message alone."""
 
 
+def user_error(exc: BaseException) -> BaseException | None:
+    """The error to show for ``exc`` when it is a ``USER_ERRORS``, or when Hydra's
+    ``instantiate`` wrapped one (or an ``ImportError`` of a function the config names) while
+    building a config node; None for anything else."""
+    if isinstance(exc, USER_ERRORS):
+        return exc
+    from hydra.errors import InstantiationException
+
+    cause = exc.__cause__
+    if isinstance(exc, InstantiationException) and isinstance(cause, (*USER_ERRORS, ImportError)):
+        return cause
+    return None
+
+
 def run_job(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     """Run an entry point's job; a ``USER_ERRORS`` ends it with ``error: <message>`` and
     where its traceback was logged, on stderr: exit status 2, or in a sweep (``-m``) a failed
-    job (``JobFailed``) while the others run. ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
+    job (``JobFailed``) while the others run. A config value that cannot work
+    (``ConfigError``) or a missing file is that one line alone: its traceback says nothing
+    more. ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return job(cfg)
     try:
         return job(cfg)
-    except USER_ERRORS as exc:
-        files = log_to_files(logging.ERROR, "stopped", exc)
+    except Exception as raised:
+        exc = user_error(raised)
+        if exc is None:
+            raise
+        files = log_to_files(logging.ERROR, "stopped", raised)
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {text}", file=sys.stderr)
-        if files:
+        if files and not isinstance(exc, (ConfigError, FileNotFoundError)):
             print(f"(the traceback is in {files[0]})", file=sys.stderr)
         if in_sweep():
             raise JobFailed(f"error: {text}") from None

@@ -28,14 +28,21 @@ CSV_FIELD_LIMIT = 1 << 30  # characters in one CSV field
 
 def detect_format(path: str, given: str | None, key: str, path_key: str = "task.data.path") -> str:
     """The reader for ``path``: ``given`` if set, else from the extension; a path that is
-    not on disk is taken to be a hub dataset id. ``key`` / ``path_key`` are the config keys
-    of the format and of the path, for error messages."""
+    not on disk is taken to be a hub dataset id, unless it can only be a file or folder
+    (``looks_local``): that one is refused at once, without asking the Hub. ``key`` /
+    ``path_key`` are the config keys of the format and of the path, for error messages."""
     if given:
         if given not in FORMATS:
             raise ValueError(f"{key}={given!r} is not a supported format; use one of {FORMATS}")
-        return given
+        if given != "hf" or Path(path).exists() or not looks_local(path):
+            return given
     p = Path(path)
     _refuse_special(path, path_key)
+    if not p.exists() and looks_local(path):
+        raise FileNotFoundError(
+            f"{path_key}={path}: no such file (a relative path is read from the folder the "
+            f"command started in, {Path.cwd()}); give the path of your data file"
+        )
     if p.is_file():
         fmt = FILE_FORMATS.get(p.suffix.lower())
         if fmt is None:
@@ -45,6 +52,19 @@ def detect_format(path: str, given: str | None, key: str, path_key: str = "task.
             )
         return fmt
     return "hf"  # a saved dataset folder, a folder of data files, or a hub id
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` can only name a file or folder, never a hub dataset id (``owner/name``
+    or ``name``): it ends in a data file's extension, starts like a path (``/``, ``.``, ``~``)
+    or has more than one ``/``."""
+    text = str(path)
+    return (
+        Path(text).suffix.lower() in FILE_FORMATS
+        or text.startswith(("/", ".", "~"))
+        or text.count("/") > 1
+        or "\\" in text
+    )
 
 
 def _refuse_special(path: str, key: str) -> None:
