@@ -15,7 +15,7 @@ import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
 def main(cfg: DictConfig) -> float | None:
     from mrtpo.cli import in_sweep, run_job
     from mrtpo.pipeline import train
-    from mrtpo.run_folder import NothingToTrain
+    from mrtpo.run_folder import NothingToTrain, discard_refused_folder
 
     try:  # a bad value, missing data or a model that cannot load: its message alone, exit 2
         metrics = run_job(train, cfg)
@@ -24,6 +24,9 @@ def main(cfg: DictConfig) -> float | None:
         if in_sweep():
             return None
         raise SystemExit(0) from None  # (a return would record the no-op in job.json)
+    except BaseException:
+        discard_refused_folder(cfg)  # refused before it trained: its new folder goes
+        raise
     # A value Hydra sweepers can optimize: the last mean total reward.
     return metrics.get("train/reward/total/mean")
 

@@ -21,6 +21,13 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # Run folders already claimed by this process: a resolver may be evaluated more than once
 # for the same run, and must give the same folder each time.
 _CLAIMED: dict[str, str] = {}
+# The folders above a claimed one that this process created for it (logs/, logs/train/, ...):
+# a run refused before it trained removes them again when they are empty
+# (``mrtpo.run_folder.discard_refused_folder``).
+_MADE_PARENTS: dict[str, list[str]] = {}
+
+#: The project's root: the folder holding configs/ (paths.root_dir's default).
+PROJECT_ROOT = CONFIG_DIR.parent
 
 
 def unique_dir(base: str) -> str:
@@ -33,6 +40,7 @@ def unique_dir(base: str) -> str:
     if base in _CLAIMED:
         return _CLAIMED[base]
     path = Path(base)
+    missing = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     candidate, n = path, 0
     while True:
@@ -43,7 +51,19 @@ def unique_dir(base: str) -> str:
             n += 1
             candidate = path.with_name(f"{path.name}-{n}")
     _CLAIMED[base] = str(candidate)
+    _MADE_PARENTS[str(candidate)] = [str(p) for p in missing]
     return str(candidate)
+
+
+def made_here(folder: str | Path) -> list[Path] | None:
+    """For a run folder this process created (``unique_dir``): the folders it created for it,
+    the run folder first, then its parents from the innermost; None for any other folder."""
+    key = str(folder)
+    if key not in _MADE_PARENTS:
+        key = next((k for k in _MADE_PARENTS if Path(k).resolve() == Path(folder).resolve()), "")
+    if not key:
+        return None
+    return [Path(key), *map(Path, _MADE_PARENTS[key])]
 
 
 def run_dir(resume, base: str) -> str:
@@ -88,6 +108,7 @@ def register_resolvers() -> None:
         ("mrtpo.hydra_subdir", hydra_subdir),
         ("mrtpo.job_log", job_log),
         ("mrtpo.flat_dirname", flat_dirname),
+        ("mrtpo.project_root", lambda: str(PROJECT_ROOT)),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -250,7 +250,6 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "rl.shared_prompt_forward",
     "replay.token_budget",
     "replay.jsd_chunk",
-    "replay.share_prefix",
     "data.val_prompts",
     "data.val_batch_size",
 )
@@ -433,7 +432,7 @@ def drop_pending_log() -> None:
 
 # ---- one process at a time in a run folder -------------------------------------------------
 
-#: The record of a run folder: who runs there while a run does (empty otherwise). The lock
+#: The record of a run folder: who runs there while a run does (absent otherwise). The lock
 #: itself is an ``flock`` on the folder, which deleting this file cannot break.
 LOCK_NAME = "run.lock"
 
@@ -590,7 +589,8 @@ class RunFolderLock:
     ``RunFolderBusy`` naming it. A folder that is read-only, or where a name the run writes
     is a link, a FIFO or a folder, is refused (``RunFolderUnusable``). Until ``accept()`` is
     called, leaving the block by an exception puts ``run.lock`` back as it was, so a refused
-    run changes nothing.
+    run changes nothing; otherwise ``run.lock`` is removed when the block ends (while the
+    folder is still locked), so no record of a holder outlives its run.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -659,13 +659,10 @@ class RunFolderLock:
         if self.fd is None:
             return
         try:
-            if exc_type is not None and not self.accepted:
-                if self.previous is None:
-                    (self.folder / LOCK_NAME).unlink(missing_ok=True)
-                else:
-                    self._write(self.previous)
-            else:
-                self._write(b"")
+            if exc_type is not None and not self.accepted and self.previous is not None:
+                self._write(self.previous)  # a refused run changes nothing
+            else:  # the run ended (or made run.lock): no holder is left to name
+                (self.folder / LOCK_NAME).unlink(missing_ok=True)
         finally:
             _HELD.pop(str(self.folder.resolve()), None)
             os.close(self.fd)
@@ -714,3 +711,50 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
         root.addHandler(handler)
         log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {moved})")
     return moved
+
+
+# ---- a new run refused before it trained leaves no folder -----------------------------------
+
+#: What Hydra writes in a new run's folder before the run starts: its config (``.hydra/``)
+#: and its job log. A folder holding anything else is a run's, and is kept.
+HYDRA_START_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml"})
+
+
+def _only_hydra_start(folder: Path) -> bool:
+    for entry in folder.iterdir():
+        if entry.is_symlink():
+            return False
+        if entry.name == ".hydra" and entry.is_dir():
+            if not all(p.name in HYDRA_START_FILES and p.is_file() for p in entry.iterdir()):
+                return False
+        elif not (entry.is_file() and entry.suffix == ".log"):
+            return False
+    return True
+
+
+def discard_refused_folder(cfg: DictConfig) -> Path | None:
+    """After a new run that stopped before it trained (refused, or ``dry_run=true``): remove
+    the run folder this process created for it (``mrtpo.config.unique_dir``) and the empty
+    folders it created above it, so a refused command leaves nothing on the disk. A resume's
+    folder, a folder given with ``hydra.run.dir``/``paths.output_dir``, a sweep's job folder
+    (its ``job.json`` records the failure) and a folder holding anything but Hydra's config
+    and log are kept. Returns the removed folder, or None."""
+    from mrtpo.config import made_here
+
+    if cfg.get("resume") or _secondary_process():
+        return None
+    folder = run_folder_of(cfg)
+    made = made_here(folder) if folder is not None else None
+    if not made or not made[0].is_dir() or not _only_hydra_start(made[0]):
+        return None
+    root = logging.getLogger()
+    for h in list(root.handlers):  # the job log: closed before its file goes
+        name = getattr(h, "baseFilename", "")
+        if isinstance(h, logging.FileHandler) and Path(name).parent == made[0].resolve():
+            h.close()
+            root.removeHandler(h)
+    shutil.rmtree(made[0], ignore_errors=True)
+    for parent in made[1:]:
+        with contextlib.suppress(OSError):  # not empty: something else lives there
+            parent.rmdir()
+    return made[0]

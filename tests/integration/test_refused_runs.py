@@ -1,0 +1,82 @@
+"""Run folders and paths (issue 40 item 6): a refused run writes nothing (20 of 38 refused
+runs in one hour of trying had left a run folder, none with job.json), ``run.lock`` does not
+stay behind after a run ends, and the default paths resolve against the project, not the
+folder a command is launched from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tests.conftest import ROOT, compose_config
+
+from mrtpo.run_folder import LOCK_NAME, RunFolderLock
+
+TRAIN = str(ROOT / "src" / "train.py")
+
+
+def _train(args, cwd, timeout=900):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MRTPO_DATA_DIR", None)
+    return subprocess.run([sys.executable, TRAIN, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_a_refused_run_leaves_no_folder_and_no_parents(tmp_path):
+    logs = tmp_path / "deep" / "logs"
+    res = _train([f"paths.log_dir={logs}", "trainer.max_steps=0"], tmp_path)
+    assert res.returncode == 2 and "trainer.max_steps=0 is not allowed" in res.stderr
+    assert not (tmp_path / "deep").exists()  # the run folder and the folders made for it
+    assert "(the traceback is in" not in res.stderr  # it pointed at the removed log
+
+
+def test_a_refused_run_keeps_a_folder_it_did_not_make(tmp_path):
+    """``hydra.run.dir=<folder>`` names a folder the user chose: it is never removed."""
+    chosen = tmp_path / "mine"
+    res = _train([f"hydra.run.dir={chosen}", "trainer.max_steps=0"], tmp_path)
+    assert res.returncode == 2
+    assert (chosen / ".hydra" / "config.yaml").is_file()
+
+
+def test_a_run_that_ends_leaves_no_run_lock_and_its_folder(tmp_path, cache_dir):
+    logs = tmp_path / "logs"
+    res = _train([f"paths.log_dir={logs}", f"paths.cache_dir={cache_dir}", "trainer.max_steps=1",
+                  "rl.prompts_per_step=2", "rl.group_size=2", "rollout.sampling.max_new_tokens=4",
+                  "callbacks.progress=null"], tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = (logs / "train" / "runs").iterdir()
+    assert not (run / LOCK_NAME).exists()
+    assert json.loads((run / "job.json").read_text())["status"] == "completed"
+
+
+def test_run_lock_goes_when_the_block_ends_and_a_refusal_restores_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with RunFolderLock(run) as lock:
+        assert json.loads((run / LOCK_NAME).read_text())["pid"] == os.getpid()
+        lock.accept()
+    assert not (run / LOCK_NAME).exists()  # ended: no holder to name
+    with pytest.raises(RuntimeError), RunFolderLock(run) as lock:
+        lock.accept()
+        raise RuntimeError("the run failed after it started")
+    assert not (run / LOCK_NAME).exists()
+    (run / LOCK_NAME).write_bytes(b"an earlier record\n")
+    with pytest.raises(KeyError), RunFolderLock(run):
+        raise KeyError("refused before it started")
+    assert (run / LOCK_NAME).read_bytes() == b"an earlier record\n"  # changed nothing
+
+
+def test_default_paths_are_the_projects_wherever_the_command_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MRTPO_ROOT", raising=False)
+    monkeypatch.delenv("MRTPO_DATA_DIR", raising=False)
+    monkeypatch.delenv("MRTPO_CACHE_DIR", raising=False)
+    paths = compose_config("train.yaml", []).paths
+    assert paths.root_dir == str(ROOT)
+    assert paths.log_dir == f"{ROOT}/logs" and paths.cache_dir == f"{ROOT}/.cache"
+    assert paths.data_dir == f"{ROOT}/../shared/data"
+    monkeypatch.setenv("MRTPO_ROOT", str(tmp_path))  # still movable
+    assert compose_config("train.yaml", []).paths.log_dir == f"{tmp_path}/logs"
