@@ -48,14 +48,17 @@ def print_config(cfg: DictConfig) -> None:
 
 def prepare(cfg: DictConfig, validated: bool = False):
     """Everything that can fail cheaply, before any model loads: typed settings and their
-    ranges (unless ``train`` has ``validated`` them already), the stage, the task (its data),
-    and what the stage needs from the task."""
+    ranges (unless ``train`` has ``validated`` them already), a paper preset's data files
+    (``mrtpo.paper_data``), the stage, the task (its data), and what the stage needs from
+    the task."""
     from hydra.utils import instantiate
 
     from mrtpo.loggers import check_loggers
+    from mrtpo.paper_data import check_paper_data
 
     if not validated:
         validate(cfg)
+    check_paper_data(cfg)
     # the trainer this machine can start, and the global batch divided over its ranks
     resolve_batch(cfg, check_placement(cfg))
     check_loggers(cfg.get("logger"))

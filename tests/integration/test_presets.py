@@ -7,7 +7,8 @@ Trainers that cannot work are refused before anything loads. And each runs one R
 end: the preset as written, with only the model swapped to ``tiny``, the engine to ``hf``, the
 trainer explicitly back to one CPU process and the sizes shrunk (2 prompts, 2 samples, 4 new
 tokens). Nothing here needs ../shared: text-to-SQL and tool calling train on
-tests/task_fixtures.py's data, instruction following on its generated set."""
+tests/task_fixtures.py's data, instruction following on two HIR-16K rows written here (a
+paper preset never trains on other data: issue 40 item 1)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,26 @@ IFEVAL_ROWS = [
         "kwargs": [{}],
     },
 ]
+#: Two HIR-16K rows as released (HIR_trainv1.jsonl), of the subsets the presets train on.
+HIR_ROWS = [
+    {
+        "id": 1,
+        "source": "type1",
+        "prompt": "Write a note to a friend.",
+        "criteria": ["Do not use any commas."],
+        "ground_truth": {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
+    },
+    {
+        "id": 2,
+        "source": "type1",
+        "prompt": "Describe a harbour.",
+        "criteria": ["Write in lowercase letters only."],
+        "ground_truth": {
+            "instruction_id_list": ["change_case:english_lowercase"],
+            "kwargs": [{}],
+        },
+    },
+]
 #: Validation on, shrunk: two held-out prompts after the one step.
 VALIDATE = ["data.val_prompts=2", "data.val_batch_size=2", "trainer.val_check_interval=1"]
 
@@ -71,8 +92,9 @@ VALIDATE = ["data.val_prompts=2", "data.val_batch_size=2", "trainer.val_check_in
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """The task fixtures laid out as ``paths.data_dir``, plus ToolRL's RL training file under
-    the name the tool-calling presets read (``toolrl_rlla/rlla_4k/train.parquet``) and an
-    IFEval-format file for the instruction presets' validation."""
+    the name the tool-calling presets read (``toolrl_rlla/rlla_4k/train.parquet``), HIR-16K
+    where the instruction presets read it (``HIR-16K/HIR_trainv1.jsonl``) and an
+    IFEval-format file for their validation."""
     root = make_public_data(tmp_path_factory.mktemp("preset_data"))
     folder = root / "toolrl_rlla" / "rlla_4k"
     folder.mkdir(parents=True)
@@ -81,13 +103,17 @@ def data_dir(tmp_path_factory) -> Path:
     (root / "ifeval" / "input_data.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in IFEVAL_ROWS)
     )
+    (root / "HIR-16K").mkdir()
+    (root / "HIR-16K" / "HIR_trainv1.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in HIR_ROWS)
+    )
     return root
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_runs_one_step(preset, train_cfg, data_dir, tmp_path):
     task = preset.split("_", 1)[0]
-    # text2sql and toolcall read the fixtures; ifeval trains on its offline generated set
+    # every preset trains on its paper data's stand-ins: the fixtures, two HIR-16K rows
     base = f"paths.data_dir={data_dir}"
     cfg = train_cfg(f"experiment={preset}", *SMALL, *VALIDATE, base)
     # the swaps took, and the rest is the preset's own (its optimizer, mini-batch, task)
@@ -104,6 +130,8 @@ def test_preset_runs_one_step(preset, train_cfg, data_dir, tmp_path):
         if callable(close):
             close()
     assert trainer.global_step == 1 and module.iteration == 1
+    if task == "ifeval":  # HIR-16K's rows, not the generated set
+        assert module.task.hir_counts and len(dm.train_examples) == len(HIR_ROWS)
     with open(metrics_csv(trainer)) as f:
         rows = list(csv.DictReader(f))
     train = [r for r in rows if r.get("train/iteration")]
@@ -230,3 +258,62 @@ def test_preset_combinations_fsdp_cannot_run_are_refused_before_the_model_loads(
     )
     with pytest.raises(ValueError, match=refusal):
         prepare(cfg)
+
+
+# ---- issue 40 item 1: a paper preset trains on the paper's data or is refused ---------------
+
+
+def test_every_paper_preset_declares_its_data():
+    for preset in PRESETS:
+        declared = _paper(preset).get("paper_data")
+        assert declared, f"{preset} declares no paper_data"
+        train = {"ifeval": "task.data.path", "text2sql": "task.splits.train.file",
+                 "toolcall": "task.data_files.train"}[preset.split("_", 1)[0]]  # fmt: skip
+        assert train in declared, (preset, list(declared))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_without_its_data_is_refused_before_anything_loads(preset, tmp_path):
+    """``paths.data_dir`` without the paper's files: refused naming the key and the path,
+    with the model set to one that does not exist (nothing was loaded)."""
+    cfg = _paper(preset, *SMALL, f"paths.data_dir={tmp_path / 'empty'}",
+                 f"paths.output_dir={tmp_path}", "model.name_or_path=/nonexistent/model",
+                 "model.tiny=null")  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        prepare(cfg)
+    text = str(info.value)
+    assert f"experiment={preset} trains on the paper's data" in text
+    assert f"{tmp_path / 'empty'}" in text and "no such file" in text and "\n" not in text
+
+
+def test_instruction_preset_never_falls_back_to_the_generated_set(data_dir, tmp_path):
+    cfg = _paper("ifeval_qwen3_4b", *SMALL, f"paths.data_dir={data_dir}", "task.data.path=null")
+    with pytest.raises(ConfigError, match=r"task\.data\.path is not set: it must name HIR-16K"):
+        prepare(cfg)
+
+
+def test_preset_data_in_another_layout_is_refused(data_dir):
+    """rlla_sft.json (ToolRL's SFT layout, task=toolcall's default) is not the RL set the
+    paper trains on; a Spider dev file is not HIR-16K."""
+    sft = data_dir / "toolrl_rlla" / "rlla_sft.json"
+    cfg = _paper("toolcall_qwen25_3b", *SMALL, f"paths.data_dir={data_dir}",
+                 f"task.data_files.train={sft}")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"not in the paper's layout: its first row has "
+                       r"\['input', 'instruction', 'output'\], not \{prompt, reward_model\}"):  # fmt: skip
+        prepare(cfg)
+    dev = data_dir / "spider" / "dev.json"
+    cfg = _paper("ifeval_qwen25_7b", *SMALL, f"paths.data_dir={data_dir}", f"task.data.path={dev}")
+    with pytest.raises(ConfigError, match=r"task\.data\.path=.*dev\.json is not in the paper"):
+        prepare(cfg)
+
+
+def test_spider_questions_from_the_hub_need_no_local_question_file(tmp_path):
+    """``task.splits.train.hub`` (opt-in, with network) supplies Spider's questions: the
+    train file is then not required, the databases still are."""
+    from mrtpo.paper_data import problems
+
+    cfg = _paper("text2sql_coder3b", f"paths.data_dir={tmp_path}",
+                 "+task.splits.train.hub=xlangai/spider")  # fmt: skip
+    found = problems(cfg)
+    assert not any("splits.train.file" in p for p in found)
+    assert any("splits.train.db_dir" in p and "no such folder" in p for p in found)
