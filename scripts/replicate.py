@@ -146,7 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     if isinstance(opts, LongOptions):
-        from replication.long import main as replicate_long
+        from replication.long_report import main as replicate_long
 
         return replicate_long(opts)
     return replicate(opts)

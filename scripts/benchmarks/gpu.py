@@ -712,9 +712,8 @@ def stage_numerics(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
     mask = batch.rollout.response_mask
 
     def replay(m, share_prefix: bool):
-        rep = Replayer(tok, share_prefix=share_prefix)
-        if share_prefix:  # take the shared path wherever a prefix is shared (the comparison)
-            rep.min_shared_fraction, rep.min_shared_tokens = 0.0, 0
+        # "always": the shared path wherever a prefix is shared (the comparison)
+        rep = Replayer(tok, shared_prompt="always" if share_prefix else "off")
         _sync(sizes)
         t0 = time.perf_counter()
         res = rep.run(m, task, batch, pairs, "per_reward")

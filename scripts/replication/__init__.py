@@ -7,7 +7,8 @@ that runs it; not part of the installed ``mrtpo`` package.
     relevance    where each reward's relevance lands (the checker's tokens or elsewhere)
     plots        learning curves and relevance pictures
     long         the long toy (``--long``): a free part before the answer, a rare ``mark``
-    long_report  its predictions, verdicts, diagnostics and ``docs/replication_long.md``
+    long_report  its predictions, verdicts, diagnostics and ``docs/replication_long.md``;
+                 its ``main`` runs the long toy, then writes the report
 
 The statistics and run readers it uses are the library's (``mrtpo.analysis``).
 """

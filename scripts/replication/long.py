@@ -16,22 +16,21 @@ at the toy's rate). A cell's clean pass starts from the clean policy of the cell
 same K's free-part-0 policy, which already reads the constraints.
 
 Jobs, statistics and claim rules are the toy replication's (``replication.jobs``,
-``replication.claims``); this module only lays out the cells, and ``long_report`` writes the
-report.
+``replication.claims``); this module lays out the cells, runs them and reads them back, and
+``long_report`` writes the report (its ``main`` is the entry point: run, then report).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
+from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series
 from mrtpo.config import compose
 from replication.harness import ROOT, method_dir, parse_method
-from replication.jobs import Job, quieted, recorded_csv, run_all
+from replication.jobs import Job, recorded_csv, run_all
 
 Cell = tuple[int, int]  # (K, free part length in filler words)
 
@@ -105,9 +104,6 @@ class LongOptions:
     warm_from: Path | None = None
 
 
-_RUN_KEYS = ("cells", "seeds", "methods", "ablations", "steps", "threshold", "sft_max_steps", "sft_seed",
-             "workers", "threads", "override", "sft_override", "full", "commit",
-             "warm_from")  # fmt: skip
 #: The options that decide what a warm start is: a reused one must have been made with these.
 _WARM_KEYS = ("sft_max_steps", "sft_seed", "sft_override")
 
@@ -296,52 +292,3 @@ def read_cells(opts: LongOptions) -> list[CellRuns]:
                         recs += [dict(r, seed=s) for r in read_jsonl(path)]
         out.append(CellRuns(cell, sft, runs, recs))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------------
-
-
-def _restore(opts: LongOptions, run_file: Path) -> None:
-    saved = json.loads(run_file.read_text())
-    for key, value in saved.items():
-        setattr(opts, key, [tuple(c) for c in value] if key == "cells" else value)
-
-
-@quieted()  # muted while it runs, restored after (it also runs inside tests)
-def main(opts: LongOptions) -> int:
-    """Run (or, with ``report_only``, re-read) the long toy and write its report."""
-    from rich.console import Console
-
-    from replication.long_report import write_report
-
-    console = Console()
-    if opts.logdir is None:
-        if opts.report_only:
-            raise ValueError("report_only needs the log folder of a run (--logdir)")
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        opts.logdir = ROOT / "logs" / "replicate_long" / stamp
-    opts.logdir = Path(opts.logdir).resolve()
-    run_file, wall_file = opts.logdir / "run.json", opts.logdir / "wall_s.json"
-    t0 = time.perf_counter()
-    if opts.report_only:
-        if not run_file.exists():
-            console.print(f"[red]{run_file} not found: is --logdir a long-toy run folder?")
-            return 1
-        _restore(opts, run_file)
-    else:
-        opts.logdir.mkdir(parents=True, exist_ok=True)
-        opts.commit = opts.commit or source_commit()
-        saved = {k: getattr(opts, k) for k in _RUN_KEYS}
-        saved["warm_from"] = None if opts.warm_from is None else str(Path(opts.warm_from).resolve())
-        run_file.write_text(json.dumps(saved, indent=2))
-        console.rule(f"[bold]Long toy: cells {opts.cells}, {opts.seeds} seeds → {opts.logdir}")
-        if not run_cells(opts, console):
-            return 1
-        prev = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else 0.0
-        wall_file.write_text(json.dumps({"wall_s": prev + time.perf_counter() - t0}))
-    wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else float("nan")
-    out = write_report(read_cells(opts), opts, wall, opts.docs / "replication_long.md")
-    console.print(f"[bold green]report:[/bold green] {out}  (wall time {wall / 60:.1f} min)")
-    return 0

@@ -5,6 +5,9 @@ rules (``replication.claims``: reproduced when the interval lies wholly on the p
 not reproduced when wholly on the other, inconclusive otherwise). Cells are (K, free length)
 pairs; a paired difference is one (cell, seed), and cells are pooled the way the toy
 replication pools K: each cell has its own warm start, so its differences are independent.
+
+``main`` is the long toy's entry point (``scripts/replicate.py --long``): it runs the cells
+(``replication.long``), then writes the report.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import json
 import math
 import os
 import platform
+import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mrtpo.analysis.runs import source_commit
 from mrtpo.analysis.stats import (
     SMOOTH,
     Interval,
@@ -28,6 +33,8 @@ from mrtpo.analysis.stats import (
 )
 from mrtpo.config import compose
 from replication import claims as C
+from replication.harness import ROOT
+from replication.jobs import quieted
 from replication.long import (
     ABLATIONS,
     FREE,
@@ -42,6 +49,8 @@ from replication.long import (
     SFT_PHASES,
     CellRuns,
     LongOptions,
+    read_cells,
+    run_cells,
     token_budget,
     warm_start,
 )
@@ -389,8 +398,6 @@ def label(cell) -> str:
 
 
 def _provenance(opts: LongOptions) -> str:
-    from mrtpo.analysis.runs import source_commit
-
     now = source_commit()
     if opts.commit is None:
         return f"runs' commit not recorded; report written at commit `{now}`"
@@ -661,3 +668,56 @@ def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: P
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _restore(opts: LongOptions, run_file: Path) -> None:
+    saved = json.loads(run_file.read_text())
+    for key, value in saved.items():
+        setattr(opts, key, [tuple(c) for c in value] if key == "cells" else value)
+
+
+#: The options a run records in run.json (``--report-only`` restores them).
+_RUN_KEYS = ("cells", "seeds", "methods", "ablations", "steps", "threshold", "sft_max_steps", "sft_seed",
+             "workers", "threads", "override", "sft_override", "full", "commit",
+             "warm_from")  # fmt: skip
+
+
+@quieted()  # muted while it runs, restored after (it also runs inside tests)
+def main(opts: LongOptions) -> int:
+    """Run (or, with ``report_only``, re-read) the long toy and write its report."""
+    from rich.console import Console
+
+    console = Console()
+    if opts.logdir is None:
+        if opts.report_only:
+            raise ValueError("report_only needs the log folder of a run (--logdir)")
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        opts.logdir = ROOT / "logs" / "replicate_long" / stamp
+    opts.logdir = Path(opts.logdir).resolve()
+    run_file, wall_file = opts.logdir / "run.json", opts.logdir / "wall_s.json"
+    t0 = time.perf_counter()
+    if opts.report_only:
+        if not run_file.exists():
+            console.print(f"[red]{run_file} not found: is --logdir a long-toy run folder?")
+            return 1
+        _restore(opts, run_file)
+    else:
+        opts.logdir.mkdir(parents=True, exist_ok=True)
+        opts.commit = opts.commit or source_commit()
+        saved = {k: getattr(opts, k) for k in _RUN_KEYS}
+        saved["warm_from"] = None if opts.warm_from is None else str(Path(opts.warm_from).resolve())
+        run_file.write_text(json.dumps(saved, indent=2))
+        console.rule(f"[bold]Long toy: cells {opts.cells}, {opts.seeds} seeds → {opts.logdir}")
+        if not run_cells(opts, console):
+            return 1
+        prev = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else 0.0
+        wall_file.write_text(json.dumps({"wall_s": prev + time.perf_counter() - t0}))
+    wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else float("nan")
+    out = write_report(read_cells(opts), opts, wall, opts.docs / "replication_long.md")
+    console.print(f"[bold green]report:[/bold green] {out}  (wall time {wall / 60:.1f} min)")
+    return 0

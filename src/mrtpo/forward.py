@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 def shared_prompt_mode(value: Any) -> str | None:
-    """A shared-prompt switch as written in a config (``rl.shared_prompt_forward``,
-    ``rollout.engine.share_prompt``) as ``auto``, ``off`` or ``always``, YAML's ``false`` and
+    """The shared-prompt switch as written in a config (``rl.shared_prompt_forward``, the one
+    switch of every shared-prompt forward) as ``auto``, ``off`` or ``always``, YAML's ``false`` and
     ``true`` read as off and auto; None when it is none of them."""
     mode = str(value).lower()
     mode = {"false": "off", "true": "auto"}.get(mode, mode)
@@ -288,12 +288,18 @@ def _architecture_blocker(model, form: str) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in PLAIN_HEAD_MODEL_TYPES:
         return f"model type {kind!r} is not one whose {form} is checked here"
-    if _windowed(cfg):
+    if _windowed_config(cfg):
         return f"sliding-window attention (not carried by the {form})"
     return None
 
 
-def _windowed(cfg) -> bool:
+def windowed(model) -> bool:
+    """True when some attention layer of ``model`` is windowed (a cache would not hold a
+    whole prefix): every shared-prompt form keeps the plain path then."""
+    return _windowed_config(getattr(model, "config", None))
+
+
+def _windowed_config(cfg) -> bool:
     types = getattr(cfg, "layer_types", None)
     if types:
         return any(t != "full_attention" for t in types)

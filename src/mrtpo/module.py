@@ -86,7 +86,7 @@ class PolicyModule(L.LightningModule):
             tokenizer,
             token_budget=rcfg.token_budget,
             jsd_chunk=rcfg.jsd_chunk,
-            share_prefix=rcfg.share_prefix,
+            shared_prompt=self.rl.shared_prompt_forward,
         )
         self.ref_policy = None
         # Under LoRA the reference is the base model itself, adapters off: no second copy.

@@ -11,8 +11,9 @@ Cost and memory (docs/benchmarks.md measures both):
   of a prompt usually share theirs), the response ids are reused as sampled;
 * forwards are packed into micro-batches by a token budget, shortest contexts first;
 * the contexts of one response share a prefix (P0 and the blocks before ``Z_k``; for
-  in-prompt information, the text before item ``k``). With ``share_prefix`` a prefix runs
-  once and its key/value cache is reused by every context that continues it: either the
+  in-prompt information, the text before item ``k``). A prefix runs
+  once and its key/value cache is reused by every context that continues it (when
+  ``rl.shared_prompt_forward`` allows and ``forward.worth_sharing`` says it pays): either the
   part all of a response's contexts share, or P_all's whole context, each P_\\k reading it
   up to where the two depart (whichever computes fewer tokens);
 * every distribution is the one the response was sampled from: logits divided by the
@@ -46,7 +47,10 @@ from mrtpo.forward import (
     response_hidden,
     response_hidden_shared_prefix,
     response_logits,
+    shared_prompt_mode,
     split_head,
+    windowed,
+    worth_sharing,
 )
 from mrtpo.rollout.build import chat_ids
 from mrtpo.tasks.base import Contexts, Task
@@ -81,15 +85,6 @@ class ReplayResult:
     metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
 
 
-def _sliding_window(model) -> bool:
-    """True when some attention layer is windowed (its cache would not hold the prefix)."""
-    cfg = getattr(model, "config", None)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return any(t != "full_attention" for t in types)
-    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True)
-
-
 def _low_precision(model, device: torch.device) -> bool:
     """True when the forwards run in a 16-bit float type (the weights' own, or autocast's)."""
     param = next(model.parameters())
@@ -116,17 +111,16 @@ class Replayer:
         tokenizer,
         token_budget: int = 16384,
         jsd_chunk: int = 256,
-        share_prefix: bool = True,
+        shared_prompt: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.token_budget = token_budget  # max (rows x padded length) per forward
         self.jsd_chunk = jsd_chunk  # (row, position) pairs per float32 head / log-softmax / JSD
-        self.share_prefix = share_prefix  # run a response's common context prefix once
-        # what sharing must save to pay for its second decoder call: a share of the tokens,
-        # and a number of tokens (None: from the model size)
-        self.min_shared_fraction = 0.1
-        self.min_shared_tokens: float | None = None
-        self._n_params: int | None = None
+        # rl.shared_prompt_forward: run a response's common context prefix once when
+        # forward.worth_sharing says it pays (auto), whenever a layout shares (always), or never
+        self.shared_prompt = shared_prompt_mode(shared_prompt)
+        if self.shared_prompt is None:
+            raise ValueError(f"shared_prompt={shared_prompt!r}: use auto, off or always")
         #: the shared-prefix layouts ``_shared_layout`` may choose from (tests pin one)
         self.layouts: tuple[str, ...] = ("common", "branch")
 
@@ -307,9 +301,9 @@ class Replayer:
             return logits, None, ctx_ids.numel() + r_ids.numel(), False
         decoder, head = split
         plain_cost = len(chunk) * (max(len(job.ids) for job in chunk) + t)
-        if self.share_prefix:
+        if self.shared_prompt != "off" and not windowed(model):
             shared = self._shared_layout(chunk, t)
-            if shared is not None and self._worth_sharing(model, plain_cost, shared[-1]):
+            if shared is not None and self._worth_sharing(plain_cost, shared[-1]):
                 prefixes, row_prefix, keep, suffixes, cost = shared
                 p_ids, p_mask = pad_left(prefixes, pad)
                 s_ids, s_mask = pad_left(suffixes, pad)
@@ -321,19 +315,11 @@ class Replayer:
         h = response_hidden(decoder, ctx_ids, ctx_mask, r_ids, r_mask)
         return h, head, plain_cost, False
 
-    def _worth_sharing(self, model, plain_cost: int, shared_cost: int) -> bool:
-        """Sharing runs two decoder calls instead of one. It must save a tenth of the tokens,
-        and more compute than the second call's fixed cost (a few ms of Python, worth
-        ~2e9 / n_params tokens: thousands for a toy model, a handful for a real one)."""
-        if _sliding_window(model):
-            return False  # a windowed cache drops prefix keys: keep the plain path
-        saved = plain_cost - shared_cost
-        least = self.min_shared_tokens
-        if least is None:
-            if self._n_params is None:
-                self._n_params = sum(p.numel() for p in model.parameters())
-            least = 2e9 / max(self._n_params, 1)
-        return saved >= self.min_shared_fraction * plain_cost and saved >= least
+    def _worth_sharing(self, plain_cost: int, shared_cost: int) -> bool:
+        """Sharing runs two decoder calls instead of one: the project's one rule for that
+        (``forward.worth_sharing``), unless ``always``. A windowed cache would drop prefix
+        keys, so windowed models keep the plain path (checked by the caller)."""
+        return self.shared_prompt == "always" or worth_sharing(plain_cost - shared_cost, plain_cost)
 
     def _shared_layout(self, chunk: list[_Job], t: int):
         """The cheaper of two shared-prefix layouts of a micro-batch (None if nothing is

@@ -248,7 +248,6 @@ class ReplayConfig(_Section):
     section: ClassVar[str] = "replay"
     token_budget: int = 16384  # rows x padded length per replay forward
     jsd_chunk: int = 256  # (row, position) pairs per float32 log-softmax / JSD chunk
-    share_prefix: bool = True  # run a response's common context prefix once (KV reuse)
 
     def __post_init__(self) -> None:
         s = self.section
@@ -490,13 +489,34 @@ def check_engine(cfg) -> None:
     )
 
 
+#: Keys that were replaced, and the key that does their job now.
+RENAMED = {
+    # one prefix-sharing switch for every forward (update, old-policy, reference, teacher,
+    # replay and the HF engine's prefill)
+    "replay.share_prefix": "rl.shared_prompt_forward",
+    "rollout.engine.share_prompt": "rl.shared_prompt_forward",
+}
+
+
+def check_renamed(key: str) -> None:
+    """Refuse a replaced key, naming the one to use."""
+    if key.lstrip("+~") in RENAMED:
+        raise ConfigError(
+            f"{key.lstrip('+~')} was replaced by {RENAMED[key.lstrip('+~')]} (one switch, "
+            "auto/off/always, for every shared-prompt forward): set that instead"
+        )
+
+
 def check_overrides(argv: Sequence[str]) -> None:
-    """Refuse ``rl.nope=1`` on the command line, listing the valid keys of that section.
+    """Refuse ``rl.nope=1`` on the command line, listing the valid keys of that section,
+    and a replaced key (``RENAMED``), naming the one to use.
 
     Hydra would refuse it too, but says only that the key is not in the config (and suggests
     ``+rl.nope=1``, which a schema refuses as well).
     """
     for arg in argv:
+        if "=" in arg:
+            check_renamed(arg.split("=", 1)[0])
         if "=" not in arg or arg.startswith(("+", "~", "-")):
             continue
         key = arg.split("=", 1)[0]

@@ -22,7 +22,7 @@ from mrtpo.callbacks.rollout import RolloutCallback
 from mrtpo.data import PromptDataModule
 from mrtpo.module import PolicyModule
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.settings import SFTConfig, section
+from mrtpo.settings import SFTConfig, check_renamed, section
 from mrtpo.sft import SFTModule
 from mrtpo.tasks.base import Task
 
@@ -106,7 +106,7 @@ class RLStage(Stage):
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
-        engine = instantiate(cfg.rollout.engine)
+        engine = instantiate(cfg.rollout.engine, **_shared_prompt_arg(cfg.rollout.engine, rl))
         rollout = RolloutCallback(
             engine,
             sampling=_container(cfg.rollout.sampling),
@@ -114,6 +114,19 @@ class RLStage(Stage):
             val_max_new_tokens=cfg.rollout.get("val_max_new_tokens"),
         )
         return module, prompts, [rollout]
+
+
+def _shared_prompt_arg(node, rl) -> dict[str, Any]:
+    """``share_prompt=rl.shared_prompt_forward`` for an engine that takes it (the HF engine's
+    shared prefill), so one switch rules every shared-prompt forward."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    if "share_prompt" in node:
+        check_renamed("rollout.engine.share_prompt")
+    params = inspect.signature(get_class(str(node._target_))).parameters
+    return {"share_prompt": rl.shared_prompt_forward} if "share_prompt" in params else {}
 
 
 class SFTStage(Stage):

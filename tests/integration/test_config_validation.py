@@ -142,12 +142,13 @@ def test_every_number_of_every_typed_section_must_be_finite(value):
 
 def test_settings_that_lived_only_in_code_can_be_set_plainly(train_cfg):
     cfg = train_cfg(
-        "rl.replay_oom_retries=8", "optim.betas=[0.9,0.95]", "replay.share_prefix=false"
+        "rl.replay_oom_retries=8", "optim.betas=[0.9,0.95]", "rl.shared_prompt_forward=false"
     )
     _, module, _ = build(cfg)
     assert module.rl.replay_oom_retries == 8
     assert tuple(module.optim_cfg.betas) == (0.9, 0.95)
-    assert module.replayer.share_prefix is False
+    # one switch for every shared-prompt forward: replay's and the HF engine's too
+    assert module.replayer.shared_prompt == "off" and module.rl.shared_prompt_forward == "off"
     opt = module.configure_optimizers()["optimizer"]
     assert opt.param_groups[0]["betas"] == (0.9, 0.95)
 
@@ -204,3 +205,21 @@ def test_fsdp_refuses_what_it_cannot_shard_yet_before_the_model_loads(
     cfg = train_cfg("trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", override)
     with pytest.raises(ValueError, match=message):
         prepare(cfg)
+
+
+@pytest.mark.parametrize("key", ["replay.share_prefix", "rollout.engine.share_prompt"])
+def test_a_replaced_prefix_sharing_key_names_the_one_to_use(train_cfg, key):
+    from mrtpo.settings import ConfigError, check_overrides
+
+    for arg in (f"{key}=false", f"+{key}=false"):  # refused before Hydra composes anything
+        with pytest.raises(ConfigError, match=rf"{key} was replaced by rl\.shared_prompt_forward"):
+            check_overrides([arg])
+    if key.startswith("rollout."):  # a config that holds it anyway is refused when built
+        with pytest.raises(ConfigError, match=r"was replaced by rl\.shared_prompt_forward"):
+            build(train_cfg(f"+{key}=false"))
+
+
+def test_the_hf_engine_takes_the_one_prefix_sharing_switch(train_cfg):
+    trainer, _, _ = build(train_cfg("rl.shared_prompt_forward=always"))
+    [engine] = [c.engine for c in trainer.callbacks if hasattr(c, "source")]
+    assert engine.share_prompt == "always"

@@ -224,10 +224,9 @@ def test_shared_prefix_replay_matches_the_plain_path(tiny):
     for task in (BlockTask(), SyntheticTask(num_constraints=4)):
         scored = _scored(task, tiny)
         pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
-        shared = Replayer(tok, token_budget=64, jsd_chunk=5)
-        shared.min_shared_tokens = shared.min_shared_fraction = 0  # force the shared path
+        shared = Replayer(tok, token_budget=64, jsd_chunk=5, shared_prompt="always")
         res = shared.run(model, task, scored, pairs, "per_reward")
-        plain = Replayer(tok, token_budget=64, jsd_chunk=5, share_prefix=False).run(
+        plain = Replayer(tok, token_budget=64, jsd_chunk=5, shared_prompt="off").run(
             model, task, scored, pairs, "per_reward"
         )
         assert res.stats["shared_prefix_batches"] > 0 and not plain.stats["shared_prefix_batches"]
@@ -285,8 +284,9 @@ def test_fused_old_logprobs_match_the_plain_pass(tiny, dtype, layout):
     scored = _scored(task, tiny, n=4, max_new_tokens=24)
     roll = scored.rollout
     model = _sharpened(tiny[0]).to(dtype)
-    replayer = Replayer(tok, token_budget=4096, jsd_chunk=5, share_prefix=layout != "plain")
-    replayer.min_shared_tokens = replayer.min_shared_fraction = 0  # share whenever possible
+    # "always": share whenever a layout shares
+    mode = "off" if layout == "plain" else "always"
+    replayer = Replayer(tok, token_budget=4096, jsd_chunk=5, shared_prompt=mode)
     replayer.layouts = (layout,)
     pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
     res = replayer.run(model, task, scored, pairs, "per_reward")

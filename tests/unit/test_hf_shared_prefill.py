@@ -1,4 +1,4 @@
-"""The HF engine's shared prefill (rollout.engine.share_prompt): the G samples of a prompt run
+"""The HF engine's shared prefill (rl.shared_prompt_forward, passed to the engine as share_prompt): the G samples of a prompt run
 its prefix once and continue its cache, and sample what the plain prefill samples."""
 
 from __future__ import annotations

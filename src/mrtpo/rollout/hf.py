@@ -189,7 +189,7 @@ class HFEngine(RolloutEngine):
         mode = shared_prompt_mode(share_prompt)
         if mode is None:
             raise ValueError(
-                f"rollout.engine.share_prompt={share_prompt!r}: use auto, false or always"
+                f"rl.shared_prompt_forward={share_prompt!r}: use auto, false or always"
             )
         self.batch_size = batch_size  # prompts x samples per generate call
         # "auto": the G samples of a prompt prefill it once (forward.prompt_groups' rules)
