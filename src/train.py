@@ -2,6 +2,7 @@
 
 python src/train.py task=ifeval method=mrtpo
 python src/train.py -m method=mrtpo method.beta=0.25,0.5,0.75 seed=1,2,3   # GDPO has no beta
+python src/train.py experiment=text2sql_coder7b --check   # check it all, say what it would do
 """
 
 import hydra
@@ -17,6 +18,14 @@ def main(cfg: DictConfig) -> float | None:
     from mrtpo.pipeline import train
     from mrtpo.run_folder import NothingToTrain, discard_refused_folder
 
+    if cfg.get("dry_run"):  # --check: every check, then what the run would do; no training
+        from mrtpo.dryrun import dry_run
+
+        try:
+            run_job(dry_run, cfg)
+        finally:
+            discard_refused_folder(cfg)
+        return None
     try:  # a bad value, missing data or a model that cannot load: its message alone, exit 2
         metrics = run_job(train, cfg)
     except NothingToTrain as done:  # +resume of a finished run: said, nothing changed
@@ -37,6 +46,8 @@ if __name__ == "__main__":
     from mrtpo.signals import run_and_exit
     from mrtpo.settings import ConfigError, check_overrides
 
+    # --check is dry_run=true (configs/train.yaml), for Hydra
+    sys.argv = ["dry_run=true" if a == "--check" else a for a in sys.argv]
     try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts
         check_overrides(sys.argv[1:])
     except ConfigError as exc:

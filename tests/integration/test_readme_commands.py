@@ -70,6 +70,8 @@ def split(command: str, tmp: Path) -> tuple[str, list[str]]:
                     lambda m: str(tmp / m.group(1)), command)  # fmt: skip
     args = shlex.split(filled, comments=True)
     assert args[0] == "python", command
+    if args[1] == "src/train.py":  # as src/train.py reads it, for Hydra
+        args = ["dry_run=true" if a == "--check" else a for a in args]
     return args[1], args[2:]
 
 
@@ -88,11 +90,18 @@ def jobs(args: list[str]) -> list[list[str]]:
 
 
 def check_train(cfg) -> None:
-    """What src/train.py checks before loading anything, with 8 GPUs assumed."""
+    """What src/train.py checks before loading anything, with 8 GPUs assumed; a ``--check``
+    command's plan, too (its data and model may be absent here: listed, not asserted)."""
     validate(cfg)  # typed settings, the batch divided over the trainer's ranks
     assert resolve_batch(cfg, check_placement(cfg, gpus=8)) is not None
     if cfg.get("stage", {}).get("name", "rl") == "rl":
         instantiate(cfg.method)
+    if cfg.get("dry_run"):
+        from mrtpo.dryrun import check_all, plan_lines
+
+        found = check_all(cfg)
+        assert not [p for p in found.problems if p.startswith(("settings", "batch", "trainer"))]
+        assert any("per step:" in line for line in plan_lines(cfg, found))
 
 
 @pytest.mark.parametrize("command", COMMANDS)

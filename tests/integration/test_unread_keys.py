@@ -56,6 +56,7 @@ def test_a_key_nothing_reads_is_refused_naming_the_nearest(override, named, near
     "overrides",
     [
         ["+allow_cpu=true"],  # keys a command adds on purpose
+        ["dry_run=true"],
         ["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer"],
         ["+logger.mine._target_=lightning.pytorch.loggers.CSVLogger", "+logger.mine.save_dir=x"],
         ["task=custom", "task.data.path=p.jsonl", "task.rewards=[m.r]", "+task.data.splits.val=v"],
