@@ -33,6 +33,7 @@ TOP_LEVEL: dict[str, str] = {
     "ckpt_path": "the checkpoint a new run starts from",
     "print_config": "the config tree printed at the start",
     "warm_start": "the runs done first (mrtpo.pipeline.run_warm_starts)",
+    "threads": "torch's CPU threads (mrtpo.threads)",
     "paths": "where data, logs and caches live",
     "model": "the policy (mrtpo.models.load_policy)",
     "task": "the prompts and rewards",
@@ -87,6 +88,7 @@ SYNONYMS: dict[str, str] = {
     "data_dir": "paths.data_dir",
     "output_dir": "paths.output_dir",
     "log_dir": "paths.log_dir",
+    "num_threads": "threads",
 }
 
 #: Hydra's own keys in a node with a ``_target_``.

@@ -83,5 +83,10 @@ def main_job(cfg: DictConfig) -> dict[str, float]:
     """``src/eval.py``'s job: a bad setting, missing data or a model that cannot load ends it
     with the message alone (``mrtpo.cli.run_job``; the traceback goes to the run's log file)."""
     from mrtpo.eval_job import run
+    from mrtpo.threads import configure
 
-    return run_job(run, cfg)
+    def job(cfg: DictConfig) -> dict[str, float]:
+        configure(cfg)  # torch's CPU threads, before the model loads (configs/eval.yaml)
+        return run(cfg)
+
+    return run_job(job, cfg)

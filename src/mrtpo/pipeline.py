@@ -177,13 +177,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     if cfg.get("print_config"):
         print_config(cfg)
-    from mrtpo import preflight
+    from mrtpo import preflight, threads
     from mrtpo.callbacks.console import quiet_libraries
 
     quiet_libraries()
     validate(cfg)  # typed settings and their ranges, before anything loads or runs
     check_placement(cfg)  # and a trainer this machine can start, before any warm start runs
     preflight.check(cfg)  # values left open, logger packages, vLLM's CPU build: one line each
+    threads.configure(cfg)  # torch's CPU threads (threads=auto: one for a small model on a CPU)
     folder = run_folder_of(cfg)
     if folder is not None and not cfg.get("resume"):
         folder.mkdir(parents=True, exist_ok=True)
