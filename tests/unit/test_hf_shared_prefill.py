@@ -76,5 +76,5 @@ def test_auto_shares_long_prompts_only(tiny, monkeypatch):
 
 
 def test_bad_share_prompt_names_the_key():
-    with pytest.raises(ValueError, match=r"rollout\.engine\.share_prompt"):
+    with pytest.raises(ValueError, match=r"rl\.shared_prompt_forward=.sometimes."):
         HFEngine(share_prompt="sometimes")
