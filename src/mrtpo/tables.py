@@ -368,7 +368,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="src/table.py",
         description="Evaluate run or policy folders on every benchmark of a task family and "
-        "write the paper's table (methods x benchmarks, mean over seeds ± 95%% CI) as "
+        "write the paper's table (methods x benchmarks, mean over seeds ± 95% CI) as "
         "table.md and table.csv.",
     )
     p.add_argument("family", help=f"task family: {', '.join(FAMILIES)}")

@@ -59,9 +59,58 @@ def find_file(source: str | Path) -> Path:
             f"{path} holds no {FILE} itself, but {len(below)} run folder(s) below it do; give "
             f"one of them:\n  {listed}{more}"
         )
-    raise FileNotFoundError(
-        f"{path} has no {FILE}: a run writes it when its method replays (MRTPO and its "
-        "variants, CoRT) and callbacks.relevance_dump is on (configs/callbacks/default.yaml)"
+    raise FileNotFoundError(f"{path} has no {FILE}: {why_no_records(path)}")
+
+
+def _replays(target: str) -> bool | None:
+    """Whether the method class ``target`` asks for replay (None: it cannot be imported)."""
+    try:
+        from hydra.utils import get_class
+
+        return getattr(get_class(target), "relevance", None) is not None
+    except Exception:
+        return None
+
+
+def why_no_records(run: Path) -> str:
+    """Why a run folder holds no relevance records, from the run's own config and metrics:
+    its method does not replay, the dump is off, the run ended before the dump's next step,
+    or no response was replayed at the steps it dumps (a reward that did not vary in any
+    group), with the key to change."""
+    from omegaconf import OmegaConf
+
+    from mrtpo.analysis.runs import _step_rows
+
+    generic = (
+        "a run writes it when its method replays (MRTPO and its variants, CoRT) and "
+        "callbacks.relevance_dump is on (configs/callbacks/default.yaml)"
+    )
+    try:
+        cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+        target = str(OmegaConf.select(cfg, "method._target_"))
+        dump = OmegaConf.select(cfg, "callbacks.relevance_dump", default=None)
+        every = int(dump.get("every", 10)) if dump else 0
+        rows = _step_rows(run / "csv" / "metrics.csv") if (run / "csv").is_dir() else []
+    except Exception:  # not a run folder this version wrote: say what makes the file
+        return generic
+    if _replays(target) is False:
+        return f"its method ({target.rsplit('.', 1)[-1]}) does not replay: {generic}"
+    if not dump or every <= 0:
+        return "callbacks.relevance_dump was off in this run (set callbacks.relevance_dump.every=N)"
+    dumped = [r for r in rows if (int(r.get("train/iteration", r["step"] + 1)) - 1) % every == 0]
+    replayed = [r.get("train/adv/replayed_share", 0.0) or 0.0 for r in dumped]
+    steps = len(rows)
+    at = ", ".join(str(1 + i * every) for i in range(3)) + ", ..."
+    why = (
+        f"no response was replayed at those steps ({len(dumped)} of them: every reward was "
+        "the same across each group, which is common early on or with an untrained policy)"
+        if not any(v > 0 for v in replayed)
+        else "it had not written them when it stopped"
+    )
+    return (
+        f"callbacks.relevance_dump.every={every} writes at steps {at} the responses replayed "
+        f"there, and this run logged {steps} step(s): {why}. That is not the method: set "
+        "callbacks.relevance_dump.every=1 (a dump every step) or train longer"
     )
 
 

@@ -865,39 +865,62 @@ def eval_report(runs: Sequence[Run], level: float = 0.95) -> Report:
     return Report("\n".join(lines) + "\n", [])
 
 
+def bounds(curves: dict[str, list[list[float]]]) -> tuple[float, float]:
+    """(0, 1) when every finite value of the curves is in [0, 1] (a rate, a binary reward's
+    mean): a t band over a few seeds reaches past them (to 1.6), where no run can be; else
+    no bounds."""
+    values = [v for runs in curves.values() for c in runs for v in c if math.isfinite(v)]
+    rate = bool(values) and min(values) >= 0 and max(values) <= 1
+    return (0.0, 1.0) if rate else (-math.inf, math.inf)
+
+
+def curve_band(
+    runs: list[list[float]], level: float = 0.95, cut: tuple[float, float] = (-math.inf, math.inf)
+) -> tuple[list[float], list[float], list[float]]:
+    """(mean, low, high) per step of the smoothed curves of one group's seeds, over the steps
+    every seed reached: the t band, cut at ``cut``."""
+    ys = [smooth(c) for c in runs if c]
+    n = min((len(y) for y in ys), default=0)
+    mean, lo, hi = [], [], []
+    for t in range(n):
+        iv = mean_ci([y[t] for y in ys], level)
+        h = iv.half if math.isfinite(iv.half) else 0.0
+        mean.append(iv.mean)
+        lo.append(max(iv.mean - h, cut[0]))
+        hi.append(min(iv.mean + h, cut[1]))
+    return mean, lo, hi
+
+
 def plot_metric(
     curves: dict[str, list[list[float]]], metric: str, path: Path, level: float = 0.95
 ) -> None:
-    """One metric per step, smoothed: a line per group (mean over its seeds) with the t band,
-    over the steps every seed of the group reached."""
+    """One metric per step, smoothed: a line per group (mean over its seeds) with the t band
+    (``curve_band``; a rate's band cut at 0 and 1), over the steps every seed of the group
+    reached. The legend goes below the axes, where no curve runs through it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), constrained_layout=True)
+    cut = bounds(curves)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
     for label, runs in curves.items():
-        ys = [smooth(c) for c in runs if c]
-        if not ys:
+        mean, lo, hi = curve_band(runs, level, cut)
+        if not mean:
             continue
-        n = min(len(y) for y in ys)
-        mean, lo, hi = [], [], []
-        for t in range(n):
-            iv = mean_ci([y[t] for y in ys], level)
-            h = iv.half if math.isfinite(iv.half) else 0.0
-            mean.append(iv.mean)
-            lo.append(iv.mean - h)
-            hi.append(iv.mean + h)
-        x = list(range(1, n + 1))
-        (line,) = ax.plot(x, mean, lw=1.6, label=f"{label} (n={len(ys)})")
+        x = list(range(1, len(mean) + 1))
+        n_seeds = sum(1 for c in runs if c)
+        (line,) = ax.plot(x, mean, lw=1.6, label=f"{label} (n={n_seeds})")
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-    ax.set_title(f"{metric} (moving average {SMOOTH}; band: {100 * level:g}% over seeds)",
+    said = ", cut at 0 and 1" if math.isfinite(cut[1]) else ""
+    ax.set_title(f"{metric} (moving average {SMOOTH}; band: {100 * level:g}% over seeds{said})",
                  fontsize=9)  # fmt: skip
     ax.set_xlabel("RL step")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(fontsize=7, loc="outside lower center", ncol=2, frameon=False)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)

@@ -166,9 +166,13 @@ class RunSummary(L.Callback):
         self.labels = dict(getattr(getattr(pl_module, "task", None), "reward_labels", {}) or {})
 
     def shown(self, key: str) -> str:
-        """A column's header or a curve's legend: ``reward/c0`` -> the task's label."""
+        """A column's header or a curve's legend: ``reward/c0`` -> ``c0 (constraint 1)``: the
+        key that metrics.csv, report.py and --metric use, with the task's label beside it."""
+        if not key.startswith("reward/"):
+            return key
         name = key.removeprefix("reward/")
-        return self.labels.get(name, name) if key.startswith("reward/") else key
+        label = self.labels.get(name, name)
+        return name if label == name else f"{name} ({label})"
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
@@ -241,7 +245,7 @@ class RunSummary(L.Callback):
 
         names = sorted({k for r in self.rows for k in r} - {TOTAL})
         steps = self.steps if len(self.steps) == len(self.rows) else range(1, len(self.rows) + 1)
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(7, 4.6), layout="constrained")
         for k in names:
             xs = [x for x, r in zip(steps, self.rows, strict=True) if k in r]
             ax.plot(xs, [r[k] for r in self.rows if k in r], label=self.shown(k), lw=1.2)
@@ -253,10 +257,12 @@ class RunSummary(L.Callback):
             right.plot(xs, [r[TOTAL] for r in self.rows if TOTAL in r], "k--", lw=1.0,
                        label="total (right axis)")  # fmt: skip
             right.set_ylabel("summed reward (total)")
-            right.legend(fontsize=7, loc="lower right")
-        ax.legend(fontsize=7, ncol=2)
+        # one legend for both axes, below the plot: inside it, the right axis' curve was
+        # drawn over the left axis' legend, and two legends overlapped each other
+        handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
+        fig.legend(handles=handles, fontsize=7, loc="outside lower center",
+                   ncol=min(len(handles), 5), frameon=False)  # fmt: skip
         ax.grid(alpha=0.3)
-        fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
         plt.close(fig)
