@@ -48,13 +48,39 @@ def test_a_run_still_running_is_named_and_left_out_unless_asked(tmp_path, capsys
     assert "--incomplete" in rep.text
     # asked for: counted, and the table says which runs are incomplete
     rep = report(find_runs([root]), None, incomplete=True)
-    assert "| (all runs) | 3 | 3/126 | 0.500 ± 0.896 |" in rep.text
-    assert "1 incomplete (126 of 6000 steps)" in rep.text
+    assert "| (all runs) | 3 | 3/126* | 0.500 ± 0.896 |" in rep.text  # * partial (issue 40)
+    assert "1 incomplete (126 of 6000 steps, stopped before its last step)" in rep.text
+    assert "*: partial: the row counts runs short of trainer.max_steps" in rep.text
     # the command line: the same, with the flag
     assert main([str(root), "--no-plots"]) == 0
     assert "incomplete: 126 of 6000 steps" in capsys.readouterr().out
     assert main([str(root), "--no-plots", "--incomplete"]) == 0
-    assert "| (all runs) | 3 | 3/126 |" in capsys.readouterr().out
+    assert "| (all runs) | 3 | 3/126* |" in capsys.readouterr().out
+
+
+def test_a_run_still_running_is_told_from_one_that_stopped(tmp_path):
+    """run.lock names the process that holds a run folder while it trains (and goes when the
+    run ends): a live one is 'still running', a dead one 'stopped' (issue 40 item 4)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = tmp_path / "sweep"
+    make_job(root, "0", "gdpo", 1, [0.2] * 3, job=DONE)
+    live = make_job(root, "1", "gdpo", 2, [0.4] * 3, max_steps=50)
+    dead = make_job(root, "2", "gdpo", 3, [0.6] * 3, max_steps=50)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    host = socket.gethostname()
+    for folder, pid in ((live, os.getpid()), (dead, int(gone.stdout))):
+        (folder / "run.lock").write_text(json.dumps({"pid": pid, "host": host}))
+    rep = report(find_runs([root]), None, incomplete=True)
+    assert f"3 of 50 steps, still running (process {os.getpid()})" in rep.text
+    assert "3 of 50 steps, stopped (its process died)" in rep.text
+    assert "| (all runs) | 3 | 3* |" in rep.text
+    rep = report(find_runs([root]), None)
+    assert f"Left out (incomplete: 3 of 50 steps, still running (process {os.getpid()})" in rep.text
 
 
 def test_a_resumed_run_counts_its_latest_step_limit(tmp_path):
@@ -64,7 +90,7 @@ def test_a_resumed_run_counts_its_latest_step_limit(tmp_path):
     resume.mkdir(parents=True)
     (resume / "config.yaml").write_text(OmegaConf.to_yaml({"trainer": {"max_steps": 10}}))
     rep = report(find_runs([root]), None, incomplete=True)
-    assert "1 incomplete (3 of 10 steps)" in rep.text
+    assert "1 incomplete (3 of 10 steps, stopped before its last step)" in rep.text
 
 
 def test_the_count_shown_is_the_count_each_metric_averages(tmp_path):

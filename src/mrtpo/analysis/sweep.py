@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +128,19 @@ class Run:
         return not done and self.max_steps is not None and self.steps < self.max_steps
 
     @property
+    def progress(self) -> str:
+        """Whether an incomplete run is still running: its ``run.lock`` names the process
+        that holds the folder while it runs (the file goes when the run ends), alive on this
+        machine; else it stopped (killed, or interrupted) before its last step."""
+        holder = _lock_holder(self.path)
+        if holder is None:
+            return "stopped before its last step"
+        pid, host = holder
+        if host != _HOST:
+            return f"running on {host} (process {pid}), or stopped there"
+        return f"still running (process {pid})" if _alive(pid) else "stopped (its process died)"
+
+    @property
     def group(self) -> tuple[str, ...]:
         """Its overrides minus seed and plumbing; a run that recorded none (no job.json, no
         .hydra/) is grouped with the other runs of its parent folder (``<method>/s<seed>``)."""
@@ -142,6 +156,28 @@ class Run:
 
     def final_best(self, metric: str) -> tuple[float, float]:
         return final_best(self.curves.get(metric, []))
+
+
+_HOST = socket.gethostname()
+
+
+def _lock_holder(folder: Path) -> tuple[int, str] | None:
+    """(pid, host) that ``run.lock`` of a run folder names (None: no holder recorded)."""
+    try:
+        info = json.loads((folder / "run.lock").read_text(encoding="utf-8"))
+        return int(info["pid"]), str(info["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def final_best(curve: Sequence[float]) -> tuple[float, float]:
@@ -700,10 +736,7 @@ def _why_left_out(r: Run) -> str:
         return "failed"
     if not r.steps:
         return "no RL steps logged"
-    return (
-        f"incomplete: {r.steps} of {r.max_steps} steps, still running or stopped before the "
-        "end; --incomplete counts it"
-    )
+    return f"incomplete: {r.steps} of {r.max_steps} steps, {r.progress}; --incomplete counts it"
 
 
 def _left_out(skipped: Sequence[Run]) -> list[str]:
@@ -721,6 +754,12 @@ def _counted(iv: Interval, of: int) -> str:
     text = fmt_ci(iv)
     return f"{text} (n={iv.n})" if 0 < iv.n < of else text
 
+
+#: Said under a table with a row that counts incomplete runs (``--incomplete``).
+PARTIAL = (
+    "*: partial: the row counts runs short of trainer.max_steps (still running, or stopped; "
+    "named above), whose final and best values are over the steps logged so far."
+)
 
 #: Said under a table in which some cell averages fewer seeds than its row counts.
 FEWER = (
@@ -770,10 +809,13 @@ def _tables(groups, names, metrics, level) -> list[str]:
             )
             seeds = len({r.seed_key for r in rs})
             steps = "/".join(map(str, sorted({r.steps for r in rs})))
+            steps += "*" * any(r.incomplete for r in rs)  # partial: PARTIAL says so
             rows.append([names[k], seeds, steps, *[_counted(ivs[m], seeds) for m in metrics]])
         lines += ["", f"## {title}", "", markdown_table(head, rows)]
         if any("(n=" in str(c) for r in rows for c in r[3:]):
             lines += ["", FEWER]
+        if any(str(r[2]).endswith("*") for r in rows):
+            lines += ["", PARTIAL]
     return lines
 
 
@@ -789,7 +831,7 @@ def _preamble(groups, names, common, skipped, used, level) -> list[str]:
         lines.append(f"Every run: `{' '.join(common)}`.")
     lines += _left_out(skipped)
     for k, rs in groups.items():
-        part = [f"{r.steps} of {r.max_steps} steps" for r in rs if r.incomplete]
+        part = [f"{r.steps} of {r.max_steps} steps, {r.progress}" for r in rs if r.incomplete]
         if part:
             lines.append(f"Counted although incomplete (--incomplete): {names[k]}: "
                          f"{len(part)} incomplete ({', '.join(part)}).")  # fmt: skip
