@@ -94,35 +94,39 @@ def floor_time(
 
 
 def fuse_old_logp(module) -> None:
-    """The module change proposed in docs/benchmarks.md, applied to one module for a what-if
-    measurement: replay runs *before* the old-policy pass, and responses whose P_all is their
-    sampling prompt take their old log-probs from replay's P_all forward, which is the same
-    forward. Only the remaining rows run the old-policy pass. Toggle with ``module.fuse``."""
+    """Replay run again *inside* the old-policy pass, for a noise check of the step's own
+    order (replay before the old-policy pass, whose rows with P_all = P0 take replay's P_all
+    log-probs): responses' old log-probs come from that replay, only the remaining rows run
+    the old-policy pass, and the step's own replay then returns the same result. Toggle with
+    ``module.fuse``."""
     from mrtpo.module import PolicyModule
 
-    class Fused(type(module)):
-        def score(self, batch):
-            self._scored, self._pre, self._pre_time = super().score(batch), None, 0.0
-            return self._scored
+    assert isinstance(module, PolicyModule)
+    step = module.step
+    score, logprobs = step.score, step.passes.logprobs
 
-        def _logprobs(self, model, roll, micro):
-            if (
-                not self.fuse
-                or model is not self.policy
-                or self.method.relevance is None
-                or roll.n != self._scored.rollout.n  # the module's own rest-rows pass
-            ):
-                return super()._logprobs(model, roll, micro)
-            t0 = time.perf_counter()
-            scored = self._scored
-            pairs = self.method.replay_pairs(scored.rewards, roll.group, self.has_info(scored))
-            res = self._replayer.run(self.policy, self.task, scored, pairs, self.method.relevance)
-            self._pre, self._pre_time = res, time.perf_counter() - t0
-            out = res.logp.clone()
-            rest = (~res.logp_rows).nonzero().flatten()
-            if len(rest):
-                out[rest] = super()._logprobs(model, roll.select(rest), micro)
-            return out
+    def scored_first(rollout):
+        module._scored, module._pre, module._pre_time = score(rollout), None, 0.0
+        return module._scored
+
+    def fused_logprobs(model, roll, micro):
+        scored = module._scored
+        if (
+            not module.fuse
+            or model is not step.policy
+            or step.method.relevance is None
+            or roll.n != scored.rollout.n  # the step's own rest-rows pass
+        ):
+            return logprobs(model, roll, micro)
+        t0 = time.perf_counter()
+        pairs = step.method.replay_pairs(scored.rewards, roll.group, step.has_info(scored))
+        res = module._replayer.run(step.policy, step.task, scored, pairs, step.method.relevance)
+        module._pre, module._pre_time = res, time.perf_counter() - t0
+        out = res.logp.clone()
+        rest = (~res.logp_rows).nonzero().flatten()
+        if len(rest):
+            out[rest] = logprobs(model, roll.select(rest), micro)
+        return out
 
     class Cached:
         def __init__(self, module, inner):
@@ -135,8 +139,7 @@ def fuse_old_logp(module) -> None:
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    assert isinstance(module, PolicyModule)
-    module.__class__ = Fused
+    step.score, step.passes.logprobs = scored_first, fused_logprobs
     module.fuse = False
     module._pre, module._pre_time = None, 0.0
     module._replayer = module.replayer
