@@ -1,0 +1,171 @@
+"""Training, evaluation and export from Python: the command line's jobs, called as functions.
+
+Each function takes the overrides you would type after ``python src/train.py`` (or
+``src/eval.py``, ``src/export.py``), composes the same Hydra config from ``configs/`` and runs
+the same job as the command: the same run folder under ``logs/``, its ``.hydra/`` record,
+``train.log``, ``job.json``, checks and errors. A failure raises the error itself (the
+command line would print it as one line)::
+
+    from mrtpo import api
+
+    run = api.train(["trainer.max_steps=20", "method=gdpo"])
+    print(run.run_dir, run.metrics["train/reward/total/mean"])
+    print(run.history()[-1])                     # the last row of csv/metrics.csv
+    ev = api.evaluate([f"ckpt_path={run.checkpoint}", "eval.limit=8"])
+    out = api.export([f"ckpt_path={run.checkpoint}", "out=exported/my-policy"])
+
+A sweep is a loop over calls. While a job runs it logs as the command does (to the console
+and the run's ``train.log``); the logging set up before the call is put back afterwards.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+__all__ = ["RunResult", "evaluate", "export", "train"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a job left: its folder and the metrics it ended with."""
+
+    run_dir: Path  # the run (or evaluation) folder, as the command would have made it
+    metrics: dict[str, Any] = field(default_factory=dict)  # the last logged value of each
+    overrides: tuple[str, ...] = ()  # what the job was composed from
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """``checkpoints/last.ckpt`` of a training run (None when it has none)."""
+        path = self.run_dir / "checkpoints" / "last.ckpt"
+        return path if path.is_file() else None
+
+    @property
+    def policy(self) -> Path | None:
+        """``policy/``, the trained policy as a Hugging Face folder (an RL run's)."""
+        path = self.run_dir / "policy"
+        return path if (path / "config.json").is_file() else None
+
+    def history(self) -> list[dict[str, float]]:
+        """Every row of ``csv/metrics.csv`` (one per logged step), numbers as floats; a
+        cell the step did not log is left out of its row."""
+        path = self.run_dir / "csv" / "metrics.csv"
+        if not path.is_file():
+            return []
+        with open(path, newline="", encoding="utf-8") as f:
+            return [
+                {k: float(v) for k, v in row.items() if v not in ("", None)}
+                for row in csv.DictReader(f)
+            ]
+
+
+def train(overrides: Sequence[str] = ()) -> RunResult:
+    """``python src/train.py <overrides>``: train, return the run folder and final metrics."""
+    from mrtpo.pipeline import train as train_job
+
+    def job(cfg: DictConfig) -> dict[str, float]:
+        return train_job(cfg)
+
+    return _run("train.yaml", "train", overrides, job)
+
+
+def evaluate(overrides: Sequence[str] = ()) -> RunResult:
+    """``python src/eval.py <overrides>``: evaluate, return the output folder and metrics."""
+    import mrtpo.evaluate_cli  # noqa: F401  (registers the resolvers eval.yaml uses)
+    from mrtpo.eval_job import run
+    from mrtpo.threads import configure
+
+    def job(cfg: DictConfig) -> dict[str, float]:
+        configure(cfg)
+        return run(cfg)
+
+    result = _run("eval.yaml", "eval", overrides, job)
+    output = _output_dir(result.overrides)
+    return RunResult(output or result.run_dir, result.metrics, result.overrides)
+
+
+def export(overrides: Sequence[str] = ()) -> Path:
+    """``python src/export.py <overrides>``: export a checkpoint, return the folder written."""
+    from mrtpo.export import run
+
+    holder: dict[str, Path] = {}
+
+    def job(cfg: DictConfig) -> dict[str, float]:
+        holder["out"] = Path(run(cfg))
+        return {}
+
+    _run("export.yaml", "export", overrides, job)
+    return holder["out"]
+
+
+def _output_dir(overrides: Sequence[str]) -> Path | None:
+    for o in overrides:
+        if o.startswith("eval.output=") and o.split("=", 1)[1] not in ("", "null"):
+            return Path(o.split("=", 1)[1])
+    return None
+
+
+def _run(
+    config_name: str,
+    job_name: str,
+    overrides: Sequence[str],
+    job: Callable[[DictConfig], dict[str, float] | Any],
+) -> RunResult:
+    """Compose ``config_name`` with ``overrides`` and run ``job`` as Hydra runs the entry
+    point ``src/<job_name>.py`` (run folder, ``.hydra/``, log file, callbacks)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mrtpo.config import CONFIG_DIR
+
+    if isinstance(overrides, str):
+        raise TypeError("overrides is a list of strings: ['method=gdpo', 'seed=1']")
+    overrides = [str(o) for o in overrides]
+    argv, handlers = sys.argv, _logging_state()
+    sys.argv = [f"src/{job_name}.py", *overrides]  # what the run's records call its command
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), job_name=job_name, version_base="1.3"):
+            hydra = GlobalHydra.instance().hydra
+            ret = hydra.run(config_name=config_name, task_function=job, overrides=overrides)
+    finally:
+        sys.argv = argv
+        _restore_logging(handlers)
+    run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir)
+    metrics = ret.return_value if isinstance(ret.return_value, dict) else {}
+    return RunResult(run_dir, {k: _number(v) for k, v in metrics.items()}, tuple(overrides))
+
+
+def _number(value: Any) -> Any:
+    """A metric as a float where it is a number (a tensor's too); anything else as it is."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _logging_state() -> tuple[list[logging.Handler], int]:
+    root = logging.getLogger()
+    return list(root.handlers), root.level
+
+
+def _restore_logging(state: tuple[list[logging.Handler], int]) -> None:
+    """Put back the root logger's handlers and level, closing those the job added (its
+    log file would otherwise stay open and receive the caller's later logs)."""
+    before, level = state
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if h not in before:
+            root.removeHandler(h)
+            h.close()
+    for h in before:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
