@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from mrtpo.tasks.base import Example, Score, Task, reward_value
+from mrtpo.tasks.base import Example, Score, Task, clean_extras, reward_value
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,37 @@ def clean_score(
         score.error = _join(score.error, "; ".join(problems))
     if max_block_chars is not None and isinstance(score.blocks, dict):
         _cap_blocks(score, max_block_chars, task_name)
+    _clean_score_extras(score, names, task_name)
     return score
+
+
+_EXTRA_WARNED: set[tuple[str, str]] = set()  # (task, what) of extras left out, logged once
+
+
+def _clean_score_extras(score: Score, names: Sequence[str], task_name: str) -> None:
+    """``score.extras`` as reward name -> {metric: finite float}. An extra that cannot be
+    logged is left out with a warning (once per task and problem); the rewards stand."""
+    raw = getattr(score, "extras", None) or {}
+    problems: list[str] = []
+    cleaned: dict[str, dict[str, float]] = {}
+    if not isinstance(raw, dict):
+        problems.append(f"Score.extras is a {type(raw).__name__}, not reward name -> mapping")
+        raw = {}
+    for reward, extras in raw.items():
+        if reward not in names:
+            problems.append(f"extras of {reward!r}, which is not one of its rewards {list(names)}")
+            continue
+        values, bad = clean_extras(extras)
+        problems += [f"reward {reward!r}: {p}" for p in bad]
+        if values:
+            cleaned[reward] = values
+    score.extras = cleaned
+    for p in problems:
+        if (task_name, p) not in _EXTRA_WARNED:
+            _EXTRA_WARNED.add((task_name, p))
+            log.warning(
+                "task %s: left out of the logged extras: %s (not logged again)", task_name, p
+            )
 
 
 _CAPPED: set[tuple[str, str]] = set()  # (task, reward) whose cut block was logged

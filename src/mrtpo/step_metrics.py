@@ -21,6 +21,8 @@ SUM_METRICS = frozenset({"replay/forwards", "replay/tokens", "tokens_per_s"})
 # Step metrics that are already global (reduced before logging, or equal on every rank).
 GLOBAL_METRICS = frozenset({"iteration", "nonfinite_skips", "scoring_errors"})
 STAGE_TIMES = ("rollout", "reward", "old_logp", "replay", "update", "step")
+# The rewards' extra metrics (``Score.extras``): always means, whatever their names end in.
+EXTRA_PREFIX = "extra/"
 
 
 def assemble(
@@ -96,7 +98,24 @@ def _rewards(
         weights["success"] = float(len(succ))
         if succ:
             m["success"] = sum(succ) / len(succ)
+    _extras(scored, m, weights)
     return m, weights
+
+
+def _extras(scored: StepRecord, m: dict[str, float], weights: dict[str, float]) -> None:
+    """Each extra metric a reward reported (``Score.extras``): its mean over the responses
+    that have it, ``extra/<reward>/<name>``, weighted by their count."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for s in scored.scores:
+        for reward, extras in (getattr(s, "extras", None) or {}).items():
+            for name, value in extras.items():
+                key = f"{EXTRA_PREFIX}{reward}/{name}"
+                sums[key] = sums.get(key, 0.0) + float(value)
+                counts[key] = counts.get(key, 0) + 1
+    for key, total in sums.items():
+        m[key] = total / counts[key]
+        weights[key] = float(counts[key])
 
 
 def _times(timings: Mapping[str, float], tokens: float) -> dict[str, float]:
@@ -127,7 +146,9 @@ def combine(
     for k in keys:
         vals = [(p[0][k], p[1].get(k, 1.0)) for p in parts if k in p[0]]
         xs = [v for v, _ in vals]
-        if k in SUM_METRICS:
+        if k.startswith(EXTRA_PREFIX):
+            out[k] = _weighted_mean(vals)
+        elif k in SUM_METRICS:
             out[k] = float(sum(xs))
         elif k.endswith("/min"):
             out[k] = float(min(xs))
@@ -138,9 +159,14 @@ def combine(
         elif k.endswith("/std") and k.removesuffix("/std") + "/mean" in keys:
             out[k] = _pooled_std(parts, k, k.removesuffix("/std") + "/mean")
         else:
-            total = sum(w for _, w in vals)
-            out[k] = float(sum(v * w for v, w in vals) / total) if total > 0 else float(xs[0])
+            out[k] = _weighted_mean(vals)
     return out
+
+
+def _weighted_mean(vals: list[tuple[float, float]]) -> float:
+    """The mean of (value, weight) pairs; the first value when no weight is positive."""
+    total = sum(w for _, w in vals)
+    return float(sum(v * w for v, w in vals) / total) if total > 0 else float(vals[0][0])
 
 
 def _pooled_std(parts, std_key: str, mean_key: str) -> float:

@@ -62,8 +62,9 @@ def _step_rows(path: str | Path) -> list[dict[str, float]]:
 
 
 def rl_curves(path: str | Path) -> dict[str, list[float]]:
-    """Per-step series of an RL run: ``success`` (where the task logs it) and each reward's
-    mean, by reward name."""
+    """Per-step series of an RL run: ``success`` (where the task logs it), each reward's
+    mean, by reward name, and each extra metric a reward reported, ``extra/<reward>/<name>``
+    (``train/extra/...``: those of a step that had none are NaN)."""
     rows = _step_rows(path)
     out: dict[str, list[float]] = {}
     if any("train/success" in r for r in rows):
@@ -72,6 +73,9 @@ def rl_curves(path: str | Path) -> dict[str, list[float]]:
         m = re.fullmatch(r"train/reward/(.+)/mean", k)
         if m and m.group(1) != "total":
             out[m.group(1)] = [r.get(k, math.nan) for r in rows]
+    extras = dict.fromkeys(k for r in rows for k in r if k.startswith("train/extra/"))
+    for k in extras:
+        out[k.removeprefix("train/")] = [r.get(k, math.nan) for r in rows]
     return out
 
 

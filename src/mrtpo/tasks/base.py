@@ -51,6 +51,65 @@ class Score:
     reasons: dict[str, str] = field(default_factory=dict)  # why a reward is 0 / None (logged)
     checks: dict[str, Any] = field(default_factory=dict)  # evaluation-only extras (loose acc, ...)
     error: str | None = None  # why scoring failed (all rewards None) or partly failed
+    # reward name -> {metric name: number}: what a reward measured besides its value (a
+    # sub-score, the length of the SQL it ran); logged per step as the mean over the
+    # responses that have it, train/extra/<reward>/<name>. Never part of the reward.
+    extras: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A reward's value and the extra metrics it measured on the way (``Score.extras``).
+
+    A custom reward function may return one instead of a number, or the same as a mapping,
+    ``{"value": 1.0, "extras": {"sql_len": 42}}``; ``value`` follows ``reward_value``.
+    """
+
+    value: Any
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+def split_reward(returned: Any) -> tuple[Any, Mapping[str, Any] | None, str | None]:
+    """(value, extras, problem) of what a reward function returned: a plain value has no
+    extras; a ``RewardResult`` or a mapping with a ``value`` key may carry them. ``problem``
+    says what is wrong with a mapping of another shape (its value is then None)."""
+    if isinstance(returned, RewardResult):
+        return returned.value, returned.extras, None
+    if not isinstance(returned, Mapping):
+        return returned, None, None
+    unknown = sorted(str(k) for k in returned if k not in ("value", "extras"))
+    if "value" not in returned or unknown:
+        return (
+            None,
+            None,
+            (
+                "a mapping without the shape {'value': number, 'extras': {name: number}}"
+                + (f" (unknown key(s) {unknown})" if unknown else " (no 'value')")
+            ),
+        )
+    return returned["value"], returned.get("extras"), None
+
+
+def clean_extras(extras: Any) -> tuple[dict[str, float], list[str]]:
+    """The numbers of one reward's ``extras`` (by ``reward_value``'s rule, finite, None and
+    NaN left out), and what was left out for another reason (a name that is not text, or
+    holds '/', a value that is no number)."""
+    if extras is None:
+        return {}, []
+    if not isinstance(extras, Mapping):
+        return {}, [f"extras is a {type(extras).__name__}, not a mapping of name -> number"]
+    out: dict[str, float] = {}
+    problems = []
+    for name, value in extras.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            problems.append(f"extra name {name!r} (a name is text without '/')")
+            continue
+        f, problem = reward_value(value)
+        if problem or (f is not None and not math.isfinite(f)):
+            problems.append(f"extra {name!r} is {problem or 'not finite'}")
+        elif f is not None:
+            out[name] = f
+    return out, problems
 
 
 def reward_value(value: Any) -> tuple[float | None, str | None]:

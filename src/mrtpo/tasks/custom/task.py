@@ -7,6 +7,8 @@ plain functions named by import strings, in one of two forms::
     def has_yes(prompt, response, **row) -> float | None: ...   # None: does not apply
     def has_yes(prompts, completions, **kwargs) -> list[float | None]: ...   # TRL's
 
+A reward may also return ``RewardResult(value, extras)`` or ``{"value": v, "extras": {...}}``:
+the extras (name -> number) are logged per step as ``train/extra/<reward>/<name>`` means.
 ``prompt`` is the row's prompt value as stored (text or messages), ``response`` the sampled
 text, ``row`` every other column of that row. A function with a parameter named
 ``completions`` is called TRL's way instead: once per batch, with the prompts, the
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mrtpo.tasks.base import Example, Messages, Score, Task, reward_value
+from mrtpo.tasks.base import Example, Messages, Score, Task, reward_value, split_reward
 from mrtpo.tasks.custom.callables import (
     label,
     on_import_path,
@@ -391,6 +393,7 @@ class CustomTask(Task):
         rewards: dict[str, float | None] = {}
         blocks: dict[str, str | None] = dict.fromkeys(self.reward_names)
         reasons: dict[str, str] = {}
+        extras: dict[str, Any] = {}
         errors: list[str] = []
         for r in self._rewards:
             who = f"reward {r.name} ({r.label})"
@@ -402,7 +405,13 @@ class CustomTask(Task):
                 rewards[r.name] = None
                 errors.append(f"{who} {failed}")
                 continue
-            rewards[r.name], problem = _as_reward(value)
+            value, measured, problem = split_reward(value)  # a value, or one with extras
+            if measured is not None:
+                extras[r.name] = measured  # cleaned with the score (mrtpo.scoring)
+            if problem is None:
+                rewards[r.name], problem = _as_reward(value)
+            else:
+                rewards[r.name] = None
             if problem:
                 errors.append(f"{who} returned {problem}")
         for name, b in self._blocks.items():
@@ -426,6 +435,7 @@ class CustomTask(Task):
             reasons=reasons,
             checks=checks,
             error="; ".join(errors) or None,
+            extras=extras,
         )
 
     def _batched_values(

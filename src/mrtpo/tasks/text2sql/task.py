@@ -178,7 +178,8 @@ class Text2SQLTask(Task):
         return self._cache[cfg.name]
 
     def eval_examples(self, split: str, options: Mapping[str, Any]) -> Sequence[Example]:
-        """``eval.categories``: database ids to keep; ``eval.limit``: first N examples."""
+        """``eval.categories``: database ids to keep. ``eval.limit`` is the evaluation job's
+        (``mrtpo.eval_job``), which counts the whole split before taking its first N."""
         examples = list(self.examples(split))
         options = options or {}
         categories = options.get("categories")
@@ -190,7 +191,7 @@ class Text2SQLTask(Task):
                     f"eval.categories={sorted(wanted)} selects no {split!r} example; for "
                     "text2sql the categories are database ids (db_id)"
                 )
-        limit = options.get("limit") or options.get("max_examples")
+        limit = options.get("max_examples")
         return examples[: int(limit)] if limit else examples
 
     def _load(self, cfg: SplitConfig) -> list[Example]:
@@ -427,6 +428,10 @@ class Text2SQLTask(Task):
             blocks["executability"] = NO_SQL_BLOCK
             return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks)
         checks["exec_seconds"] = round(out.seconds, 4)
+        # what executability measured on the way: logged as train/extra/executability/<name>
+        extras = {
+            "executability": {"sql_chars": float(len(p.sql or "")), "exec_seconds": out.seconds}
+        }
         if out.gold_error:
             checks["gold_error"] = out.gold_error
         if not out.pred_ok and out.pred_error_kind in RESULT_CAP_KINDS:
@@ -458,7 +463,7 @@ class Text2SQLTask(Task):
                         f"the result differs from the reference's ({out.pred_rows} rows vs "
                         f"{out.gold_rows})"
                     )
-        return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks)
+        return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks, extras=extras)
 
     # ---- evaluation --------------------------------------------------------------------
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
