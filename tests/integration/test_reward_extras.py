@@ -136,3 +136,33 @@ def test_extras_are_means_over_ranks_whatever_their_name(tmp_path):
     for rank in (0, 1):
         assert got[rank]["extra/r/max"] == pytest.approx((10 * 1 + 2 * 3) / 4)  # weighted mean
         assert got[rank]["reward/r/max"] == 10.0  # a "/max" metric is a maximum
+
+
+def test_text2sql_reports_what_executability_ran(tmp_path):
+    import sqlite3
+
+    from mrtpo.tasks.base import Example
+    from mrtpo.tasks.text2sql import Text2SQLTask
+
+    db = tmp_path / "db" / "shop.sqlite"
+    db.parent.mkdir()
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE item (id INTEGER PRIMARY KEY, name TEXT)")
+    con.executemany("INSERT INTO item VALUES (?, ?)", [(1, "pen"), (2, "cup")])
+    con.commit()
+    con.close()
+    gold = "SELECT name FROM item ORDER BY id"
+    ex = Example(id="0", messages=[{"role": "user", "content": "q"}],
+                 data={"db_id": "shop", "db_path": str(db), "query": gold, "match": "spider"})  # fmt: skip
+    task = Text2SQLTask(splits={}, executor={"workers": 1, "timeout_s": 5})
+    try:
+        sql = "SELECT name FROM item"
+        ran, none = task.score_many(
+            [ex, ex], [f"<think>x</think><answer>\n```sql\n{sql}\n```\n</answer>", "no sql"]
+        )
+    finally:
+        task.close()
+    assert ran.rewards["executability"] == 1.0
+    assert ran.extras["executability"]["sql_chars"] == len(sql)
+    assert 0 < ran.extras["executability"]["exec_seconds"] < 5
+    assert none.extras == {}  # nothing ran, nothing measured
