@@ -24,6 +24,9 @@ class Generation:
     # the engine's log-prob of each sampled token under the distribution it sampled from
     # (softmax(z / temperature)); None when the engine does not report it
     logprobs: list[float] | None = None
+    # the version of the weights that sampled it (an engine that counts its weight pushes
+    # says which one, the oldest when a push came in mid-response); None: not tracked
+    weight_version: int | None = None
 
 
 class RolloutEngine(ABC):
@@ -31,8 +34,9 @@ class RolloutEngine(ABC):
 
     ``generate`` and ``sync_weights`` are required. ``bind`` (called once, before the first
     generation, with the policy, tokenizer and EOS ids), ``wake_up`` (before generating or
-    syncing) and ``sleep`` (after generating, to give memory back to training) default to
-    doing nothing; a colocated engine such as vLLM uses them.
+    syncing), ``sleep`` (after generating, to give memory back to training) and ``close``
+    (at the end) default to doing nothing; a colocated engine such as vLLM uses the first
+    three, the vLLM server engine ``close``.
     """
 
     #: ``generate`` fills ``Generation.logprobs``; an engine that cannot says False, and
@@ -47,6 +51,10 @@ class RolloutEngine(ABC):
 
     def sleep(self) -> None:  # noqa: B027
         """Called after generating, before the training part of the step."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release what the engine holds outside this process (a server it started); safe
+        to call more than once."""
 
     @abstractmethod
     def generate(
