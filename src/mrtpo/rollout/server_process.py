@@ -1,0 +1,139 @@
+"""A ``vllm serve`` process that the run started, and the guarantee that it ends with the run.
+
+The server runs in a process group of its own (``start_new_session``), so stopping it stops
+everything it started (vLLM's engine core and workers): SIGTERM to the group, then SIGKILL
+to what is left after ``stop_timeout_s``. It is stopped by ``ServerProcess.stop`` (the
+engine's ``close``), at interpreter exit (``atexit``), and, when the trainer ends without
+running either (SIGKILL, ``os._exit``), by the kernel: the launcher asks for SIGTERM when its
+parent dies (``PR_SET_PDEATHSIG``, ``mrtpo.rollout.vllm_serve``). No signal handler is
+installed: the run's own SIGTERM/SIGINT handling (``mrtpo.faults``) unwinds the run, and
+the server stops on the way out. Popen must be called from the thread that lives as long as
+the run (the main thread): the kernel's parent-death signal follows that thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from mrtpo.safe_files import open_fd
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` still running (zombies left out: a container
+    whose first process reaps nothing keeps them in the table)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
+class ServerProcess:
+    """Start ``cmd`` in its own process group with its output in ``log_path``."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        log_path: str | Path,
+        stop_timeout_s: float = 30.0,
+    ) -> None:
+        self.cmd, self.env = list(cmd), dict(env)
+        self.log_path = Path(log_path)
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        fd = open_fd(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            os.close(fd)
+        atexit.register(self.stop)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def how_it_ended(self) -> str:
+        """ "was killed by SIGKILL", "exited with status 1", or "is still running"."""
+        return describe_exit(None if self.proc is None else self.proc.poll())
+
+    def log_tail(self, lines: int = 1) -> str:
+        """The last non-empty lines of the server's log (for an error message)."""
+        with contextlib.suppress(OSError):
+            text = self.log_path.read_text(errors="replace").splitlines()
+            return " | ".join([t.strip() for t in text if t.strip()][-lines:])
+        return ""
+
+    def stop(self) -> None:
+        """SIGTERM the group, SIGKILL what is left after ``stop_timeout_s``, reap the server."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        pgid = proc.pid  # a session leader's group id is its pid
+        for sig, wait_s in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.2)
+                if proc.poll() is not None and not group_members(pgid):
+                    return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)

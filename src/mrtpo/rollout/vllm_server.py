@@ -1,0 +1,719 @@
+"""Rollouts from a separate vLLM server (``rollout=vllm_server``).
+
+The engine is a real ``vllm serve`` process, started by the run (``mrtpo.rollout.vllm_serve``
+on the cores or GPUs the config names, listening on 127.0.0.1) or an existing one given by
+``rollout.engine.url``. At start the engine waits for ``/health``, then checks that the
+server can take this run: it has the RL routes (``VLLM_SERVER_DEV_MODE=1``), the ``mrtpo_file``
+weight-transfer backend and the token-in/token-out route (``--enable-scale-out``), it serves
+the policy's architecture, and its tokenizer splits text as the policy's does.
+
+Samples come from ``/inference/v1/generate`` (token ids in, token ids and their log-probs
+out, and the weight version that sampled each token). After every update the weights go
+through vLLM's RL routes: the trainer writes them as safetensors files into a folder the
+server also reads (``rollout.engine.weight_dir``; the tied ``lm_head.weight`` included), and
+calls ``/start_weight_update``, ``/update_weights`` (the file names),
+``/finish_weight_update`` (the new version) and ``/reset_prefix_cache``. Each push counts
+one weight version (``weight_version``); each ``Generation`` carries the version that
+sampled it. docs/rollout.md says why this path and what it costs.
+
+Every request has a timeout. A failed one ends the run with one line saying what happened:
+the server the run started died (and how), the server cannot be reached, it did not answer
+in time, or it refused (its message). A server the run started is stopped by ``close``, at
+interpreter exit, and when the trainer dies (``mrtpo.rollout.server_process``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
+from mrtpo.rollout.server_client import RequestFailed, ServerClient, write_snapshot
+from mrtpo.rollout.server_process import ServerProcess, free_port, is_loopback
+from mrtpo.rollout.vllm import _model_config, prompt_seed
+from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
+from mrtpo.safe_files import make_dirs
+from mrtpo.settings import CompactHydraException
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = "mrtpo.rollout.vllm_serve"
+BACKEND = "mrtpo_file"  # mrtpo.rollout.vllm_file_transfer.BACKEND (that module imports vLLM)
+DEVICES = ("auto", "cpu", "cuda")
+#: what must agree between the policy's config and the served model's config.json
+ARCH_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROBE = [{"role": "user", "content": "Write three words about rivers, then stop."}]
+
+
+class VLLMServerError(CompactHydraException, RuntimeError):
+    """The vLLM server died, cannot be reached, did not answer in time, refused a request,
+    or cannot serve this run. Its message is one line (Hydra prints it alone)."""
+
+
+def launch_command(url_host: str, port: int, model: str, args: Sequence[str]) -> list[str]:
+    """The command that starts a server for ``rollout=vllm_server`` (also for docs/scaling.md:
+    the same arguments start one on another node)."""
+    return [
+        sys.executable,
+        "-m",
+        LAUNCHER,
+        "--model",
+        model,
+        "--host",
+        url_host,
+        "--port",
+        str(port),
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--weight-transfer-config",
+        json.dumps({"backend": BACKEND}),
+        *args,
+    ]
+
+
+def _policy_config(model: torch.nn.Module) -> dict[str, Any]:
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    cfg = getattr(base, "config", None)
+    return cfg.to_dict() if cfg is not None and hasattr(cfg, "to_dict") else {}
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    arch = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    return (
+        f"{'/'.join(map(str, arch))}, hidden {cfg.get('hidden_size')}, "
+        f"{cfg.get('num_hidden_layers')} layers, vocab {cfg.get('vocab_size')}"
+    )
+
+
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the training processes; (0, 1) without torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _from_rank0(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (a collective)."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _text(error: BaseException | None) -> str | None:
+    return None if error is None else f"{error}"
+
+
+def _version(text: Any) -> int | None:
+    try:
+        return int(str(text))
+    except ValueError:
+        return None
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Generation by a vLLM server behind the ``RolloutEngine`` protocol.
+
+    Args:
+        model: what a started server loads (``${model.name_or_path}``).
+        url: an existing server (``http://host:port``); None: the run starts one.
+        host, port: where a started server listens (port None: a free one). A host other
+            than loopback needs an API key: the server's RL and development routes can load
+            files into the model and call methods on its workers.
+        api_key_env: the environment variable that holds the API key (never the key itself:
+            the config is saved in the run folder).
+        cpus: cores of a started server (CPU build: it and its OpenMP threads stay there).
+        devices: GPUs of a started server (``CUDA_VISIBLE_DEVICES``).
+        device: ``auto`` (CUDA when torch sees one), ``cpu`` or ``cuda``: which build's
+            defaults a started server gets.
+        dtype: None: bfloat16 on GPUs, the policy's dtype on CPU.
+        kv_cache_gb: a fixed KV cache (None: 1 GiB on CPU, vLLM's share of memory on GPUs).
+        weight_dir: where the weight snapshots go, a folder the server also reads (the same
+            machine, or a shared filesystem); None: a temporary folder (a started server).
+        sync_bucket_mb: megabytes per snapshot file (under FSDP, gathered at once).
+        server_args: further ``vllm serve`` arguments for a started server.
+        start_timeout_s, request_timeout_s, stop_timeout_s: how long to wait for health at
+            start, for any one request, and for a stopped server to exit before SIGKILL.
+        log_file: a started server's output (None: ``server.log`` in its weight folder).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        api_key_env: str = "VLLM_API_KEY",
+        cpus: Sequence[int] | None = None,
+        devices: Sequence[int] | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        kv_cache_gb: float | None = None,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        weight_dir: str | None = None,
+        sync_bucket_mb: int = 1024,
+        sync_on_bind: bool = True,
+        per_request_seed: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
+        max_concurrency: int = 64,
+        server_args: Sequence[str] | None = None,
+        start_timeout_s: float = 900.0,
+        request_timeout_s: float = 600.0,
+        stop_timeout_s: float = 30.0,
+        log_file: str | None = None,
+    ) -> None:
+        self.model, self.url = str(model), (str(url).rstrip("/") if url else None)
+        self.host, self.port = str(host), port
+        self.api_key_env = str(api_key_env)
+        self.cpus = [int(c) for c in cpus] if cpus else []
+        self.devices = [int(d) for d in devices] if devices else []
+        self.device = str(device)
+        self.dtype, self.max_model_len = dtype, max_model_len
+        self.kv_cache_gb = kv_cache_gb
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.seed = int(seed)
+        self.weight_dir = weight_dir
+        self.sync_bucket_bytes = int(sync_bucket_mb) << 20
+        self.sync_on_bind, self.per_request_seed = bool(sync_on_bind), bool(per_request_seed)
+        self.stop_token_ids = [int(t) for t in (stop_token_ids or [])]
+        self.max_concurrency = int(max_concurrency)
+        self.server_args = [str(a) for a in (server_args or [])]
+        self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.log_file = log_file
+        self._check_settings()
+
+        self.eos_ids: list[int] = []
+        self.weight_version = 0  # pushes so far; the server's version after the last one
+        self.last_sync: SyncStats | None = None
+        self.startup_seconds: float | None = None
+        self.process: ServerProcess | None = None
+        self.client: ServerClient | None = None
+        self.logprobs_mode: str | None = None
+        self._push_dtype: torch.dtype | None = None
+        self._policy: torch.nn.Module | None = None
+        self._tokenizer: Any = None
+        self._root: Path | None = None  # the folder the server reads weights from
+        self._pushes: Path | None = None  # this engine's folder inside it
+        self._own_root = False
+
+    # -- settings ----------------------------------------------------------------------------
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) or None
+
+    def _check_settings(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.device in DEVICES, f"rollout.engine.device={self.device!r}: use one of {DEVICES}")
+        for key in ("start_timeout_s", "request_timeout_s"):
+            value = getattr(self, key)
+            need(
+                isinstance(value, (int, float)) and 0 < value <= 86400,
+                f"rollout.engine.{key}={value!r}: use a number of seconds in (0, 86400]",
+            )
+        need(self.max_concurrency >= 1, "rollout.engine.max_concurrency: use an integer >= 1")
+        if self.url is not None:
+            need(
+                self.url.startswith(("http://", "https://")),
+                f"rollout.engine.url={self.url!r}: use http://host:port (or https://)",
+            )
+            need(
+                self.weight_dir is not None,
+                "rollout.engine.url is set but rollout.engine.weight_dir is not: name the "
+                "folder that this machine and the server both see (the server's "
+                "MRTPO_WEIGHT_ROOT; docs/scaling.md)",
+            )
+            for key in ("cpus", "devices", "server_args"):
+                need(
+                    not getattr(self, key),
+                    f"rollout.engine.{key} applies to a server the run starts, and "
+                    "rollout.engine.url names an existing one: drop one of them",
+                )
+            return
+        need(
+            is_loopback(self.host) or self.api_key is not None,
+            f"rollout.engine.host={self.host} would expose the server beyond this machine "
+            f"without an API key, and its RL and development routes load files into the model "
+            f"and call methods on its workers: set the key in the environment variable "
+            f"{self.api_key_env} (rollout.engine.api_key_env), or use host=127.0.0.1",
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def bind(self, model: torch.nn.Module, tokenizer: Any, eos_ids: Sequence[int]) -> None:
+        """Remember the policy, start (or reach) the server and check it; push the policy's
+        weights when ``sync_on_bind`` (a resumed run never samples from the file's weights)."""
+        self._policy, self._tokenizer = model, tokenizer
+        self.eos_ids = [int(t) for t in eos_ids]
+        self.start()
+        if self.sync_on_bind:
+            self.sync_weights(model)
+
+    def start(self) -> ServerClient:
+        """Start or reach the server once, wait for its health and check it. With several
+        training processes, rank 0 does it and tells the others where the server is."""
+        if self.client is not None:
+            return self.client
+        rank, world = _ranks()
+        error: Exception | None = None
+        if rank == 0:
+            try:
+                self._start_here()
+            except Exception as exc:
+                if world == 1:
+                    raise
+                error = exc
+        if world > 1:
+            dtype = None if self._push_dtype is None else str(self._push_dtype)
+            shared = _from_rank0((self.url, self.logprobs_mode, dtype, _text(error)))
+            if error is not None:
+                raise error
+            if shared[3] is not None:
+                raise VLLMServerError(f"rank 0 could not start the vLLM server: {shared[3]}")
+            if rank != 0:
+                self.url, self.logprobs_mode = shared[0], shared[1]
+                self._push_dtype = (
+                    getattr(torch, shared[2].removeprefix("torch.")) if shared[2] else None
+                )
+                self.client = ServerClient(self.url, self.api_key, self.request_timeout_s)
+        assert self.client is not None
+        return self.client
+
+    def _start_here(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._prepare_weight_folder()
+            if self.url is None:
+                self._launch()
+            assert self.url is not None
+            client = ServerClient(self.url, self.api_key, self.request_timeout_s)
+            self._wait_healthy(client)
+            self._check_server(client)
+        except BaseException:
+            self.close()
+            raise
+        self.client = client
+        self.startup_seconds = time.perf_counter() - t0
+        log.info("vLLM server %s ready in %.1f s", self.url, self.startup_seconds)
+
+    def close(self) -> None:
+        """Stop a server the run started and remove this engine's weight snapshots."""
+        self.client = None
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop()
+        pushes, self._pushes = self._pushes, None
+        if pushes is not None:
+            shutil.rmtree(pushes, ignore_errors=True)
+        if self._own_root and self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    shutdown = close
+
+    def _prepare_weight_folder(self) -> None:
+        if self.weight_dir is None:
+            self._root, self._own_root = Path(tempfile.mkdtemp(prefix="mrtpo-vllm-server-")), True
+        else:
+            self._root = Path(self.weight_dir)
+            if not self._root.is_dir():
+                raise ValueError(
+                    f"rollout.engine.weight_dir={self.weight_dir}: no such folder (it must exist "
+                    "and be readable by the server as its MRTPO_WEIGHT_ROOT)"
+                )
+        self._pushes = Path(tempfile.mkdtemp(prefix="pushes-", dir=self._root))
+
+    # -- the started server ------------------------------------------------------------------
+
+    def _device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if (self.devices or torch.cuda.is_available()) else "cpu"
+
+    def _dtype(self) -> str:
+        if self.dtype is not None:
+            return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+                str(self.dtype), str(self.dtype)
+            )
+        if self._device() == "cuda":
+            return "bfloat16"
+        params = self._policy.parameters() if self._policy is not None else iter(())
+        dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+        return str(dt).removeprefix("torch.")
+
+    def server_arguments(self) -> list[str]:
+        """The ``vllm serve`` arguments of a started server (besides ``launch_command``'s)."""
+        args = ["--dtype", self._dtype(), "--seed", str(self.seed)]
+        args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        args.append(
+            "--enable-prefix-caching"
+            if self.enable_prefix_caching
+            else "--no-enable-prefix-caching"
+        )
+        if self.max_model_len is not None:
+            args += ["--max-model-len", str(int(self.max_model_len))]
+        if self._device() == "cpu":
+            # as for the in-process engine (mrtpo.rollout.vllm): no CUDA graphs, a fixed KV
+            # cache, and whole prompts per step (seeded requests fail under chunked prefill)
+            longest = self.max_model_len or _model_config(self.model).get(
+                "max_position_embeddings", 32768
+            )
+            kv = int(float(self.kv_cache_gb or 1.0) * (1 << 30))
+            args += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv)]
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens"]
+            args.append(str(max(int(longest), 4096)))
+        elif self.kv_cache_gb is not None:
+            args += ["--kv-cache-memory-bytes", str(int(float(self.kv_cache_gb) * (1 << 30)))]
+        return args + self.server_args
+
+    def _server_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # set for the in-process engine in this process; the server keeps vLLM's default
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["MRTPO_WEIGHT_ROOT"] = str(self._root)
+        env["MRTPO_SERVER_PARENT"] = str(os.getpid())
+        if self.cpus:
+            env["MRTPO_SERVER_CPUS"] = ",".join(map(str, self.cpus))
+        if self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
+        if self.api_key is not None:
+            env["VLLM_API_KEY"] = self.api_key
+        return env
+
+    def _launch(self) -> None:
+        assert self._root is not None
+        if self.model.startswith(("/", ".")) and not Path(self.model).is_dir():
+            raise ValueError(
+                f"rollout.engine.model={self.model}: no such folder for the server to load "
+                "(it follows model.name_or_path)"
+            )
+        port = int(self.port) if self.port else free_port(self.host)
+        cmd = launch_command(self.host, port, self.model, self.server_arguments())
+        log_path = Path(self.log_file) if self.log_file else self._root / "server.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.process = ServerProcess(cmd, self._server_env(), log_path, self.stop_timeout_s)
+        log.info("starting the vLLM server: %s (log: %s)", " ".join(cmd), log_path)
+        self.process.start()
+        log.info("vLLM server started: pid %s", self.process.pid)
+        shown = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        self.url = f"http://{shown}:{port}"
+
+    def _wait_healthy(self, client: ServerClient) -> None:
+        deadline = time.monotonic() + float(self.start_timeout_s)
+        last = ""
+        while time.monotonic() < deadline:
+            if self.process is not None and not self.process.alive():
+                raise VLLMServerError(
+                    f"the vLLM server for {self.model} {self.process.how_it_ended()} while "
+                    f"starting ({self.process.log_tail()}); its log: {self.process.log_path}"
+                )
+            try:
+                client.get("/health", timeout_s=10)
+                return
+            except RequestFailed as exc:
+                last = exc.detail
+            time.sleep(1.0)
+        where = f"; its log: {self.process.log_path}" if self.process is not None else ""
+        raise VLLMServerError(
+            f"the vLLM server at {client.url} did not answer /health within "
+            f"{self.start_timeout_s:g} s (rollout.engine.start_timeout_s; last: {last}){where}"
+        )
+
+    # -- what the server must be -------------------------------------------------------------
+
+    def _check_server(self, client: ServerClient) -> None:
+        """Refuse a server that lacks the routes or backend this run needs, or that serves
+        another model; read its dtype and log-prob mode."""
+        info = self._call(client.get, "/server_info?config_format=json", what="the start-up check")
+        vcfg = info.get("vllm_config", {}) if isinstance(info, dict) else {}
+        backend = (vcfg.get("weight_transfer_config") or {}).get("backend")
+        if backend != BACKEND:
+            raise VLLMServerError(
+                f"the vLLM server at {client.url} has weight transfer backend {backend!r}, not "
+                f"{BACKEND!r}: start it with `python -m {LAUNCHER} ... --weight-transfer-config "
+                f'\'{{"backend": "{BACKEND}"}}\'` and MRTPO_WEIGHT_ROOT=<weight folder> '
+                "(docs/scaling.md)"
+            )
+        mcfg = vcfg.get("model_config", {})
+        self.logprobs_mode = mcfg.get("logprobs_mode")
+        self._push_dtype = _TORCH_DTYPES.get(str(mcfg.get("dtype", "")).removeprefix("torch."))
+        served = self._call(client.get, "/v1/models", what="the start-up check")["data"][0]
+        self.served = str(served.get("root") or served.get("id"))
+        self._check_architecture(client.url)
+        self._check_tokenizer(client)
+        self._check_generate_route(client)
+
+    def _check_architecture(self, url: str) -> None:
+        if self._policy is None:
+            return
+        mine, theirs = _policy_config(self._policy), _model_config(self.served)
+        if not theirs:
+            log.info(
+                "cannot read %s/config.json here: the first weight push checks it", self.served
+            )
+            return
+        diff = [k for k in ARCH_KEYS if k in mine and k in theirs and mine[k] != theirs[k]]
+        if diff:
+            raise VLLMServerError(
+                f"the vLLM server at {url} serves {self.served} ({_architecture(theirs)}) but the "
+                f"policy is {self.model} ({_architecture(mine)}; {', '.join(diff)} differ): "
+                "start the server with --model <the policy's folder>"
+            )
+
+    def _check_tokenizer(self, client: ServerClient) -> None:
+        tok = self._tokenizer
+        if tok is None:
+            return
+        try:
+            text = tok.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
+        except Exception:
+            text = _PROBE[0]["content"]
+        mine = list(tok(text, add_special_tokens=False)["input_ids"])
+        body = {"prompt": text, "add_special_tokens": False}
+        theirs = self._call(client.post, "/tokenize", body, what="the tokenizer check")["tokens"]
+        if mine != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine))
+            raise VLLMServerError(
+                f"the vLLM server at {client.url} serves {self.served}, whose tokenizer does "
+                f"not match the policy's ({self.model}): the probe text {text[:60]!r} gives "
+                f"{len(theirs)} tokens there and {len(mine)} here, first different at token "
+                f"{at}. Start the server with --model <the policy's folder>"
+            )
+
+    def _check_generate_route(self, client: ServerClient) -> None:
+        body = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "detokenize": False}}
+        try:
+            client.post("/inference/v1/generate", body)
+        except RequestFailed as exc:
+            if exc.status in (403, 404):
+                raise VLLMServerError(
+                    f"the vLLM server at {client.url} does not offer /inference/v1/generate "
+                    f"(HTTP {exc.status}): start it with --enable-scale-out"
+                ) from None
+            raise self._failure("the start-up check", exc) from None
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _call(self, fn, *args: Any, what: str) -> Any:
+        try:
+            return fn(*args)
+        except RequestFailed as exc:
+            raise self._failure(what, exc) from None
+
+    def _failure(self, what: str, exc: RequestFailed) -> VLLMServerError:
+        """One line: what happened to the server during ``what``."""
+        proc = self.process
+        if proc is not None and exc.kind != "refused" and proc.proc is not None:
+            with contextlib.suppress(Exception):
+                proc.proc.wait(timeout=5)  # a killed server may still be exiting
+        if proc is not None and not proc.alive():
+            message = (
+                f"the vLLM server the run started (pid {proc.pid}, {self.url}) "
+                f"{proc.how_it_ended()} during {what}; its log: {proc.log_path}"
+            )
+            proc.stop()  # what is left of its process group
+            return VLLMServerError(message)
+        if exc.kind == "refused":
+            return VLLMServerError(
+                f"the vLLM server at {self.url} refused {what} (HTTP {exc.status}: {exc.detail})"
+            )
+        if exc.kind == "timeout":
+            return VLLMServerError(
+                f"the vLLM server at {self.url} did not answer {what} within "
+                f"{self.request_timeout_s:g} s (rollout.engine.request_timeout_s): {exc.detail}"
+            )
+        return VLLMServerError(
+            f"the vLLM server at {self.url} cannot be reached during {what} ({exc.detail}): it "
+            "is not running, or the network to it is down"
+        )
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s weights (LoRA merged, FSDP shards gathered) as one new version.
+
+        Every training process walks the weights in the same buckets (gathering shards is a
+        collective); rank 0 writes and pushes them, then tells the others how it went, so no
+        rank samples before the server holds the new version."""
+        client = self.start()
+        rank, world = _ranks()
+        t0 = time.perf_counter()
+        version = self.weight_version + 1
+        files: list[str] = []
+        count = nbytes = 0
+        error: Exception | None = None
+        with exported_weights(model) as pairs:
+            for i, group in enumerate(buckets(pairs, self.sync_bucket_bytes)):
+                tensors = gathered(group, self._push_dtype)
+                count += len(tensors)
+                nbytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                if rank == 0 and error is None:
+                    try:
+                        files.append(self._write(version, i, tensors))
+                    except Exception as exc:  # keep gathering with the other ranks
+                        error = exc
+                del tensors
+        if rank == 0 and error is None:
+            try:
+                self._post_push(client, files, version)
+            except Exception as exc:
+                error = exc
+        if world > 1:
+            message = _from_rank0(_text(error))
+            if error is None and message is not None:
+                raise VLLMServerError(f"rank 0's weight push failed: {message}")
+        if error is not None:
+            raise error
+        if self._pushes is not None:
+            shutil.rmtree(self._pushes / f"v{self.weight_version:06d}", ignore_errors=True)
+        self.weight_version = version
+        self.last_sync = SyncStats(BACKEND, count, nbytes, time.perf_counter() - t0)
+
+    def _write(self, version: int, index: int, tensors: list[tuple[str, torch.Tensor]]) -> str:
+        """One snapshot file of push ``version``; its name relative to the server's folder."""
+        assert self._pushes is not None and self._root is not None
+        folder = self._pushes / f"v{version:06d}"
+        make_dirs(folder, self._pushes)
+        name = write_snapshot(folder, index, tensors)
+        return str((folder / name).relative_to(self._root))
+
+    def _post_push(self, client: ServerClient, files: list[str], version: int) -> None:
+        """The RL routes of one push. A refused push is closed on the server (a second
+        ``/finish_weight_update``), so that the server can take the next one."""
+        what = f"the weight push of version {version}"
+        try:
+            client.post("/start_weight_update")
+            client.post("/update_weights", {"update_info": {"files": files}})
+            client.post("/finish_weight_update", {"weight_version": str(version)})
+            client.post("/reset_prefix_cache")
+        except RequestFailed as exc:
+            if exc.kind == "refused":
+                with contextlib.suppress(RequestFailed):
+                    client.post("/finish_weight_update", timeout_s=60)
+            raise self._failure(what, exc) from None
+
+    # -- generation --------------------------------------------------------------------------
+
+    def reports_sampling_logprobs(self, sampling: SamplingConfig) -> bool:
+        """As the in-process engine: the server's log-probs are those of the sampling
+        distribution with ``--logprobs-mode processed_logprobs`` (a started server has it)."""
+        if sampling.greedy or sampling.temperature <= 0 or sampling.truncated:
+            return False
+        self.start()
+        return self.logprobs_mode == "processed_logprobs" or float(sampling.temperature) == 1.0
+
+    def sampling_params(
+        self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
+    ) -> dict[str, Any]:
+        """vLLM ``SamplingParams`` as JSON, every field that changes the distribution set
+        (as ``mrtpo.rollout.vllm.VLLMEngine.sampling_params``)."""
+        greedy = sampling.greedy or sampling.temperature <= 0
+        params: dict[str, Any] = {
+            "n": int(n),
+            "temperature": 0.0 if greedy else float(sampling.temperature),
+            "top_p": 1.0 if greedy else float(sampling.top_p),
+            "top_k": -1 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
+            "min_p": 0.0 if greedy else float(sampling.min_p),
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "min_tokens": 0,
+            "max_tokens": int(sampling.max_new_tokens),
+            "detokenize": False,
+        }
+        stops = sorted(set(self.eos_ids) | set(self.stop_token_ids))
+        if stops:
+            params["stop_token_ids"] = stops
+        if seed is not None:
+            params["seed"] = int(seed)
+        if logprobs:
+            params["logprobs"] = 0  # the sampled token's own log-prob only
+        return params
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        """``n`` samples per prompt, one request per prompt, sent together."""
+        if not prompts:
+            return []
+        client = self.start()
+        want = self.reports_sampling_logprobs(sampling)
+        bodies = [
+            {
+                "token_ids": [int(t) for t in p],
+                "sampling_params": self.sampling_params(
+                    sampling, n, prompt_seed(seed, i) if self.per_request_seed else None, want
+                ),
+            }
+            for i, p in enumerate(prompts)
+        ]
+
+        def send(body: dict) -> Any:
+            return client.post("/inference/v1/generate", body)
+
+        with ThreadPoolExecutor(min(len(bodies), self.max_concurrency)) as pool:
+            futures = [pool.submit(send, b) for b in bodies]
+            try:
+                answers = [f.result() for f in futures]
+            except RequestFailed as exc:
+                for f in futures:
+                    f.cancel()
+                raise self._failure("generation", exc) from None
+        return [g for a in answers for g in self._generations(a, n, want)]
+
+    def _generations(self, answer: dict, n: int, logprobs: bool) -> list[Generation]:
+        choices = sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))
+        if len(choices) != n:
+            raise VLLMServerError(
+                f"the vLLM server at {self.url} returned {len(choices)} samples, expected n={n}"
+            )
+        out = []
+        for c in choices:
+            ids = [int(t) for t in c["token_ids"]]
+            lps = None
+            if logprobs:
+                lps = [float(e["logprob"]) for e in (c.get("logprobs") or {}).get("content") or []]
+                if len(lps) != len(ids):
+                    raise VLLMServerError(
+                        f"the vLLM server at {self.url} returned {len(lps)} log-probs for "
+                        f"{len(ids)} tokens"
+                    )
+            spans = [_version(s.get("version")) for s in c.get("weight_versions") or []]
+            known = [v for v in spans if v is not None]
+            version = min(known) if known else self.weight_version
+            out.append(Generation(ids, c.get("finish_reason") == "stop", lps, version))
+        return out
