@@ -7,6 +7,8 @@ all its splits, and the engines seed each call, so the numbers are those of sepa
 ``src/eval.py`` runs), then writes ``table.md`` and ``table.csv``:
 methods x benchmarks, the mean over seeds with its 95% interval, and an average column.
 A benchmark whose data is absent is listed as absent; the other cells are still scored.
+A folder trained on another task than the family's, or a row whose seeds hold different
+models, is refused before anything is evaluated (``mrtpo.provenance``).
 
 A training run folder is evaluated from ``checkpoints/last.ckpt`` (its model; the family's
 task config, not the run's, so a smoke run's ``task.max_examples`` does not shrink the
@@ -215,8 +217,11 @@ def evaluate_cell(
 def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table:
     """Evaluate every folder on every benchmark of ``family``; results under ``out``. Folder
     by folder: its policy is loaded once for all the splits, then let go."""
+    from mrtpo.provenance import check_sources
+
     task, benches = FAMILIES[family]
     table = Table(family, benches, sources_of(folders))
+    check_sources(family, task, table.sources)  # the family's task, one model a row
     absent: dict[int, Cell] = {}  # benchmark -> why it has no data (the same for every folder)
     for i, src in enumerate(table.sources):
         models: dict = {}
