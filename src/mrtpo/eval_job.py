@@ -163,6 +163,7 @@ def run(
         "task": task.name,
         "split": ev.split,
         "limit": limit,
+        "split_examples": len(examples) + len(beyond),  # the whole split, before eval.limit
         "seed": int(cfg.seed),
         "checkpoint": str(Path(cfg.ckpt_path).resolve()) if cfg.get("ckpt_path") else None,
         **source,

@@ -103,6 +103,15 @@ class Cell:
     status: str = "ok"  # ok | absent | failed | skipped
     reason: str = ""
     output: str = ""
+    examples: int | None = None  # prompts scored (eval.limit's first ones, or all)
+    split_examples: int | None = None  # prompts in the whole split
+
+    @property
+    def partial(self) -> bool:
+        """Fewer prompts scored than the split holds (``eval.limit``)."""
+        return None not in (self.examples, self.split_examples) and (
+            self.examples < self.split_examples
+        )
 
 
 @dataclass
@@ -211,7 +220,30 @@ def evaluate_cell(
     value = metrics.get(bench.metric)
     if value is None:
         return Cell(status="failed", reason=f"eval wrote no {bench.metric}", output=str(out))
-    return Cell(value=float(value), output=str(out))
+    scored = _scored(out)
+    return Cell(value=float(value), output=str(out), examples=scored.get("examples"),
+                split_examples=scored.get("split_examples"))  # fmt: skip
+
+
+def _scored(out: Path) -> dict[str, Any]:
+    """What the evaluation job recorded it scored (``metrics.json``'s ``scored``)."""
+    try:
+        scored = json.loads((out / "metrics.json").read_text(encoding="utf-8")).get("scored")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in (scored or {}).items() if isinstance(v, int) or k == "split"}
+
+
+def counted(cells: list[Cell]) -> str:
+    """`` (k/N)`` of a cell: prompts scored of the split's, for its seeds (``k1-k2`` when they
+    differ), with ``*`` when that is less than the whole split (``eval.limit``)."""
+    got = sorted({c.examples for c in cells if c.examples is not None})
+    of = sorted({c.split_examples for c in cells if c.split_examples is not None})
+    if not got or not of:
+        return ""
+    k = str(got[0]) if len(got) == 1 else f"{got[0]}-{got[-1]}"
+    n = str(of[0]) if len(of) == 1 else f"{of[0]}-{of[-1]}"
+    return f" ({k}/{n}{'*' if any(c.partial for c in cells) else ''})"
 
 
 def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table:
@@ -275,11 +307,13 @@ def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]
             if j is None:  # average: each run's mean over the scored benchmarks
                 vals = [_run_average(table, i, scored) for i in members]
                 column, metric = "average", "mean of the columns"
+                cells = [table.cells[i, jj] for i in members for jj in scored]
             else:
                 vals = [table.cells[i, j].value for i in members]
                 column, metric = table.benches[j].column, table.benches[j].metric
+                cells = [table.cells[i, j] for i in members]
             iv = mean_ci(vals)
-            line.append(fmt_ci(iv))
+            line.append(fmt_ci(iv) + (counted(cells) if j is not None else ""))
             recs.append(
                 {
                     "method": names[key],
@@ -289,6 +323,9 @@ def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]
                     "ci95_half": iv.half,
                     "n": iv.n,
                     "values": json.dumps(vals),
+                    "examples": json.dumps([c.examples for c in cells]),
+                    "split_examples": json.dumps([c.split_examples for c in cells]),
+                    "partial": any(c.partial for c in cells),
                 }
             )
         md.append(line)
@@ -329,8 +366,9 @@ def write(table: Table, out: Path) -> tuple[Path, Path]:
         "Mean over seeds ± 95% t-interval (the mean alone for one seed); the average column is "
         "each run's mean over the scored benchmarks. Metrics: "
         + ", ".join(f"{b.column} = {b.metric}" for b in table.benches)
-        + ".",
+        + ". (k/N): k of the split's N prompts were scored, for each seed.",
         "",
+        *_partial_note(table),
         markdown_table(head, md_rows),
         "",
     ]
@@ -339,7 +377,8 @@ def write(table: Table, out: Path) -> tuple[Path, Path]:
         lines += ["Not scored:", "", *[f"- {m}" for m in missing], ""]
     lines += ["Folders:", "", *[f"- {s.path} (seed {s.seed})" for s in table.sources], ""]
     buf = io.StringIO()
-    fields = ["method", "benchmark", "metric", "mean", "ci95_half", "n", "values"]
+    fields = ["method", "benchmark", "metric", "mean", "ci95_half", "n", "values", "examples",
+              "split_examples", "partial"]  # fmt: skip
     writer = csv.DictWriter(buf, fieldnames=fields)
     writer.writeheader()
     writer.writerows(recs)
@@ -350,6 +389,19 @@ def write(table: Table, out: Path) -> tuple[Path, Path]:
     write_file(md, "\n".join(lines))
     write_file(path_csv, buf.getvalue())
     return md, path_csv
+
+
+def _partial_note(table: Table) -> list[str]:
+    """Lines above a table with partial cells: it is not a full-benchmark table."""
+    part = [c for c in table.cells.values() if c.status == "ok" and c.partial]
+    if not part:
+        return []
+    least = min(c.examples for c in part)
+    return [
+        f"**Partial**: cells marked * scored fewer prompts than their split holds (eval.limit; "
+        f"{least} at the fewest): those numbers are not the full benchmark's.",
+        "",
+    ]
 
 
 def outputs(out: Path) -> tuple[Path, Path]:

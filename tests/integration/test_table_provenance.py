@@ -1,8 +1,11 @@
-"""src/table.py checks what it is given (issue 40 item 3): the synthetic demo runs evaluated
-on Spider gave a table of 0.000 with no warning."""
+"""src/table.py checks what it is given and says what each cell was computed from (issue 40
+items 3 and 4): the synthetic demo runs evaluated on Spider gave a table of 0.000 with no
+warning, and a table of eval.limit=8 read as a full-benchmark table."""
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import ROOT
+from tests.task_fixtures import make_spider
 
 from mrtpo import tables
 from mrtpo.provenance import model_identity, trained_task
@@ -83,3 +87,45 @@ def test_a_row_mixing_models_across_its_seeds_is_refused(runs, tmp_path):
     text = str(info.value)
     assert "mixes models across its seeds" in text, text
     assert "hidden 32 x 2 layers" in text and "hidden 64 x 2 layers" in text
+
+
+def test_each_cell_says_how_many_prompts_it_scored_and_marks_partial_ones(
+    tmp_path, cache_dir, tiny
+):
+    """Fixture Spider dev's concert_singer questions (eval.categories) at eval.limit=2: the
+    cell reads (2/N*), the table says it is partial, table.csv holds the counts; without a
+    limit the cell is whole, (N/N)."""
+    data = make_spider(tmp_path / "data")
+    tiny = cache_dir / "models" / "tiny-qwen2"
+    sets = [f"paths.cache_dir={cache_dir}", f"paths.data_dir={data}",
+            "rollout.sampling.max_new_tokens=4", "eval.categories=[concert_singer]"]  # fmt: skip
+    argv = ["text2sql", str(tiny), "--out", str(tmp_path / "part")]
+    for s in [*sets, "eval.limit=2"]:
+        argv += ["--set", s]
+    assert tables.main(argv) == 0
+    md = (tmp_path / "part" / "table.md").read_text()
+    dev = json.loads((data / "spider" / "dev.json").read_text())
+    n = sum(q["db_id"] == "concert_singer" for q in dev)
+    assert n > 2
+    assert f"(2/{n}*)" in md and "**Partial**: cells marked *" in md
+    recs = csv.DictReader((tmp_path / "part" / "table.csv").read_text().splitlines())
+    dev = next(r for r in recs if r["benchmark"] == "Spider dev")
+    assert (
+        dev["examples"] == "[2]" and dev["split_examples"] == f"[{n}]" and dev["partial"] == "True"
+    )
+    argv = ["text2sql", str(tiny), "--out", str(tmp_path / "whole")]
+    for s in sets:
+        argv += ["--set", s]
+    assert tables.main(argv) == 0
+    md = (tmp_path / "whole" / "table.md").read_text()
+    assert f"({n}/{n})" in md and "Partial" not in md
+
+
+def test_counts_of_a_cell_over_seeds():
+    c = tables.Cell
+    assert tables.counted([c(value=0.5, examples=8, split_examples=541)] * 3) == " (8/541*)"
+    assert tables.counted([c(value=0.5, examples=541, split_examples=541)]) == " (541/541)"
+    mixed = [c(value=0.5, examples=8, split_examples=541), c(value=0.5, examples=541,
+             split_examples=541)]  # fmt: skip
+    assert tables.counted(mixed) == " (8-541/541*)"
+    assert tables.counted([c(value=0.5)]) == ""  # an evaluation that did not record them
