@@ -128,11 +128,13 @@ def save_policy(
     info: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     state: Mapping[str, torch.Tensor] | None = None,
+    card: str | None = None,
 ) -> Path:
     """Write ``model`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``out``.
 
     ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full
-    state dict of a sharded ``model`` (``mrtpo.sharding.full_state_dict``). Returns ``out``.
+    state dict of a sharded ``model`` (``mrtpo.sharding.full_state_dict``); ``card`` is the
+    folder's ``README.md`` (``mrtpo.model_card``). Returns ``out``.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
@@ -152,6 +154,8 @@ def save_policy(
         gen.save_pretrained(tmp)
         record = {"lora_merged": is_lora(model), **dict(info or {})}
         (tmp / MARKER).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        if card is not None:
+            (tmp / "README.md").write_text(card, encoding="utf-8")
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old{os.getpid()}")
@@ -185,6 +189,22 @@ def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
         return None
 
 
+def _card(ckpt_file: Path, base_model: str, step: int | None) -> str:
+    """The model card of an export of ``ckpt_file`` (``mrtpo.model_card``)."""
+    from mrtpo.model_card import render
+    from mrtpo.trained_run import run_config_path
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except Exception:  # called without Hydra's runtime (a library caller)
+        overrides = []
+    run_dir = run_config_path(ckpt_file).parent.parent
+    return render(run_dir, base_model=base_model, step=step, checkpoint=ckpt_file,
+                  export_overrides=overrides)  # fmt: skip
+
+
 def run(cfg: DictConfig) -> Path:
     """Export the policy of ``cfg.ckpt_path`` to ``cfg.out`` (see configs/export.yaml)."""
     from mrtpo.trained_run import from_training_run, load_checkpoint_weights
@@ -216,8 +236,11 @@ def run(cfg: DictConfig) -> Path:
     )
     dtype = resolve_dtype(str(cfg.dtype)) if cfg.get("dtype") else None
     info = {"checkpoint": str(ckpt_file), "step": step, **source}
-    save_policy(policy, tokenizer, out, sampling=sampling, info=info, dtype=dtype)
-    print(f"exported {ckpt_file} (step {step}) to {out}", flush=True)
+    card = _card(ckpt_file, str(cfg.model.name_or_path), step)
+    save_policy(policy, tokenizer, out, sampling=sampling, info=info, dtype=dtype, card=card)
+    print(
+        f"exported {ckpt_file} (step {step}) to {out} (model card: {out / 'README.md'})", flush=True
+    )
     print(f"evaluate it with: python src/eval.py model.name_or_path={out}", flush=True)
     return out
 
