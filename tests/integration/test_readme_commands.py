@@ -223,3 +223,65 @@ def _fill(arg: str, tmp: Path, places: dict) -> str:
             assert path is not None, f"no earlier run made a folder for <{name}>"
             arg = arg.replace(stand_in, str(path))
     return arg
+
+
+# ---- the path from a preset to a paper table (issue 40) --------------------------------------
+
+#: The preset swapped onto the tiny model and one CPU process, with its sizes shrunk (as in
+#: test_presets.py): everything else is the preset's own.
+TINY_PRESET = ["model=tiny", "rollout=hf", "trainer=cpu", "trainer.devices=1",
+               "trainer.max_steps=1", "rl.global_prompts_per_step=2", "rl.group_size=2",
+               "rollout.sampling.max_new_tokens=4", "data.val_prompts=0",
+               "callbacks.progress=null"]  # fmt: skip
+
+
+def preset_to_table() -> list[str]:
+    """The commands of the README's 'From a preset to the paper's table' block."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("**From a preset to the paper's table.**")
+    block = re.search(r"```bash\n(.*?)```", text[start:], flags=re.S)
+    return [line.strip() for line in block[1].splitlines() if line.strip()]
+
+
+@pytest.mark.slow  # six one-step training jobs, then the table's evaluations
+def test_readme_preset_to_table_runs_on_the_tiny_model(tmp_path, cache_dir):
+    """The README's three commands, run: the check passes and says what the run would do,
+    the sweep trains the preset's rows, and table.py scores them on IFEval (the stand-in
+    data's two prompts, eval.limit=1: each cell reads (1/2*), and the table says it is
+    partial); the family's other benchmarks have no data here and are listed as absent."""
+    from tests.integration.test_presets import HIR_ROWS, IFEVAL_ROWS
+
+    check, sweep, table = preset_to_table()
+    assert "--check" in check and " -m " in sweep and "src/table.py ifeval" in table
+    data = tmp_path / "data"
+    for rel, rows in (("HIR-16K/HIR_trainv1.jsonl", HIR_ROWS), ("ifeval/input_data.jsonl",
+                                                                 IFEVAL_ROWS)):  # fmt: skip
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    paths = [f"paths.data_dir={data}", f"paths.log_dir={tmp_path}/logs",
+             f"paths.cache_dir={cache_dir}"]  # fmt: skip
+
+    def run(script: str, args: list[str]) -> str:
+        res = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=1800)  # fmt: skip
+        assert res.returncode == 0, f"{args}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        return res.stdout
+
+    script, args = split(check, tmp_path)
+    out = run(script, [*args, *TINY_PRESET, *paths])
+    assert "no problem found" in out and "data: 2 training prompts" in out
+    assert not (tmp_path / "logs").exists()  # the check wrote nothing
+    script, args = split(sweep, tmp_path)
+    run(script, [*args, *TINY_PRESET, *paths])
+    (folder,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    script, args = split(table, tmp_path)
+    args = [str(folder) if a == str(tmp_path / "sweep") else a for a in args]
+    args = ["rollout=hf" if a == "rollout=vllm" else a for a in args]  # the tiny model's engine
+    sets = [*paths[::2], "eval.limit=1", "rollout.sampling.max_new_tokens=4"]
+    out = run(script, [*args, "--out", str(tmp_path / "table"),
+                       *[w for s in sets for w in ("--set", s)]])  # fmt: skip
+    md = (tmp_path / "table" / "table.md").read_text()
+    assert "| method=gdpo | 1, 2, 3 |" in md and "| method=mrtpo | 1, 2, 3 |" in md
+    assert md.count("(1/2*)") == 2 and "**Partial**: cells marked *" in md
+    assert "IFBench (ifbench): absent" in md
