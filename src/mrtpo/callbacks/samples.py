@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -175,9 +176,54 @@ def relevance_record(
     }
 
 
+def _one_line(text: str, width: int, middle: bool = False) -> str:
+    """``text`` on one line (line breaks shown as ⏎), cut to ``width`` characters: at the
+    end, or (``middle``) in the middle, keeping its start and its end (where a prompt's
+    instructions often are)."""
+    flat = " ⏎ ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    if len(flat) <= width:
+        return flat
+    if not middle:
+        return flat[: width - 1] + "…"
+    head = (width - 1) // 3
+    return flat[:head] + "…" + flat[len(flat) - (width - 1 - head) :]
+
+
+def sample_table(rows: list[dict], step: int, width: int = 100) -> Table:
+    """A compact table of sampled responses with each reward (``-``: does not apply) within
+    ``width`` characters, one line per response (its rewards wrap when there are many).
+    When every response answers one prompt (a group), the prompt is in the title."""
+    rewards = [
+        " ".join(f"{k}={'-' if v is None else f'{v:.3g}'}" for k, v in r["rewards"].items())
+        for r in rows
+    ]
+    prompts = [_one_line(r["prompt"], 10_000) for r in rows]
+    shared = len(set(prompts)) == 1
+    reward_w = min(max(len(x) for x in rewards), max(36, width // 3))  # longer: wrapped
+    prompt_w = 0 if shared else 18
+    response_w = max(10, width - prompt_w - reward_w - (7 if shared else 10))  # the borders
+    title = f"samples at step {step}"
+    if shared:
+        title += ", prompt: " + _one_line(prompts[0], max(20, width - len(title) - 10), True)
+    t = Table(title=title, title_justify="left", show_lines=False)
+    if not shared:
+        t.add_column("prompt", no_wrap=True, overflow="ellipsis", width=prompt_w)
+    t.add_column("response", no_wrap=True, overflow="ellipsis", width=response_w)
+    t.add_column("rewards", overflow="fold", width=reward_w)
+    last = None
+    for r, prompt, shown in zip(rows, prompts, rewards, strict=True):
+        cells = [_one_line(r["response"], response_w), shown]
+        if not shared:
+            cells.insert(0, "" if prompt == last else _one_line(prompt, prompt_w, True))
+        t.add_row(*cells)
+        last = prompt
+    return t
+
+
 class SampleTable(L.Callback):
-    """Every ``every`` steps: ``samples.jsonl`` gets prompt, response and each reward of a few
-    responses, and a short rich table is printed."""
+    """Every ``every`` steps (the first step, then each ``every``-th): ``samples.jsonl`` in the
+    run folder gets prompt, response and each reward of ``num`` responses, and a compact
+    table of them is printed (``print_table``; on by default)."""
 
     def __init__(self, every: int = 10, num: int = 4, print_table: bool = True) -> None:
         self.every, self.num, self.print_table = every, num, print_table
@@ -211,16 +257,11 @@ class SampleTable(L.Callback):
         ) as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        if self.print_table:
-            t = Table(title=f"samples at step {step}", show_lines=False)
-            t.add_column("response", overflow="fold", max_width=60)
-            t.add_column("rewards")
-            for r in rows:
-                rw = " ".join(
-                    f"{k}={'-' if v is None else f'{v:g}'}" for k, v in r["rewards"].items()
-                )
-                t.add_row(r["response"][:200], rw)
-            Console(stderr=True).print(t)
+        if self.print_table and rows:
+            # on stdout, between the step lines it belongs to
+            console = Console(file=sys.stdout)
+            console.print(sample_table(rows, step, width=console.width))
+            sys.stdout.flush()
 
 
 class RelevanceDump(L.Callback):
