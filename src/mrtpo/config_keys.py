@@ -95,18 +95,21 @@ SYNONYMS: dict[str, str] = {
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_partial_", "_recursive_", "_args_"})
 
 
-def _fields(cls_path: str, name: str) -> Callable[[], tuple[str, ...]]:
-    def read() -> tuple[str, ...]:
+def _fields(cls_path: str, name: str) -> Callable[[], tuple[str, ...] | None]:
+    def read() -> tuple[str, ...] | None:
         import importlib
 
         module = importlib.import_module(cls_path)
-        return tuple(inspect.signature(getattr(module, name)).parameters)
+        params = inspect.signature(getattr(module, name)).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None  # it takes any key (a wrapper): nothing to refuse
+        return tuple(p.name for p in params)
 
     return read
 
 
 #: Nodes without a ``_target_`` whose keys the code reads by name.
-FIXED: dict[str, Callable[[], tuple[str, ...]]] = {
+FIXED: dict[str, Callable[[], tuple[str, ...] | None]] = {
     "model": _fields("mrtpo.models", "load_policy"),
     "rollout": lambda: ("engine", "sampling", "val_max_new_tokens"),
     "rollout.sampling": _fields("mrtpo.rollout.base", "SamplingConfig"),
@@ -148,8 +151,8 @@ def unread_keys(tree: Mapping[str, Any]) -> Iterator[tuple[str, list[str]]]:
             yield str(key), [*TOP_LEVEL, *GROUPS]
     for name, read in FIXED.items():
         node = _select(tree, name)
-        if isinstance(node, Mapping):
-            known = read()
+        known = read() if isinstance(node, Mapping) else None
+        if known is not None:
             for key in node:
                 if key not in known:
                     yield f"{name}.{key}", [f"{name}.{k}" for k in known]
