@@ -6,8 +6,8 @@ python src/eval.py task=text2sql eval.split=spider_dev eval.responses=preds.json
 import hydra
 from omegaconf import DictConfig
 
-import mrtpo.config  # registers the resolvers the configs use
-import mrtpo.evaluate_cli  # noqa: F401  (and eval's own: --help groups, output subdir)
+import mrtpo.config  # registers the resolvers the configs use (the run folder's name)
+import mrtpo.evaluate_cli  # noqa: F401  (and through mrtpo.cli, the groups --help lists)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")

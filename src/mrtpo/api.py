@@ -78,7 +78,6 @@ def train(overrides: Sequence[str] = ()) -> RunResult:
 
 def evaluate(overrides: Sequence[str] = ()) -> RunResult:
     """``python src/eval.py <overrides>``: evaluate, return the output folder and metrics."""
-    import mrtpo.evaluate_cli  # noqa: F401  (registers the resolvers eval.yaml uses)
     from mrtpo.eval_job import run
     from mrtpo.threads import configure
 

@@ -2,8 +2,9 @@
 config group chooses, ending a job on a bad value, missing data or a model that cannot load
 with its message alone (``error: ...``, exit status 2), and loading the model a config names.
 
-Importing this module registers ``mrtpo.train_groups``, which configs/hydra/default.yaml's
-help template resolves (the entry points import it before Hydra runs).
+Importing this module registers ``mrtpo.train_groups`` and ``mrtpo.eval_groups``, which the
+help templates of configs/hydra/default.yaml and eval.yaml resolve (the entry points import it
+before Hydra runs).
 """
 
 from __future__ import annotations
@@ -60,8 +61,20 @@ TRAIN_GROUP_HELP = {
     "paths": "where data, logs and caches live",
 }
 
-if not OmegaConf.has_resolver("mrtpo.train_groups"):
-    OmegaConf.register_new_resolver("mrtpo.train_groups", lambda: help_groups(TRAIN_GROUP_HELP))
+#: What each group of src/eval.py chooses (its --help lists only these groups).
+EVAL_GROUP_HELP = {
+    "model": "the policy and tokenizer (or model.name_or_path=<folder>)",
+    "task": "the benchmark family; eval.split picks the split",
+    "rollout": "the generation engine (hf, or vllm)",
+    "paths": "where data, logs and caches live",
+}
+
+for _name, _groups in (
+    ("mrtpo.train_groups", TRAIN_GROUP_HELP),
+    ("mrtpo.eval_groups", EVAL_GROUP_HELP),
+):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, lambda g=_groups: help_groups(g))
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ registers the resolvers (the entry points import it before ``@hydra.main`` runs)
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,6 +102,44 @@ def flat_dirname(name: str) -> str:
     return str(name).replace("/", "_").replace(os.sep, "_")[:200]
 
 
+# src/eval.py's .hydra subfolders, by eval.output: one answer per folder however often resolved.
+_EVAL_SUBDIRS: dict[str, str] = {}
+
+
+def eval_hydra_subdir(output) -> str:
+    """``hydra.output_subdir`` of eval: ``.hydra``, unless ``eval.output`` already holds a
+    ``.hydra/`` (e.g. eval.output=<training run>): then ``.hydra/eval-<time>``, so a training
+    run's saved config is never overwritten. The same answer each time it is resolved."""
+    if not output or not (Path(str(output)) / ".hydra").exists():
+        return ".hydra"
+    key = str(output)
+    if key not in _EVAL_SUBDIRS:
+        _EVAL_SUBDIRS[key] = f".hydra/eval-{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+    return _EVAL_SUBDIRS[key]
+
+
+def eval_task_name(choice: str, ckpt_path, overrides) -> str:
+    """The task an evaluation scores, for its folder name (eval.yaml's ``run_name``): the
+    training run's (its ``.hydra/hydra.yaml`` or ``job.json``) when ``ckpt_path`` is given
+    without ``task=``."""
+    from mrtpo.trained_run import run_config_path
+
+    given = any(str(o).lstrip("+").startswith("task=") for o in (overrides or []))
+    if not ckpt_path or given:
+        return choice
+    run = run_config_path(str(ckpt_path)).parent.parent
+    try:
+        saved = OmegaConf.load(run / ".hydra" / "hydra.yaml")
+        return str(saved.hydra.runtime.choices.task)
+    except Exception:  # no saved Hydra config: the job's record, else the choice
+        import json
+
+        try:
+            return str(json.loads((run / "job.json").read_text())["task"] or choice)
+        except Exception:
+            return choice
+
+
 def register_resolvers() -> None:
     for name, fn in (
         ("mrtpo.unique_dir", unique_dir),
@@ -109,6 +148,8 @@ def register_resolvers() -> None:
         ("mrtpo.job_log", job_log),
         ("mrtpo.flat_dirname", flat_dirname),
         ("mrtpo.project_root", lambda: str(PROJECT_ROOT)),
+        ("mrtpo.eval_hydra_subdir", eval_hydra_subdir),
+        ("mrtpo.eval_task_name", eval_task_name),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

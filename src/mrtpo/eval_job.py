@@ -1,9 +1,8 @@
 """The evaluation job of ``src/eval.py``: score given responses, or generate and score.
 
-The checkpoint's model and task come from its training run (``mrtpo.trained_run``). Its
-command-line side (``--help``, the run folder's name, ending on a bad value with one line) is
-``mrtpo.evaluate_cli``; this module is what other code calls (``src/table.py`` through
-``mrtpo.tables``, tests).
+The checkpoint's model and task come from its training run (``mrtpo.trained_run``). This is
+what code calls to evaluate (``mrtpo.tables``, ``mrtpo.api``, tests); ``mrtpo.evaluate_cli`` is
+only the command line's job around it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-import mrtpo.evaluate_cli  # noqa: F401  (eval.yaml's resolvers, as src/eval.py registers them)
 from mrtpo.trained_run import from_training_run
 
 
