@@ -219,62 +219,23 @@ class HFEngine(RolloutEngine):
         model, pad = self.model, self.tokenizer.pad_token_id
         device = next(model.parameters()).device
         flat = [p for p in prompts for _ in range(n)]
-        gen = torch.Generator(device="cpu").manual_seed(seed)
         config = generation_config(sampling, self.eos_ids, pad)
         self._warn_overridden_once(model, config)
-        # Log-probs of a truncated sampler are not softmax(z / t): none are reported.
-        record = config.do_sample and not sampling.truncated
         end = self.eos_ids[0] if self.eos_ids else (pad if pad is not None else 0)
         guard = _FiniteLogits(sampling.temperature if config.do_sample else 0.0, end)
         was_training = model.training
         own_config = getattr(model, "generation_config", None)
         model.eval()
-        out: list[Generation] = []
         ranks = Ranks(lambda: device)
         lockstep = ranks.world_size > 1
         calls = -(-len(flat) // self.batch_size)
         idle = ranks.max(calls) - calls if lockstep else 0
-
-        # Under FSDP a shared prefill's prefix call is a collective: the ranks agree on each
-        # generate call (every rank shares it or none does; an idle call never shares).
-        def agreed(want: bool) -> bool:
-            return not ranks.any(not want)
-
-        agree = None
-        if lockstep and n >= 2 and self.share_prompt != "off":
-            from mrtpo.distributed import is_sharded
-
-            agree = agreed if is_sharded(model) else None
+        agree = self._agreement(ranks, n)
         try:
             # transformers fills unset fields from model.generation_config: leave it nothing
             model.generation_config = GenerationConfig()
-            for _ in range(idle):  # keep in step with busier ranks, output discarded
-                if agree is not None:
-                    agree(False)
-                model.generate(
-                    input_ids=torch.full((1, 1), pad, dtype=torch.long, device=device),
-                    attention_mask=torch.ones((1, 1), dtype=torch.long, device=device),
-                    generation_config=config,
-                    logits_processor=[guard],
-                    synced_gpus=True,
-                )
-            for start in range(0, len(flat), self.batch_size):
-                chunk = flat[start : start + self.batch_size]
-                ids, attn = _left_padded(chunk, pad)
-                # generate() samples from the global RNG; seed it from our generator so a
-                # resumed run draws the same samples as an uninterrupted one.
-                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-                recorder = _SampledLogprobs(sampling.temperature) if record else None
-                ids, attn, cache = self._prefilled(ids, attn, n, sampling.max_new_tokens, agree)
-                seqs = model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=attn.to(device),
-                    past_key_values=cache,
-                    generation_config=config,
-                    logits_processor=[guard] if recorder is None else [guard, recorder],
-                    synced_gpus=lockstep,
-                )
-                out.extend(self._responses(seqs[:, ids.shape[1] :], recorder))
+            self._idle_calls(idle, config, guard, agree)
+            out = self._sample(flat, n, (sampling, config, seed), guard, agree, lockstep)
         finally:
             if own_config is not None:
                 model.generation_config = own_config
@@ -282,6 +243,64 @@ class HFEngine(RolloutEngine):
         # decided jointly: a rank that raised alone would leave the others in a collective
         if ranks.any(guard.bad):
             raise NonFiniteLogitsError()
+        return out
+
+    def _agreement(self, ranks: Ranks, n: int):
+        """Under FSDP a shared prefill's prefix call is a collective: the ranks agree on each
+        generate call (every rank shares it or none does; an idle call never shares). Returns
+        ``agree(want) -> bool``, or None where no agreement is needed."""
+        if ranks.world_size <= 1 or n < 2 or self.share_prompt == "off":
+            return None
+        from mrtpo.distributed import is_sharded
+
+        if not is_sharded(self.model):
+            return None
+        return lambda want: not ranks.any(not want)
+
+    def _idle_calls(self, idle: int, config, guard: _FiniteLogits, agree) -> None:
+        """``idle`` one-token generate calls that keep this rank in step with busier ranks
+        (their output is discarded)."""
+        pad = self.tokenizer.pad_token_id
+        device = next(self.model.parameters()).device
+        for _ in range(idle):
+            if agree is not None:
+                agree(False)
+            self.model.generate(
+                input_ids=torch.full((1, 1), pad, dtype=torch.long, device=device),
+                attention_mask=torch.ones((1, 1), dtype=torch.long, device=device),
+                generation_config=config,
+                logits_processor=[guard],
+                synced_gpus=True,
+            )
+
+    def _sample(self, flat: list[list[int]], n: int, how: tuple, guard: _FiniteLogits, agree,
+                lockstep: bool) -> list[Generation]:  # fmt: skip
+        """The generations of the rows ``flat`` (each prompt ``n`` times), ``batch_size`` rows
+        a generate call; ``how``: (sampling, its generation config, seed)."""
+        sampling, config, seed = how
+        pad = self.tokenizer.pad_token_id
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        # Log-probs of a truncated sampler are not softmax(z / t): none are reported.
+        record = config.do_sample and not sampling.truncated
+        out: list[Generation] = []
+        for start in range(0, len(flat), self.batch_size):
+            chunk = flat[start : start + self.batch_size]
+            ids, attn = _left_padded(chunk, pad)
+            # generate() samples from the global RNG; seed it from our generator so a
+            # resumed run draws the same samples as an uninterrupted one.
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            recorder = _SampledLogprobs(sampling.temperature) if record else None
+            ids, attn, cache = self._prefilled(ids, attn, n, sampling.max_new_tokens, agree)
+            seqs = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=attn.to(device),
+                past_key_values=cache,
+                generation_config=config,
+                logits_processor=[guard] if recorder is None else [guard, recorder],
+                synced_gpus=lockstep,
+            )
+            out.extend(self._responses(seqs[:, ids.shape[1] :], recorder))
         return out
 
     def _prefilled(self, ids, attn, n: int, new_tokens: int, agree=None):
