@@ -18,7 +18,7 @@ integer >= 2, and the code that needs the value would have to repeat the default
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, List, Optional  # noqa: UP035  (OmegaConf reads these annotations)
 
@@ -82,6 +82,32 @@ class _Section:
 PER_RANK_DEFAULTS = {"prompts_per_step": 4, "mini_batch_size": 16}
 
 
+def _loss_aggregations() -> dict:
+    from mrtpo.loss import AGGREGATIONS
+
+    return AGGREGATIONS
+
+
+#: ``rl`` keys checked one value at a time: (key, its test, what is allowed), in the order
+#: ``RLConfig`` checks them.
+_RL_CHECKS: tuple[tuple[str, Callable[[Any], bool], str | Callable[[], str]], ...] = (
+    ("group_size", lambda v: v >= 2,
+     ">= 2 (advantages are relative to a prompt's group; with 1 sample every one is 0)"),
+    ("ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("clip_low", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("clip_high", lambda v: v >= 0, ">= 0"),
+    ("kl_coef", lambda v: v >= 0, ">= 0"),
+    ("loss_agg", lambda v: v in _loss_aggregations(), lambda: f"{list(_loss_aggregations())}"),
+    ("max_grad_norm", lambda v: v is None or v >= 0, ">= 0 or null"),
+    ("max_nonfinite_steps", lambda v: v >= 1, ">= 1"),
+    ("max_consecutive_score_failures", lambda v: v >= 1, ">= 1"),
+    ("replay_oom_retries", lambda v: v >= 0, ">= 0"),
+    ("tis_cap", lambda v: v is None or v > 0,
+     "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)"),
+)  # fmt: skip
+
+
 @dataclass
 class RLConfig(_Section):
     """One RL step: B prompts x G samples, scored, then clipped-surrogate updates."""
@@ -129,52 +155,9 @@ class RLConfig(_Section):
                 _need(value is None or value >= 1, s, name, value, ">= 1 or null")
             if getattr(self, key) is None and getattr(self, "global_" + key) is None:
                 setattr(self, key, default)
-        _need(
-            self.group_size >= 2,
-            s,
-            "group_size",
-            self.group_size,
-            ">= 2 (advantages are relative to a prompt's group; with 1 sample every one is 0)",
-        )
-        _need(self.ppo_epochs >= 1, s, "ppo_epochs", self.ppo_epochs, ">= 1")
-        _need(self.micro_batch_size >= 1, s, "micro_batch_size", self.micro_batch_size, ">= 1")
-        _need(0 <= self.clip_low < 1, s, "clip_low", self.clip_low, "in [0, 1)")
-        _need(self.clip_high >= 0, s, "clip_high", self.clip_high, ">= 0")
-        _need(self.kl_coef >= 0, s, "kl_coef", self.kl_coef, ">= 0")
-        from mrtpo.loss import AGGREGATIONS
-
-        _need(self.loss_agg in AGGREGATIONS, s, "loss_agg", self.loss_agg, f"{list(AGGREGATIONS)}")
-        _need(
-            self.max_grad_norm is None or self.max_grad_norm >= 0,
-            s,
-            "max_grad_norm",
-            self.max_grad_norm,
-            ">= 0 or null",
-        )
-        _need(
-            self.max_nonfinite_steps >= 1,
-            s,
-            "max_nonfinite_steps",
-            self.max_nonfinite_steps,
-            ">= 1",
-        )
-        _need(
-            self.max_consecutive_score_failures >= 1,
-            s,
-            "max_consecutive_score_failures",
-            self.max_consecutive_score_failures,
-            ">= 1",
-        )
-        _need(
-            self.replay_oom_retries >= 0, s, "replay_oom_retries", self.replay_oom_retries, ">= 0"
-        )
-        _need(
-            self.tis_cap is None or self.tis_cap > 0,
-            s,
-            "tis_cap",
-            self.tis_cap,
-            "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)",
-        )
+        for name, ok, allowed in _RL_CHECKS:  # in order: the first bad key is named
+            value = getattr(self, name)
+            _need(ok(value), s, name, value, allowed() if callable(allowed) else allowed)
 
         mode = shared_prompt_mode(self.shared_prompt_forward)
         _need(
