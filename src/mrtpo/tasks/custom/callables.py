@@ -86,6 +86,59 @@ def short_name(fn: Callable) -> str | None:
     return None if not name or name.startswith("<") else name
 
 
+def _candidates(text: str, key: str) -> list[tuple[str, list[str]]]:
+    """The (module, attribute path) readings of an import string, the likeliest first."""
+    if text.rpartition(":")[0].endswith(".py"):
+        module_name, attr_path = _module_from_file(text, key)
+        return [(module_name, attr_path.split("."))]
+    if ":" in text:
+        module_name, _, attr_path = text.partition(":")
+        return [(module_name, attr_path.split("."))]
+    parts = text.split(".")
+    if len(parts) < 2:
+        raise ValueError(
+            f"{key}={text!r} is not an import string: write 'module.function' or "
+            "'path/to/module.py:function'"
+        )
+    # The longest importable prefix is the module; the rest are attributes.
+    return [(".".join(parts[:i]), parts[i:]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _import(module_name: str, text: str, key: str) -> Any:
+    """The module; ModuleNotFoundError when that very module is absent (the caller tries a
+    shorter prefix); any other failure to import it is an ImportError naming the key."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # Only "this very module is absent" means "try a shorter prefix"; a missing
+        # dependency *inside* the user's module is the real error and is reported.
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise
+        raise ImportError(
+            f"{key}={text!r}: importing module {module_name!r} failed: {exc}"
+        ) from exc
+    except Exception as exc:
+        raise ImportError(
+            f"{key}={text!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _attribute(obj: Any, module_name: str, attrs: list[str], text: str, key: str) -> Callable:
+    """``obj.<attrs...>``, which must exist and be callable."""
+    for i, attr in enumerate(attrs):
+        if not hasattr(obj, attr):
+            where = ".".join([module_name, *attrs[:i]])
+            public = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
+            raise ImportError(
+                f"{key}={text!r}: {where!r} has no attribute {attr!r} (it has: "
+                f"{', '.join(public) or 'nothing public'})"
+            )
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise TypeError(f"{key}={text!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
 def resolve(spec: Any, key: str) -> Callable:
     """``spec`` as a callable: a callable as is, or an import string ``module.attr`` /
     ``module:attr.path``. ``key`` is the config key that gave it (``task.rewards[0]``)."""
@@ -94,51 +147,14 @@ def resolve(spec: Any, key: str) -> Callable:
     if not isinstance(spec, str) or not spec.strip():
         raise TypeError(f"{key} must be an import string like 'mymodule.my_reward', got {spec!r}")
     text = spec.strip()
-    if text.rpartition(":")[0].endswith(".py"):
-        module_name, attr_path = _module_from_file(text, key)
-        candidates = [(module_name, attr_path.split("."))]
-    elif ":" in text:
-        module_name, _, attr_path = text.partition(":")
-        candidates = [(module_name, attr_path.split("."))]
-    else:
-        parts = text.split(".")
-        if len(parts) < 2:
-            raise ValueError(
-                f"{key}={text!r} is not an import string: write 'module.function' or "
-                "'path/to/module.py:function'"
-            )
-        # The longest importable prefix is the module; the rest are attributes.
-        candidates = [(".".join(parts[:i]), parts[i:]) for i in range(len(parts) - 1, 0, -1)]
-    first_error: Exception | None = None
-    for module_name, attrs in candidates:
+    first_error: ModuleNotFoundError | None = None
+    for module_name, attrs in _candidates(text, key):
         try:
-            obj: Any = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            # Only "this very module is absent" means "try a shorter prefix"; a missing
-            # dependency *inside* the user's module is the real error and is reported.
-            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-                first_error = first_error or exc
-                continue
-            raise ImportError(
-                f"{key}={text!r}: importing module {module_name!r} failed: {exc}"
-            ) from exc
-        except Exception as exc:
-            raise ImportError(
-                f"{key}={text!r}: importing module {module_name!r} failed: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        for i, attr in enumerate(attrs):
-            if not hasattr(obj, attr):
-                where = ".".join([module_name, *attrs[:i]])
-                public = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
-                raise ImportError(
-                    f"{key}={text!r}: {where!r} has no attribute {attr!r} (it has: "
-                    f"{', '.join(public) or 'nothing public'})"
-                )
-            obj = getattr(obj, attr)
-        if not callable(obj):
-            raise TypeError(f"{key}={text!r} is a {type(obj).__name__}, not a callable")
-        return obj
+            module = _import(module_name, text, key)
+        except ModuleNotFoundError as exc:  # that module is absent: a shorter prefix next
+            first_error = first_error or exc
+            continue
+        return _attribute(module, module_name, attrs, text, key)
     missing = getattr(first_error, "name", None) or text.split(".")[0]
     raise ImportError(
         f"{key}={text!r}: no module {missing!r} in the folder the command was started in "
