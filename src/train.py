@@ -16,7 +16,7 @@ import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
 def main(cfg: DictConfig) -> float | None:
     from mrtpo.cli import in_sweep, run_job
     from mrtpo.pipeline import train
-    from mrtpo.run_folder import NothingToTrain, discard_refused_folder
+    from mrtpo.run_folder import NothingToTrain, discard_refused_folder, is_refusal
 
     if cfg.get("dry_run"):  # --check: every check, then what the run would do; no training
         from mrtpo.dryrun import dry_run
@@ -26,15 +26,25 @@ def main(cfg: DictConfig) -> float | None:
         finally:
             discard_refused_folder(cfg)
         return None
+    raised: list[BaseException] = []
+
+    def job(c: DictConfig):
+        try:
+            return train(c)
+        except BaseException as exc:  # (a refusal's new folder goes, below)
+            raised.append(exc)
+            raise
+
     try:  # a bad value, missing data or a model that cannot load: its message alone, exit 2
-        metrics = run_job(train, cfg)
+        metrics = run_job(job, cfg)
     except NothingToTrain as done:  # +resume of a finished run: said, nothing changed
         print(done, flush=True)
         if in_sweep():
             return None
         raise SystemExit(0) from None  # (a return would record the no-op in job.json)
     except BaseException:
-        discard_refused_folder(cfg)  # refused before it trained: its new folder goes
+        if raised and is_refusal(raised[0]):
+            discard_refused_folder(cfg)  # refused before it trained: its new folder goes
         raise
     # A value Hydra sweepers can optimize: the last mean total reward.
     return metrics.get("train/reward/total/mean")

@@ -732,6 +732,21 @@ def _only_hydra_start(folder: Path) -> bool:
     return True
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """A run refused before it started: a config value that cannot work (``ConfigError``:
+    a bad value, a key nothing reads, the paper's data missing, GPUs the machine lacks) or a
+    file that is not there, as such or wrapped by Hydra's ``instantiate``. Their one line
+    says it all (``mrtpo.cli.run_job`` points at no traceback); after any other error (a
+    model that cannot load) the run folder keeps the log holding its traceback."""
+    from hydra.errors import InstantiationException
+
+    from mrtpo.settings import ConfigError
+
+    if isinstance(exc, InstantiationException):
+        exc = exc.__cause__
+    return isinstance(exc, (ConfigError, FileNotFoundError))
+
+
 def discard_refused_folder(cfg: DictConfig) -> Path | None:
     """After a new run that stopped before it trained (refused, or ``dry_run=true``): remove
     the run folder this process created for it (``mrtpo.config.unique_dir``) and the empty

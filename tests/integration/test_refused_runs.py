@@ -80,3 +80,27 @@ def test_default_paths_are_the_projects_wherever_the_command_starts(tmp_path, mo
     assert paths.data_dir == f"{ROOT}/../shared/data"
     monkeypatch.setenv("MRTPO_ROOT", str(tmp_path))  # still movable
     assert compose_config("train.yaml", []).paths.log_dir == f"{tmp_path}/logs"
+
+
+def test_only_refusals_lose_their_folder(tmp_path):
+    """A refusal (a value that cannot work, a missing file) says everything in its one line;
+    after another error (a model that cannot load) the folder keeps the log holding the
+    traceback the error line points at (tests/integration/test_train_errors.py)."""
+    from hydra.errors import InstantiationException
+
+    from mrtpo.run_folder import is_refusal
+    from mrtpo.settings import ConfigError
+
+    assert is_refusal(ConfigError("trainer.max_steps=0 is not allowed"))
+    assert is_refusal(FileNotFoundError("no such file"))
+    wrapped = InstantiationException("Error in call to target")
+    wrapped.__cause__ = FileNotFoundError("task.data.path=x: no such file")
+    assert is_refusal(wrapped)
+    assert not is_refusal(ValueError("model.name_or_path=x: cannot load the model"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    logs = tmp_path / "logs"
+    res = _train([f"paths.log_dir={logs}", f"model.name_or_path={empty}"], tmp_path)
+    assert res.returncode == 2 and "cannot load the model" in res.stderr
+    (run,) = (logs / "train" / "runs").iterdir()
+    assert "Traceback" in (run / "train.log").read_text()
