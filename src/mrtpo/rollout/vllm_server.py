@@ -212,7 +212,10 @@ class VLLMServerEngine(RolloutEngine):
         self.stop_timeout_s = float(stop_timeout_s)
         self.log_file = log_file
         self._check_settings()
+        self._unbound()
 
+    def _unbound(self) -> None:
+        """The state ``bind`` and the server fill in, before they have."""
         self.eos_ids: list[int] = []
         self.weight_version = 0  # pushes so far; the server's version after the last one
         self.last_sync: SyncStats | None = None
