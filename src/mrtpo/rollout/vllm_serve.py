@@ -2,7 +2,7 @@
 what ``rollout=vllm_server`` needs added.
 
 * the ``mrtpo_file`` weight-transfer backend is registered (``mrtpo.rollout.vllm_file_transfer``;
-  at import, so that the engine-core process vLLM forks has it too);
+  before vLLM starts, so that the engine-core process it forks or spawns has it too);
 * ``MRTPO_SERVER_PARENT=<pid>``: the server gets SIGTERM when that process ends, however it
   ends (Linux ``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL leaves no server behind;
 * ``MRTPO_SERVER_CPUS=1,3``: the server and every process it starts run on those cores only,
@@ -81,7 +81,10 @@ def guard_every_route() -> None:
     auth.GUARDED_PREFIX = ("/",)
 
 
-register_backend()
+# In the server and, when vLLM spawns instead of forking, in its engine-core process (which
+# imports this module as __mp_main__); importing it elsewhere needs no vLLM.
+if __name__ in ("__main__", "__mp_main__"):
+    register_backend()
 
 if __name__ == "__main__":
     die_with_parent()
