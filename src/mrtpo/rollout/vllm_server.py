@@ -688,14 +688,14 @@ class VLLMServerEngine(RolloutEngine):
         def send(body: dict) -> Any:
             return client.post("/inference/v1/generate", body)
 
-        with ThreadPoolExecutor(min(len(bodies), self.max_concurrency)) as pool:
-            futures = [pool.submit(send, b) for b in bodies]
-            try:
-                answers = [f.result() for f in futures]
-            except RequestFailed as exc:
-                for f in futures:
-                    f.cancel()
-                raise self._failure("generation", exc) from None
+        # not a `with` block: a failure or an interrupt must not wait for the other requests
+        pool = ThreadPoolExecutor(min(len(bodies), self.max_concurrency))
+        try:
+            answers = [f.result() for f in [pool.submit(send, b) for b in bodies]]
+        except RequestFailed as exc:
+            raise self._failure("generation", exc) from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         return [g for a in answers for g in self._generations(a, n, want)]
 
     def _generations(self, answer: dict, n: int, logprobs: bool) -> list[Generation]:
