@@ -119,16 +119,17 @@ def test_check_of_a_preset_says_what_it_would_do(hir_data, qwen3_4b_folder, caps
         assert "no problem found" in capsys.readouterr().out
 
 
-def test_memory_arithmetic_matches_docs_scaling_without_the_model_files():
+def test_memory_arithmetic_matches_docs_scaling_without_the_model_files(tmp_path):
     """Without config.json here, a paper model's sizes come from its published config: the
     7B preset on its 4 GPUs keeps 122 GB / 4 of training state, as docs/scaling.md says; LoRA
-    r=16 keeps 15.2 GB + 40.4 M x 16 B."""
-    cfg = compose_config("train.yaml", ["experiment=text2sql_coder7b"])
+    r=16 keeps 15.2 GB + 40.4 M x 16 B. (No data given: the plan does not need it.)"""
+    nodata = f"paths.data_dir={tmp_path}"
+    cfg = compose_config("train.yaml", ["experiment=text2sql_coder7b", nodata])
     found = check_all(cfg)
     text = "\n".join(plan_lines(cfg, found))
     assert "training state 121.8 GB (16 B x 7.62B parameters" in text and "/ 4 ranks" in text
     lora = compose_config("train.yaml", ["experiment=text2sql_coder7b", "model.lora.r=16",
-                                         "trainer=gpu"])  # fmt: skip
+                                         "trainer=gpu", nodata])  # fmt: skip
     text = "\n".join(plan_lines(lora, check_all(lora)))
     assert "2 B x 7.62B frozen + 16 B x 40.4M adapters (LoRA r=16)" in text
 
