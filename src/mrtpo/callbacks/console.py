@@ -1,8 +1,9 @@
 """A console a person can read: one line per step while training, a summary table at the end.
 
-``StepLine`` prints plain lines (no carriage returns, no colours), so a log file or CI shows
-the same progress as a terminal. It prints every step, or at most one line each
-``min_interval_s`` seconds when steps are fast (SFT), and always the last step.
+``StepLine`` prints a line per step with the time left (every step, or at most one line each
+``min_interval_s`` seconds when steps are fast, as in SFT, and always the last step); on a
+terminal a live progress bar sits under the lines. Without a terminal the lines are plain
+(no carriage returns, no colours), so a log file or CI shows the same progress.
 ``RunSummary`` prints the means of the rewards and success over blocks of steps when training
 ends (the table ``make train`` shows), and saves a PNG of the curves in the run folder.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -91,37 +93,171 @@ def header(cfg) -> str:
     )
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as a person reads a wait: ``45s``, ``4m05s``, ``1h02m``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _sft_target(trainer):
+    """The SFT stage's target callback (held-out checks, early stop), if the run has one."""
+    return next((c for c in trainer.callbacks if type(c).__name__ == "SFTTarget"), None)
+
+
+def _sft_parts(target, step: int) -> list[str]:
+    """What the step line says of SFT's held-out checks: the last one, or when the first is."""
+    if target is None or not getattr(target, "examples", None):
+        return []
+    sign = "≤" if target.below else "≥"
+    goal = "" if target.target is None else f", stops at {sign} {target.target:g}"
+    if not target.history:
+        first = max(target.min_steps, target.every)
+        first = -(-first // target.every) * target.every  # the first multiple of eval_every
+        return [f"held-out {target.metric}: first check at step {first}{goal}"]
+    last = target.history[-1]
+    value = last[target.metric]
+    return [f"held-out {target.metric} {value:.3f} (step {int(last['step'])}{goal})"]
+
+
 class StepLine(L.Callback):
-    def __init__(self, min_interval_s: float = 0.0) -> None:
+    """The progress of a run: a line per step (at most one each ``min_interval_s`` seconds,
+    and always the last) with the step out of ``trainer.max_steps``, the rewards or loss,
+    seconds per step and the time left; under SFT also its last held-out check.
+
+    ``bar``: ``auto`` (a live bar under the lines when stdout is a terminal), ``true`` or
+    ``false``. Without a terminal (a log file, CI) the lines are plain text, no colours and no
+    carriage returns."""
+
+    def __init__(self, min_interval_s: float = 0.0, bar: bool | str = "auto") -> None:
+        if bar not in (True, False, "auto"):
+            raise ValueError(f"callbacks.progress.bar={bar!r} is not allowed: auto, true or false")
         self.min_interval_s = float(min_interval_s)
+        self.bar = bar
         self._t_start = 0.0
         self._t_last = -math.inf
         self._step0 = 0
+        self._live: _LiveBar | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t_start = time.perf_counter()
         self._step0 = int(trainer.global_step)
+        terminal = sys.stdout.isatty() if self.bar == "auto" else bool(self.bar)
+        if terminal and trainer.is_global_zero and trainer.max_steps > 0:
+            stage = "sft" if _sft_target(trainer) is not None else "rl"
+            self._live = _LiveBar(stage, self._step0, int(trainer.max_steps))
+
+    def line(self, trainer, step: int, now: float) -> dict[str, str]:
+        """The step's line in parts: ``head`` (step N/M), ``info`` (rewards or loss, SFT's
+        checks), ``rate`` (s/step) and ``eta`` (the time left; ``≤`` when SFT may stop at
+        its target sooner)."""
+        m = trainer.callback_metrics
+        parts, shown = [], set()
+        for key, label in _LINE_KEYS:
+            v = _value(m, key)
+            if v is not None and label not in shown:
+                parts.append(f"{label} {v:.3f}")
+                shown.add(label)
+        target = _sft_target(trainer)
+        parts += _sft_parts(target, step)
+        per_step = (now - self._t_start) / max(1, step - self._step0)
+        total = int(trainer.max_steps)
+        eta = ""
+        if total > 0:
+            early = target is not None and target.target is not None
+            eta = f"eta {'≤' if early else ''}{duration(max(0, total - step) * per_step)}"
+        return {
+            "head": f"step {step}/{total}" if total > 0 else f"step {step}",
+            "info": "  ".join(parts),
+            "rate": f"{per_step:.2f} s/step",
+            "eta": eta,
+        }
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.is_global_zero:
             return
         now = time.perf_counter()
         step = int(trainer.global_step)
+        parts = self.line(trainer, step, now)
+        if self._live is not None:
+            self._live.update(step, parts["rate"], parts["eta"], parts["info"])
         last = trainer.max_steps > 0 and step >= trainer.max_steps
         if now - self._t_last < self.min_interval_s and not last:
             return
         self._t_last = now
-        m = trainer.callback_metrics
-        parts = [f"step {step}/{trainer.max_steps}" if trainer.max_steps > 0 else f"step {step}"]
-        shown = set()
-        for key, label in _LINE_KEYS:
-            v = _value(m, key)
-            if v is not None and label not in shown:
-                parts.append(f"{label} {v:.3f}")
-                shown.add(label)
-        done = max(1, step - self._step0)
-        parts.append(f"{(now - self._t_start) / done:.2f} s/step")
-        print("  ".join(parts), flush=True)
+        text = "  ".join(
+            p for p in (parts["head"], parts["info"], parts["rate"], parts["eta"]) if p
+        )
+        if self._live is not None:
+            self._live.print(text)
+        else:
+            print(text, flush=True)
+
+    def _stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._stop()  # before the summary table prints
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._stop()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self._stop()
+
+
+class _LiveBar:
+    """rich's live progress bar at the bottom of a terminal; lines printed while it runs go
+    above it, those of the console's log handlers too."""
+
+    def __init__(self, stage: str, start: int, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("{task.fields[eta]}"),
+            TextColumn("{task.fields[info]}"),
+            console=Console(file=sys.stdout),
+            redirect_stdout=True,
+            redirect_stderr=True,
+            refresh_per_second=4,
+        )
+        self.task = self.progress.add_task(
+            stage, total=total, completed=start, rate="", eta="", info=""
+        )
+        self.progress.start()
+        self.handlers = _through(sys.stdout, sys.stderr)
+
+    def update(self, step: int, rate: str, eta: str, info: str) -> None:
+        self.progress.update(self.task, completed=step, rate=rate, eta=eta, info=info)
+
+    def print(self, text: str) -> None:
+        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        self.progress.stop()
+        for handler, stream in self.handlers:
+            handler.setStream(stream)
+
+
+def _through(out, err) -> list[tuple[logging.StreamHandler, object]]:
+    """Point the root logger's console handlers at ``out`` / ``err`` (the live display's
+    stand-ins for stdout and stderr); return each handler with the stream it had."""
+    changed = []
+    for h in logging.getLogger().handlers:
+        if type(h) is logging.StreamHandler and h.stream in (sys.__stdout__, sys.__stderr__):
+            changed.append((h, h.stream))
+            h.setStream(out if h.stream is sys.__stdout__ else err)
+    return changed
 
 
 TOTAL = "reward/total"
