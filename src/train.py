@@ -53,8 +53,8 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
-    from mrtpo.signals import run_and_exit
     from mrtpo.settings import ConfigError, check_overrides
+    from mrtpo.signals import run_and_exit
 
     # --check is dry_run=true (configs/train.yaml), for Hydra
     sys.argv = ["dry_run=true" if a == "--check" else a for a in sys.argv]

@@ -118,12 +118,17 @@ def eval_hydra_subdir(output) -> str:
     return _EVAL_SUBDIRS[key]
 
 
+def run_config_path(ckpt_path: str | Path) -> Path:
+    """``<run>/.hydra/config.yaml`` for ``<run>/checkpoints/<name>.ckpt``."""
+    ckpt = Path(ckpt_path)
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run / ".hydra" / "config.yaml"
+
+
 def eval_task_name(choice: str, ckpt_path, overrides) -> str:
     """The task an evaluation scores, for its folder name (eval.yaml's ``run_name``): the
     training run's (its ``.hydra/hydra.yaml`` or ``job.json``) when ``ckpt_path`` is given
     without ``task=``."""
-    from mrtpo.trained_run import run_config_path
-
     given = any(str(o).lstrip("+").startswith("task=") for o in (overrides or []))
     if not ckpt_path or given:
         return choice

@@ -256,12 +256,13 @@ def engine_problem(cfg: DictConfig) -> str | None:
 
 def check_all(cfg: DictConfig) -> Findings:
     """Every check, each whatever the others found."""
+    from mrtpo.config_keys import check_keys
     from mrtpo.loggers import check_loggers
     from mrtpo.paper_data import problems as paper_problems
     from mrtpo.settings import validate
 
     found = Findings()
-    _attempt(found, "settings", lambda: validate(cfg))
+    _attempt(found, "settings", lambda: (check_keys(cfg), validate(cfg)))
     _attempt(found, "settings", lambda: _mandatory(cfg))
     check_placement_and_batch(cfg, found)
     found.problems += [f"paper data: {p}" for p in paper_problems(cfg)]

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.cli import load_model
 from mrtpo.config import compose
+from mrtpo.config_keys import check_keys
 from mrtpo.run_folder import (
     NothingToTrain,
     RunFolderLock,
@@ -57,6 +58,7 @@ def prepare(cfg: DictConfig, validated: bool = False):
     from mrtpo.paper_data import check_paper_data
 
     if not validated:
+        check_keys(cfg)
         validate(cfg)
     check_paper_data(cfg)
     # the trainer this machine can start, and the global batch divided over its ranks
@@ -181,6 +183,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from mrtpo.callbacks.console import quiet_libraries
 
     quiet_libraries()
+    check_keys(cfg)  # every key is read by something
     validate(cfg)  # typed settings and their ranges, before anything loads or runs
     check_placement(cfg)  # and a trainer this machine can start, before any warm start runs
     preflight.check(cfg)  # values left open, logger packages, vLLM's CPU build: one line each

@@ -24,17 +24,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mrtpo.config import run_config_path
+
 log = logging.getLogger(__name__)
 
 #: Config groups taken from the training run of ``ckpt_path`` unless given on the command line.
 RUN_GROUPS = ("model", "task")
-
-
-def run_config_path(ckpt_path: str | Path) -> Path:
-    """``<run>/.hydra/config.yaml`` for ``<run>/checkpoints/<name>.ckpt``."""
-    ckpt = Path(ckpt_path)
-    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-    return run / ".hydra" / "config.yaml"
 
 
 def _command_line() -> list[str]:
