@@ -406,11 +406,77 @@ def _token_cost(model) -> float:
     return (4 * h + 3 * i) / 2
 
 
+def _common_prefix(seqs: list[list[int]]) -> int:
+    first = seqs[0]
+    n = min(len(x) for x in seqs)
+    for i in range(n):
+        if any(x[i] != first[i] for x in seqs[1:]):
+            return i
+    return n
+
+
+def prefix_layout(
+    contexts: list[list[int]],
+    groups: list,
+    t: int,
+    layouts: tuple[str, ...] = ("common",),
+    bases: dict | None = None,
+    is_base: list[bool] | None = None,
+):
+    """The one layout of token-list contexts that share prefixes (replay's contexts, the
+    teacher's), for ``response_hidden_shared_prefix``: the cheapest of ``layouts``, or None
+    when no row would share anything. Returns (prefixes, each row's prefix index, how much
+    of it each row sees, suffixes, padded token cost).
+
+    Rows of one group (same value in ``groups``) share one prefix:
+
+    * common: what all the group's contexts share (identical contexts: all but the last
+      token); every row sees all of it;
+    * branch: the group's base context (``bases[group]``) but its last token; each row sees
+      it up to where its own context departs from the base (removing a late block leaves
+      most of it usable), the base's own row (``is_base``) all of it.
+
+    Every row keeps at least one context token of its own: it predicts the first response
+    token."""
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    index = {g: n for n, g in enumerate(members)}
+    row_prefix = torch.tensor([index[g] for g in groups])
+    best = None
+    for layout in layouts:
+        prefixes: list[list[int]] = []
+        keep = [0] * len(contexts)
+        for g, rows in members.items():
+            if layout == "common":
+                seqs = [contexts[i] for i in rows]
+                cut = max(min(_common_prefix(seqs), min(len(x) for x in seqs) - 1), 0)
+                prefixes.append(seqs[0][:cut])
+                for i in rows:
+                    keep[i] = cut
+            else:
+                b = bases[g]
+                prefixes.append(b[:-1])
+                for i in rows:
+                    ids = contexts[i]
+                    k = len(b) - 1 if is_base[i] else _common_prefix([b, ids])
+                    keep[i] = max(min(k, len(ids) - 1, len(b) - 1), 0)
+        if max(keep, default=0) <= 0:
+            continue
+        suffixes = [c[keep[i] :] for i, c in enumerate(contexts)]
+        cost = len(prefixes) * max(len(p) for p in prefixes) + len(contexts) * (
+            max(len(x) for x in suffixes) + t
+        )
+        if best is None or cost < best[-1]:
+            best = (prefixes, row_prefix, torch.tensor(keep), suffixes, cost)
+    return best
+
+
 def shared_context_layout(model, contexts: list[list[int]], t: int, pad_id: int, mode="auto"):
     """``response_hidden_shared_prefix``'s context arguments for token-list contexts (rows
-    with identical contexts share all but the context's last token), or None where the plain
-    ``response_hidden`` is to run (same rules as ``prompt_groups``). No-grad callers only
-    need this (the teacher); the log-probs are the plain forward's."""
+    with identical contexts share all but the context's last token: ``prefix_layout``), or
+    None where the plain ``response_hidden`` is to run (same rules as ``prompt_groups``).
+    No-grad callers only need this (the teacher); the log-probs are the plain forward's."""
     if mode not in SHARED_PROMPT_MODES:
         raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
     n = len(contexts)
@@ -420,19 +486,16 @@ def shared_context_layout(model, contexts: list[list[int]], t: int, pad_id: int,
     if blocker is not None:
         _say_once(blocker)
         return None
-    index: dict[tuple[int, ...], int] = {}
-    row_prefix = [index.setdefault(tuple(c), len(index)) for c in contexts]
-    if len(index) == n:
+    keys = [tuple(c) for c in contexts]
+    if len(set(keys)) == n:
         return None
-    prefixes = [list(c[:-1]) for c in index]
+    prefixes, row_prefix, keep, suffixes, cost = prefix_layout(contexts, keys, t)
     plain = n * (max(len(c) for c in contexts) + t)
-    saved = plain - len(prefixes) * max(len(c) for c in prefixes) - n * (1 + t)
-    if mode == "auto" and not worth_sharing(saved, plain):
+    if mode == "auto" and not worth_sharing(plain - cost, plain):
         return None
     p_ids, p_mask = pad_left(prefixes, pad_id)
-    s_ids, s_mask = pad_left([[c[-1]] for c in contexts], pad_id)
-    keep = torch.tensor([len(c) - 1 for c in contexts], dtype=torch.long)
-    return p_ids, p_mask, torch.tensor(row_prefix, dtype=torch.long), keep, s_ids, s_mask
+    s_ids, s_mask = pad_left(suffixes, pad_id)
+    return p_ids, p_mask, row_prefix, keep.to(torch.long), s_ids, s_mask
 
 
 def worth_sharing(saved: int, plain: int) -> bool:

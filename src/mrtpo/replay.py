@@ -44,6 +44,7 @@ from mrtpo.credit.methods import RelevanceRequest
 from mrtpo.distributed import Ranks, dummy_batch, is_sharded
 from mrtpo.forward import (
     pad_left,
+    prefix_layout,
     response_hidden,
     response_hidden_shared_prefix,
     response_logits,
@@ -91,16 +92,6 @@ def _low_precision(model, device: torch.device) -> bool:
     if param.dtype in (torch.bfloat16, torch.float16):
         return True
     return torch.is_autocast_enabled(device.type)
-
-
-def _common_prefix(seqs: list[list[int]]) -> int:
-    first = seqs[0]
-    n = min(len(x) for x in seqs)
-    for i in range(n):
-        tok = first[i]
-        if any(x[i] != tok for x in seqs[1:]):
-            return i
-    return n
 
 
 class Replayer:
@@ -322,51 +313,14 @@ class Replayer:
         return self.shared_prompt == "always" or worth_sharing(plain_cost - shared_cost, plain_cost)
 
     def _shared_layout(self, chunk: list[_Job], t: int):
-        """The cheaper of two shared-prefix layouts of a micro-batch (None if nothing is
-        shared): (prefixes, each row's prefix index, how much of it each row sees, suffixes,
-        padded token cost).
-
-        * common: a response's prefix is what all its contexts share; every row sees all of
-          it. Best when a response has one or two contexts to replay.
-        * branch: a response's prefix is its P_all context but the last token; each P_\\k row
-          sees it up to where its own context departs from P_all (removing a late block
-          leaves most of it usable). Best with several P_\\k per response, though P_all's
-          one-token continuation is padded to the longest suffix.
-        """
-        groups: dict[int, list[int]] = {}
-        for i, job in enumerate(chunk):
-            groups.setdefault(job.response, []).append(i)
+        """The micro-batch's shared-prefix layout (``forward.prefix_layout``): a response's
+        contexts share a prefix, and its P_all context is the ``branch`` layout's base."""
         base = {job.response: job.ids for job in chunk if job.key == ALL}
-        index = {j: n for n, j in enumerate(groups)}
-        row_prefix = torch.tensor([index[job.response] for job in chunk])
-        best = None
-        for layout in self.layouts:
-            prefixes: list[list[int]] = []
-            keep = [0] * len(chunk)
-            for j, members in groups.items():
-                seqs = [chunk[i].ids for i in members]
-                if layout == "common":
-                    # >= 1 own context token per row: it predicts the first response token
-                    cut = min(_common_prefix(seqs), min(len(x) for x in seqs) - 1)
-                    prefixes.append(seqs[0][: max(cut, 0)])
-                    for i in members:
-                        keep[i] = max(cut, 0)
-                else:
-                    b = base[j]
-                    prefixes.append(b[:-1])
-                    for i in members:
-                        ids = chunk[i].ids
-                        k = len(b) - 1 if chunk[i].key == ALL else _common_prefix([b, ids])
-                        keep[i] = max(min(k, len(ids) - 1, len(b) - 1), 0)
-            if max(keep, default=0) <= 0:
-                continue
-            suffixes = [job.ids[keep[i] :] for i, job in enumerate(chunk)]
-            cost = len(prefixes) * max(len(p) for p in prefixes) + len(chunk) * (
-                max(len(x) for x in suffixes) + t
-            )
-            if best is None or cost < best[-1]:
-                best = (prefixes, row_prefix, torch.tensor(keep), suffixes, cost)
-        return best
+        is_base = [job.key == ALL for job in chunk]
+        return prefix_layout(
+            [job.ids for job in chunk], [job.response for job in chunk], t, self.layouts,
+            base, is_base,
+        )  # fmt: skip
 
     # -- scoring ------------------------------------------------------------------------
     def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0) -> None:
