@@ -15,13 +15,15 @@ command line would print it as one line)::
     out = api.export([f"ckpt_path={run.checkpoint}", "out=exported/my-policy"])
 
 A sweep is a loop over calls. While a job runs it logs as the command does (to the console
-and the run's ``train.log``); the logging set up before the call is put back afterwards.
+and the run's ``train.log``) and uses the CPU threads the command would (``threads``); the
+caller's logging and torch's thread count are put back afterwards.
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -127,7 +129,13 @@ def _run(
     if isinstance(overrides, str):
         raise TypeError("overrides is a list of strings: ['method=gdpo', 'seed=1']")
     overrides = [str(o) for o in overrides]
-    argv, handlers = sys.argv, _logging_state()
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        raise ValueError(
+            f"{flags}: mrtpo.api runs one job from overrides (key=value); for a sweep, call it "
+            "once per setting"
+        )
+    argv, handlers, threads = sys.argv, _logging_state(), _threads_state()
     sys.argv = [f"src/{job_name}.py", *overrides]  # what the run's records call its command
     GlobalHydra.instance().clear()
     try:
@@ -137,6 +145,7 @@ def _run(
     finally:
         sys.argv = argv
         _restore_logging(handlers)
+        _restore_threads(threads)
     run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir)
     metrics = ret.return_value if isinstance(ret.return_value, dict) else {}
     return RunResult(run_dir, {k: _number(v) for k, v in metrics.items()}, tuple(overrides))
@@ -148,6 +157,24 @@ def _number(value: Any) -> Any:
         return float(value)
     except (TypeError, ValueError):
         return value
+
+
+def _threads_state() -> tuple[int, str | None]:
+    import torch
+
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def _restore_threads(state: tuple[int, str | None]) -> None:
+    """Give the caller back torch's thread count (a job sets its own: ``mrtpo.threads``)."""
+    import torch
+
+    threads, env = state
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 def _logging_state() -> tuple[list[logging.Handler], int]:

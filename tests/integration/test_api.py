@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+import torch
 from tests.conftest import SHARED_DATA
 
 from mrtpo import api
@@ -29,8 +30,10 @@ SMALL = ["trainer.max_steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
 
 def test_train_evaluate_export_from_python(paths, tmp_path):
     handlers = list(logging.getLogger().handlers)
-    run = api.train([*paths, *SMALL, "method=gdpo"])
+    threads = torch.get_num_threads()
+    run = api.train([*paths, *SMALL, "method=gdpo", "threads=2"])
     assert logging.getLogger().handlers == handlers  # the job's log file is not left attached
+    assert torch.get_num_threads() == threads  # nor its CPU threads
 
     assert run.run_dir.parent == tmp_path / "logs" / "train" / "runs"
     assert run.run_dir.name.endswith("_synthetic-gdpo")
@@ -64,3 +67,5 @@ def test_errors_are_raised_as_themselves(paths):
         api.train([*paths, "rl.group_size=0"])
     with pytest.raises(TypeError, match="a list of strings"):
         api.train("method=gdpo")
+    with pytest.raises(ValueError, match="for a sweep, call it once per setting"):
+        api.train(["-m", "seed=1,2"])
