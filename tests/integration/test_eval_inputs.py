@@ -165,6 +165,12 @@ def test_bad_eval_numbers_are_named(tmp_path, cache_dir, key, value):
 # ---- the training run behind a checkpoint ---------------------------------------------------
 
 
+def _rooted(home: Path) -> dict[str, str]:
+    """The environment of a command whose project folders (logs/, .cache/) are ``home``'s:
+    paths.root_dir is the project's root wherever a command starts (MRTPO_ROOT moves it)."""
+    return {**os.environ, "MRTPO_ROOT": str(home)}
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, cache_dir) -> tuple[Path, Path]:
     """A real 2-step `src/train.py` run of a tiny model that is *not* eval's default (hidden
@@ -184,7 +190,9 @@ def trained_run(tmp_path_factory, cache_dir) -> tuple[Path, Path]:
         "task.num_constraints=3",
         f"paths.cache_dir={cache_dir}",
     ]
-    res = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        cmd, cwd=home, env=_rooted(home), capture_output=True, text=True, timeout=900
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = (home / "logs" / "train" / "runs").iterdir()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
@@ -206,7 +214,9 @@ def test_eval_takes_model_and_task_from_the_checkpoints_run(trained_run, tmp_pat
         f"paths.log_dir={logs}",
         "rollout.sampling.max_new_tokens=4",
     ]
-    res = subprocess.run(cmd, cwd=home, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        cmd, cwd=home, env=_rooted(home), capture_output=True, text=True, timeout=900
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     saved = json.loads((out / "metrics.json").read_text())
     scored = saved["scored"]
