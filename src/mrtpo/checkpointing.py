@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from mrtpo.safe_files import pid_alive as _alive
+
 log = logging.getLogger(__name__)
 
 CHECKSUM_SUFFIX = ".sha256"
@@ -217,16 +219,6 @@ def _write_temp(folder: Path, name: str, fill) -> tuple[Path, Any]:
 
 #: ``.<name>.ckpt[.sha256].[<pid>.]<random>.tmp``: a temporary file of ``_write_temp``.
 _TEMP = re.compile(r"^\.(?P<name>.+\.ckpt(?:\.sha256)?)\.(?:(?P<pid>\d+)\.)?[A-Za-z0-9_]+\.tmp$")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> list[Path]:

@@ -147,3 +147,15 @@ class NoFollowFileHandler(logging.FileHandler):
             errors=self.errors,
             opener=no_follow,
         )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine lives (a folder's or file's owner: a stale
+    temporary file or lock is one whose process died)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

@@ -278,38 +278,3 @@ def load_checkpoint_weights(
         )
     policy.load_state_dict(weights, strict=False)
     return ckpt.get("global_step")
-
-
-def _positive_int(ev, key: str, allow_null: bool = False) -> int | None:
-    value = ev.get(key)
-    if value is None and allow_null:
-        return None
-    try:
-        n = int(value)
-        ok = n >= 1 and float(value) == n
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        allowed = "an integer >= 1" + (" or null" if allow_null else "")
-        raise ValueError(f"eval.{key}={value!r} is not allowed: use {allowed}")
-    return n
-
-
-def eval_sampling(cfg: DictConfig, n: int):
-    """The complete sampling description of an evaluation: greedy (``eval.greedy`` with one
-    sample), or ``n`` samples at ``eval.temperature`` (null: ``rollout.sampling``'s), with
-    ``rollout.sampling``'s top-p / top-k / min-p. The engine samples with this alone, none of
-    the checkpoint's generation defaults (mrtpo.rollout.hf)."""
-    from mrtpo.rollout.base import SamplingConfig
-
-    ev = cfg.eval
-    base = dict(OmegaConf.to_container(cfg.rollout.sampling, resolve=True))
-    if ev.get("max_new_tokens"):
-        base["max_new_tokens"] = int(ev.max_new_tokens)
-    temperature = ev.get("temperature")
-    if temperature is not None:
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"eval.temperature={temperature!r} is not allowed: >= 0 or null")
-        base["temperature"] = float(temperature)
-    greedy = (bool(ev.get("greedy", True)) and n == 1) or float(base.get("temperature", 1)) == 0
-    return SamplingConfig(**base, greedy=greedy)

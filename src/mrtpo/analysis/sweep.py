@@ -54,6 +54,7 @@ from mrtpo.analysis.stats import (
     paired_interval,
     smooth,
 )
+from mrtpo.safe_files import pid_alive as _alive
 
 log = logging.getLogger(__name__)
 
@@ -168,16 +169,6 @@ def _lock_holder(folder: Path) -> tuple[int, str] | None:
         return int(info["pid"]), str(info["host"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def final_best(curve: Sequence[float]) -> tuple[float, float]:

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from mrtpo.export import MARKER, hf_model, save_policy
 from mrtpo.module import PolicyModule
+from mrtpo.safe_files import pid_alive as _alive
 from mrtpo.sharding import full_state_dict, is_sharded
 
 log = logging.getLogger(__name__)
@@ -122,16 +123,6 @@ def run_eval_command(policy: str | Path) -> str:
 #: The folders ``save_policy`` writes beside its target before renaming (``.policy.tmp<pid>``)
 #: and moves the previous export to while it does (``.policy.old<pid>``).
 _STAGING = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)(?P<pid>\d+)")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def remove_stale_exports(out: str | Path) -> list[Path]:
