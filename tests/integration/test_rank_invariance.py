@@ -109,7 +109,7 @@ def _update(model, tok, scored, adv, old, engine_logp, ranks: Ranks, mini: int) 
     record = StepRecord(scored.rollout, scored.scores, scored.reward_names, scored.rewards,
                         advantages=adv, stats={})  # fmt: skip
     m, weights = step_metrics.assemble(
-        record, {**upd.metrics, **gap}, {}, {}, {}, success_check=None, beta=0.0,
+        record, {**upd.metrics, **gap}, {}, {}, {}, success_check=None, schedule={},
         iteration=1, nonfinite_skips=0, scoring_errors=0.0,
     )  # fmt: skip
     m = step_metrics.combine(m, weights, ranks)
