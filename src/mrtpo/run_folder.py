@@ -414,9 +414,19 @@ def check_steps_left(cfg: DictConfig, ckpt_path: str | Path) -> None:
     )
 
 
+def _only_info(log_file: Path) -> bool:
+    """Whether every line of a log written with the project's format is an INFO line."""
+    try:
+        lines = log_file.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return False
+    return all("][INFO] - " in line for line in lines if line.strip())
+
+
 def drop_pending_log() -> None:
     """After a resume that did nothing: close its pending log (``mrtpo.config.job_log``) and
-    remove it if nothing was logged, with its folder if that is then empty."""
+    remove it if it holds no warning or error (a start-up note such as the thread count is
+    not worth a file), with its folder if that is then empty."""
     root = logging.getLogger()
     for h in list(root.handlers):
         name = Path(getattr(h, "baseFilename", "") or ".")
@@ -424,7 +434,7 @@ def drop_pending_log() -> None:
             continue
         h.close()
         root.removeHandler(h)
-        if name.is_file() and name.stat().st_size == 0:
+        if name.is_file() and _only_info(name):
             name.unlink()
             with contextlib.suppress(OSError):  # kept while another resume is pending
                 name.parent.rmdir()

@@ -68,7 +68,8 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(finished, cache_dir
     before = tree_hash(run)
     res = _train_cli(logs, cache_dir, f"+resume={run}", "trainer.max_steps=2")
     assert res.returncode == 0, res.stderr[-3000:]
-    said = res.stdout.strip().splitlines()
+    # (log lines, such as the thread count's, come first: "[time][logger][level] - ...")
+    said = [x for x in res.stdout.strip().splitlines() if not x.startswith("[")]
     assert said[0] == (
         f"run {run} already finished: last.ckpt is at step 2 of trainer.max_steps=2, so there "
         "is nothing to train."
