@@ -114,9 +114,12 @@ def test_a_huge_file_at_one_step_is_streamed_and_capped(tmp_path):
     with open(run / "relevance.jsonl", "w", encoding="utf-8") as f:
         for i in range(n):
             f.write(one.replace('"id": "p0"', f'"id": "p{i}"', 1))
+    # the child's own high-water mark (VmHWM belongs to its address space: ru_maxrss would
+    # carry the forking test process's, hundreds of MB inside a full test run)
     code = (
-        "import resource, sys; from mrtpo.viewer import main; rc = main(sys.argv[1:]); "
-        "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
+        "import re, sys; from mrtpo.viewer import main; rc = main(sys.argv[1:]); "
+        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1); "
+        "print('peak', hwm); sys.exit(rc)"
     )
     res = subprocess.run([sys.executable, "-c", code, str(run)], cwd=ROOT, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
