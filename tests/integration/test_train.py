@@ -37,6 +37,8 @@ def _has_references(task) -> bool:
         return any(task.teacher_messages(e) for e in task.examples("train"))
     except ValueError:
         return False
+    except FileNotFoundError as exc:  # OPSD reads the training examples: the public data
+        pytest.skip(f"the task's training data is absent ({exc})")
 
 
 @pytest.mark.parametrize("method", METHODS)
