@@ -80,11 +80,6 @@ class RolloutCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.source.push_weights(pl_module.policy)
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        # an engine that holds something outside the process (a vLLM server the run
-        # started) lets it go when the fit ends, not only when the process exits
-        self.source.engine.close()
-
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         seed = self._seed(trainer, pl_module, 1 + batch_idx)
         batch.rollout = self.source.sample_validation(batch.examples, seed)
