@@ -6,6 +6,7 @@ distribution, shared by the rollout engines (``mrtpo.rollout``) and the batches 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -92,3 +93,35 @@ class SamplingConfig:
                 "training: use a temperature > 0 (greedy decoding gives G identical samples "
                 "and has no log-probabilities to optimize)"
             )
+
+
+def vllm_sampling_fields(
+    sampling: SamplingConfig, n: int, stop_ids, seed: int | None, logprobs: bool
+) -> dict[str, Any]:
+    """vLLM's ``SamplingParams`` fields for one request (greedy means temperature 0), for the
+    in-process engine and the server alike. Every field that changes the distribution is set,
+    so nothing else applies: no penalties, no minimum length, and top-k / min-p off unless
+    ``sampling`` asks (as the HF engine does; RL training refuses truncation)."""
+    greedy = sampling.greedy or sampling.temperature <= 0
+    fields: dict[str, Any] = {
+        "n": int(n),
+        "temperature": 0.0 if greedy else float(sampling.temperature),
+        "top_p": 1.0 if greedy else float(sampling.top_p),
+        # -1 disables top-k in every vLLM release (recent ones also accept 0)
+        "top_k": -1 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
+        "min_p": 0.0 if greedy else float(sampling.min_p),
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "max_tokens": int(sampling.max_new_tokens),
+        "detokenize": False,  # the protocol returns token ids only
+    }
+    stops = sorted(set(stop_ids))
+    if stops:
+        fields["stop_token_ids"] = stops
+    if seed is not None:
+        fields["seed"] = int(seed)
+    if logprobs:
+        fields["logprobs"] = 0  # the sampled token's own log-prob only
+    return fields

@@ -36,6 +36,7 @@ from mrtpo.rollout.weight_sync import (
     has_weight_transfer_api,
     reload_weights_params,
 )
+from mrtpo.sampling import vllm_sampling_fields
 
 log = logging.getLogger(__name__)
 
@@ -507,28 +508,9 @@ class VLLMEngine(RolloutEngine):
         Every field that changes the distribution is set, so nothing else applies: no
         penalties, no minimum length, and top-k / min-p off unless ``sampling`` asks (as the
         HF engine does; RL training refuses truncation)."""
-        greedy = sampling.greedy or sampling.temperature <= 0
-        kwargs: dict[str, Any] = {
-            "n": int(n),
-            "temperature": 0.0 if greedy else float(sampling.temperature),
-            "top_p": 1.0 if greedy else float(sampling.top_p),
-            # -1 disables top-k in every vLLM release (recent ones also accept 0)
-            "top_k": -1 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
-            "min_p": 0.0 if greedy else float(sampling.min_p),
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "min_tokens": 0,
-            "max_tokens": int(sampling.max_new_tokens),
-            "detokenize": False,  # the protocol returns token ids only
-        }
-        stops = sorted(set(self.eos_ids) | set(self.stop_token_ids))
-        if stops:
-            kwargs["stop_token_ids"] = stops
-        if seed is not None:
-            kwargs["seed"] = int(seed)
-        if logprobs:
-            kwargs["logprobs"] = 0  # the sampled token's own log-prob only
+        kwargs = vllm_sampling_fields(
+            sampling, n, [*self.eos_ids, *self.stop_token_ids], seed, logprobs
+        )
         if not self._detokenize_kwarg:
             kwargs.pop("detokenize")
         try:

@@ -45,6 +45,7 @@ from mrtpo.rollout.server_process import ServerProcess, free_port, is_loopback
 from mrtpo.rollout.vllm import _model_config, prompt_seed
 from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
 from mrtpo.safe_files import make_dirs
+from mrtpo.sampling import vllm_sampling_fields
 from mrtpo.settings import CompactHydraException
 
 log = logging.getLogger(__name__)
@@ -642,30 +643,11 @@ class VLLMServerEngine(RolloutEngine):
     def sampling_params(
         self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
     ) -> dict[str, Any]:
-        """vLLM ``SamplingParams`` as JSON, every field that changes the distribution set
-        (as ``mrtpo.rollout.vllm.VLLMEngine.sampling_params``)."""
-        greedy = sampling.greedy or sampling.temperature <= 0
-        params: dict[str, Any] = {
-            "n": int(n),
-            "temperature": 0.0 if greedy else float(sampling.temperature),
-            "top_p": 1.0 if greedy else float(sampling.top_p),
-            "top_k": -1 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
-            "min_p": 0.0 if greedy else float(sampling.min_p),
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "min_tokens": 0,
-            "max_tokens": int(sampling.max_new_tokens),
-            "detokenize": False,
-        }
-        stops = sorted(set(self.eos_ids) | set(self.stop_token_ids))
-        if stops:
-            params["stop_token_ids"] = stops
-        if seed is not None:
-            params["seed"] = int(seed)
-        if logprobs:
-            params["logprobs"] = 0  # the sampled token's own log-prob only
-        return params
+        """vLLM ``SamplingParams`` as JSON (``mrtpo.sampling.vllm_sampling_fields``, as the
+        in-process engine's)."""
+        return vllm_sampling_fields(
+            sampling, n, [*self.eos_ids, *self.stop_token_ids], seed, logprobs
+        )
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
