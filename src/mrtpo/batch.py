@@ -22,6 +22,7 @@ class PromptBatch:
     examples: list[Example]  # B examples
     index: int = 0  # position of this batch in the data stream (for resume checks)
     rollout: RolloutBatch | None = None
+    rollout_info: dict[str, float] | None = None  # the rollout schedule's metrics, idem
 
 
 @dataclass
@@ -37,6 +38,9 @@ class RolloutBatch:
     # how the responses were sampled; every log-prob of them is taken under this distribution
     sampling: SamplingConfig | None = None
     engine_logp: Tensor | None = None  # [N, T] float32, the engine's log-probs (0 on pads)
+    # [N] long: the trainer step whose weights sampled each response (the version the engine
+    # held); None: sampled by the trainer's current weights (the sync schedule)
+    versions: Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -61,6 +65,7 @@ class RolloutBatch:
             finished=self.finished[idx],
             sampling=self.sampling,
             engine_logp=None if self.engine_logp is None else self.engine_logp[idx],
+            versions=None if self.versions is None else self.versions[idx],
         )
 
 

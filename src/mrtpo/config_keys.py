@@ -111,7 +111,7 @@ def _fields(cls_path: str, name: str) -> Callable[[], tuple[str, ...] | None]:
 #: Nodes without a ``_target_`` whose keys the code reads by name.
 FIXED: dict[str, Callable[[], tuple[str, ...] | None]] = {
     "model": _fields("mrtpo.models", "load_policy"),
-    "rollout": lambda: ("engine", "sampling", "val_max_new_tokens"),
+    "rollout": lambda: ("engine", "sampling", "val_max_new_tokens", "schedule", "max_staleness"),
     "rollout.sampling": _fields("mrtpo.rollout.base", "SamplingConfig"),
 }
 

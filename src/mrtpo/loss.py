@@ -97,6 +97,7 @@ def engine_gap(
     engine_logp: Tensor,  # [N, T] the engine's, for the same tokens
     mask: Tensor,  # [N, T] bool
     tis_cap: float | None = None,
+    stale: bool = False,
 ) -> tuple[dict[str, float], Tensor | None]:
     """How far the engine's sampling distribution is from the trainer's, and the truncated
     importance-sampling weights that correct for it.
@@ -114,7 +115,7 @@ def engine_gap(
     """
     totals = EngineGap(tis_cap)
     weights = totals.add(trainer_logp, engine_logp, mask)
-    return totals.metrics(), weights
+    return totals.metrics(stale), weights
 
 
 class EngineGap:
@@ -156,7 +157,9 @@ class EngineGap:
         self.capped += int((ratio[m] > self.tis_cap).sum())
         return weights
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, stale: bool = False) -> dict[str, float]:
+        """The totals as metrics; ``stale``: the rows were sampled by older weights than the
+        trainer's, so the gap holds staleness too and is named ``rollout/stale/...``."""
         n, s = self.tokens, self.seqs
         nan = float("nan")
         stats = {
@@ -169,6 +172,8 @@ class EngineGap:
         if self.tis_cap is not None:
             stats["rollout/tis_weight/mean"] = self.weight_sum / n if n else 1.0
             stats["rollout/tis_capped_frac"] = self.capped / n if n else 0.0
+        if stale:
+            return {k.replace("rollout/", "rollout/stale/", 1): v for k, v in stats.items()}
         return stats
 
 

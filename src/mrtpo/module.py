@@ -181,7 +181,8 @@ class PolicyModule(L.LightningModule):
     def training_step(self, batch: PromptBatch, batch_idx: int):
         if batch.rollout is None:
             raise RuntimeError("no rollout on the batch: is the RolloutCallback in callbacks?")
-        result = self.step.run(batch.rollout, _Host(self), self.timings.get("rollout", 0.0))
+        waited = self.timings.get("rollout", 0.0)
+        result = self.step.run(batch.rollout, _Host(self), waited, batch.rollout_info)
         self.timings.update(result.times)
         self.last = result.record
         self._publish(result)

@@ -105,6 +105,8 @@ _RL_CHECKS: tuple[tuple[str, Callable[[Any], bool], str | Callable[[], str]], ..
     ("replay_oom_retries", lambda v: v >= 0, ">= 0"),
     ("tis_cap", lambda v: v is None or v > 0,
      "> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)"),
+    ("stale_tis_cap", lambda v: v > 0,
+     "> 0 (the cap on pi_old / pi_engine for samples of older weights, e.g. 2.0)"),
 )  # fmt: skip
 
 
@@ -137,6 +139,10 @@ class RLConfig(_Section):
     # min(pi_trainer_old / pi_engine, tis_cap), correcting for an engine (vLLM, bf16) whose
     # sampling distribution differs from the trainer's. null: off; a cap of 2 is common.
     tis_cap: Optional[float] = None  # noqa: UP045
+    # The same weights for a batch sampled by older weights than the trainer's
+    # (rollout.schedule=one_step_off / async), where rl.tis_cap is null: decoupled PPO's
+    # correction from the behaviour policy (the engine's) to pi_old (docs/method.md).
+    stale_tis_cap: float = 2.0
     # Log train/rollout/logp_gap/* every step. Free with one update per step (measured from the
     # update's forward) unless the policy has dropout: then it costs an eval-mode forward,
     # which false skips (without TIS).

@@ -112,6 +112,8 @@ class RLStage(Stage):
             sampling=_container(cfg.rollout.sampling),
             group_size=rl.group_size,
             val_max_new_tokens=cfg.rollout.get("val_max_new_tokens"),
+            schedule=cfg.rollout.get("schedule", "sync"),
+            max_staleness=cfg.rollout.get("max_staleness", 1),
         )
         return module, prompts, [rollout]
 

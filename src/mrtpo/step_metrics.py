@@ -23,6 +23,8 @@ GLOBAL_METRICS = frozenset({"iteration", "nonfinite_skips", "scoring_errors"})
 STAGE_TIMES = ("rollout", "reward", "old_logp", "replay", "update", "step")
 # The rewards' extra metrics (``Score.extras``): always means, whatever their names end in.
 EXTRA_PREFIX = "extra/"
+#: update metrics that are means over responses, not tokens (combined over ranks so)
+PER_RESPONSE = ("rollout/seq_", "rollout/stale/seq_", "rollout/staleness/")
 
 
 def assemble(
@@ -61,7 +63,7 @@ def assemble(
     tokens, rows = float(mask.sum()), float(mask.shape[0])
     for k in update:
         if k not in ("loss", "lr") and not k.endswith(("/min", "/max")):
-            weights[k] = rows if k.startswith("rollout/seq_") else tokens
+            weights[k] = rows if k.startswith(PER_RESPONSE) else tokens
     weights["adv/std"] = weights["adv/mean"]
     lengths = mask.sum(-1).float()
     m["response_len/mean"] = float(lengths.mean())

@@ -29,13 +29,16 @@ class RolloutCallback(L.Callback):
         sampling: Mapping | None = None,
         group_size: int = 4,
         val_max_new_tokens: int | None = None,
+        schedule: str = "sync",
+        max_staleness: int = 1,
     ) -> None:
         train = SamplingConfig(**dict(sampling or {}))
         # what the trainer's log-probs cannot reproduce (truncation, greedy) fails here
         train.check_for_training()
         val = SamplingConfig(max_new_tokens=val_max_new_tokens or train.max_new_tokens, greedy=True)
-        self.source = RolloutSource(engine, train, group_size, val)
+        self.source = RolloutSource(engine, train, group_size, val, schedule, max_staleness)
         self.resyncs = 0  # weight pushes after a checkpoint restore (on_train_start)
+        self._stream = None  # the data stream, for the batches a schedule generates ahead
 
     # the source's parts, as subclasses (benchmark harnesses) and tests read them
     @property
@@ -69,16 +72,47 @@ class RolloutCallback(L.Callback):
         # After a checkpoint restore the policy holds the checkpoint's weights, while an engine
         # with its own copy (vLLM) still holds what it loaded at start-up: push them now, so
         # the first rollout of a resumed run samples from the restored policy.
+        self.source.version = pl_module.iteration
         if trainer.ckpt_path is not None:
-            self.source.push_weights(pl_module.policy)
+            self.source.push_weights(pl_module.policy, pl_module.iteration)
             self.resyncs += 1
+        if self.source.depth:
+            stream = getattr(trainer.datamodule, "train_stream", None)
+            if stream is None:
+                raise ValueError(
+                    f"rollout.schedule={self.source.schedule} reads the prompts of the next "
+                    "steps from the DataModule's train_stream(); train with PromptDataModule, "
+                    "or use rollout.schedule=sync"
+                )
+            self._stream = stream()
 
     def on_train_batch_start(self, trainer, pl_module, batch: PromptBatch, batch_idx: int) -> None:
-        batch.rollout = self.source.sample(batch.examples, self._seed(trainer, pl_module, 0))
+        step, index = pl_module.iteration, batch.index
+
+        def ahead(j: int):
+            seed = RolloutSource.seed(pl_module.seed, step + j - index, trainer.global_rank, 0)
+            return self._stream.batch_at(j).examples, seed
+
+        seed = self._seed(trainer, pl_module, 0)
+        batch.rollout = self.source.take(index, batch.examples, seed, ahead)
         pl_module.timings["rollout"] = self.source.seconds
+        batch.rollout_info = self.source.metrics()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self.source.push_weights(pl_module.policy)
+        self.source.push_weights(pl_module.policy, pl_module.iteration)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.source.close()  # the worker only: a started server stops at process exit
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.source.close(wait=False)
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict() if self.source.depth else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            self.source.load_state_dict(state_dict)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         seed = self._seed(trainer, pl_module, 1 + batch_idx)

@@ -42,6 +42,9 @@ class RolloutEngine(ABC):
     #: ``generate`` fills ``Generation.logprobs``; an engine that cannot says False, and
     #: ``rl.tis_cap`` (which needs them) is then refused before anything loads.
     reports_logprobs: ClassVar[bool] = True
+    #: the engine holds its own copy of the weights and may generate in another thread
+    #: while the trainer updates (rollout.schedule=one_step_off / async need it)
+    generates_apart: bool = False
 
     def bind(self, model: torch.nn.Module, tokenizer, eos_ids: Sequence[int]) -> None:  # noqa: B027
         """Called once before the first generation."""

@@ -8,7 +8,7 @@ import torch
 
 from mrtpo.batch import RolloutBatch
 from mrtpo.forward import pad_left, pad_right
-from mrtpo.rollout.base import RolloutEngine, SamplingConfig
+from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.tasks.base import Example
 
 
@@ -37,6 +37,23 @@ def build_rollout(
     sampling description and, when the engine reports them, its log-probs."""
     prompts = [prompt_ids(tokenizer, e) for e in examples]
     gens = engine.generate(prompts, n, sampling, seed)
+    return assemble(tokenizer, examples, prompts, gens, n, sampling, eos_ids)
+
+
+def assemble(
+    tokenizer,
+    examples: Sequence[Example],
+    prompts: list[list[int]],
+    gens: Sequence[Generation],
+    n: int,
+    sampling: SamplingConfig,
+    eos_ids: Sequence[int] = (),
+    version: int | None = None,
+) -> RolloutBatch:
+    """The padded batch of ``gens`` (``n`` per prompt, prompt-major). ``version``: the
+    trainer step whose weights sampled them (``RolloutBatch.versions``), None under sync.
+    Tokenizing and decoding stay here, in the trainer's thread: a fast tokenizer is not
+    safe to share with a thread that generates ahead."""
     if len(gens) != len(prompts) * n:
         raise RuntimeError(f"engine returned {len(gens)} samples for {len(prompts)} x {n}")
     pad = tokenizer.pad_token_id
@@ -69,4 +86,5 @@ def build_rollout(
         finished=torch.tensor([g.finished for g in gens], dtype=torch.bool),
         sampling=sampling,
         engine_logp=engine_logp,
+        versions=None if version is None else torch.full((len(gens),), int(version)),
     )

@@ -1,6 +1,8 @@
 """Rollouts with Hugging Face ``generate``: the CPU / test engine.
 
-It generates with the training model itself, so ``sync_weights`` has nothing to do.
+It generates with the training model itself, so ``sync_weights`` has nothing to do; with
+``own_copy`` from a frozen copy that ``sync_weights`` refreshes, which may generate in a
+worker thread while the trainer updates (``rollout.schedule=one_step_off`` / ``async``).
 
 Only ``rollout.sampling`` decides how tokens are drawn. ``generate`` would otherwise fill
 every setting left unset from the checkpoint's ``generation_config`` (Qwen2.5 Instruct ships
@@ -24,6 +26,7 @@ truncated samplers, see ``SamplingConfig.check_for_training``).
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -185,7 +188,9 @@ class _FiniteLogits:
 class HFEngine(RolloutEngine):
     """Batched sampling with ``model.generate`` (left padding, stop at EOS)."""
 
-    def __init__(self, batch_size: int = 64, share_prompt: str | bool = "auto") -> None:
+    def __init__(
+        self, batch_size: int = 64, share_prompt: str | bool = "auto", own_copy: bool = False
+    ) -> None:
         mode = shared_prompt_mode(share_prompt)
         if mode is None:
             raise ValueError(
@@ -200,13 +205,33 @@ class HFEngine(RolloutEngine):
         # the checkpoint's generation settings that sampling does not use (warned once)
         self.overridden: dict = {}
         self._warned = False
+        # own_copy: sample from a frozen copy of the policy that sync_weights refreshes, so
+        # that generation may run in another thread while the trainer updates
+        self.own_copy = self.generates_apart = bool(own_copy)
 
     def bind(self, model, tokenizer, eos_ids: list[int]) -> None:
-        self.model, self.tokenizer, self.eos_ids = model, tokenizer, list(eos_ids)
+        self.tokenizer, self.eos_ids = tokenizer, list(eos_ids)
         self._warned = False
+        if not self.own_copy:
+            self.model = model
+            return
+        from mrtpo.distributed import is_sharded
+
+        if is_sharded(model) or Ranks(lambda: torch.device("cpu")).world_size > 1:
+            raise ValueError(
+                "rollout.engine.own_copy=true runs on one process (its generate joins "
+                "collectives when several train): use rollout=vllm_server with DDP or FSDP"
+            )
+        self.model = copy.deepcopy(model).requires_grad_(False)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        self.model = model  # same parameters: nothing to copy
+        if not self.own_copy:
+            self.model = model  # same parameters: nothing to copy
+            return
+        with torch.no_grad():
+            mine = self.model.state_dict()
+            for name, value in model.state_dict().items():
+                mine[name].copy_(value)
 
     @torch.no_grad()
     def generate(

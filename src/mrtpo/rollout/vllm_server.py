@@ -164,6 +164,8 @@ class VLLMServerEngine(RolloutEngine):
         log_file: a started server's output (None: ``server.log`` in its weight folder).
     """
 
+    generates_apart = True  # its own process and weights: schedules may overlap it
+
     def __init__(
         self,
         model: str,

@@ -41,6 +41,12 @@ class OldPolicy:
     #: the engine gap (and TIS weights) come from the update's own forward, which is pi_old's
     #: when one update follows (``OldPolicyPass.gap_in_update``)
     gap_in_update: bool = False
+    #: the cap of the importance weights min(pi_old / pi_engine, cap): rl.tis_cap, or for a
+    #: batch sampled by older weights rl.stale_tis_cap; None: no weights
+    tis_cap: float | None = None
+    #: the batch was sampled by older weights than pi_old's (its gap metrics are logged as
+    #: ``rollout/stale/...``: they hold the staleness, not only numerical mismatch)
+    stale: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,17 @@ class RLStep:
         return torch.Generator().manual_seed(self.seed * stream + self.iteration)
 
     # ---- the step ----------------------------------------------------------------------
-    def run(self, rollout: RolloutBatch, host: UpdateHost, rollout_s: float = 0.0) -> StepResult:
-        """Phases 2-6 on ``rollout`` (phase 1); ``rollout_s``: the seconds it took."""
+    def run(
+        self,
+        rollout: RolloutBatch,
+        host: UpdateHost,
+        rollout_s: float = 0.0,
+        rollout_info: dict[str, float] | None = None,
+    ) -> StepResult:
+        """Phases 2-6 on ``rollout`` (phase 1); ``rollout_s``: the seconds the step waited
+        for it; ``rollout_info``: the rollout schedule's own metrics (``train/rollout/...``)."""
         t_step, times = time.perf_counter(), {"rollout": rollout_s}
+        lag = {**self.staleness(rollout), **(rollout_info or {})}
         with _timed(times, "reward"):
             scored = self.score(rollout)
         self.faults.check_scoring(scored.scores, rollout.examples, self.iteration, self.ranks)
@@ -137,7 +145,7 @@ class RLStep:
         record = StepRecord.of(scored, rel, old, adv, upd)
         times["step"] = time.perf_counter() - t_step + rollout_s
         gap = upd.rollout_metrics or old.rollout_metrics
-        return self.result(record, {**upd.metrics, **gap}, rel.metrics, times)
+        return self.result(record, {**upd.metrics, **gap, **lag}, rel.metrics, times)
 
     def score(self, rollout: RolloutBatch) -> ScoredBatch:
         """2. Every response's rewards (NaN: does not apply) and verifier blocks."""
@@ -180,25 +188,41 @@ class RLStep:
         """
         rl, micro = self.rl, int(self.rl.micro_batch_size)
         several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
-        gap = roll.engine_logp is not None and (
-            several or rl.tis_cap is not None or rl.measure_logp_gap
-        )
-        if rl.tis_cap is not None and roll.engine_logp is None:  # refused at start-up, unless
-            raise RuntimeError(  # the engine's class claims log-probs it did not deliver
-                f"rl.tis_cap={rl.tis_cap} needs the engine's log-probs of the sampled tokens and "
-                "the engine returned none; set reports_logprobs = False on its class"
+        # a batch sampled by older weights is corrected against the engine's log-probs (the
+        # behaviour policy's) as decoupled PPO does (docs/method.md, "Stale samples")
+        stale = bool(self.staleness(roll).get("rollout/staleness/max", 0.0) > 0)
+        cap = rl.tis_cap if rl.tis_cap is not None else (rl.stale_tis_cap if stale else None)
+        gap = roll.engine_logp is not None and (several or cap is not None or rl.measure_logp_gap)
+        if cap is not None and roll.engine_logp is None:  # refused at start-up, unless the
+            raise RuntimeError(  # engine's class claims log-probs it did not deliver
+                f"{'rl.tis_cap' if rl.tis_cap is not None else 'a stale batch'} needs the "
+                "engine's log-probs of the sampled tokens and the engine returned none; set "
+                "reports_logprobs = False on its class"
             )
         logp = Once(lambda: self.passes.old(roll, rel, micro))
         old_logp = logp() if several else None
         ref = self.passes.reference(roll, micro) if rl.kl_coef > 0 else None
         extra = self.method.score_inputs(StepView(roll, logp, self.device()))
         fields: dict[str, Any] = {"logp": old_logp, "ref_logp": ref, "extra": extra}
+        fields.update(tis_cap=cap, stale=stale)
         if gap and self.passes.gap_in_update(several, logp.made):
             return OldPolicy(**fields, gap_in_update=True)
         if gap:
-            metrics, tis = engine_gap(logp(), roll.engine_logp, roll.response_mask, rl.tis_cap)
+            mask = roll.response_mask
+            metrics, tis = engine_gap(logp(), roll.engine_logp, mask, cap, stale)
             return OldPolicy(**fields, tis=tis, rollout_metrics=metrics)
         return OldPolicy(**fields)
+
+    def staleness(self, roll: RolloutBatch) -> dict[str, float]:
+        """How many steps behind the trainer's weights the sampling weights were (mean, max
+        over responses); nothing for a batch without versions (sampled by these weights)."""
+        if roll.versions is None:
+            return {}
+        lag = (self.iteration - roll.versions).clamp_min(0).float()
+        return {
+            "rollout/staleness/mean": float(lag.mean()),
+            "rollout/staleness/max": float(lag.max()),
+        }
 
     def advantages(self, scored: ScoredBatch, rel: Relevance, old: OldPolicy) -> Advantages:
         """5. Token advantages [N, T] and the method's statistics. Group ids are local to this

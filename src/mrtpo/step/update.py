@@ -98,7 +98,7 @@ class Updater:
         update; ``lr`` is this step's learning rate. None when a loss was not finite (on any
         rank). With ``old.gap_in_update`` the engine gap is measured on the way."""
         rl, roll = self.rl, scored.rollout
-        gap = EngineGap(rl.tis_cap) if old.gap_in_update else None
+        gap = EngineGap(old.tis_cap) if old.gap_in_update else None
         tis = torch.zeros(roll.response_ids.shape) if gap and gap.tis_cap is not None else None
         inputs = _Inputs(method, roll, adv.advantages, old, gap, tis)
         start, total = self._rows_in_global_batch(roll.n)
@@ -126,7 +126,7 @@ class Updater:
                     host.clip_gradients(float(rl.max_grad_norm))
                 host.optimizer_step(counted=(u == n_updates))
         host.end_step()
-        gap_metrics = gap.metrics() if gap is not None else {}
+        gap_metrics = gap.metrics(old.stale) if gap is not None else {}
         return Update(acc.metrics(), tis=tis, rollout_metrics=gap_metrics)
 
     def _rows_in_global_batch(self, n: int) -> tuple[int, int]:
