@@ -26,6 +26,7 @@ from tests.vllm.conftest import TINY_SHAPE, hf_logprobs, perturbed_copy
 from tests.vllm.test_train_vllm import GAP, NOISE, fit_with_engine, gaps
 
 from mrtpo.models import TinyModelConfig, build_tiny_model, eos_token_ids, load_policy
+from mrtpo.pipeline import metrics_csv
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.server_client import write_snapshot
 from mrtpo.rollout.server_process import group_members
@@ -113,6 +114,67 @@ def test_three_training_steps_keep_the_gap_at_fp32_noise(train_cfg, server, extr
     assert module.iteration == 3 and len(g) == 3
     assert max(g) <= NOISE, g
     assert server.weight_version == before + 4  # bind's push, then one per step
+
+
+STALENESS = "train/rollout/staleness/max"
+STALE_GAP = "train/rollout/stale/logp_gap/max"
+
+
+def _rows(trainer) -> list[dict[str, str]]:
+    with open(metrics_csv(trainer)) as f:
+        return [r for r in csv.DictReader(f) if r.get("train/iteration")]
+
+
+ONE_STEP_OFF = (
+    "rollout=vllm_server",
+    "model=tiny_wide",
+    "task=synthetic",
+    "method=mrtpo",
+    "method.beta_warmup_steps=0",
+    "optim.lr=1e-3",
+    "rollout.sampling.temperature=0.7",
+    "rollout.schedule=one_step_off",
+    "logger=csv",
+)
+
+
+def test_one_step_off_samples_one_version_behind_the_trainer(train_cfg, server):
+    cfg = train_cfg(*ONE_STEP_OFF, "trainer.max_steps=4")
+    trainer, module, _ = fit_with_engine(cfg, server)
+    rows = _rows(trainer)
+    assert module.iteration == 4
+    assert [float(r[STALENESS]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # step 0 was sampled by the pushed weights of step 0: numerics only
+    assert float(rows[0][GAP]) <= NOISE
+    # later batches were sampled one update behind: logged apart, and larger than noise
+    stale = [float(r[STALE_GAP]) for r in rows[1:]]
+    assert len(stale) == 3 and all(g > NOISE for g in stale), stale
+    assert all(float(r["train/rollout/dropped"]) == 0.0 for r in rows)
+
+
+def test_a_resumed_one_step_off_run_equals_an_uninterrupted_one(train_cfg, server, tmp_path):
+    every = "callbacks.model_checkpoint.every_n_train_steps=1"
+    full, _, _ = fit_with_engine(
+        train_cfg(*ONE_STEP_OFF, every, "trainer.max_steps=4", f"paths.output_dir={tmp_path}/a"),
+        server,
+    )
+    fit_with_engine(
+        train_cfg(*ONE_STEP_OFF, every, "trainer.max_steps=2", f"paths.output_dir={tmp_path}/b"),
+        server,
+    )
+    ckpt = tmp_path / "b" / "checkpoints" / "step000002.ckpt"
+    resumed, _, cb = fit_with_engine(
+        train_cfg(*ONE_STEP_OFF, every, "trainer.max_steps=4", f"paths.output_dir={tmp_path}/c"),
+        server,
+        ckpt_path=str(ckpt),
+    )
+    assert cb.resyncs == 1
+    want, got = _rows(full)[2:], _rows(resumed)
+    assert [r["train/iteration"] for r in got] == ["3.0", "4.0"]
+    keys = ("train/reward/total/mean", "train/loss", STALENESS, STALE_GAP, "train/adv/abs_mean")
+    for w, g in zip(want, got, strict=True):
+        for k in keys:
+            assert float(g[k]) == pytest.approx(float(w[k]), rel=1e-6, abs=1e-6), k
 
 
 def test_a_server_of_another_model_is_refused_naming_both(server, cache_dir):
@@ -209,14 +271,16 @@ def _env() -> dict[str, str]:
 
 
 def test_the_documented_command_trains_five_steps_and_leaves_no_server(tmp_path, cache_dir):
-    cmd = _train_cmd(tmp_path, cache_dir, "trainer.max_steps=5")
+    more = ("rollout.schedule=one_step_off", "trainer.max_steps=5")
+    cmd = _train_cmd(tmp_path, cache_dir, *more)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=RUN_LIMIT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = tmp_path / "run"
     with open(run / "csv" / "metrics.csv") as f:
-        g = [float(r[GAP]) for r in csv.DictReader(f) if r.get(GAP)]
-    assert len(g) == 5 and max(g) <= NOISE, g
+        rows = [r for r in csv.DictReader(f) if r.get("train/iteration")]
+    assert [float(r[STALENESS]) for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert float(rows[0][GAP]) <= NOISE
     pid = _server_pid(run / "vllm_server.log")
     assert pid is not None and group_members(pid) == []
 
@@ -232,8 +296,11 @@ def _wait_for(predicate, proc, what: str, limit_s: float = RUN_LIMIT_S):
         time.sleep(1.0)
 
 
-def test_a_server_killed_mid_run_ends_the_run_with_one_line(tmp_path, cache_dir):
-    cmd = _train_cmd(tmp_path, cache_dir, "trainer.max_steps=100000")
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])
+def test_a_server_killed_mid_run_ends_the_run_with_one_line(tmp_path, cache_dir, schedule):
+    cmd = _train_cmd(
+        tmp_path, cache_dir, "trainer.max_steps=100000", f"rollout.schedule={schedule}"
+    )
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=o, stderr=e)
