@@ -372,21 +372,27 @@ def test_a_trainer_killed_with_sigkill_takes_its_server_along(tiny32, tmp_path):
             proc.kill()
 
 
-def test_two_fsdp_ranks_share_one_server(tmp_path, cache_dir):
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])
+def test_two_fsdp_ranks_share_one_server(tmp_path, cache_dir, schedule):
     """Rank 0 starts the server and pushes the gathered weights; rank 1 waits for each push
-    (both gather the shards bucket by bucket) and samples its own prompts from it."""
+    (both gather the shards bucket by bucket) and samples its own prompts from it, under
+    one_step_off from each rank's worker thread while the ranks train."""
     cmd = _train_cmd(tmp_path, cache_dir, "trainer=fsdp", "trainer.devices=2",
                      "trainer.accelerator=cpu", "trainer.max_steps=2", "rl.prompts_per_step=2",
                      "rl.group_size=2", "rollout.sampling.max_new_tokens=8",
                      "rollout.sampling.temperature=0.7", "method=gdpo", "optim.lr=1e-3",
-                     "callbacks.progress=null")  # fmt: skip
+                     "callbacks.progress=null", f"rollout.schedule={schedule}")  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=RUN_LIMIT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = tmp_path / "run"
     with open(run / "csv" / "metrics.csv") as f:
-        g = [float(r[GAP]) for r in csv.DictReader(f) if r.get(GAP)]
-    assert len(g) == 2 and max(g) <= NOISE, g
+        rows = [r for r in csv.DictReader(f) if r.get("train/iteration")]
+    g = [float(r[GAP]) for r in rows if r.get(GAP) not in (None, "", "nan")]
+    fresh = 2 if schedule == "sync" else 1  # one_step_off: the first step only
+    assert len(g) == fresh and max(g) <= NOISE, g
+    if schedule == "one_step_off":
+        assert [float(r[STALENESS]) for r in rows] == [0.0, 1.0]
     text = (run / "vllm_server.log").read_text(errors="replace")
     assert text.count("POST /update_weights") == 3  # bind's push and one per step, once
     pid = _server_pid(run / "vllm_server.log")
