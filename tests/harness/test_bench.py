@@ -252,8 +252,9 @@ def test_trl_section(bench_env):
     assert len(case["trl_times"]) == len(case["ours_times"]) == 3
 
 
+@pytest.mark.parametrize(("section", "number"), [("rollout", 5), ("schedules", 6)])
 def test_rollout_section_without_vllm_is_skipped_with_the_install_command(
-    bench_env, monkeypatch, capsys
+    bench_env, monkeypatch, capsys, section, number
 ):
     import importlib.util
 
@@ -261,12 +262,38 @@ def test_rollout_section_without_vllm_is_skipped_with_the_install_command(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
     )
-    assert harness.run_sections(["rollout"], harness.QUICK, full=False, threads=1) == []
+    assert harness.run_sections([section], harness.QUICK, full=False, threads=1) == []
     out = capsys.readouterr().out
-    assert "5. skipped: vLLM is not installed" in out and "make vllm-cpu" in out
-    assert not (bench_env / "rollout.json").exists()
+    assert f"{number}. skipped: vLLM is not installed" in out and "make vllm-cpu" in out
+    assert not (bench_env / f"{section}.json").exists()
     # the document renders without the section (and says nothing about it)
-    assert "## 5." not in render({"rollout": None})
+    assert f"## {number}." not in render({section: None})
+
+
+def test_schedule_targets_are_judged_from_paired_rounds():
+    from benchmarks.schedules import summarize, targets
+
+    class Server:
+        last_sync = type("S", (), {"num_bytes": 2**20 * 4, "seconds": 0.02})()
+
+    def workload(name, sync, off, mrtpo_sync, mrtpo_off, inproc=None):
+        times = {"gdpo/sync": sync, "gdpo/one_step_off": off, "mrtpo/sync": mrtpo_sync,
+                 "mrtpo/one_step_off": mrtpo_off}  # fmt: skip
+        if inproc:
+            times["gdpo/sync/in_process"] = inproc
+        splits = {k: [{"train/time/rollout": 0.5, "train/rollout/generate_s": 0.5}] for k in times}
+        return summarize({"name": name, "new_tokens": 8}, times, splits, Server())
+
+    # round ratios 2.0 and 1.0: the median of the per-round ratios, not of the times
+    first = workload("half", [2.0, 1.0], [1.0, 1.0], [2.2, 1.1], [1.1, 1.1], inproc=[1.9, 0.9])
+    last = workload("long", [2.0, 2.0], [1.5, 1.5], [2.4, 2.4], [1.5, 1.6])
+    assert first["speedup_one_step_off_gdpo"] == pytest.approx(1.5)
+    assert first["push"]["s_per_mb"] == pytest.approx(0.005)
+    got = targets({"workloads": [first, last]})
+    assert [t["met"] for t in got] == [True, True, True]
+    assert got[1]["value"] == pytest.approx((1.0 + 1.6 / 1.5) / 2)
+    slow = workload("long", [2.0, 2.0], [1.5, 1.5], [2.4, 2.4], [1.8, 1.8])
+    assert [t["met"] for t in targets({"workloads": [first, slow]})] == [True, False, True]
 
 
 def test_shared_prompt_script_runs_its_quick_case():
