@@ -457,6 +457,7 @@ def validate(cfg) -> None:
     check_run(cfg)
     check_finite(cfg)
     check_engine(cfg)
+    check_schedule(cfg)
 
 
 def check_engine(cfg) -> None:
@@ -474,6 +475,40 @@ def check_engine(cfg) -> None:
         f"rollout.engine._target_={target} reports none; set rl.tis_cap=null or use an engine "
         "that reports them (rollout=hf, rollout=vllm)"
     )
+
+
+def check_schedule(cfg) -> None:
+    """``rollout.schedule`` and ``rollout.max_staleness`` are valid, and a schedule that
+    generates while the trainer updates has an engine that can (its own weights) and that
+    reports the sampling log-probs the loss corrects with: refused before anything loads."""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from mrtpo.rollout.source import check_schedule as check_values
+
+    schedule = OmegaConf.select(cfg, "rollout.schedule", default="sync")
+    staleness = OmegaConf.select(cfg, "rollout.max_staleness", default=1)
+    try:
+        check_values(schedule, staleness)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    target = OmegaConf.select(cfg, "rollout.engine._target_")
+    if schedule == "sync" or target is None:
+        return
+    cls = get_class(str(target))
+    own = bool(OmegaConf.select(cfg, "rollout.engine.own_copy", default=False))
+    if not (getattr(cls, "generates_apart", False) or own):
+        raise ConfigError(
+            f"rollout.schedule={schedule} generates while the trainer updates, and "
+            f"{cls.__name__} samples from the trainer's own weights or process: use "
+            "rollout=vllm_server, or rollout=hf with rollout.engine.own_copy=true, or "
+            "rollout.schedule=sync"
+        )
+    if not getattr(cls, "reports_logprobs", True):
+        raise ConfigError(
+            f"rollout.schedule={schedule} corrects the loss with the engine's sampling "
+            f"log-probs, which {cls.__name__} does not report; use rollout.schedule=sync"
+        )
 
 
 #: Keys that were replaced, and the key that does their job now.

@@ -159,3 +159,12 @@ def test_a_schedule_the_engine_cannot_run_is_refused(train_cfg, overrides, says)
     with pytest.raises(Exception) as err:
         _fit(cfg)
     assert says in str(err.value)
+
+
+def test_the_in_process_vllm_engine_is_refused_before_anything_loads(train_cfg):
+    from mrtpo.settings import ConfigError, validate
+
+    cfg = train_cfg("rollout=vllm", "model=tiny_wide", "rollout.schedule=one_step_off")
+    with pytest.raises(ConfigError, match="VLLMEngine samples from the trainer's own weights"):
+        validate(cfg)
+    validate(train_cfg("rollout=vllm", "model=tiny_wide"))  # sync is fine
