@@ -466,7 +466,7 @@ def _trl(trl) -> list[str]:
             f"- `{case['case']['model']}`: "
             + ", ".join(f"{k} {_f(ph[k])}" for k in ("rollout", "reward", "old_logp", "update"))
             + f"; step as the module times it {_f(ph['step'])}, of which metric logging "
-            f"(`_log_step`) {_f(ph.get('log_step'))}. TRL's `generate`: "
+            f"(`RLStep.result`) {_f(ph.get('log_step'))}. TRL's `generate`: "
             f"{_f(case['summary'].get('trl_generate'))}"
         )
     out.append("")
@@ -575,7 +575,7 @@ def _proposals(rep, kern, trl) -> list[str]:
             "(`rl.shared_prompt_forward=auto`: the G samples of a prompt continue one "
             "prefix cache; vLLM has its own prefix cache, section 5); prompt columns that are "
             "padding in every row are dropped; the step's metrics reach the loggers in one "
-            f"call (`_log_step` {_f(ph.get('log_step'))} s a step). On the "
+            f"call (`RLStep.result` {_f(ph.get('log_step'))} s a step). On the "
             f"`{case['case']['model']}` case with "
             f"~{case['case'].get('mean_prompt_tokens', 0):.0f}-token prompts our step is "
             f"{_x(s['ratio_paired'])} TRL's: our rollout {_f(ph['rollout'])} s against TRL's "
