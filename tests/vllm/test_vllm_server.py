@@ -177,6 +177,29 @@ def test_a_resumed_one_step_off_run_equals_an_uninterrupted_one(train_cfg, serve
             assert float(g[k]) == pytest.approx(float(w[k]), rel=1e-6, abs=1e-6), k
 
 
+def test_sync_on_the_server_gives_the_in_process_engines_numbers(
+    train_cfg, server, engine, tmp_path
+):
+    """Same seeds, same pushed weights, same sampling: the two engines draw the same tokens,
+    so a sync run logs the same step metrics with either (1e-6)."""
+    common = (*ONE_STEP_OFF[:-2], "logger=csv", "trainer.max_steps=3")  # sync
+    ran = {}
+    for name, eng in (("server", server), ("in_process", engine)):
+        cfg = train_cfg(*common, f"paths.output_dir={tmp_path}/{name}")
+        trainer, _, _ = fit_with_engine(cfg, eng)
+        ran[name] = _rows(trainer)
+    keys = (
+        "train/reward/total/mean",
+        "train/loss",
+        "train/adv/abs_mean",
+        "train/response_len/mean",
+    )
+    assert len(ran["server"]) == len(ran["in_process"]) == 3
+    for a, b in zip(ran["server"], ran["in_process"], strict=True):
+        for k in keys:
+            assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-6, abs=1e-6), k
+
+
 def test_a_server_of_another_model_is_refused_naming_both(server, cache_dir):
     other = TinyModelConfig(**TINY_SHAPE, num_hidden_layers=3)
     path = build_tiny_model(cache_dir / "models" / "tiny-3-layers", other)
