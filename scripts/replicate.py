@@ -1,8 +1,10 @@
 """Toy replication of the paper's claims, on a CPU (docs/replication.md).
 
     make replicate                       # quick: K=4, 5 seeds, grpo/gdpo/mrtpo/mrtpo_shuffle/mrtpo_joint
-    make replicate ARGS=--full           # K = 2, 4, 8; 8 seeds; + mrtpo@beta=0.25/0.75, cort, opsd
+    make replicate ARGS=--full           # K = 2, 4, 8; 8 seeds; + mrtpo@beta=0.25/0.75, cort, opsd,
+                                         #   and gdpo/mrtpo@one_step_off at K = 4
     python scripts/replicate.py --methods gdpo,mrtpo,mrtpo@beta=0.25   # a method with overrides
+    python scripts/replicate.py --methods gdpo,gdpo@one_step_off       # ... or a rollout schedule
     python scripts/replicate.py --report-only --logdir logs/replicate/<run>   # redo the report
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere
     make replicate ARGS=--long           # the long toy: a free part of 0 and 60 words at K=2
@@ -73,8 +75,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
     )  # fmt: skip
     p.add_argument(
         "--methods", type=str, default=None,
-        help="comma-separated method specs, <method>[@<key>=<value>[,...]] with ';' between "
-        "specs when one has several overrides (default: the mode's)",
+        help="comma-separated method specs, <method>[@<key>=<value>[,...]] (method keys) or "
+        "<method>@one_step_off (the rollout schedule), with ';' between specs when one has "
+        "several overrides (default: the mode's)",
     )  # fmt: skip
     p.add_argument(
         "--long", action="store_true",

@@ -60,6 +60,16 @@ METHODS = ("grpo", "gdpo", "mrtpo", "mrtpo_shuffle", "mrtpo_joint")
 BETA_METHODS = ("mrtpo@beta=0.25", "mrtpo@beta=0.75")
 #: Baselines that join the full mode once their method config exists.
 OPTIONAL_METHODS = ("cort", "opsd")
+#: Rollout schedules a method spec may name after its ``@`` (``mrtpo@one_step_off``), with the
+#: overrides that run one (issue 39; docs/rollout.md "Schedules"): the HF engine generates
+#: batch t + 1 from a private copy of step t's weights while the trainer updates on batch t.
+SCHEDULES: dict[str, tuple[str, ...]] = {
+    "one_step_off": ("rollout.schedule=one_step_off", "rollout.engine.own_copy=true"),
+}
+#: Is learning hurt by stale samples? The full mode runs these again under ``one_step_off``,
+#: with the seeds, warm start and configs of their ``sync`` runs, at ``SCHEDULE_K`` only.
+SCHEDULE_METHODS = ("gdpo@one_step_off", "mrtpo@one_step_off")
+SCHEDULE_K = (4,)
 BASELINE = "gdpo"
 #: Methods whose token weights are phased in, and the share of the run the phase-in takes in
 #: these short runs (CoRT: configs/method/cort.yaml's 30 steps are 10% of the 300-step
@@ -126,35 +136,69 @@ DESIGN_HISTORY = (
 
 
 def available_methods(full: bool) -> list[str]:
-    """The methods a mode runs: quick, or quick + the β curve + baselines that exist now."""
+    """The methods a mode runs: quick, or quick + the β curve + baselines that exist now +
+    GDPO and MRTPO under ``one_step_off`` (at ``SCHEDULE_K`` only: ``runs_at``)."""
     if not full:
         return list(METHODS)
     extra = [m for m in OPTIONAL_METHODS if (CONFIG_DIR / "method" / f"{m}.yaml").exists()]
-    return [*METHODS, *BETA_METHODS, *extra]
+    return [*METHODS, *BETA_METHODS, *extra, *SCHEDULE_METHODS]
+
+
+_SPEC_FORM = "<method>[@<key>=<value>|@<schedule>[,...]] (e.g. mrtpo@beta=0.25, mrtpo@one_step_off)"
+
+
+def _spec_parts(spec: str) -> tuple[str, list[tuple[str, list[str]]]]:
+    """A method spec's config name and, per part after ``@``, its folder label and overrides:
+    ``key=value`` overrides ``method.key``; a name in ``SCHEDULES`` sets the rollout schedule."""
+    name, sep, rest = spec.partition("@")
+    parts = []
+    for kv in rest.split(",") if sep else []:
+        key, eq, value = kv.partition("=")
+        if name and not eq and key.strip() in SCHEDULES:
+            parts.append((key.strip(), list(SCHEDULES[key.strip()])))
+            continue
+        if not (name and key.strip() and eq and value.strip()):
+            raise ValueError(f"method spec {spec!r}: expected {_SPEC_FORM}")
+        parts.append((key.strip() + value.strip(), [f"method.{key.strip()}={value.strip()}"]))
+    if not name:
+        raise ValueError(f"method spec {spec!r} names no method (e.g. mrtpo@beta=0.25)")
+    return name, parts
 
 
 def parse_method(spec: str) -> tuple[str, list[str]]:
     """``"mrtpo@beta=0.25,beta_warmup_steps=5"`` -> ``("mrtpo", ["method.beta=0.25", ...])``:
-    a method config and overrides of its keys."""
-    name, sep, rest = spec.partition("@")
-    overrides = []
-    for kv in rest.split(",") if sep else []:
-        key, eq, value = kv.partition("=")
-        if not (name and key.strip() and eq and value.strip()):
-            raise ValueError(
-                f"method spec {spec!r}: expected <method>[@<key>=<value>[,<key>=<value>]] "
-                "(e.g. mrtpo@beta=0.25)"
-            )
-        overrides.append(f"method.{key.strip()}={value.strip()}")
-    if not name:
-        raise ValueError(f"method spec {spec!r} names no method (e.g. mrtpo@beta=0.25)")
-    return name, overrides
+    a method config and overrides of its keys; ``"gdpo@one_step_off"`` -> ``("gdpo",
+    ["rollout.schedule=one_step_off", "rollout.engine.own_copy=true"])`` (``SCHEDULES``)."""
+    name, parts = _spec_parts(spec)
+    return name, [o for _, ov in parts for o in ov]
 
 
 def method_dir(spec: str) -> str:
-    """Folder of a method spec's runs: ``mrtpo@beta=0.25`` -> ``mrtpo_beta0.25``."""
-    name, overrides = parse_method(spec)
-    return name + "".join("_" + o.removeprefix("method.").replace("=", "") for o in overrides)
+    """Folder of a method spec's runs: ``mrtpo@beta=0.25`` -> ``mrtpo_beta0.25``,
+    ``mrtpo@one_step_off`` -> ``mrtpo_one_step_off``."""
+    name, parts = _spec_parts(spec)
+    return name + "".join("_" + label for label, _ in parts)
+
+
+def schedule_of(spec: str) -> str:
+    """The rollout schedule a method spec names (``sync`` when it names none)."""
+    return next((p for p, _ in _spec_parts(spec)[1] if p in SCHEDULES), "sync")
+
+
+def sync_spec(spec: str) -> str:
+    """The same spec without its schedule: the ``sync`` runs a schedule variant pairs with
+    (``mrtpo@one_step_off`` -> ``mrtpo``)."""
+    name, _, rest = spec.partition("@")
+    keep = [p for p in rest.split(",") if p.strip() not in SCHEDULES] if rest else []
+    return name + ("@" + ",".join(keep) if keep else "")
+
+
+def runs_at(spec: str, k: int, k_values: list[int]) -> bool:
+    """Whether a method spec runs at K: a schedule variant at the ``SCHEDULE_K`` among the
+    run's K values (at every K when there is none of them), any other spec at every K."""
+    if schedule_of(spec) == "sync":
+        return True
+    return k in SCHEDULE_K or not any(x in SCHEDULE_K for x in k_values)
 
 
 @dataclass
@@ -292,6 +336,18 @@ def rl_job(k: int, method: str, seed: int, opts: Options, out: Path | None = Non
     return Job(key, ov, out, steps)
 
 
+def rl_jobs(opts: Options) -> list[Job]:
+    """Every RL run of a replication: each K, seed and method spec that runs at that K
+    (``runs_at``: a schedule variant only at ``SCHEDULE_K``)."""
+    return [
+        rl_job(k, m, s, opts)
+        for k in opts.k_values
+        for s in range(opts.seeds)
+        for m in opts.methods
+        if runs_at(m, k, opts.k_values)
+    ]
+
+
 #: Columns of metrics.csv that measure time, not the computation: left out of the rerun check.
 _TIMING = ("time/", "tokens_per_s")
 
@@ -423,7 +479,10 @@ def analyse(opts: Options, console) -> list[KResult]:
                 info = json.loads(job.read_text())
                 if info.get("error") or not info.get("csv"):
                     continue
-                c = run_series(recorded_csv(Path(info["csv"]), job.parent))
+                csv = recorded_csv(Path(info["csv"]), job.parent)
+                c = run_series(csv)
+                if schedule_of(m) != "sync":
+                    c.update(staleness_series(csv))
                 if c["success"]:
                     r.curves.setdefault(m, []).append(c)
                     r.seeds.setdefault(m, []).append(s)
@@ -457,6 +516,24 @@ def analyse(opts: Options, console) -> list[KResult]:
             r.picture = f"relevance_k{k}.png"
         results.append(r)
     return results
+
+
+#: The logged maximum, over a step's samples, of how many updates behind the trainer the
+#: weights that sampled them were (``train/rollout/staleness/max``; 1 after the first step
+#: under ``one_step_off``).
+STALENESS_COL = "train/rollout/staleness/max"
+
+
+def staleness_series(csv: str | Path) -> dict[str, list[float]]:
+    """``{"staleness/max": [per RL step]}`` of a run's metrics file (NaN where a step did not
+    log it), or nothing when the run never logged it."""
+    rows = sorted(
+        (r for r in read_metrics(csv) if "step" in r and "train/success" in r),
+        key=lambda r: r["step"],
+    )
+    if not any(STALENESS_COL in r for r in rows):
+        return {}
+    return {"staleness/max": [r.get(STALENESS_COL, math.nan) for r in rows]}
 
 
 def describe(opts: Options) -> dict[str, Any]:
@@ -639,7 +716,11 @@ def write_report(
     runs = {r.k: {m: dict(zip(r.seeds[m], c, strict=True)) for m, c in r.curves.items()}
             for r in results}  # fmt: skip
     tab = claims_mod.table(runs, thr, FEW_TOKEN, COMPLIANCE_STEP)
-    found = claims_mod.evaluate(tab, opts.methods, FEW_TOKEN, COMPLIANCE_STEP, CONCENTRATION[1])
+    # the claims compare methods under the same schedule: the schedule variants have a
+    # section of their own (_schedule_section)
+    found = claims_mod.evaluate(
+        tab, sync_methods(opts.methods), FEW_TOKEN, COMPLIANCE_STEP, CONCENTRATION[1]
+    )
     _flag_starts(found[0], results, tab)
     add("# Toy replication: the paper's claims at toy scale")
     add("")
@@ -673,9 +754,11 @@ def write_report(
         "fixes the RL prompts and the sampling seed, so all methods' first batches are the "
         "same, and every comparison is a paired difference by seed"
     )
+    _schedule_design(add, opts)
     add(f"- modes: quick = K {', '.join(map(str, QUICK_K))}, {QUICK_SEEDS} seeds, "
         f"{', '.join(available_methods(False))}; full = K {', '.join(map(str, FULL_K))}, "
-        f"{FULL_SEEDS} seeds, {', '.join(available_methods(True))}")  # fmt: skip
+        f"{FULL_SEEDS} seeds, {', '.join(available_methods(True))} (the "
+        f"{', '.join(SCHEDULE_METHODS)} runs at K = {', '.join(map(str, SCHEDULE_K))} only)")  # fmt: skip
     missing = [m for m in OPTIONAL_METHODS if m not in available_methods(True)]
     if missing:
         add(f"- not run: {', '.join(missing)} (no configs/method/<name>.yaml in this checkout: "
@@ -757,7 +840,7 @@ def write_report(
             add("|---|---|---|---|---|")
             base = stats[BASELINE]
             diffs = by_k.setdefault(r.k, {})
-            for m in opts.methods:
+            for m in sync_methods(opts.methods):
                 if m == BASELINE or m not in stats:
                     continue
 
@@ -832,6 +915,7 @@ def write_report(
     if len(by_k) > 1:
         _across_k(add, by_k, auc_gain, opts)
     _claim_details(add, found, tab, opts, results)
+    _schedule_section(add, tab, runs, opts)
     add("## Caveats")
     add("")
     add(
@@ -1002,7 +1086,7 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
     by_n = {c.number: c for c in found}
     # 1. gain vs K, every method against GDPO
     gains = {}
-    for m in opts.methods:
+    for m in sync_methods(opts.methods):
         if m == BASELINE:
             continue
         d = claims_mod.per_k(claims_mod.paired(tab, m, BASELINE, "auc"))
@@ -1033,7 +1117,7 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
             f"{COMPLIANCE_STEP} steps | Δ vs gdpo after {COMPLIANCE_STEP} |")  # fmt: skip
         add("|---|---|---|---|---|")
         for k in sorted(tab):
-            for m in opts.methods:
+            for m in sync_methods(opts.methods):
                 if m not in tab[k]:
                     continue
                 xs = list(tab[k][m].values())
@@ -1115,6 +1199,134 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
     _determinism(add, opts)
 
 
+def sync_methods(methods: list[str]) -> list[str]:
+    """The method specs run under ``sync``: the ones the claims compare."""
+    return [m for m in methods if schedule_of(m) == "sync"]
+
+
+def _schedule_design(add, opts: Options) -> None:
+    variants = [m for m in opts.methods if schedule_of(m) != "sync"]
+    if not variants:
+        return
+    overrides = sorted({o for m in variants for o in parse_method(m)[1]
+                        if not o.startswith("method.")})  # fmt: skip
+    ks = [k for k in opts.k_values if any(runs_at(m, k, opts.k_values) for m in variants)]
+    add(
+        f"- schedules (issue 39): {', '.join(variants)} run again at K = "
+        f"{', '.join(map(str, ks))} with the seeds, warm start and settings of their "
+        f"sync runs, plus `{' '.join(overrides)}`; each is compared with its sync runs by "
+        "seed. Rule: a quantity (each method's AUC, MRTPO − GDPO Δ AUC) is **within the "
+        "sync interval** when its mean under the schedule lies inside the 95% t interval of "
+        "the sync runs over seeds, and **differs** otherwise (the numbers are given); the "
+        "paired difference schedule − sync and its interval are reported beside it either way"
+    )
+
+
+def schedule_verdict(sync: Interval, other: Interval, diff: Interval, schedule: str,
+                     signed: bool = False) -> str:  # fmt: skip
+    """The rule of the schedule comparison (``_schedule_design``): ``other`` (the mean under
+    ``schedule``) inside ``sync``'s 95% interval, or not; ``diff``: their paired difference."""
+    v = "{:+.3f}" if signed else "{:.3f}"
+    if math.isnan(sync.mean) or math.isnan(other.mean):
+        return "no data"
+    paired = f"paired {schedule} − sync {claims_mod.ci_text(diff)}"
+    if math.isnan(sync.half):
+        return f"no sync interval (n = {sync.n}): {paired}"
+    where = f"sync's [{v.format(sync.lo)}, {v.format(sync.hi)}]"
+    if sync.lo <= other.mean <= sync.hi:
+        out = (
+            f"within the sync interval: {schedule} {v.format(other.mean)} inside {where}; {paired}"
+        )
+        if diff.sign:
+            out += (
+                " (the paired interval excludes zero: a shift smaller than the spread over "
+                "seeds, which pairing resolves)"
+            )
+        return out
+    side = "above" if other.mean > sync.hi else "below"
+    return f"differs: {schedule} {v.format(other.mean)}, {side} {where}; {paired}"
+
+
+def _range(values: list[float]) -> str:
+    v = [x for x in values if math.isfinite(x)]
+    if not v:
+        return "–"
+    lo, hi = min(v), max(v)
+    return f"{lo:g}" if lo == hi else f"{lo:g}–{hi:g}"
+
+
+def _schedule_section(add, tab, runs, opts: Options) -> None:
+    """Issue 39: is learning hurt when a batch is sampled by the weights of the step before?
+    Per schedule and K: GDPO's and MRTPO's AUC under it against their sync runs, and MRTPO −
+    GDPO Δ AUC under each schedule, all paired by seed (``claims.paired``, ``mean_ci``)."""
+    variants = [m for m in opts.methods if schedule_of(m) != "sync"]
+    for schedule in dict.fromkeys(schedule_of(m) for m in variants):
+        ours = [m for m in variants if schedule_of(m) == schedule]
+        ks = [k for k in sorted(tab) if any(tab[k].get(m) for m in ours)]
+        if not ks:
+            continue
+        add(f"## Learning under {schedule} (issue 39)")
+        add("")
+        add(
+            f"Under `{schedule}` batch t + 1 is sampled by step t's weights (the HF engine's "
+            "private copy of the policy, in a worker thread) while the trainer updates on "
+            "batch t; the stale samples are corrected in the loss as decoupled PPO does "
+            "(docs/method.md, *Stale samples*). Same seeds, warm start and settings as the "
+            f"sync runs: every {schedule} − sync difference is paired by seed. *Within the "
+            "sync interval*: the mean under the schedule lies inside the sync runs' 95% "
+            "interval (the rule under *Design*)."
+        )
+        add("")
+        add(f"| K | quantity | sync | {schedule} | {schedule} − sync, paired |")
+        add("|---|---|---|---|---|")
+        lines = []
+        for k in ks:
+            t = {k: tab[k]}
+            pairs = [(m, v) for v in ours if (m := sync_spec(v)) in tab[k] and v in tab[k]]
+            for m, v in pairs:
+                sync_iv = mean_ci(x["auc"] for x in tab[k][m].values())
+                off_iv = mean_ci(x["auc"] for x in tab[k][v].values())
+                d = mean_ci(claims_mod.paired(t, v, m, "auc").values())
+                what = f"{m} AUC"
+                add(f"| {k} | {what} | {fmt(*sync_iv[:2])} | {fmt(*off_iv[:2])} | "
+                    f"{claims_mod.ci_text(d)} |")  # fmt: skip
+                lines.append(f"K = {k}, {what}: " + schedule_verdict(sync_iv, off_iv, d, schedule))
+            by = dict(pairs)
+            if claims_mod.MRTPO in by and BASELINE in by:
+                gap_sync = claims_mod.paired(t, claims_mod.MRTPO, BASELINE, "auc")
+                gap_off = claims_mod.paired(t, by[claims_mod.MRTPO], by[BASELINE], "auc")
+                sync_iv, off_iv = mean_ci(gap_sync.values()), mean_ci(gap_off.values())
+                d = mean_ci(paired_differences(gap_off, gap_sync).values())
+                what = "MRTPO − GDPO Δ AUC"
+                add(f"| {k} | {what} | {claims_mod.ci_text(sync_iv)} | "
+                    f"{claims_mod.ci_text(off_iv)} | {claims_mod.ci_text(d)} |")  # fmt: skip
+                lines.append(
+                    f"K = {k}, {what}: " + schedule_verdict(sync_iv, off_iv, d, schedule, True)
+                )
+        add("")
+        for line in lines:
+            add("- " + line)
+        add("")
+        stale = []
+        for k in ks:
+            for v in ours:
+                series = [c["staleness/max"] for c in runs.get(k, {}).get(v, {}).values()
+                          if c.get("staleness/max")]  # fmt: skip
+                if series:
+                    stale.append(
+                        f"{v} at K = {k}: {_range([c[0] for c in series])} at the first step, "
+                        f"{_range([x for c in series for x in c[1:]])} at the later steps "
+                        f"({len(series)} run{'s' if len(series) > 1 else ''})"
+                    )
+        add(
+            f"Staleness (`{STALENESS_COL}`, updates between the weights that sampled a batch "
+            "and the trainer's): "
+            + ("; ".join(stale) if stale else "not logged by these runs")
+            + "."
+        )
+        add("")
+
+
 def _determinism(add, opts: Options) -> None:
     path = opts.logdir / "determinism.json" if opts.logdir else None
     add("## Determinism")
@@ -1139,7 +1351,7 @@ def _determinism(add, opts: Options) -> None:
 def _across_k(add, by_k, auc_gain: dict[int, list[float]], opts: Options) -> None:
     add("## Across K: does the gain grow with the number of rewards?")
     add("")
-    cols = [m for m in opts.methods if m != BASELINE]
+    cols = [m for m in sync_methods(opts.methods) if m != BASELINE]
     add("| K | " + " | ".join(f"{m} − gdpo, Δ AUC" for m in cols) + " |")
     add("|---|" + "---|" * len(cols))
     for k, d in sorted(by_k.items()):
@@ -1234,13 +1446,7 @@ def main(opts: Options) -> int:
         )
         if not run_warm_starts(opts, console, opts.workers):
             return 1
-        jobs = [
-            rl_job(k, m, s, opts)
-            for k in opts.k_values
-            for s in range(opts.seeds)
-            for m in opts.methods
-        ]
-        run_all(jobs, opts.workers, opts.threads, console, "RL runs")
+        run_all(rl_jobs(opts), opts.workers, opts.threads, console, "RL runs")
         if opts.determinism:
             determinism_check(opts, console)
     results = analyse(opts, console)

@@ -19,6 +19,8 @@ COLORS = {
     "opsd": "#8c564b",
     "mrtpo@beta=0.25": "#f7a3a3",
     "mrtpo@beta=0.75": "#7b0d0d",
+    "gdpo@one_step_off": "#17becf",
+    "mrtpo@one_step_off": "#e377c2",
 }
 
 
@@ -66,7 +68,7 @@ def plot_curves(curves: dict[str, list[dict[str, list[float]]]], k: int, path: P
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8, ncols=len(curves), loc="lower right")
+    axes[0][0].legend(fontsize=8, ncols=min(len(curves), 6), loc="lower right")
     axes[0][0].set_ylabel("success rate (train samples)", fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -9,7 +9,7 @@ import re
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.analysis.runs import rl_curves
+from mrtpo.analysis.runs import read_metrics, rl_curves
 
 
 def _script():
@@ -29,7 +29,9 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
         [
             "--ks=2",
             "--seeds=2",
-            "--methods=gdpo,mrtpo",
+            # mrtpo@one_step_off: MRTPO under rollout.schedule=one_step_off (issue 39), at
+            # every K of a run without K = 4
+            "--methods=gdpo,mrtpo,mrtpo@one_step_off",
             "--steps=3",
             "--sft-max-steps=12",
             # met at the first check by both passes (>= 0, then <= 0): the stop-by-target path
@@ -64,6 +66,12 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
             first_success.setdefault(seed, set()).add(curve["success"][0])
     # same warm start, prompts and sampling seed: every method's first batch is the same
     assert all(len(v) == 1 for v in first_success.values()), first_success
+    for seed in (0, 1):  # one_step_off: batch t + 1 sampled by step t's weights
+        job = json.loads((logs / "k2" / "mrtpo_one_step_off" / f"s{seed}" / "job.json").read_text())
+        assert job["error"] is None
+        rows = [r for r in read_metrics(job["csv"]) if "train/success" in r]
+        assert [r["train/rollout/staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
+        assert rl_curves(job["csv"])["success"][0] in first_success[seed]  # the same batch 0
 
     report = (docs / "replication.md").read_text()
     assert re.search(r"UTC, (runs )?from commit `[0-9a-f]{7,}", report)
@@ -80,6 +88,12 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
     det = json.loads((logs / "determinism.json").read_text())
     assert det["steps"] == 3 and det["values"] > 20 and det["method"] == "mrtpo"
     assert "was run a second time" in report
+    sched = report.split("## Learning under one_step_off (issue 39)")[1].split("## Caveats")[0]
+    assert "| 2 | mrtpo AUC |" in sched and "- K = 2, mrtpo AUC: " in sched
+    assert (
+        "mrtpo@one_step_off at K = 2: 0 at the first step, 1 at the later steps (2 runs)" in sched
+    )
+    assert "one_step_off" not in report.split("## Design")[0]  # not in the claim lines
     names = ("replication_k2.png", "relevance_k2.png", "relevance_k2.html", "gain_vs_k.png",
              "replay_share.png")  # fmt: skip
     for name in names:
@@ -88,7 +102,7 @@ def test_replication_miniature_end_to_end(tmp_path, cache_dir):
 
     # the report can be rebuilt from the logs alone
     (docs / "replication.md").unlink()
-    assert rep.main(["--ks=2", "--seeds=2", "--methods=gdpo,mrtpo", "--steps=3",
+    assert rep.main(["--ks=2", "--seeds=2", "--methods=gdpo,mrtpo,mrtpo@one_step_off", "--steps=3",
                      "--report-only", f"--logdir={logs}", f"--docs={docs}"]) == 0  # fmt: skip
     again = (docs / "replication.md").read_text()
     assert again.count("| gdpo | 2 |") == 1

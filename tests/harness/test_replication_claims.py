@@ -17,7 +17,14 @@ from replication.claims import (
     below_verdict,
     claim_verdict,
 )
-from replication.harness import compare_metrics, method_dir, parse_method
+from replication.harness import (
+    compare_metrics,
+    method_dir,
+    parse_method,
+    runs_at,
+    schedule_of,
+    sync_spec,
+)
 
 T975_DF2 = 4.302652729749464
 T975_DF5 = 2.570581835636314
@@ -88,9 +95,31 @@ def test_method_specs():
         "mrtpo", ["method.beta=0.25", "method.beta_warmup_steps=5"],
     )  # fmt: skip
     assert method_dir("mrtpo@beta=0.25") == "mrtpo_beta0.25" and method_dir("gdpo") == "gdpo"
-    for bad in ("mrtpo@beta", "mrtpo@=1", "@beta=1", "mrtpo@beta="):
+    for bad in ("mrtpo@beta", "mrtpo@=1", "@beta=1", "mrtpo@beta=", "@one_step_off",
+                "mrtpo@two_steps_off"):  # fmt: skip
         with pytest.raises(ValueError, match="method spec"):
             parse_method(bad)
+
+
+def test_schedule_specs():
+    """``<method>@one_step_off``: the method's own config, run under the one_step_off rollout
+    schedule, in a folder of its own; paired with the spec without the schedule."""
+    schedule = ["rollout.schedule=one_step_off", "rollout.engine.own_copy=true"]
+    assert parse_method("gdpo@one_step_off") == ("gdpo", schedule)
+    assert parse_method("mrtpo@beta=0.25,one_step_off") == (
+        "mrtpo",
+        ["method.beta=0.25", *schedule],
+    )
+    assert method_dir("mrtpo@one_step_off") == "mrtpo_one_step_off"
+    assert method_dir("mrtpo@beta=0.25,one_step_off") == "mrtpo_beta0.25_one_step_off"
+    assert schedule_of("mrtpo@one_step_off") == "one_step_off"
+    assert schedule_of("mrtpo@beta=0.25") == schedule_of("gdpo") == "sync"
+    assert sync_spec("mrtpo@one_step_off") == "mrtpo" and sync_spec("gdpo") == "gdpo"
+    assert sync_spec("mrtpo@beta=0.25,one_step_off") == "mrtpo@beta=0.25"
+    # a schedule variant runs at K = 4 (SCHEDULE_K), or at every K of a run without K = 4
+    assert [k for k in (2, 4, 8) if runs_at("gdpo@one_step_off", k, [2, 4, 8])] == [4]
+    assert [k for k in (2, 8) if runs_at("gdpo@one_step_off", k, [2, 8])] == [2, 8]
+    assert all(runs_at("gdpo", k, [2, 4, 8]) for k in (2, 4, 8))
 
 
 # ---- claims on a hand-made table ---------------------------------------------------------------

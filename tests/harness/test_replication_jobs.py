@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from hydra.utils import instantiate
 from mrtpo.config import compose
 from mrtpo.credit import CoRT
 from replication import harness as rep
-from replication.jobs import recorded_csv
+from replication.jobs import recorded_csv, run_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,3 +87,55 @@ def test_a_moved_run_folder_still_finds_its_metrics(tmp_path):
     assert recorded_csv(gone, run) == run / "csv" / "metrics.csv"
     assert recorded_csv(run / "csv" / "metrics.csv", tmp_path) == run / "csv" / "metrics.csv"
     assert recorded_csv(tmp_path / "nowhere.csv", run) == tmp_path / "nowhere.csv"  # left as is
+
+
+def _replicate_script():
+    spec = importlib.util.spec_from_file_location("replicate", ROOT / "scripts" / "replicate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_full_mode_adds_one_step_off_runs_of_gdpo_and_mrtpo_at_k4(tmp_path):
+    """Issue 39's learning check: in the full mode only, GDPO and MRTPO again at K = 4 under
+    one_step_off, 8 seeds, each job its sync twin's but for the schedule and its folder."""
+    script = _replicate_script()
+    quick = script.parse_args([f"--logdir={tmp_path}"])
+    assert quick.methods == list(rep.METHODS)
+    assert not any("one_step_off" in j.key for j in rep.rl_jobs(quick))
+    assert len(rep.rl_jobs(quick)) == len(rep.QUICK_K) * rep.QUICK_SEEDS * len(rep.METHODS)
+
+    full = script.parse_args(["--full", f"--logdir={tmp_path}"])
+    assert full.methods[-2:] == ["gdpo@one_step_off", "mrtpo@one_step_off"]
+    jobs = {j.key: j for j in rep.rl_jobs(full)}
+    variants = sorted(k for k in jobs if "one_step_off" in k)
+    assert variants == sorted(
+        f"k4/{m}@one_step_off/s{s}" for m in ("gdpo", "mrtpo") for s in range(rep.FULL_SEEDS)
+    )
+    schedule = {"rollout.schedule=one_step_off", "rollout.engine.own_copy=true"}
+    for key in variants:
+        job, twin = jobs[key], jobs[key.replace("@one_step_off", "")]
+        method, seed = key.split("/")[1].split("@")[0], key.split("/")[2]
+        assert job.out == tmp_path / "k4" / f"{method}_one_step_off" / seed != twin.out
+        assert set(job.overrides) - set(twin.overrides) == schedule | {
+            f"paths.output_dir={job.out}"
+        }
+        assert set(twin.overrides) - set(job.overrides) == {f"paths.output_dir={twin.out}"}
+        assert job.steps == twin.steps
+    cfg = compose("train.yaml", jobs["k4/mrtpo@one_step_off/s3"].overrides)
+    assert cfg.rollout.schedule == "one_step_off" and cfg.rollout.engine.own_copy is True
+    assert cfg.seed == 3 and cfg.method.beta_warmup_steps == rep.MRTPO_WARMUP_STEPS
+    assert cfg.model.name_or_path == str(rep.warm_start(4, tmp_path))
+
+
+def test_a_schedule_variant_is_resumed_from_its_own_record_only(tmp_path):
+    """The skip-when-done logic reads ``job.json`` in the job's own folder: a finished sync
+    run does not stand in for its one_step_off twin, nor the other way round."""
+    opts = rep.Options(methods=["mrtpo", "mrtpo@one_step_off"], seeds=1, logdir=tmp_path)
+    sync, stale = rep.rl_jobs(opts)
+    assert (sync.key, stale.key) == ("k4/mrtpo/s0", "k4/mrtpo@one_step_off/s0")
+    for job in (sync, stale):
+        job.out.mkdir(parents=True)
+        (job.out / "job.json").write_text(json.dumps({"key": job.key, "csv": "x", "error": None}))
+    done = run_all([sync, stale], 1, 1, None, "RL")  # both finished: nothing runs
+    assert {k: v["key"] for k, v in done.items()} == {sync.key: sync.key, stale.key: stale.key}

@@ -225,3 +225,112 @@ def test_opsd_teacher_section(tmp_path):
     r.teacher = {}
     text = write_report([r], opts, {}, 1.0, tmp_path / "r2.md").read_text()
     assert "## OPSD's teacher" not in text
+
+
+# ---- Learning under one_step_off (issue 39) --------------------------------------------------
+
+# gdpo@one_step_off AUC .25 .375 .25: paired − gdpo (sync) 0, 0, +.125
+GDPO_OFF = [[0, 0, 0.5, 0.5], [0, 0.5, 0.5, 0.5], [0, 0.5, 0.5, 0]]
+# mrtpo@one_step_off AUC .25 .25 .25: paired − mrtpo (sync) −.25, −.375, −.25
+MRTPO_OFF = [[0, 0, 0.5, 0.5], [0, 0.5, 0, 0.5], [0.5, 0, 0, 0.5]]
+STALE = [0.0, 1.0, 1.0, 1.0]  # train/rollout/staleness/max per step
+
+
+@pytest.fixture
+def schedule_report(tmp_path):
+    r = _result(4, MRTPO)
+    for m, curves in (("gdpo@one_step_off", GDPO_OFF), ("mrtpo@one_step_off", MRTPO_OFF)):
+        r.curves[m] = [{"success": c, "first": c, "staleness/max": STALE} for c in curves]
+        r.seeds[m] = [0, 1, 2]
+    methods = ["gdpo", "mrtpo", "gdpo@one_step_off", "mrtpo@one_step_off"]
+    opts = Options(k_values=[4], seeds=3, methods=methods, threshold=0.5, full=True,
+                   logdir=tmp_path / "l", docs=tmp_path / "d", commit="abc1234")  # fmt: skip
+    return write_report([r], opts, {}, 1.0, tmp_path / "r.md").read_text()
+
+
+def test_one_step_off_section(schedule_report):
+    text = schedule_report
+    sec = text.split("## Learning under one_step_off (issue 39)")[1].split("## Caveats")[0]
+    assert "| K | quantity | sync | one_step_off | one_step_off − sync, paired |" in sec
+    # gdpo: sync AUC .25 ± .311 (test_method_table); one_step_off .2917, sd .0722, half .179;
+    # paired 0 0 .125: mean .0417, sd .0722, half t(.975, 2) * .0722 / sqrt(3) = .1793
+    assert (
+        "| 4 | gdpo AUC | 0.250 ± 0.311 | 0.292 ± 0.179 | +0.042 [-0.138, +0.221] (n = 3) |" in sec
+    )
+    assert (
+        "- K = 4, gdpo AUC: within the sync interval: one_step_off 0.292 inside sync's "
+        "[-0.061, 0.561]; paired one_step_off − sync +0.042 [-0.138, +0.221] (n = 3)\n" in sec
+    )
+    # mrtpo: sync .5417 ± .1793 = [.362, .721]; one_step_off .25 (no spread): below it
+    assert (
+        "| 4 | mrtpo AUC | 0.542 ± 0.179 | 0.250 ± 0.000 | -0.292 [-0.471, -0.112] (n = 3) |" in sec
+    )
+    assert (
+        "- K = 4, mrtpo AUC: differs: one_step_off 0.250, below sync's [0.362, 0.721]; "
+        "paired one_step_off − sync -0.292 [-0.471, -0.112] (n = 3)" in sec
+    )
+    # MRTPO − GDPO: sync .25 .25 .375; one_step_off 0, −.125, 0; their difference −.25, −.375,
+    # −.375 (mean −.3333, sd .0722, half .1793)
+    assert (
+        "| 4 | MRTPO − GDPO Δ AUC | +0.292 [+0.112, +0.471] (n = 3) | "
+        "-0.042 [-0.221, +0.138] (n = 3) | -0.333 [-0.513, -0.154] (n = 3) |" in sec
+    )
+    assert (
+        "- K = 4, MRTPO − GDPO Δ AUC: differs: one_step_off -0.042, below sync's "
+        "[+0.112, +0.471]; paired one_step_off − sync -0.333 [-0.513, -0.154] (n = 3)" in sec
+    )
+    assert (
+        "gdpo@one_step_off at K = 4: 0 at the first step, 1 at the later steps (3 runs); "
+        "mrtpo@one_step_off at K = 4: 0 at the first step, 1 at the later steps (3 runs)." in sec
+    )
+    # the design states the variants and the rule
+    design = text.split("## Design (fixed before any result)")[1].split("## Starting points")[0]
+    assert (
+        "- schedules (issue 39): gdpo@one_step_off, mrtpo@one_step_off run again at K = 4" in design
+    )
+    assert "`rollout.engine.own_copy=true rollout.schedule=one_step_off`" in design
+    assert "(the gdpo@one_step_off, mrtpo@one_step_off runs at K = 4 only)" in design
+
+
+def test_schedule_variants_stay_out_of_the_claims(schedule_report):
+    """The claims and the paired table against GDPO compare methods under one schedule: the
+    variants appear in their K's method table and in their own section only."""
+    k4 = schedule_report.split("## K = 4")[1].split("### Where the relevance lands")[0]
+    assert "| mrtpo@one_step_off | 3 |" in k4 and "| gdpo@one_step_off | 3 |" in k4
+    paired = k4.split("Paired differences against gdpo")[1]
+    assert "one_step_off" not in paired
+    head = schedule_report.split("## Design")[0]
+    assert "one_step_off" not in head  # the claim lines
+    assert "one_step_off" not in schedule_report.split("## Claim 1")[1].split("## Determinism")[0]
+
+
+def test_no_schedule_section_without_variants(report):
+    assert "## Learning under" not in report and "- schedules (issue 39)" not in report
+
+
+def test_schedule_verdict_branches():
+    from mrtpo.analysis.stats import Interval
+    from replication.harness import schedule_verdict
+
+    sync = Interval(0.5, 0.1, 8)  # [0.4, 0.6]
+    small = Interval(0.01, 0.02, 8)  # paired interval containing zero
+    shift = Interval(0.05, 0.02, 8)  # paired interval excluding zero
+    v = schedule_verdict(sync, Interval(0.55, 0.1, 8), small, "one_step_off")
+    assert v.startswith("within the sync interval: one_step_off 0.550 inside sync's [0.400, 0.600]")
+    assert "excludes zero" not in v
+    v = schedule_verdict(sync, Interval(0.55, 0.1, 8), shift, "one_step_off")
+    assert v.startswith("within the sync interval") and "paired interval excludes zero" in v
+    assert schedule_verdict(sync, Interval(0.6, 0.1, 8), shift, "x").startswith("within")  # edge
+    v = schedule_verdict(sync, Interval(0.7, 0.1, 8), shift, "one_step_off")
+    assert v == (
+        "differs: one_step_off 0.700, above sync's [0.400, 0.600]; paired one_step_off − sync "
+        "+0.050 [+0.030, +0.070] (n = 8)"
+    )
+    v = schedule_verdict(Interval(0.1, 0.05, 8), Interval(-0.1, 0.1, 8), shift, "s", signed=True)
+    assert v.startswith("differs: s -0.100, below sync's [+0.050, +0.150]")
+    nan = float("nan")
+    assert schedule_verdict(Interval(nan, nan, 0), sync, small, "s") == "no data"
+    assert schedule_verdict(sync, Interval(nan, nan, 0), small, "s") == "no data"
+    assert schedule_verdict(Interval(0.5, nan, 1), sync, small, "s").startswith(
+        "no sync interval (n = 1)"
+    )
