@@ -161,10 +161,16 @@ def run(
     eos = eos_token_ids(tok, model)
     system = long_text(size, system_tokens)
     longest = system_tokens + 64 + max(w["new_tokens"] for w in workloads) + 64
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(trainer_cpu))  # the in-process one
-    engines, start = _start_engines(
-        path, model, tok, eos, server_cpu=server_cpu, in_process=True, max_len=longest
-    )
+    # the in-process engine's OpenMP threads on the trainer's core; put back afterwards (a
+    # server started later in this process would inherit it and run on the wrong core)
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(trainer_cpu)
+    try:
+        engines, start = _start_engines(
+            path, model, tok, eos, server_cpu=server_cpu, in_process=True, max_len=longest
+        )
+    finally:
+        _restore_env("VLLM_CPU_OMP_THREADS_BIND", bind)
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {trainer_cpu})
     torch.set_num_threads(1)
@@ -201,6 +207,13 @@ def run(
         os.sched_setaffinity(0, affinity)
         _close(engines)
     return out
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def _ratio(times, a: str, b: str) -> float:

@@ -14,6 +14,7 @@ from benchmarks import harness
 from benchmarks.render import render
 from benchmarks.schedules import RUNS
 
+BIND_BEFORE = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 PLAN = {
     "schedules": dict(
         size="tiny_wide",
@@ -47,6 +48,9 @@ def schedules_json(tmp_path_factory, vllm_module):
 def test_every_run_of_every_workload_is_timed(schedules_json):
     d = schedules_json
     assert d["server_cpu"] != d["trainer_cpu"] and d["commit"]
+    # nothing of the section's pinning is left behind for later servers of this process
+    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == BIND_BEFORE
+    assert len(os.sched_getaffinity(0)) >= 2  # not left on the trainer's one core
     first, second = d["workloads"]
     assert set(first["step_s"]) == {r[0] for r in RUNS} | {"gdpo/sync/in_process"}
     assert set(second["step_s"]) == {r[0] for r in RUNS}
