@@ -200,7 +200,7 @@ DESIGN_HISTORY: tuple[str, ...] = (
     "and the include words (0.72–0.76) behind. It had not reached the 0.6 start of the other "
     "cells within the budget stated for it (about 16 min of that pass on one core), and the "
     "whole K = 8 cell (that warm start at about 25–30 min to free part 0, the 60-word and noisy "
-    "passes, 16 RL runs) did not fit in the session that regenerated this report, so K = 8 is "
+    "passes, 16 RL runs) did not fit in the session that made this diagnosis, so K = 8 is "
     "again not a cell: P5 rests on K = 2 and 4, and the recipe above is the next step.",
 )
 
