@@ -720,7 +720,9 @@ def _schedules(d) -> list[str]:
         out.append(
             f"- **{w['name']}** ({w['new_tokens']} new tokens): generation {_f(w['generation_s'])} s"
             f" = {_pct(w['generation_share_gdpo_sync'])} of a GDPO sync step; MRTPO's training "
-            f"part {_f(w['mrtpo_training_s'])} s. one_step_off over sync: GDPO "
+            f"part {_f(w['mrtpo_training_s'])} s (generation "
+            f"{_x(w['generation_s'] / w['mrtpo_training_s'])} of it: one_step_off can hide "
+            "MRTPO's replay only where this is 1 or more). one_step_off over sync: GDPO "
             f"{_x(w['speedup_one_step_off_gdpo'])} steps/s, MRTPO "
             f"{_x(w['speedup_one_step_off_mrtpo'])}. MRTPO/GDPO step time: "
             f"{_x(w['mrtpo_over_gdpo_sync'])} under sync, "

@@ -103,10 +103,13 @@ def run_once(engines, label, method, schedule, engine, steps, warmup, share, **s
     return clock.step_times(warmup), clock.split[warmup:]
 
 
-def _start_engines(path, model, tok, eos, *, server_cpu: int, in_process: bool, max_len: int):
+def _start_engines(path, model, tok, eos, *, server_cpu: int, trainer_cpu: int, max_len: int):
+    """The server on its core, then the in-process engine with its OpenMP threads on the
+    trainer's core. The binding variable is set for the in-process engine only and put back
+    afterwards: a server started while it is set inherits it and computes on that core."""
+    from mrtpo.rollout.vllm import VLLMEngine
     from mrtpo.rollout.vllm_server import VLLMServerEngine
 
-    engines: dict[str, Any] = {}
     t0 = time.perf_counter()
     server = VLLMServerEngine(
         str(path),
@@ -116,16 +119,17 @@ def _start_engines(path, model, tok, eos, *, server_cpu: int, in_process: bool, 
         log_file=str(bench_dir() / "runs" / "schedules-server.log"),
     )
     server.bind(model, tok, eos)
-    engines["server"] = server
     start = {"server_s": time.perf_counter() - t0}
-    if in_process:
-        from mrtpo.rollout.vllm import VLLMEngine
-
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(trainer_cpu)
+    try:
         t0 = time.perf_counter()
-        engines["in_process"] = VLLMEngine(str(path), seed=0, max_model_len=max_len)
-        engines["in_process"].bind(model, tok, eos)
+        in_process = VLLMEngine(str(path), seed=0, max_model_len=max_len)
+        in_process.bind(model, tok, eos)
         start["in_process_s"] = time.perf_counter() - t0
-    return engines, start
+    finally:
+        _restore_env("VLLM_CPU_OMP_THREADS_BIND", bind)
+    return {"server": server, "in_process": in_process}, start
 
 
 def _close(engines: dict[str, Any]) -> None:
@@ -161,16 +165,9 @@ def run(
     eos = eos_token_ids(tok, model)
     system = long_text(size, system_tokens)
     longest = system_tokens + 64 + max(w["new_tokens"] for w in workloads) + 64
-    # the in-process engine's OpenMP threads on the trainer's core; put back afterwards (a
-    # server started later in this process would inherit it and run on the wrong core)
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(trainer_cpu)
-    try:
-        engines, start = _start_engines(
-            path, model, tok, eos, server_cpu=server_cpu, in_process=True, max_len=longest
-        )
-    finally:
-        _restore_env("VLLM_CPU_OMP_THREADS_BIND", bind)
+    engines, start = _start_engines(
+        path, model, tok, eos, server_cpu=server_cpu, trainer_cpu=trainer_cpu, max_len=longest
+    )
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {trainer_cpu})
     torch.set_num_threads(1)
