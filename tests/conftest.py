@@ -94,3 +94,15 @@ def _mrtpo_log_left_as_found():
             f"the test left the mrtpo logger changed (level, disabled, propagate): "
             f"{before} -> {after}"
         )
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: the tiny model runs about 3x faster on one thread than
+    on two contended ones here."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

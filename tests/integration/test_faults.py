@@ -24,14 +24,7 @@ from mrtpo.replay import Replayer
 from mrtpo.tasks.base import Score
 from mrtpo.tasks.synthetic import SyntheticTask
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model runs faster on one thread than on two contended ones (about 3x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- injected faults ----------------------------------------------------------------------

@@ -24,14 +24,7 @@ from mrtpo.credit.relevance import beta_schedule
 from mrtpo.pipeline import build, metrics_csv, resume_checkpoint
 from mrtpo.rollout.hf import HFEngine
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model runs faster on one thread than on two contended ones (about 3x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:

@@ -15,7 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from mrtpo.pipeline import train
 
@@ -31,12 +30,7 @@ RUN = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _lines(path: Path) -> list[str]:

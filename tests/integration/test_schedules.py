@@ -15,13 +15,7 @@ import torch
 
 from mrtpo.pipeline import build, resume_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 COMMON = (
