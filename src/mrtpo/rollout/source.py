@@ -184,11 +184,8 @@ class RolloutSource:
                 )
             return (*got.future.result(), got.prompts)
         prompts = [prompt_ids(self.tokenizer, e) for e in examples]
-        saved = self._restored.pop(index, None)
-        if saved is not None and saved["seed"] == seed:
-            gens = [Generation(**g) for g in saved["generations"]]
-            return saved["version"], float(saved.get("seconds", 0.0)), gens, prompts
-        return (*self._generate(prompts, seed), prompts)
+        kept = self._kept(index, seed)
+        return (*(kept or self._generate(prompts, seed)), prompts)
 
     def _submit(self, index: int, examples: Sequence[Example], seed: int) -> None:
         """Batch ``index`` to the worker; its prompts are tokenized here, in this thread."""
@@ -196,15 +193,22 @@ class RolloutSource:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mrtpo-rollout")
         examples = list(examples)
         prompts = [prompt_ids(self.tokenizer, e) for e in examples]
-        saved = self._restored.pop(index, None)
-        if saved is not None and saved["seed"] == seed:
-            done: Future = Future()
-            gens = [Generation(**g) for g in saved["generations"]]
-            done.set_result((saved["version"], float(saved.get("seconds", 0.0)), gens))
-            self._ahead[index] = _Ahead(index, seed, examples, prompts, done)
-            return
-        future = self._pool.submit(self._generate, prompts, seed)
+        kept = self._kept(index, seed)
+        if kept is not None:
+            future: Future = Future()
+            future.set_result(kept)
+        else:
+            future = self._pool.submit(self._generate, prompts, seed)
         self._ahead[index] = _Ahead(index, seed, examples, prompts, future)
+
+    def _kept(self, index: int, seed: int):
+        """(version, seconds, generations) of batch ``index`` as a checkpoint kept it, or
+        None (not kept, or kept with another seed)."""
+        saved = self._restored.pop(index, None)
+        if saved is None or saved["seed"] != seed:
+            return None
+        gens = [Generation(**g) for g in saved["generations"]]
+        return saved["version"], float(saved.get("seconds", 0.0)), gens
 
     def _generate(self, prompts: list[list[int]], seed: int):
         """(version, seconds, generations): one batch, holding the engine."""

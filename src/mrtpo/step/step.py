@@ -121,7 +121,8 @@ class RLStep:
         """Phases 2-6 on ``rollout`` (phase 1); ``rollout_s``: the seconds the step waited
         for it; ``rollout_info``: the rollout schedule's own metrics (``train/rollout/...``)."""
         t_step, times = time.perf_counter(), {"rollout": rollout_s}
-        lag = {**self.staleness(rollout), **(rollout_info or {})}
+        stale = self.staleness(rollout)
+        lag = {**stale, **(rollout_info or {})}
         with _timed(times, "reward"):
             scored = self.score(rollout)
         self.faults.check_scoring(scored.scores, rollout.examples, self.iteration, self.ranks)
@@ -131,7 +132,7 @@ class RLStep:
         with _timed(times, "replay"):
             rel = self.relevance(scored)
         with _timed(times, "old_logp"):
-            old = self.old_policy(rollout, rel)
+            old = self.old_policy(rollout, rel, stale.get("rollout/staleness/max", 0.0) > 0)
         adv = self.advantages(scored, rel, old)
         if self.ranks.any(not bool(torch.isfinite(adv.advantages).all())):
             return self.skip(host, "advantages", scored, adv.advantages)
@@ -176,7 +177,7 @@ class RLStep:
             ).reshape(scored.rewards.shape)
         return out & ~scored.rewards.isnan()
 
-    def old_policy(self, roll: RolloutBatch, rel: Relevance) -> OldPolicy:
+    def old_policy(self, roll: RolloutBatch, rel: Relevance, stale: bool = False) -> OldPolicy:
         """4. What the updates compare against, under P0 at the sampling temperature.
 
         pi_old's log-probs when more than one update follows (with one they equal the current
@@ -188,9 +189,8 @@ class RLStep:
         """
         rl, micro = self.rl, int(self.rl.micro_batch_size)
         several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
-        # a batch sampled by older weights is corrected against the engine's log-probs (the
-        # behaviour policy's) as decoupled PPO does (docs/method.md, "Stale samples")
-        stale = bool(self.staleness(roll).get("rollout/staleness/max", 0.0) > 0)
+        # a batch sampled by older weights (``stale``) is corrected against the engine's
+        # log-probs (the behaviour policy's) as decoupled PPO does (docs/method.md)
         cap = rl.tis_cap if rl.tis_cap is not None else (rl.stale_tis_cap if stale else None)
         gap = roll.engine_logp is not None and (several or cap is not None or rl.measure_logp_gap)
         if cap is not None and roll.engine_logp is None:  # refused at start-up, unless the
