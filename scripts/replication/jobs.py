@@ -29,6 +29,9 @@ class Job:
     overrides: list[str]
     out: Path
     steps: int  # expected steps (for the progress bar; SFT: the upper bound)
+    #: keys of jobs (in the same ``run_all`` call, or finished before it) that must have
+    #: finished without error before this one starts
+    after: tuple[str, ...] = ()
 
 
 _MUTED = ("lightning", "pytorch_lightning", "lightning_fabric", "mrtpo")
@@ -125,8 +128,19 @@ def run_job(job: Job, queue=None) -> dict[str, Any]:
     return result
 
 
+def _blocked(job: Job, results: dict[str, dict]) -> str | None:
+    """Why ``job`` can never run here (a job it waits for failed), or None."""
+    failed = [k for k in job.after if k in results and results[k].get("error")]
+    return f"not run: {', '.join(failed)} failed" if failed else None
+
+
 def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) -> dict[str, dict]:
     """Run jobs on a process pool with a rich progress display; skip finished ones.
+
+    ``jobs`` is in order of priority: a free worker takes the first job whose ``after`` jobs
+    have finished, so a long chain of dependent jobs listed first is never queued behind
+    independent ones. A job whose ``after`` job failed is not run (its result says which, and
+    no ``job.json`` is written, so a rerun tries it again).
 
     Workers are fresh interpreters ("spawn": no forked torch or tokenizer state) with
     ``threads`` torch threads each; they start with this process's ``sys.path``, so they import
@@ -147,6 +161,17 @@ def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) ->
                 continue
         job.out.mkdir(parents=True, exist_ok=True)
         todo.append(job)
+    keys = {j.key for j in jobs}
+    unknown = sorted({k for j in todo for k in j.after if k not in keys})
+    if unknown:
+        raise ValueError(f"jobs wait for jobs not given to run_all: {', '.join(unknown)}")
+    can, left = set(results), list(todo)  # every job can start once the others succeed
+    while left:
+        ready = [j for j in left if all(k in can for k in j.after)]
+        if not ready:
+            raise ValueError(f"jobs wait for each other: {', '.join(j.key for j in left)}")
+        can |= {j.key for j in ready}
+        left = [j for j in left if j not in ready]
     if not todo:
         return results
     ctx = mp.get_context("spawn")
@@ -167,8 +192,24 @@ def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) ->
     ):
         overall = progress.add_task(f"[bold]{title}", total=len(todo), info="")
         bars: dict[str, int] = {}
-        pending: dict[Future, Job] = {pool.submit(run_job, j, queue): j for j in todo}
-        while pending:
+        pending: dict[Future, Job] = {}
+        waiting = list(todo)
+        while waiting or pending:
+            for job in list(waiting):  # drop what can never run, then fill the free workers
+                why = _blocked(job, results)
+                if why is not None:
+                    waiting.remove(job)
+                    results[job.key] = {"key": job.key, "csv": None, "error": why}
+                    progress.advance(overall)
+                    console.print(f"[red]{job.key} {why}")
+            for job in list(waiting):
+                if len(pending) >= workers:
+                    break
+                if all(k in results and not results[k].get("error") for k in job.after):
+                    waiting.remove(job)
+                    pending[pool.submit(run_job, job, queue)] = job
+            if not pending:  # what is left waits for a job that failed: dropped next pass
+                continue
             done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
             while not queue.empty():
                 key, step, succ = queue.get_nowait()

@@ -12,8 +12,12 @@ cell runs from it.
 The warm starts follow the toy replication's two passes (``toy_long_sft``, then
 ``toy_long_sft_noisy``, which stops when the constraints other than ``mark`` are met together
 at the toy's rate). A cell's clean pass starts from the clean policy of the cell it learns from
-(``START``): free part 0 from random weights (K = 8 from K = 4's), a longer free part from the
-same K's free-part-0 policy, which already reads the constraints.
+(``start_of``): free part 0 from random weights, a longer free part from the same K's
+free-part-0 policy, which already reads the constraints. K = 8 is the exception: its free-part-0
+pass learns to read the constraints only from a policy that already reads 8 of them in the toy
+replication's format (no free part, no markers), so its chain runs through two toy-format
+passes first, K = 4 to its target and K = 8 for ``TOY_READER_STEPS`` (the design history in
+``long_report`` has the diagnosis).
 
 Jobs, statistics and claim rules are the toy replication's (``replication.jobs``,
 ``replication.claims``); this module lays out the cells, runs them and reads them back, and
@@ -32,7 +36,11 @@ from mrtpo.config import compose
 from replication.harness import ROOT, method_dir, parse_method
 from replication.jobs import Job, recorded_csv, run_all
 
-Cell = tuple[int, int]  # (K, free part length in filler words)
+Cell = tuple[int, int]  # (K, free part length in filler words, or TOY)
+
+#: The "free part" of a toy-format cell: the toy replication's prompt and response, without
+#: the free-part sentence and markers. Such a cell is only a step of a warm-start chain.
+TOY = -1
 
 #: The free part's lengths (filler words; each adds 6 marker tokens around it).
 FREE = (0, 20, 60)
@@ -40,12 +48,13 @@ LONG_FREE = max(FREE)
 #: The quick mode: the two ends of the length axis at K = 2, whose warm starts take about 2 min
 #: here against about 26 for K = 4's (docs/replication_long.md's history).
 QUICK_CELLS: tuple[Cell, ...] = ((2, 0), (2, LONG_FREE))
-#: The full mode: the length axis at K = 4, and K = 2 at the longest free part. K = 8 is not in
-#: it: its free-part-0 clean pass (from K = 4's policy) did not learn to read the constraints
-#: in 4331 steps; a warm start through the toy format's K = 8 policy does learn, but had not
-#: reached the other cells' start in its budget (docs/replication_long.md's history, issue
-#: 42); ``--cells 8:60`` still runs the old one.
-FULL_CELLS: tuple[Cell, ...] = (*((4, f) for f in FREE), (2, LONG_FREE))
+#: The full mode: the length axis at K = 4, and K = 2, 4 and 8 at the longest free part.
+FULL_CELLS: tuple[Cell, ...] = (*((4, f) for f in FREE), (2, LONG_FREE), (8, LONG_FREE))
+#: Steps of a toy-format pass above K = 4 (K = 8's chain): enough to read every constraint
+#: but the include words (the diagnosis: `first` 1.00 from step 1875; its target of 0.6 took
+#: 4425 steps in the toy replication, most of them on the include words, which the long
+#: format's pass learns anyway).
+TOY_READER_STEPS = 2000
 #: Methods run in every cell, and the two ablations, run only at the longest free part.
 METHODS = ("gdpo", "mrtpo")
 ABLATIONS = ("mrtpo_shuffle", "mrtpo_joint")
@@ -66,15 +75,24 @@ def token_budget(free: int) -> int:
 
 
 def start_of(cell: Cell) -> Cell | None:
-    """The cell whose clean policy this cell's clean pass starts from (None: random weights)."""
+    """The cell whose clean policy this cell's clean pass starts from (None: random weights):
+    a longer free part from the same K's free part 0; K ≥ 8 at free part 0 from the same K's
+    toy-format policy, which starts from half K's (down to K = 4, from random weights)."""
     k, free = cell
     if free > 0:
         return (k, 0)
-    return (4, 0) if k == 8 else None
+    if k < 8:
+        return None
+    return (k, TOY) if free == 0 else (k // 2, TOY)
+
+
+def cell_name(cell: Cell) -> str:
+    k, free = cell
+    return f"k{k}_toy" if free == TOY else f"k{k}_f{free}"
 
 
 def cell_dir(logdir: Path, cell: Cell) -> Path:
-    return logdir / f"k{cell[0]}_f{cell[1]}"
+    return logdir / cell_name(cell)
 
 
 def warm_start(logdir: Path, cell: Cell) -> Path:
@@ -120,31 +138,50 @@ def methods_of(cell: Cell, opts: LongOptions) -> list[str]:
 
 def _common(cell: Cell, out: Path, logdir: Path) -> list[str]:
     k, free = cell
+    fmt = (
+        []
+        if free == TOY
+        else [  # a toy-format cell keeps toy_sft's own
+            f"task.free_tokens={free}",
+            f"rollout.sampling.max_new_tokens={token_budget(free)}",
+        ]
+    )
     return [
         f"task.num_constraints={k}",
-        f"task.free_tokens={free}",
-        f"rollout.sampling.max_new_tokens={token_budget(free)}",
+        *fmt,
         f"paths.output_dir={out}",
         f"paths.log_dir={logdir}",
         "++trainer.enable_progress_bar=false",
     ]
 
 
+def sft_key(cell: Cell, phase: str) -> str:
+    return f"{cell_name(cell)}/{phase}"
+
+
 def sft_job(cell: Cell, phase: str, opts: LongOptions) -> Job:
     """Warm-start pass ``phase`` of a cell: the clean pass from ``start_of``'s clean policy (or
-    random weights), the noisy pass from the cell's own clean policy."""
+    random weights), the noisy pass from the cell's own clean policy. A toy-format cell has a
+    clean pass only (``toy_sft``, as the toy replication's)."""
     out = cell_dir(opts.logdir, cell) / phase
-    ov = [f"experiment=toy_long_{phase}", *_common(cell, out, opts.logdir)]
+    toy = cell[1] == TOY
+    if toy and phase != SFT_PHASES[0]:
+        raise ValueError(f"a toy-format cell ({cell_name(cell)}) has no {phase} pass")
+    experiment = "toy_sft" if toy else f"toy_long_{phase}"
+    ov = [f"experiment={experiment}", *_common(cell, out, opts.logdir)]
     ov += [f"stage.sft.save_dir={out / 'policy'}", f"seed={opts.sft_seed}"]
     start = cell if phase != SFT_PHASES[0] else start_of(cell)
     if start is not None:
         src = cell_dir(opts.logdir, start) / SFT_PHASES[0] / "policy"
         ov += [f"model.name_or_path={src}", "model.tiny=null"]
+    if toy and cell[0] > 4:
+        ov.append(f"trainer.max_steps={TOY_READER_STEPS}")
     if opts.sft_max_steps is not None:
         ov.append(f"trainer.max_steps={opts.sft_max_steps}")
     ov += opts.sft_override
     steps = int(compose("train.yaml", ov).trainer.max_steps)
-    return Job(f"k{cell[0]}_f{cell[1]}/{phase}", ov, out, steps)
+    after = () if start is None else (sft_key(start, SFT_PHASES[0]),)
+    return Job(sft_key(cell, phase), ov, out, steps, after)
 
 
 def rl_job(cell: Cell, method: str, seed: int, opts: LongOptions) -> Job:
@@ -159,7 +196,8 @@ def rl_job(cell: Cell, method: str, seed: int, opts: LongOptions) -> Job:
         ov.append(f"trainer.max_steps={opts.steps}")
     ov += opts.override
     steps = int(compose("train.yaml", ov).trainer.max_steps)
-    return Job(f"k{cell[0]}_f{cell[1]}/{method}/s{seed}", ov, out, steps)
+    return Job(f"{cell_name(cell)}/{method}/s{seed}", ov, out, steps,
+               (sft_key(cell, SFT_PHASES[-1]),))  # fmt: skip
 
 
 def sft_waves(cells: list[Cell]) -> list[list[tuple[Cell, str]]]:
@@ -204,7 +242,7 @@ def reuse_warm_starts(opts: LongOptions) -> str:
         job = cell_dir(src, cell) / phase / "job.json"
         ok = job.exists() and not json.loads(job.read_text()).get("error")
         if not ok or not (job.parent / "policy").is_dir():
-            missing.append(f"k{cell[0]}_f{cell[1]}/{phase}")
+            missing.append(sft_key(cell, phase))
     if missing:
         raise ValueError(f"--warm-from {src}: no finished warm start for {', '.join(missing)}")
     for cell, phase in needed:
@@ -221,8 +259,23 @@ def reuse_warm_starts(opts: LongOptions) -> str:
     return str(saved.get("commit"))
 
 
+def _chain_first(passes: list[tuple[Cell, str]]) -> list[tuple[Cell, str]]:
+    """``passes`` (in ``sft_waves`` order) reordered so that the pass with the longest chain of
+    passes waiting on it comes first: K = 8's chain takes about as long as every other warm
+    start together, so it must never queue behind them."""
+    below: dict[tuple[Cell, str], int] = {}
+    for cell, phase in reversed(passes):  # every pass after the ones it waits for
+        kids = [(c, ph) for c, ph in passes if ph == SFT_PHASES[0] and start_of(c) == cell]
+        if phase == SFT_PHASES[0] and (cell, SFT_PHASES[1]) in passes:
+            kids.append((cell, SFT_PHASES[1]))
+        below[(cell, phase)] = 1 + max((below[x] for x in kids if x in below), default=0)
+    return sorted(passes, key=lambda p: -below[p])
+
+
 def run_cells(opts: LongOptions, console) -> bool:
-    """Every warm start, then every RL run (finished jobs are skipped: a rerun resumes)."""
+    """Every warm start and every RL run, in one pool: a job starts once the pass it starts
+    from is done, the longest warm-start chain first (finished jobs are skipped: a rerun
+    resumes)."""
     if opts.warm_from is not None:
         try:
             made = reuse_warm_starts(opts)
@@ -230,16 +283,15 @@ def run_cells(opts: LongOptions, console) -> bool:
             console.print(f"[red]{exc}")
             return False
         console.print(f"warm starts reused from {opts.warm_from} (made at commit {made})")
-    for wave in sft_waves(list(opts.cells)):
-        jobs = [sft_job(c, phase, opts) for c, phase in wave]
-        res = run_all(jobs, opts.workers, opts.threads, console, f"SFT ({wave[0][1]})")
-        failed = [key for key, v in res.items() if v.get("error")]
-        if failed:
-            console.print(f"[red]SFT failed for {failed}; stopping")
-            return False
-    jobs = [rl_job(c, m, s, opts) for c in opts.cells for s in range(opts.seeds)
-            for m in methods_of(c, opts)]  # fmt: skip
-    run_all(jobs, opts.workers, opts.threads, console, "RL runs")
+    passes = _chain_first([p for wave in sft_waves(list(opts.cells)) for p in wave])
+    sft = [sft_job(c, phase, opts) for c, phase in passes]
+    rl = [rl_job(c, m, s, opts) for c in opts.cells for s in range(opts.seeds)
+          for m in methods_of(c, opts)]  # fmt: skip
+    res = run_all([*sft, *rl], opts.workers, opts.threads, console, "Warm starts and RL runs")
+    failed = [j.key for j in sft if res.get(j.key, {}).get("error")]
+    if failed:
+        console.print(f"[red]warm start failed for {failed}: their cells' RL runs did not run")
+        return False
     return True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 from pathlib import Path
 
@@ -139,3 +140,28 @@ def test_a_schedule_variant_is_resumed_from_its_own_record_only(tmp_path):
         (job.out / "job.json").write_text(json.dumps({"key": job.key, "csv": "x", "error": None}))
     done = run_all([sync, stale], 1, 1, None, "RL")  # both finished: nothing runs
     assert {k: v["key"] for k, v in done.items()} == {sync.key: sync.key, stale.key: stale.key}
+
+
+def test_a_job_waits_for_the_jobs_it_starts_from_and_is_not_run_when_one_failed(tmp_path):
+    """A job whose ``after`` job failed is reported as not run and leaves no record, so a rerun
+    tries it; the failed job itself leaves its error (a real worker composing a bad config)."""
+    from rich.console import Console
+
+    from replication.jobs import Job
+
+    bad = Job("a/sft", ["experiment=no_such_experiment"], tmp_path / "a", 1)
+    child = Job("a/rl", ["experiment=toy_long"], tmp_path / "b", 1, after=("a/sft",))
+    grandchild = Job("a/rl2", ["experiment=toy_long"], tmp_path / "c", 1, after=("a/rl",))
+    res = run_all([grandchild, child, bad], 2, 1, Console(file=io.StringIO()), "t")
+    assert res["a/sft"]["error"] and (bad.out / "job.json").exists()
+    assert res["a/rl"]["error"] == "not run: a/sft failed"
+    assert res["a/rl2"]["error"] == "not run: a/rl failed"
+    assert not (child.out / "job.json").exists() and not (grandchild.out / "job.json").exists()
+    with pytest.raises(ValueError, match="not given to run_all: x"):
+        run_all([Job("y", [], tmp_path / "y", 1, after=("x",))], 1, 1, None, "t")
+    loop = [
+        Job("p", [], tmp_path / "p", 1, after=("q",)),
+        Job("q", [], tmp_path / "q", 1, after=("p",)),
+    ]
+    with pytest.raises(ValueError, match="wait for each other: p, q"):
+        run_all(loop, 1, 1, None, "t")

@@ -32,24 +32,54 @@ def _value(job, key: str) -> str | None:
 
 
 def test_clean_passes_start_from_the_free_part_0_policy_and_noisy_passes_from_their_own(tmp_path):
-    cells = [*L.FULL_CELLS, (8, L.LONG_FREE)]  # K = 8 runs only when asked (--cells)
+    cells = list(L.FULL_CELLS)
+    assert (8, L.LONG_FREE) in cells
     opts = L.LongOptions(cells=cells, logdir=tmp_path)
     assert _value(L.sft_job((4, 0), "sft", opts), "model.name_or_path") is None  # random weights
-    for cell, parent in [((4, 20), (4, 0)), ((4, 60), (4, 0)), ((8, 0), (4, 0)), ((8, 60), (8, 0))]:
+    for cell, parent in [((4, 20), (4, 0)), ((4, 60), (4, 0)), ((8, 60), (8, 0))]:
         job = L.sft_job(cell, "sft", opts)
         assert (
             Path(_value(job, "model.name_or_path"))
             == L.cell_dir(tmp_path, parent) / "sft" / "policy"
         )
+        assert job.after == (f"{L.cell_name(parent)}/sft",)
     noisy = L.sft_job((4, 60), "sft_noisy", opts)
     assert (
         Path(_value(noisy, "model.name_or_path"))
         == L.cell_dir(tmp_path, (4, 60)) / "sft" / "policy"
     )
+    assert noisy.after == ("k4_f60/sft",)
+    rl = L.rl_job((8, 60), "mrtpo", 0, opts)
+    assert rl.after == ("k8_f60/sft_noisy",)
     waves = L.sft_waves(cells)
-    assert waves[0] == [((2, 0), "sft"), ((4, 0), "sft")]  # (2, 0) only as (2, 60)'s parent
-    assert ((8, 0), "sft") in waves[1] and ((8, 60), "sft") in waves[2]
+    assert waves[0] == [((2, 0), "sft"), ((4, L.TOY), "sft"), ((4, 0), "sft")]
+    assert waves[1] == [((2, 60), "sft"), ((4, 20), "sft"), ((4, 60), "sft"), ((8, L.TOY), "sft")]
+    assert waves[2] == [((8, 0), "sft")] and waves[3] == [((8, 60), "sft")]
     assert waves[-1] == [(c, "sft_noisy") for c in cells]
+
+
+def test_k8_reads_through_the_toy_format_first(tmp_path):
+    """K = 8's free-part-0 pass starts from a toy-format K = 8 policy (toy_sft, a fixed number
+    of steps), which starts from a toy-format K = 4 one (toy_sft from random weights)."""
+    opts = L.LongOptions(cells=[(8, 60)], logdir=tmp_path)
+    assert L.start_of((8, 0)) == (8, L.TOY) and L.start_of((8, L.TOY)) == (4, L.TOY)
+    assert L.start_of((4, L.TOY)) is None and L.start_of((4, 0)) is None
+    k4, k8 = L.sft_job((4, L.TOY), "sft", opts), L.sft_job((8, L.TOY), "sft", opts)
+    f0 = L.sft_job((8, 0), "sft", opts)
+    assert (k4.after, k8.after, f0.after) == ((), ("k4_toy/sft",), ("k8_toy/sft",))
+    assert Path(_value(f0, "model.name_or_path")) == tmp_path / "k8_toy" / "sft" / "policy"
+    c4, c8, cf = (compose("train.yaml", j.overrides) for j in (k4, k8, f0))
+    assert c4.task.get("free_tokens") is None is c8.task.get("free_tokens")
+    assert cf.task.free_tokens == 0
+    assert (c4.task.num_constraints, c8.task.num_constraints) == (4, 8)
+    assert c8.trainer.max_steps == L.TOY_READER_STEPS == k8.steps
+    assert c4.trainer.max_steps == cf.trainer.max_steps  # to the target, within the usual limit
+    with pytest.raises(ValueError, match="no sft_noisy pass"):
+        L.sft_job((8, L.TOY), "sft_noisy", opts)
+    # the chain goes first: four passes wait on the K = 4 toy pass, two on K = 2's free part 0
+    order = L._chain_first([p for w in L.sft_waves(list(L.FULL_CELLS)) for p in w])
+    assert order[0] == ((4, L.TOY), "sft") and order.index(((8, L.TOY), "sft")) < 4
+    assert order.index(((8, 0), "sft")) < order.index(((2, 60), "sft"))
 
 
 @pytest.mark.parametrize("free", L.FREE)
