@@ -8,7 +8,7 @@
     python scripts/replicate.py --report-only --logdir logs/replicate/<run>   # redo the report
     python scripts/replicate.py --report-only --logdir <run> --docs /tmp/out  # ... elsewhere
     make replicate ARGS=--long           # the long toy: a free part of 0 and 60 words at K=2
-    make replicate ARGS="--long --full"  # K = 4 at 0, 20, 60 words, K = 2 at 60, 8 seeds (replication_long.md)
+    make replicate ARGS="--long --full"  # K = 4 at 0, 20, 60 words, K = 2, 4, 8 at 60, 8 seeds (replication_long.md)
     make replicate ARGS="--long --warm-from logs/replicate_long/<run>"  # RL only, its warm starts
 
 The harness is the package beside this file, ``scripts/replication``; this file only reads
