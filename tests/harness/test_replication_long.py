@@ -321,3 +321,41 @@ def test_credit_stats_reading_and_picture_of_a_made_up_dump(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 0 and "q=0.9000" in (
         tmp_path / "r.html"
     ).read_text()
+
+
+def test_the_report_names_changed_verdicts_and_where_the_change_comes_from(monkeypatch):
+    """Over the previous report's cells the verdicts are the recorded ones; a cell added since
+    where MRTPO trails GDPO changes some, and the section blames the added cell. A recorded
+    verdict the old cells do not give again is blamed on the runs."""
+    methods = ["gdpo", "mrtpo", "mrtpo_shuffle", "mrtpo_joint"]
+
+    def cell(edge: float) -> dict:
+        gains = {"gdpo": 0, "mrtpo": edge, "mrtpo_shuffle": 0, "mrtpo_joint": edge / 2}
+        return {
+            m: {
+                s: R.summarize(_series(_ramp(0.01 * s, 0.05 + g), _ramp(0.05, 0.05 + 2 * g)), 0.5)
+                for s in range(4)
+            }
+            for m, g in gains.items()
+        }
+
+    old = {(4, f): cell(0.002 * f) for f in L.FREE}
+    monkeypatch.setitem(R.PREVIOUS_REPORT, "cells", tuple(old))
+    before = {c.number: c.verdict for c in R.predictions(old, methods)}
+    monkeypatch.setitem(R.PREVIOUS_REPORT, "verdicts", before)
+
+    def section(tab) -> str:
+        lines: list[str] = []
+        R._against_previous(lines.append, tab, R.predictions(tab, methods), methods)
+        return "\n".join(lines)
+
+    assert "Every verdict is the same." in section(old)
+    new = {**old, (8, L.LONG_FREE): cell(-0.03)}
+    text = section(new)
+    changed = [c for c in R.predictions(new, methods) if c.verdict != before[c.number]]
+    assert changed and "this one adds (8, 60)." in text
+    for c in changed:
+        assert f"- P{c.number}: {before[c.number]} → **{c.verdict}**" in text
+    assert text.count("so the change comes from the cells added since") == len(changed)
+    monkeypatch.setitem(R.PREVIOUS_REPORT, "verdicts", {**before, 1: C.NOT_REPRODUCED})
+    assert "so the change is in the runs themselves" in section(old)
