@@ -259,17 +259,16 @@ def reuse_warm_starts(opts: LongOptions) -> str:
     return str(saved.get("commit"))
 
 
-def _chain_first(passes: list[tuple[Cell, str]]) -> list[tuple[Cell, str]]:
-    """``passes`` (in ``sft_waves`` order) reordered so that the pass with the longest chain of
-    passes waiting on it comes first: K = 8's chain takes about as long as every other warm
-    start together, so it must never queue behind them."""
-    below: dict[tuple[Cell, str], int] = {}
-    for cell, phase in reversed(passes):  # every pass after the ones it waits for
-        kids = [(c, ph) for c, ph in passes if ph == SFT_PHASES[0] and start_of(c) == cell]
-        if phase == SFT_PHASES[0] and (cell, SFT_PHASES[1]) in passes:
-            kids.append((cell, SFT_PHASES[1]))
-        below[(cell, phase)] = 1 + max((below[x] for x in kids if x in below), default=0)
-    return sorted(passes, key=lambda p: -below[p])
+def _chain_first(jobs: list[Job]) -> list[Job]:
+    """Warm-start ``jobs`` (in ``sft_waves`` order: every job after those it waits for)
+    reordered so that the job with the longest chain of jobs waiting on it comes first: K = 8's
+    chain takes about as long as every other warm start together, so it must never queue
+    behind them."""
+    below: dict[str, int] = {}
+    for job in reversed(jobs):
+        kids = [below[j.key] for j in jobs if job.key in j.after and j.key in below]
+        below[job.key] = 1 + max(kids, default=0)
+    return sorted(jobs, key=lambda j: -below[j.key])
 
 
 def run_cells(opts: LongOptions, console) -> bool:
@@ -283,8 +282,8 @@ def run_cells(opts: LongOptions, console) -> bool:
             console.print(f"[red]{exc}")
             return False
         console.print(f"warm starts reused from {opts.warm_from} (made at commit {made})")
-    passes = _chain_first([p for wave in sft_waves(list(opts.cells)) for p in wave])
-    sft = [sft_job(c, phase, opts) for c, phase in passes]
+    passes = [p for wave in sft_waves(list(opts.cells)) for p in wave]
+    sft = _chain_first([sft_job(c, phase, opts) for c, phase in passes])
     rl = [rl_job(c, m, s, opts) for c in opts.cells for s in range(opts.seeds)
           for m in methods_of(c, opts)]  # fmt: skip
     res = run_all([*sft, *rl], opts.workers, opts.threads, console, "Warm starts and RL runs")

@@ -77,9 +77,11 @@ def test_k8_reads_through_the_toy_format_first(tmp_path):
     with pytest.raises(ValueError, match="no sft_noisy pass"):
         L.sft_job((8, L.TOY), "sft_noisy", opts)
     # the chain goes first: four passes wait on the K = 4 toy pass, two on K = 2's free part 0
-    order = L._chain_first([p for w in L.sft_waves(list(L.FULL_CELLS)) for p in w])
-    assert order[0] == ((4, L.TOY), "sft") and order.index(((8, L.TOY), "sft")) < 4
-    assert order.index(((8, 0), "sft")) < order.index(((2, 60), "sft"))
+    full = L.LongOptions(cells=list(L.FULL_CELLS), logdir=tmp_path)
+    jobs = [L.sft_job(c, ph, full) for w in L.sft_waves(list(L.FULL_CELLS)) for c, ph in w]
+    order = [j.key for j in L._chain_first(jobs)]
+    assert order[0] == "k4_toy/sft" and order.index("k8_toy/sft") < 4
+    assert order.index("k8_f0/sft") < order.index("k2_f60/sft")
 
 
 @pytest.mark.parametrize("free", L.FREE)
