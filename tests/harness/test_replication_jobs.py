@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,16 @@ def test_a_job_waits_for_the_jobs_it_starts_from_and_is_not_run_when_one_failed(
     bad = Job("a/sft", ["experiment=no_such_experiment"], tmp_path / "a", 1)
     child = Job("a/rl", ["experiment=toy_long"], tmp_path / "b", 1, after=("a/sft",))
     grandchild = Job("a/rl2", ["experiment=toy_long"], tmp_path / "c", 1, after=("a/rl",))
-    res = run_all([grandchild, child, bad], 2, 1, Console(file=io.StringIO()), "t")
+    out: dict = {}
+    console = Console(file=io.StringIO())
+    worker = threading.Thread(
+        target=lambda: out.update(run_all([grandchild, child, bad], 2, 1, console, "t")),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(600)  # a hang guard (about 5 s here): a scheduler stuck in its loop fails here
+    assert not worker.is_alive(), "run_all did not return"
+    res = out
     assert res["a/sft"]["error"] and (bad.out / "job.json").exists()
     assert res["a/rl"]["error"] == "not run: a/sft failed"
     assert res["a/rl2"]["error"] == "not run: a/rl failed"
