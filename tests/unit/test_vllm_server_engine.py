@@ -23,7 +23,7 @@ from mrtpo.rollout.server_process import (
     group_members,
     is_loopback,
 )
-from mrtpo.rollout.vllm_serve import parse_cpus
+from mrtpo.rollout.vllm_serve import CPUS_ENV, parse_cpus, pin_cpus
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from mrtpo.safe_files import UnsafePath
 
@@ -59,6 +59,21 @@ def test_loopback_and_cpu_lists():
     assert all(map(is_loopback, ["127.0.0.1", "127.1.2.3", "::1", "localhost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "10.0.0.2", "node7", "::"]))
     assert parse_cpus("1") == [1] and parse_cpus("0-2,5") == [0, 1, 2, 5]
+
+
+def test_the_configured_cores_replace_an_inherited_openmp_binding(monkeypatch, capsys):
+    """rollout.engine.cpus wins over a VLLM_CPU_OMP_THREADS_BIND the trainer passed down (vLLM
+    obeys that variable over the affinity), and the replacement is said in the server's log.
+    The cores asked are this process's own, so the real affinity call changes nothing."""
+    mine = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv(CPUS_ENV, ",".join(map(str, mine)))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "99")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    pin_cpus()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, mine))
+    assert os.environ["OMP_NUM_THREADS"] == str(len(mine))
+    assert "replaces the inherited VLLM_CPU_OMP_THREADS_BIND=99" in capsys.readouterr().err
+    assert sorted(os.sched_getaffinity(0)) == mine
 
 
 def test_sampling_params_set_every_field_that_changes_the_distribution():

@@ -68,8 +68,15 @@ def pin_cpus() -> None:
         return
     cpus = parse_cpus(text)
     os.sched_setaffinity(0, cpus)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-    os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
+    # rollout.engine.cpus is the user's explicit choice: it replaces an OpenMP binding the
+    # trainer's environment passed down, which vLLM would otherwise obey over the affinity
+    bind = ",".join(map(str, cpus))
+    inherited = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if inherited not in (None, bind):
+        print(f"[mrtpo] rollout.engine.cpus={bind} replaces the inherited "
+              f"VLLM_CPU_OMP_THREADS_BIND={inherited}", file=sys.stderr)  # fmt: skip
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
 
 
 def guard_every_route() -> None:
