@@ -360,14 +360,16 @@ def check(
     """Strict (and optionally loose) verdict of one instruction on one response.
 
     ``budget_s`` bounds the strict check, and the loose variants together, to that many
-    seconds each (``deadline.call_with_budget``); a check that runs past it fails, with the
-    reason. The loose variants are not tried after the strict check ran out of time.
+    seconds of CPU time each (``deadline.call_with_budget``, so the verdict does not depend on
+    the machine's load); a check that runs past it fails, with the reason. The loose variants
+    are not tried after the strict check ran out of time.
     """
     checker = reg.build(instruction_id, kwargs, prompt)
     what = f"the {reg.name} checker of {instruction_id!r}"
+    budget = {"seconds": budget_s, "what": what, "clock": "cpu"}
     try:
         strict, error = call_with_budget(
-            _follows, checker, instruction_id, response, reg.nltk_dir, seconds=budget_s, what=what
+            _follows, checker, instruction_id, response, reg.nltk_dir, **budget
         )
     except CheckTimeout as exc:
         return Check(False, False if loose else None, str(exc), timed_out=True)
@@ -376,7 +378,7 @@ def check(
         return Check(strict, strict if loose else None, reason)
     try:
         relaxed = call_with_budget(
-            _any_loose, checker, instruction_id, response, reg.nltk_dir, seconds=budget_s, what=what
+            _any_loose, checker, instruction_id, response, reg.nltk_dir, **budget
         )
     except CheckTimeout as exc:
         return Check(False, False, f"{reason}; loose variants: {exc}", timed_out=True)

@@ -162,8 +162,8 @@ def verdicts(
     each with the reason it failed (None when met).
 
     A checker that raises (``RecursionError`` on deeply nested JSON, ...) or runs past
-    ``budget_s`` seconds fails that constraint: the response stays in the denominator, as a
-    response the checker cannot accept.
+    ``budget_s`` seconds of CPU time fails that constraint: the response stays in the
+    denominator, as a response the checker cannot accept.
     """
     out: list[Verdict] = []
     for category, sub, text in constraints:
@@ -174,7 +174,12 @@ def verdicts(
         try:
             ok = bool(
                 call_with_budget(
-                    checker.check, text, response, seconds=budget_s, what=f"checker {key}"
+                    checker.check,
+                    text,
+                    response,
+                    seconds=budget_s,
+                    what=f"checker {key}",
+                    clock="cpu",
                 )
             )
         except CheckTimeout as exc:

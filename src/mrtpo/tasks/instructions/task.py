@@ -21,7 +21,8 @@ see ``hir_checkers``). Responses longer than ``task.max_response_chars`` fail ev
 constraint with that reason: some upstream checkers take time quadratic in the length of
 pathological text (e.g. 16k ``[`` characters), and the cap bounds what reaches them. Below
 the cap they can still take seconds, so each checker call also runs under
-``task.checker_timeout_s`` (``mrtpo.tasks.deadline``): a call past it fails its constraint,
+``task.checker_timeout_s`` seconds of CPU time (``mrtpo.tasks.deadline``; CPU time, so the
+verdict does not depend on the machine's load): a call past it fails its constraint,
 with the reason, and is counted (``checks["timeouts"]``, ``n_checker_timeouts``).
 """
 
