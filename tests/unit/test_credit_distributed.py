@@ -55,6 +55,9 @@ def compute_all(b: dict[str, torch.Tensor], pg: object) -> dict[str, torch.Tenso
         ("mrtpo_joint", MRTPOJoint(beta=0.5), q[:, :1], rep.any(-1, keepdim=True)),
         ("mrtpo_shuffle", MRTPOShuffle(beta=0.5), q, rep),
         ("gdpo_saw", GDPOSAW(), None, None),
+        ("mrtpo_token", MRTPO(beta=0.9, cap="token"), q, rep),
+        ("mrtpo_response", MRTPO(beta=0.9, cap="response"), q, rep),
+        ("mrtpo_none", MRTPO(beta=0.9, cap="none"), q, rep),
     ):
         method.setup(RewardSet(names, False, {"b": (-1.0, 2.0)}))
         # the same generator seed on every rank, as the module seeds it
@@ -63,6 +66,10 @@ def compute_all(b: dict[str, torch.Tensor], pg: object) -> dict[str, torch.Tenso
         out[key] = res.advantages
         if "cap_s" in res.stats:
             out[key + "_cap"] = torch.tensor(res.stats["cap_s"])
+        # the cap's statistics are the global batch's, the same on every rank
+        for stat in ("cap_bound_share", "sign_flip_share", "credit_change"):
+            if stat in res.stats:
+                out[f"{key}_{stat}_cap"] = torch.tensor(res.stats[stat], dtype=torch.float64)
     return out
 
 
@@ -93,6 +100,8 @@ def test_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     assert not torch.allclose(local_only["gdpo"], full["gdpo"][:SPLIT])
     # ... and the shuffle moves weights (so its rank invariance below is not trivial)
     assert (full["mrtpo_shuffle"] - full["mrtpo"]).abs().max() > 0.1
+    # ... and the per-token cap binds on some tokens of both ranks' shares
+    assert 0 < float(full["mrtpo_token_cap_bound_share_cap"]) < 1
     for key, ref in full.items():
         if key.startswith("saw") or key.endswith("_cap"):  # global quantities: same on both ranks
             for got in (r0[key], r1[key]):

@@ -26,6 +26,7 @@ from mrtpo.credit.advantages import (
 )
 from mrtpo.credit.relevance import (
     beta_schedule,
+    check_cap,
     mrtpo_advantages_from_weights,
     relevance_weights,
     shuffle_weights,
@@ -127,6 +128,9 @@ JOINT_JSD = RelevanceRequest("joint", "jsd")
 class CreditOutput:
     advantages: Tensor  # [N, T] token advantages, 0 on pads
     stats: dict[str, float] = field(default_factory=dict)  # logged under train/adv/...
+    #: [N, T] the credit relevance moves, R_t / (sigma + eps) before any cap (0 on pads); None
+    #: for a method without (the step's diagnostics read where its energy lands)
+    realloc: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -381,12 +385,13 @@ class MRTPO(_RewardWeighted):
 
     Relative to GDPO: self-replay scores every token's relevance to reward ``k`` (how much the
     next-token distribution moves when ``k``'s verifier block is removed), and ``c_k A_k`` is
-    spread over the response with weights ``(1 - β) + β q_kt / mean q_k``, under a global cap,
-    with GDPO's batch normalization. The per-response mean advantage is GDPO's; β = 0 *is*
-    GDPO.
+    spread over the response with weights ``(1 - β) + β q_kt / mean q_k``, under a cap, with
+    GDPO's batch normalization. Before the cap binds, the per-response mean advantage is
+    GDPO's; β = 0 *is* GDPO.
 
     Knobs: ``beta`` (0.5 in the paper), ``beta_warmup_steps`` (smooth ramp from 0), ``eps``,
-    ``reward_weights``. Ablations are separate methods: ``method=mrtpo_saw`` (SAW weights),
+    ``reward_weights``, ``cap`` (the cap's form: ``batch``, ``token``, ``response``, ``none``;
+    docs/method.md). Ablations are separate methods: ``method=mrtpo_saw`` (SAW weights),
     ``method=mrtpo_shuffle`` (weights permuted within each response),
     ``method=mrtpo_joint`` (one all-blocks-vs-none relevance profile for the summed credit).
     """
@@ -402,8 +407,10 @@ class MRTPO(_RewardWeighted):
         beta_warmup_steps: int = 0,
         eps: float = 1e-4,
         reward_weights: Mapping[str, float] | None = None,
+        cap: str = "batch",
     ):
         super().__init__(eps=eps, reward_weights=reward_weights)
+        self.cap = check_cap(cap, "method.cap")
         self.beta_max, self.beta_warmup_steps = checked_beta(
             beta,
             beta_warmup_steps,
@@ -461,16 +468,19 @@ class MRTPO(_RewardWeighted):
             inputs.process_group,
             joint=joint,
             return_stats=True,
+            cap=self.cap,
         )
         stats.update(_adv_stats(tok, inputs.mask))
         stats["beta"] = beta
-        stats["cap_s"] = cap_stats["cap_s"]
+        for key in ("cap_s", "cap_bound_share", "sign_flip_share", "credit_change"):
+            if key in cap_stats:
+                stats[key] = cap_stats[key]
         stats["replayed_share"] = self._replayed_share(inputs, joint)
         if q is not None and replayed is not None:
             sel = inputs.mask.to(torch.bool)[:, None, :] & replayed.to(torch.bool)[:, :, None]
             if bool(sel.any()):
                 stats["relevance_mean"] = float(q.to(torch.float32)[sel].mean())
-        return CreditOutput(tok, stats)
+        return CreditOutput(tok, stats, cap_stats["realloc"])
 
     @staticmethod
     def _replayed_share(inputs: CreditInputs, joint: bool) -> float:

@@ -9,8 +9,10 @@ in proportion to that relevance, keeping the per-response total unchanged:
 * ``w_kt = (1 - β) + β q_kt / mean_t q_kt`` averages 1 over the response and never drops
   below ``1 - β``;
 * the reallocated part ``R_t = Σ_k c_k A_k (w_kt - 1)`` sums to zero over each response and
-  is scaled by one global factor ``s ≤ 1`` so it never carries more energy than the uniform
-  part (the token advantage's second moment stays within 2x GDPO's);
+  is capped (``cap``): per token at the magnitude of the response's advantage (``token``,
+  the paper's wording: no token changes sign), per response by one factor (``response``), by
+  one global factor ``s ≤ 1`` so it never carries more energy than the uniform part
+  (``batch``, the first reading, still the configs' default), or not at all (``none``);
 * GDPO's own response-level mean and std normalize the result, so with β = 0 the output *is*
   GDPO's, bit for bit.
 """
@@ -28,7 +30,9 @@ from torch import Tensor
 from mrtpo.credit.advantages import all_reduce_sum, compute_dtype, gdpo_parts, reward_weight_vector
 
 __all__ = [
+    "CAPS",
     "beta_schedule",
+    "check_cap",
     "js_distance",
     "js_distance_chunked",
     "mrtpo_advantages",
@@ -176,47 +180,37 @@ def beta_schedule(beta: float, step: int, warmup_steps: int) -> float:
     return float(beta) * (3.0 * u * u - 2.0 * u * u * u)
 
 
-def mrtpo_advantages_from_weights(
-    rewards: Tensor,
-    group: Tensor,
-    w: Tensor | None,
-    mask: Tensor,
-    weights: Tensor | Sequence[float] | None = None,
-    eps: float = 1e-4,
-    process_group: Any = None,
-    joint: bool | None = None,
-    return_stats: bool = False,
-) -> Tensor | tuple[Tensor, dict[str, float]]:
-    """Token advantages ``[N, T]`` from token weights ``w`` (``[N, K, T]`` or joint ``[N, 1, T]``).
+CAPS = ("batch", "token", "response", "none")
 
-    ``joint`` (default: ``w.shape[1] == 1`` while K > 1) applies one weight profile to the
-    summed ``S``; otherwise each reward's ``c_k A_k`` follows its own profile. ``w=None``
-    means uniform weights (GDPO). Pads get 0.
-    """
-    a_k, s_resp, _, denom, adv = gdpo_parts(rewards, group, weights, eps, process_group)
-    dtype = adv.dtype
-    valid = mask.to(device=adv.device, dtype=torch.bool)
-    zero = torch.zeros((), dtype=dtype, device=adv.device)
+
+def check_cap(cap: str, key: str = "cap") -> str:
+    """``cap`` if it names a form of the cap, else one clear error naming ``key``."""
+    if cap not in CAPS:
+        raise ValueError(f"{key}={cap!r}: use one of {', '.join(CAPS)} (docs/method.md, the cap)")
+    return cap
+
+
+def _reallocation(a_k: Tensor, s_resp: Tensor, w: Tensor | None, weights, joint) -> Tensor | None:
+    """``R_t = sum_k c_k A_k (w_kt - 1)`` ``[N, T]`` (joint: ``S (w_t - 1)``); None for no ``w``."""
     if w is None:
-        realloc = torch.zeros(valid.shape, dtype=dtype, device=adv.device)
-    else:
-        wd = w.to(device=adv.device, dtype=dtype)
-        if joint is None:
-            joint = wd.shape[1] == 1 and a_k.shape[1] != 1
-        if joint:
-            if wd.shape[1] != 1:
-                raise ValueError(f"joint weights must be [N, 1, T], got {tuple(wd.shape)}")
-            realloc = s_resp[:, None] * (wd[:, 0, :] - 1.0)
-        else:
-            if wd.shape[1] != a_k.shape[1]:
-                raise ValueError(
-                    f"per-reward weights must be [N, {a_k.shape[1]}, T], got {tuple(wd.shape)}"
-                )
-            c = reward_weight_vector(weights, a_k.shape[1], dtype, adv.device)
-            realloc = ((a_k * c)[:, :, None] * (wd - 1.0)).sum(1)
-    realloc = torch.where(valid, realloc, zero)
+        return None
+    wd = w.to(device=a_k.device, dtype=a_k.dtype)
+    if joint is None:
+        joint = wd.shape[1] == 1 and a_k.shape[1] != 1
+    if joint:
+        if wd.shape[1] != 1:
+            raise ValueError(f"joint weights must be [N, 1, T], got {tuple(wd.shape)}")
+        return s_resp[:, None] * (wd[:, 0, :] - 1.0)
+    if wd.shape[1] != a_k.shape[1]:
+        raise ValueError(
+            f"per-reward weights must be [N, {a_k.shape[1]}, T], got {tuple(wd.shape)}"
+        )
+    c = reward_weight_vector(weights, a_k.shape[1], a_k.dtype, a_k.device)
+    return ((a_k * c)[:, :, None] * (wd - 1.0)).sum(1)
 
-    # Cap: the reallocated part may carry at most the uniform part's energy (global sums).
+
+def _batch_factor(s_resp: Tensor, realloc: Tensor, valid: Tensor, process_group) -> dict:
+    """cap=batch: ``s = min(1, sqrt(sum S^2 / sum R^2))`` over the global batch's tokens."""
     n_tok = valid.sum(-1).to(torch.float64)
     sums = torch.stack(
         [
@@ -227,14 +221,102 @@ def mrtpo_advantages_from_weights(
     sums = all_reduce_sum(sums, process_group)
     sum_s2, sum_r2 = float(sums[0]), float(sums[1])
     cap = min(1.0, math.sqrt(sum_s2 / sum_r2)) if sum_r2 > 0 else 1.0
+    return {"cap_s": cap, "sum_S2": sum_s2, "sum_R2": sum_r2}
 
-    # (S + s R - mu) / (sigma + eps), written as GDPO's A plus the scaled reallocation so
-    # that R = 0 (β = 0, no replay) leaves GDPO's advantages untouched to the last bit.
-    tok = adv[:, None] + (cap * realloc) / denom
-    tok = torch.where(valid, tok, zero)
+
+def _capped(adv: Tensor, realloc: Tensor, denom: Tensor, valid: Tensor, cap: str, factor: float):
+    """The reallocation as added to ``A(j)``, in normalized units, under form ``cap``."""
+    if cap == "batch":
+        # written as today's (s R) / (sigma + eps), so that its numbers stay the same
+        return (factor * realloc) / denom
+    x = realloc / denom
+    bound = adv.abs()[:, None].expand_as(x)
+    if cap == "token":
+        return torch.minimum(torch.maximum(x, -bound), bound)
+    if cap == "response":
+        # the largest f <= 1 with |f x_t| <= |A| on every valid token of the response
+        ratio = torch.where(valid & (x != 0), bound / x.abs(), torch.full_like(x, math.inf))
+        scaled = ratio.amin(-1, keepdim=True).clamp(max=1.0) * x
+        # f x_t at the bound can round past it by an ulp, and A + f x_t then cross zero
+        return torch.minimum(torch.maximum(scaled, -bound), bound)
+    return x
+
+
+def _cap_stats(tok, adv, x, moved, valid, process_group) -> dict[str, float]:
+    """Global shares of valid tokens where the cap changed the reallocation (by more than
+    1e-6 of ``|x_t| + |A(j)|``: rounding does not count) and where the
+    token's sign is opposite to its response's, and the mean relative change of a response's
+    total credit (over responses with |A| > 1e-6)."""
+    dt = torch.float64
+    a = adv[:, None].expand_as(tok)
+    n_tok = valid.sum(-1).to(dt)
+    total = torch.where(valid, tok, torch.zeros_like(tok)).sum(-1).to(dt)
+    uniform = n_tok * adv.to(dt)
+    has = (n_tok > 0) & (adv.abs() > 1e-6)  # A ~ 0: no credit to change (nor to divide by)
+    rel = torch.where(has, (total - uniform).abs() / uniform.abs().clamp(min=1e-300), 0.0)
+    sums = torch.stack(
+        [
+            # moved by more than rounding (a tolerance relative to the token's own scale)
+            (valid & ((x - moved).abs() > 1e-6 * (x.abs() + a.abs()))).sum().to(dt),
+            (valid & (tok * a < 0)).sum().to(dt),
+            n_tok.sum(),
+            rel.sum(),
+            has.sum().to(dt),
+        ]
+    )
+    sums = all_reduce_sum(sums, process_group)
+    bound, flips, tokens, rel_sum, rows = (float(v) for v in sums)
+    return {
+        "cap_bound_share": bound / tokens if tokens else 0.0,
+        "sign_flip_share": flips / tokens if tokens else 0.0,
+        "credit_change": rel_sum / rows if rows else 0.0,
+    }
+
+
+def mrtpo_advantages_from_weights(
+    rewards: Tensor,
+    group: Tensor,
+    w: Tensor | None,
+    mask: Tensor,
+    weights: Tensor | Sequence[float] | None = None,
+    eps: float = 1e-4,
+    process_group: Any = None,
+    joint: bool | None = None,
+    return_stats: bool = False,
+    cap: str = "batch",
+) -> Tensor | tuple[Tensor, dict[str, Any]]:
+    """Token advantages ``[N, T]`` from token weights ``w`` (``[N, K, T]`` or joint ``[N, 1, T]``).
+
+    ``joint`` (default: ``w.shape[1] == 1`` while K > 1) applies one weight profile to the
+    summed ``S``; otherwise each reward's ``c_k A_k`` follows its own profile. ``w=None``
+    means uniform weights (GDPO). Pads get 0. ``cap`` (``CAPS``) bounds the reallocated part
+    ``x_t = R_t / (sigma + eps)`` added to GDPO's ``A(j)``: ``batch`` scales every token by
+    one global ``s = min(1, sqrt(sum S^2 / sum R^2))``; ``token`` clips each to ``|A(j)|``;
+    ``response`` scales each response by the largest factor keeping all its tokens within
+    ``|A(j)|``; ``none`` adds it as it is. With ``return_stats`` the statistics include
+    ``realloc`` (``x_t`` before any cap, ``[N, T]``) besides the numbers.
+    """
+    check_cap(cap)
+    a_k, s_resp, _, denom, adv = gdpo_parts(rewards, group, weights, eps, process_group)
+    valid = mask.to(device=adv.device, dtype=torch.bool)
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    realloc = _reallocation(a_k, s_resp, w, weights, joint)
+    if realloc is None:
+        realloc = torch.zeros(valid.shape, dtype=adv.dtype, device=adv.device)
+    realloc = torch.where(valid, realloc, zero)
+    stats: dict[str, Any] = {"norm_denom": float(denom)}
+    if cap == "batch":
+        stats.update(_batch_factor(s_resp, realloc, valid, process_group))
+    moved = _capped(adv, realloc, denom, valid, cap, stats.get("cap_s", 1.0))
+    # GDPO's A plus the capped reallocation, so that R = 0 (beta = 0, no replay) leaves
+    # GDPO's advantages untouched to the last bit
+    tok = torch.where(valid, adv[:, None] + moved, zero)
     if not return_stats:
         return tok
-    return tok, {"cap_s": cap, "sum_S2": sum_s2, "sum_R2": sum_r2, "norm_denom": float(denom)}
+    x = torch.where(valid, realloc / denom, zero)
+    stats.update(_cap_stats(tok, adv, x, moved, valid, process_group))
+    stats["realloc"] = x
+    return tok, stats
 
 
 def mrtpo_advantages(
@@ -249,13 +331,17 @@ def mrtpo_advantages(
     process_group: Any = None,
     return_stats: bool = False,
     joint: bool | None = None,
-) -> Tensor | tuple[Tensor, dict[str, float]]:
+    cap: str = "batch",
+) -> Tensor | tuple[Tensor, dict[str, Any]]:
     """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``[N, K, T]`` or joint ``[N, 1, T]``).
 
-    ``q=None`` (nothing replayed) gives GDPO broadcast to tokens. With ``return_stats`` also
-    returns ``{"cap_s", "sum_S2", "sum_R2", "norm_denom"}`` (``norm_denom = sigma + eps``).
+    ``q=None`` (nothing replayed) gives GDPO broadcast to tokens. ``cap``: the form of the
+    cap (``mrtpo_advantages_from_weights``). With ``return_stats`` also returns the cap's
+    statistics: ``norm_denom`` (``sigma + eps``), ``cap_bound_share``, ``sign_flip_share``,
+    ``credit_change``, ``realloc`` and, for ``cap="batch"``, ``cap_s``, ``sum_S2``, ``sum_R2``.
     """
+    check_cap(cap)
     w = None if q is None else relevance_weights(q, mask, replayed, beta)
     return mrtpo_advantages_from_weights(
-        rewards, group, w, mask, weights, eps, process_group, joint, return_stats
+        rewards, group, w, mask, weights, eps, process_group, joint, return_stats, cap
     )
