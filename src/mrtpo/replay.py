@@ -95,7 +95,9 @@ def _low_precision(model, device: torch.device) -> bool:
 
 
 class Replayer:
-    """Runs the replays of one batch under the current (= sampling) parameters."""
+    """Runs the replays of one batch under pi_old, the trainer's weights at the step's
+    start (those that sampled it under sync; older weights may have, under
+    one_step_off/async)."""
 
     def __init__(
         self,

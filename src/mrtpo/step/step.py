@@ -7,7 +7,8 @@ before it and returning a frozen one (``mrtpo.step.records``):
    Lightning, ``RolloutSource`` in a plain loop): G responses for each of B prompts;
 2. score: the task's K named rewards and verifier blocks (``ScoredBatch``);
 3. relevance: if the method asks for it, replay scores the tokens of each requested
-   (response, reward) pair under the parameters that sampled them (``Relevance``);
+   (response, reward) pair under pi_old, the weights at the step's start, whichever
+   weights sampled them (``Relevance``);
 4. old policy: pi_old's log-probs when more than one update follows (from replay's P_all
    pass where P_all is the sampling prompt), the KL reference's, the method's own no-grad
    inputs, the engine-trainer gap (``OldPolicy``);
