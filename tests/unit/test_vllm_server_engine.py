@@ -231,3 +231,254 @@ def test_the_remote_server_command_in_the_docs_matches_the_launcher():
             assert part in command or f"'{part}'" in command, part
     for env in ("VLLM_SERVER_DEV_MODE=1", "MRTPO_WEIGHT_ROOT=", "VLLM_API_KEY="):
         assert env in text[:start] + command, env
+
+
+# ---- what a server answers (issue 47, items 8, 13 and 15): a fake server on 127.0.0.1 ----
+
+
+class _Answers(http.server.BaseHTTPRequestHandler):
+    """Answers each path with what the test put in ``table`` (raw bytes, or a list of them
+    taken in turn); records the request bodies."""
+
+    table: dict = {}
+    seen: list = []
+
+    def _answer(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        type(self).seen.append((self.path, json.loads(body) if body else None))
+        got = type(self).table.get(self.path.split("?")[0], b'{"error": "no such route"}')
+        if isinstance(got, list):
+            got = got.pop(0) if len(got) > 1 else got[0]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(got)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def answers():
+    """(url, table): a fake server whose answers the test writes into ``table``."""
+    _Answers.table, _Answers.seen = {}, []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Answers.table
+    server.shutdown()
+    server.server_close()
+
+
+def _reached(url: str, tmp_path, vocab: int = 100) -> VLLMServerEngine:
+    """An engine past its start-up checks, talking to ``url``."""
+    eng = VLLMServerEngine("m", url=url, weight_dir=str(tmp_path))
+    eng.client = ServerClient(url, timeout_s=60)
+    eng.logprobs_mode, eng.vocab_size = "processed_logprobs", vocab
+    return eng
+
+
+def _choice(ids, lps=None, index=0, **more) -> dict:
+    lps = [-0.5] * len(ids) if lps is None else lps
+    content = [{"token_id": t, "logprob": lp} for t, lp in zip(ids, lps)]
+    return {"index": index, "token_ids": ids, "logprobs": {"content": content},
+            "finish_reason": "length", **more}  # fmt: skip
+
+
+def _body(*choices) -> bytes:
+    return json.dumps({"choices": list(choices)}).encode()
+
+
+SAMPLING = SamplingConfig(temperature=0.7, max_new_tokens=32)
+NAN = b'{"choices": [{"index": 0, "token_ids": [5, 6], "logprobs": {"content": [{"logprob": -1.0}, {"logprob": NaN}]}}]}'
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        pytest.param(
+            b"<html>busy</html>", "a body that is not JSON ('<html>busy</html>')", id="html"
+        ),
+        pytest.param(b"[1, 2]", "a JSON list ([1, 2]) where a JSON object belongs", id="list"),
+        pytest.param(b"{}", "no field 'choices'", id="no-choices"),
+        pytest.param(b'{"choices": [{"index": 0}]}', "sample 0: no field 'token_ids'", id="no-ids"),
+        pytest.param(
+            _body(_choice([5, 10**9])),
+            "token id 1000000000 is outside the policy's vocabulary [0, 100)",
+            id="huge-id",
+        ),
+        pytest.param(_body(_choice([-3])), "token id -3 is outside", id="negative-id"),
+        pytest.param(_body(_choice(["7"])), "token id '7' is not an integer", id="text-id"),
+        pytest.param(NAN, "log-prob nan at token 1", id="nan"),
+        pytest.param(_body(_choice([5], [50.0])), "log-prob 50.0 at token 0", id="positive"),
+        pytest.param(_body(_choice([5] * 5000)), "5000 tokens for max_tokens=32", id="too-long"),
+        pytest.param(_body(_choice([5, 6], [-1.0])), "1 log-probs for 2 tokens", id="short-lps"),
+        pytest.param(_body(_choice([5]), _choice([6], index=1)), "2 samples where n=1", id="n"),
+    ],
+)
+def test_a_bad_generate_answer_stops_the_run_with_one_line_naming_the_server(
+    answers, tmp_path, body, words
+):
+    url, table = answers
+    table["/inference/v1/generate"] = body
+    eng = _reached(url, tmp_path)
+    with pytest.raises(VLLMServerError) as err:
+        eng.generate([[1, 2, 3]], 1, SAMPLING, seed=0)
+    text = str(err.value)
+    assert text.startswith(f"the vLLM server at {url} sent an answer the run cannot use "
+                           "during generation: "), text  # fmt: skip
+    assert words in text and "\n" not in text, text
+
+
+def test_a_good_generate_answer_is_taken_in_index_order(answers, tmp_path):
+    url, table = answers
+    second = _choice([7, 99], [-0.25, 0.0], index=1, finish_reason="stop",
+                     weight_versions=[{"start": 0, "end": 2, "version": "3"}])  # fmt: skip
+    table["/inference/v1/generate"] = _body(second, _choice([5, 6, 7]))
+    eng = _reached(url, tmp_path)
+    first, other = eng.generate([[1, 2]], 2, SAMPLING, seed=0)
+    assert (first.token_ids, first.logprobs, first.finished) == ([5, 6, 7], [-0.5] * 3, False)
+    assert (other.token_ids, other.logprobs, other.finished) == ([7, 99], [-0.25, 0.0], True)
+    assert (first.weight_version, other.weight_version) == (0, 3)
+
+
+def test_start_up_answers_missing_a_field_name_the_server(answers, tmp_path):
+    url, table = answers
+    info = {"vllm_config": {"weight_transfer_config": {"backend": "mrtpo_file"},
+                            "model_config": {"logprobs_mode": "processed_logprobs"}}}  # fmt: skip
+    table["/server_info"] = json.dumps(info).encode()
+    table["/v1/models"] = b'{"object": "list"}'
+    eng = VLLMServerEngine("m", url=url, weight_dir=str(tmp_path))
+    with pytest.raises(VLLMServerError) as err:
+        eng._check_server(ServerClient(url))
+    assert str(err.value) == (
+        f"the vLLM server at {url} sent an answer the run cannot use during the start-up "
+        "check: no field 'data' (it has ['object'])"
+    )
+
+
+def _top(lps: dict[int, float]) -> bytes:
+    """A one-token generate answer whose top log-probs are ``lps``."""
+    top = [{"token_id": t, "logprob": lp} for t, lp in lps.items()]
+    first = next(iter(lps))
+    content = [{"token_id": first, "logprob": lps[first], "top_logprobs": top}]
+    return json.dumps({"choices": [{"index": 0, "token_ids": [first],
+                                    "logprobs": {"content": content}}]}).encode()  # fmt: skip
+
+
+def _log_softmax(z: list[float], temperature: float) -> dict[int, float]:
+    lp = torch.log_softmax(torch.tensor(z) / temperature, -1)
+    return {i: float(lp[i]) for i in range(3)}
+
+
+Z = [2.0, 1.0, 0.0, -1.0]
+
+
+def test_a_server_reporting_untempered_logprobs_is_refused_at_start(answers, tmp_path):
+    """The probe samples one token at temperature 1 and at 0.5: a server that returns the
+    model's own log-probs (raw_logprobs) gives the same gaps between tokens at both."""
+    url, table = answers
+    table["/inference/v1/generate"] = [_top(_log_softmax(Z, 1.0)), _top(_log_softmax(Z, 1.0))]
+    eng = _reached(url, tmp_path)
+    eng.logprobs_mode = "raw_logprobs"
+    with pytest.raises(VLLMServerError) as err:
+        eng._probe_generate(eng.client)
+    text = str(err.value)
+    assert text.startswith(f"the vLLM server at {url} ") and "\n" not in text
+    assert "--logprobs-mode processed_logprobs" in text and "raw_logprobs" in text
+    temps = [b["sampling_params"]["temperature"] for p, b in _Answers.seen if "generate" in p]
+    assert temps == [1.0, 0.5]
+
+
+def test_a_server_reporting_tempered_logprobs_passes_the_probe(answers, tmp_path):
+    url, table = answers
+    table["/inference/v1/generate"] = [_top(_log_softmax(Z, 1.0)), _top(_log_softmax(Z, 0.5))]
+    eng = _reached(url, tmp_path)
+    eng.logprobs_mode = None  # a release that does not say: the probe alone decides
+    eng._probe_generate(eng.client)
+
+
+# ---- weight snapshot folders (issue 47, item 6) --------------------------------------------
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(proc.stdout)
+
+
+def _killed_run_folder(parent, prefix: str, **record):
+    """A folder as a run killed with SIGKILL leaves it: its record names a dead process."""
+    from mrtpo.rollout import snapshots
+
+    folder = snapshots.make_folder(prefix, parent)
+    (folder / "v000003").mkdir()
+    (folder / "v000003" / "bucket-00000.safetensors").write_bytes(b"weights")
+    rec = {**snapshots.owner(), "pid": _dead_pid(), **record}
+    (folder / snapshots.RECORD).write_text(json.dumps(rec))
+    return folder
+
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch):
+    """The temporary folder (``tempfile.gettempdir()``) moved into tmp_path."""
+    import tempfile
+
+    where = tmp_path / "tmp"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    return where
+
+
+def test_the_next_run_removes_only_what_a_killed_run_provably_left(temp_dir, tmp_path):
+    from mrtpo.rollout import snapshots
+
+    shared = tmp_path / "weights"  # a url= run's weight_dir
+    shared.mkdir()
+    dead_root = _killed_run_folder(temp_dir, snapshots.OWN_ROOT)
+    dead_pushes = _killed_run_folder(shared, snapshots.PUSHES)
+    rebooted = _killed_run_folder(shared, snapshots.PUSHES, pid=os.getpid(), boot="before")
+    reused = _killed_run_folder(shared, snapshots.PUSHES, pid=os.getpid(), start="0")
+    live = snapshots.make_folder(snapshots.PUSHES, shared)  # this process: a live run
+    other_host = _killed_run_folder(shared, snapshots.PUSHES, host="nodeB")  # its pid is not ours
+    unrecorded = _killed_run_folder(shared, snapshots.PUSHES)
+    (unrecorded / snapshots.RECORD).unlink()
+    not_ours = _killed_run_folder(tmp_path, "elsewhere-")  # another name: never looked at
+    target = _killed_run_folder(tmp_path, snapshots.PUSHES)  # a link to a dead one
+    (shared / "pushes-link").symlink_to(target)
+    kept = {live, other_host, unrecorded, shared / "pushes-link", not_ours, target}
+    note = snapshots.leftover_note(shared)
+    assert note is not None and note.startswith("4 weight snapshot folder(s) of killed runs")
+    gone = set(snapshots.remove_leftovers(shared))
+    assert gone == {dead_root, dead_pushes, rebooted, reused}
+    assert not any(p.exists() for p in gone)
+    assert all(os.path.lexists(p) for p in kept) and (target / "v000003").is_dir()
+    assert snapshots.leftover_note(shared) is None
+
+
+def test_an_engine_removes_its_snapshots_at_close_and_a_killed_runs_at_start(temp_dir, tmp_path):
+    from mrtpo.rollout import snapshots
+
+    dead = _killed_run_folder(temp_dir, snapshots.OWN_ROOT)
+    eng = VLLMServerEngine("m")  # a started server's engine: a temporary folder of its own
+    eng._prepare_weight_folder()  # what start() does first
+    assert not dead.exists()
+    root = eng._root
+    assert root.parent == temp_dir and eng._pushes.parent == root
+    eng._write(1, 0, [("w", torch.ones(2))])
+    assert (eng._pushes / "v000001" / "bucket-00000.safetensors").is_file()
+    eng.close()
+    assert not root.exists()
+    eng.close()  # a second close is harmless
+    shared = tmp_path / "weights"
+    shared.mkdir()
+    eng = VLLMServerEngine("m", url="http://127.0.0.1:1", weight_dir=str(shared))
+    eng._prepare_weight_folder()
+    eng.close()
+    assert list(shared.iterdir()) == []  # its pushes-* went, the shared folder stays

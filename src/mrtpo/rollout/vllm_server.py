@@ -2,10 +2,11 @@
 
 The engine is a real ``vllm serve`` process, started by the run (``mrtpo.rollout.vllm_serve``
 on the cores or GPUs the config names, listening on 127.0.0.1) or an existing one given by
-``rollout.engine.url``. At start the engine waits for ``/health``, then checks that the
-server can take this run: it has the RL routes (``VLLM_SERVER_DEV_MODE=1``), the ``mrtpo_file``
-weight-transfer backend and the token-in/token-out route (``--enable-scale-out``), it serves
-the policy's architecture, and its tokenizer splits text as the policy's does.
+``rollout.engine.url``. At start the engine asks the server to prove that it holds the run's
+key (a started server gets a fresh one; ``_prove``), then waits for ``/health`` and checks
+that the server can take this run: it has the RL routes (``VLLM_SERVER_DEV_MODE=1``), the
+``mrtpo_file`` weight-transfer backend and the token-in/token-out route (``--enable-scale-out``),
+it serves the policy's architecture, and its tokenizer splits text as the policy's does.
 
 Samples come from ``/inference/v1/generate`` (token ids in, token ids and their log-probs
 out, and the weight version that sampled each token). After every update the weights go
@@ -24,24 +25,36 @@ interpreter exit, and when the trainer dies (``mrtpo.rollout.server_process``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
+from mrtpo.rollout import server_answers, snapshots
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
+from mrtpo.rollout.server_answers import BadAnswer, as_object, field
 from mrtpo.rollout.server_client import RequestFailed, ServerClient, write_snapshot
-from mrtpo.rollout.server_process import ServerProcess, free_port, is_loopback
+from mrtpo.rollout.server_process import (
+    PROOF_PATH,
+    ServerProcess,
+    free_port,
+    is_loopback,
+    new_key,
+    new_nonce,
+    port_in_use,
+    proves,
+)
 from mrtpo.rollout.vllm import _model_config, prompt_seed
 from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
 from mrtpo.safe_files import make_dirs
@@ -66,6 +79,7 @@ ARCH_KEYS = (
 )
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROBE = [{"role": "user", "content": "Write three words about rivers, then stop."}]
+PROBE_TOP = 5  # top log-probs per token in the log-prob probe (vLLM allows 20 by default)
 
 
 class VLLMServerError(CompactHydraException, RuntimeError):
@@ -93,6 +107,70 @@ def launch_command(url_host: str, port: int, model: str, args: Sequence[str]) ->
         json.dumps({"backend": BACKEND}),
         *args,
     ]
+
+
+#: ``vllm serve`` arguments the launcher sets, and what sets each instead (None: the run
+#: needs the launcher's value). vLLM's parser reads ``_`` as ``-``, takes ``--name=value`` and
+#: unique abbreviations, and ``--name.field`` sets one field of a JSON argument.
+OWNED_ARGS: dict[str, str | None] = {
+    "--host": "rollout.engine.host",
+    "--port": "rollout.engine.port",
+    "--uds": "rollout.engine.host and rollout.engine.port",
+    "--api-key": "rollout.engine.api_key_env (the environment variable that holds the key)",
+    "--config": "one server_args entry per argument (a config file can set any of these)",
+    "--model": "model.name_or_path",
+    "--dtype": "rollout.engine.dtype",
+    "--seed": "rollout.engine.seed",
+    "--tensor-parallel-size": "rollout.engine.tensor_parallel_size",
+    "-tp": "rollout.engine.tensor_parallel_size",
+    "--max-model-len": "rollout.engine.max_model_len",
+    "--kv-cache-memory-bytes": "rollout.engine.kv_cache_gb",
+    "--enable-prefix-caching": "rollout.engine.enable_prefix_caching",
+    "--no-enable-prefix-caching": "rollout.engine.enable_prefix_caching",
+    "--weight-transfer-config": None,
+    "--logprobs-mode": None,
+    "--enable-scale-out": None,
+    "--no-enable-scale-out": None,
+}
+
+
+def _owner(arg: str) -> str | None:
+    """The launcher's argument that ``arg`` would set, if any."""
+    if not arg.startswith("-"):
+        return None
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+        hits = [
+            o for o in OWNED_ARGS if o.startswith("--") and len(name) > 2 and o.startswith(name)
+        ]
+    else:  # -tp 2, -tp2, -t 2 (argparse also matches single-dash prefixes)
+        hits = [
+            o
+            for o in OWNED_ARGS
+            if not o.startswith("--") and (name.startswith(o) or o.startswith(name))
+        ]
+    return (hits or [None])[0]
+
+
+def owned_argument(args: Sequence[str]) -> str | None:
+    """One line refusing the first of ``args`` that the launcher owns (None: all are free)."""
+    for arg in args:
+        owner = _owner(arg)
+        if owner is None:
+            continue
+        fixed = OWNED_ARGS[owner]
+        instead = (
+            f"set {fixed} instead"
+            if fixed
+            else f"remove it (the run needs the launcher's {owner}: {BACKEND} weight transfer, "
+            "processed_logprobs, --enable-scale-out)"
+        )
+        return (
+            f"rollout.engine.server_args holds {arg!r}, which sets {owner}, an argument the "
+            f"launcher owns (where the server listens and who may call it): {instead}"
+        )
+    return None
 
 
 def _policy_config(model: torch.nn.Module) -> dict[str, Any]:
@@ -129,13 +207,6 @@ def _from_rank0(value: Any) -> Any:
 
 def _text(error: BaseException | None) -> str | None:
     return None if error is None else f"{error}"
-
-
-def _version(text: Any) -> int | None:
-    try:
-        return int(str(text))
-    except ValueError:
-        return None
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -225,7 +296,9 @@ class VLLMServerEngine(RolloutEngine):
         self.startup_seconds: float | None = None
         self.process: ServerProcess | None = None
         self.client: ServerClient | None = None
+        self._key: str | None = None  # the run's key, sent once the server proved it holds it
         self.logprobs_mode: str | None = None
+        self.vocab_size: int | None = None  # token ids of an answer must be below it
         self._push_dtype: torch.dtype | None = None
         self._policy: torch.nn.Module | None = None
         self._tokenizer: Any = None
@@ -245,6 +318,8 @@ class VLLMServerEngine(RolloutEngine):
                 raise ValueError(message)
 
         need(self.device in DEVICES, f"rollout.engine.device={self.device!r}: use one of {DEVICES}")
+        owned = owned_argument(self.server_args)
+        need(owned is None, str(owned))
         for key in ("start_timeout_s", "request_timeout_s"):
             value = getattr(self, key)
             need(
@@ -285,6 +360,8 @@ class VLLMServerEngine(RolloutEngine):
         weights when ``sync_on_bind`` (a resumed run never samples from the file's weights)."""
         self._policy, self._tokenizer = model, tokenizer
         self.eos_ids = [int(t) for t in eos_ids]
+        vocab = _policy_config(model).get("vocab_size")
+        self.vocab_size = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
         self.start()
         if self.sync_on_bind:
             self.sync_weights(model)
@@ -305,17 +382,17 @@ class VLLMServerEngine(RolloutEngine):
                 error = exc
         if world > 1:
             dtype = None if self._push_dtype is None else str(self._push_dtype)
-            shared = _from_rank0((self.url, self.logprobs_mode, dtype, _text(error)))
+            shared = _from_rank0((self.url, self.logprobs_mode, dtype, _text(error), self._key))
             if error is not None:
                 raise error
             if shared[3] is not None:
                 raise VLLMServerError(f"rank 0 could not start the vLLM server: {shared[3]}")
             if rank != 0:
-                self.url, self.logprobs_mode = shared[0], shared[1]
+                self.url, self.logprobs_mode, self._key = shared[0], shared[1], shared[4]
                 self._push_dtype = (
                     getattr(torch, shared[2].removeprefix("torch.")) if shared[2] else None
                 )
-                self.client = ServerClient(self.url, self.api_key, self.request_timeout_s)
+                self.client = ServerClient(self.url, self._key, self.request_timeout_s)
         assert self.client is not None
         return self.client
 
@@ -323,10 +400,11 @@ class VLLMServerEngine(RolloutEngine):
         t0 = time.perf_counter()
         try:
             self._prepare_weight_folder()
+            self._key = self.api_key
             if self.url is None:
-                self._launch()
+                self._launch()  # with a key of its own
             assert self.url is not None
-            client = ServerClient(self.url, self.api_key, self.request_timeout_s)
+            client = ServerClient(self.url, self._key, self.request_timeout_s)
             self._wait_healthy(client)
             self._check_server(client)
         except BaseException:
@@ -342,17 +420,23 @@ class VLLMServerEngine(RolloutEngine):
         process, self.process = self.process, None
         if process is not None:
             process.stop()
+        self._remove_snapshots()
+
+    def _remove_snapshots(self) -> None:
+        """This engine's snapshot folder (its temporary root too); also at interpreter exit."""
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._remove_snapshots)
         pushes, self._pushes = self._pushes, None
-        if pushes is not None:
-            shutil.rmtree(pushes, ignore_errors=True)
-        if self._own_root and self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+        snapshots.remove(pushes)
+        if self._own_root:
+            snapshots.remove(self._root)
 
     shutdown = close
 
     def _prepare_weight_folder(self) -> None:
+        snapshots.remove_leftovers(self.weight_dir)  # of runs killed with SIGKILL
         if self.weight_dir is None:
-            self._root, self._own_root = Path(tempfile.mkdtemp(prefix="mrtpo-vllm-server-")), True
+            self._root, self._own_root = snapshots.make_folder(snapshots.OWN_ROOT), True
         else:
             self._root = Path(self.weight_dir)
             if not self._root.is_dir():
@@ -360,7 +444,8 @@ class VLLMServerEngine(RolloutEngine):
                     f"rollout.engine.weight_dir={self.weight_dir}: no such folder (it must exist "
                     "and be readable by the server as its MRTPO_WEIGHT_ROOT)"
                 )
-        self._pushes = Path(tempfile.mkdtemp(prefix="pushes-", dir=self._root))
+        self._pushes = snapshots.make_folder(snapshots.PUSHES, self._root)
+        atexit.register(self._remove_snapshots)
 
     # -- the started server ------------------------------------------------------------------
 
@@ -416,8 +501,8 @@ class VLLMServerEngine(RolloutEngine):
             env["MRTPO_SERVER_CPUS"] = ",".join(map(str, self.cpus))
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
-        if self.api_key is not None:
-            env["VLLM_API_KEY"] = self.api_key
+        # the key goes by environment, which only this user can read (argv is world-readable)
+        env["VLLM_API_KEY"] = str(self._key)
         return env
 
     def _launch(self) -> None:
@@ -427,7 +512,14 @@ class VLLMServerEngine(RolloutEngine):
                 f"rollout.engine.model={self.model}: no such folder for the server to load "
                 "(it follows model.name_or_path)"
             )
+        if self.port and port_in_use(self.host, int(self.port)):
+            raise VLLMServerError(
+                f"rollout.engine.port={self.port}: {self.host}:{self.port} is already in use by "
+                "another process, and the run talks to the server it starts only: choose a free "
+                "port, or leave rollout.engine.port unset (a free one)"
+            )
         port = int(self.port) if self.port else free_port(self.host)
+        self._key = self.api_key or new_key()  # a fresh key unless the user set one
         cmd = launch_command(self.host, port, self.model, self.server_arguments())
         log_path = Path(self.log_file) if self.log_file else self._root / "server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -439,6 +531,7 @@ class VLLMServerEngine(RolloutEngine):
         self.url = f"http://{shown}:{port}"
 
     def _wait_healthy(self, client: ServerClient) -> None:
+        """Wait for the key proof (``_prove``), then for ``/health`` (with the key)."""
         deadline = time.monotonic() + float(self.start_timeout_s)
         last = ""
         while time.monotonic() < deadline:
@@ -448,6 +541,7 @@ class VLLMServerEngine(RolloutEngine):
                     f"starting ({self.process.log_tail()}); its log: {self.process.log_path}"
                 )
             try:
+                self._prove(client.url)
                 client.get("/health", timeout_s=10)
                 return
             except RequestFailed as exc:
@@ -459,13 +553,49 @@ class VLLMServerEngine(RolloutEngine):
             f"{self.start_timeout_s:g} s (rollout.engine.start_timeout_s; last: {last}){where}"
         )
 
+    def _prove(self, url: str) -> None:
+        """The server at ``url`` must prove that it holds the run's key before it gets any
+        request or the key: it answers a fresh nonce with ``proof(key, nonce)`` (an HMAC) on
+        the one route that needs no key (``mrtpo.rollout.vllm_serve``). A process that bound
+        the port first sees the nonce alone and cannot answer it; any answer but the proof
+        stops the run. No answer yet (not listening, busy starting) is asked again."""
+        if self._key is None:
+            log.warning("no API key in %s: the run cannot check that %s is the server meant "
+                        "(and anyone who reaches it can call its RL routes)", self.api_key_env,
+                        url)  # fmt: skip
+            return
+        nonce = new_nonce()
+        try:
+            answer = ServerClient(url, None, 10).get(f"{PROOF_PATH}?nonce={nonce}")
+        except RequestFailed as exc:
+            if exc.kind != "refused":
+                raise
+            answer = f"HTTP {exc.status}: {exc.detail}"
+        if proves(answer, self._key, nonce):
+            return
+        seen = " ".join(str(answer).split())[:120]
+        if self.process is None:
+            raise VLLMServerError(
+                f"the server at {url} did not prove that it holds the key in {self.api_key_env} "
+                f"(it answered {seen!r}; the key was not sent): start it with `python -m "
+                f"{LAUNCHER}` of this version and that key, and check rollout.engine.url"
+            )
+        raise VLLMServerError(
+            f"the process answering at {url} is not the vLLM server the run started: it could "
+            f"not prove that it holds the run's key (it answered {seen!r}; nothing else and no "
+            f"key was sent). Another process holds port {urlsplit(url).port}: stop it, or set "
+            "rollout.engine.port to a free port"
+        )
+
     # -- what the server must be -------------------------------------------------------------
 
     def _check_server(self, client: ServerClient) -> None:
         """Refuse a server that lacks the routes or backend this run needs, or that serves
         another model; read its dtype and log-prob mode."""
-        info = self._call(client.get, "/server_info?config_format=json", what="the start-up check")
-        vcfg = info.get("vllm_config", {}) if isinstance(info, dict) else {}
+        what = "the start-up check"
+        info = self._call(lambda: as_object(client.get("/server_info?config_format=json")),
+                          what=what)  # fmt: skip
+        vcfg = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
         backend = (vcfg.get("weight_transfer_config") or {}).get("backend")
         if backend != BACKEND:
             raise VLLMServerError(
@@ -474,14 +604,14 @@ class VLLMServerEngine(RolloutEngine):
                 f'\'{{"backend": "{BACKEND}"}}\'` and MRTPO_WEIGHT_ROOT=<weight folder> '
                 "(docs/scaling.md)"
             )
-        mcfg = vcfg.get("model_config", {})
+        mcfg = vcfg.get("model_config") if isinstance(vcfg.get("model_config"), dict) else {}
         self.logprobs_mode = mcfg.get("logprobs_mode")
         self._push_dtype = _TORCH_DTYPES.get(str(mcfg.get("dtype", "")).removeprefix("torch."))
-        served = self._call(client.get, "/v1/models", what="the start-up check")["data"][0]
-        self.served = str(served.get("root") or served.get("id"))
+        self.served = self._call(lambda: server_answers.served_model(client.get("/v1/models")),
+                                 what=what)  # fmt: skip
         self._check_architecture(client.url)
         self._check_tokenizer(client)
-        self._check_generate_route(client)
+        self._probe_generate(client)
 
     def _check_architecture(self, url: str) -> None:
         if self._policy is None:
@@ -510,7 +640,8 @@ class VLLMServerEngine(RolloutEngine):
             text = _PROBE[0]["content"]
         mine = list(tok(text, add_special_tokens=False)["input_ids"])
         body = {"prompt": text, "add_special_tokens": False}
-        theirs = self._call(client.post, "/tokenize", body, what="the tokenizer check")["tokens"]
+        theirs = self._call(lambda: field(client.post("/tokenize", body), "tokens", list),
+                            what="the tokenizer check")  # fmt: skip
         if mine != theirs:
             at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine))
             raise VLLMServerError(
@@ -520,10 +651,35 @@ class VLLMServerEngine(RolloutEngine):
                 f"{at}. Start the server with --model <the policy's folder>"
             )
 
-    def _check_generate_route(self, client: ServerClient) -> None:
-        body = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "detokenize": False}}
+    def _probe_generate(self, client: ServerClient) -> None:
+        """Refuse a server without the token-in/token-out route, or whose log-probs are not
+        those of the distribution it samples (the loss needs log softmax(z / T)). One token
+        is sampled at temperature 1 and at 0.5 from the same prompt: tempered log-probs
+        double every gap between two tokens' log-probs at 0.5, the model's own keep it."""
+        tops = [self._probe_top(client, t) for t in (1.0, 0.5)]
+        common = set(tops[0]) & set(tops[1])
+        gaps = [max(top[t] for t in common) - min(top[t] for t in common) for top in tops]
+        gaps = gaps if len(common) > 1 else [0.0, 0.0]
+        if gaps[0] > 1e-3:  # else the tokens are too close to tell: trust the server's word
+            tempered, seen = gaps[1] / gaps[0] > 1.5, f"{gaps[1] / gaps[0]:.2f} x"
+        else:
+            tempered, seen = self.logprobs_mode == "processed_logprobs", "too close to tell"
+        if not tempered:
+            raise VLLMServerError(
+                f"the vLLM server at {client.url} reports the model's own log-probs, not those "
+                f"of the distribution it samples (logprobs mode {self.logprobs_mode!r}; the "
+                f"gaps between its top log-probs at temperature 0.5 are {seen} those at "
+                "temperature 1, where they would be 2 x): start it with --logprobs-mode "
+                "processed_logprobs"
+            )
+
+    def _probe_top(self, client: ServerClient, temperature: float) -> dict[int, float]:
+        """The top log-probs of one token sampled at ``temperature`` (a seeded request)."""
+        params = {"n": 1, "max_tokens": 1, "temperature": temperature, "seed": self.seed,
+                  "logprobs": PROBE_TOP, "detokenize": False}  # fmt: skip
+        body = {"token_ids": [0], "sampling_params": params}
         try:
-            client.post("/inference/v1/generate", body)
+            answer = client.post("/inference/v1/generate", body)
         except RequestFailed as exc:
             if exc.status in (403, 404):
                 raise VLLMServerError(
@@ -531,14 +687,25 @@ class VLLMServerEngine(RolloutEngine):
                     f"(HTTP {exc.status}): start it with --enable-scale-out"
                 ) from None
             raise self._failure("the start-up check", exc) from None
+        return self._call(lambda: server_answers.top_logprobs(answer, PROBE_TOP),
+                          what="the log-prob probe")  # fmt: skip
 
     # -- failures ----------------------------------------------------------------------------
 
     def _call(self, fn, *args: Any, what: str) -> Any:
+        """``fn(*args)``: a request and what reads its answer; a failure is one line."""
         try:
             return fn(*args)
         except RequestFailed as exc:
             raise self._failure(what, exc) from None
+        except BadAnswer as exc:
+            raise self._bad_answer(what, exc) from None
+
+    def _bad_answer(self, what: str, exc: BadAnswer) -> VLLMServerError:
+        return VLLMServerError(
+            f"the vLLM server at {self.url} sent an answer the run cannot use during {what}: "
+            f"{exc.detail}"
+        )
 
     def _failure(self, what: str, exc: RequestFailed) -> VLLMServerError:
         """One line: what happened to the server during ``what``."""
@@ -680,27 +847,12 @@ class VLLMServerEngine(RolloutEngine):
             raise self._failure("generation", exc) from None
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return [g for a in answers for g in self._generations(a, n, want)]
+        return [g for a in answers for g in self._generations(a, n, sampling, want)]
 
-    def _generations(self, answer: dict, n: int, logprobs: bool) -> list[Generation]:
-        choices = sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))
-        if len(choices) != n:
-            raise VLLMServerError(
-                f"the vLLM server at {self.url} returned {len(choices)} samples, expected n={n}"
-            )
-        out = []
-        for c in choices:
-            ids = [int(t) for t in c["token_ids"]]
-            lps = None
-            if logprobs:
-                lps = [float(e["logprob"]) for e in (c.get("logprobs") or {}).get("content") or []]
-                if len(lps) != len(ids):
-                    raise VLLMServerError(
-                        f"the vLLM server at {self.url} returned {len(lps)} log-probs for "
-                        f"{len(ids)} tokens"
-                    )
-            spans = [_version(s.get("version")) for s in c.get("weight_versions") or []]
-            known = [v for v in spans if v is not None]
-            version = min(known) if known else self.weight_version
-            out.append(Generation(ids, c.get("finish_reason") == "stop", lps, version))
-        return out
+    def _generations(self, answer: Any, n: int, sampling: SamplingConfig, logprobs: bool
+                     ) -> list[Generation]:  # fmt: skip
+        """The checked samples of one answer (``mrtpo.rollout.server_answers``)."""
+        return self._call(
+            server_answers.generations, answer, n, int(sampling.max_new_tokens),
+            self.vocab_size, logprobs, self.weight_version, what="generation",
+        )  # fmt: skip
