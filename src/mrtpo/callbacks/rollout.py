@@ -39,6 +39,7 @@ class RolloutCallback(L.Callback):
         self.source = RolloutSource(engine, train, group_size, val, schedule, max_staleness)
         self.resyncs = 0  # weight pushes after a checkpoint restore (on_train_start)
         self._stream = None  # the data stream, for the batches a schedule generates ahead
+        self._owns_engine = True  # built with it: closed at the end of each fit (teardown)
 
     # the source's parts, as subclasses (benchmark harnesses) and tests read them
     @property
@@ -48,6 +49,7 @@ class RolloutCallback(L.Callback):
     @engine.setter
     def engine(self, engine: RolloutEngine) -> None:
         self.source.engine = engine
+        self._owns_engine = False  # handed in: whoever handed it in closes it
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -102,10 +104,20 @@ class RolloutCallback(L.Callback):
         self.source.push_weights(pl_module.policy, pl_module.iteration)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.source.close()  # the worker only: a started server stops at process exit
+        self.source.close()  # the worker; the engine closes at teardown
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self.source.close(wait=False)
+        self._close_engine()  # Lightning calls no teardown hook after an exception
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Stop what the engine holds outside this process (a started server, its weight
+        snapshots): a sweep of jobs in one process keeps none of them. Idempotent."""
+        if self._owns_engine:
+            self.engine.close()
 
     def state_dict(self) -> dict:
         return self.source.state_dict() if self.source.depth else {}
