@@ -254,6 +254,17 @@ def engine_problem(cfg: DictConfig) -> str | None:
     return None
 
 
+def leftover_snapshots(cfg: DictConfig) -> list[str]:
+    """Weight snapshots of vLLM server runs killed with SIGKILL (the run removes them)."""
+    target = str(OmegaConf.select(cfg, "rollout.engine._target_", default="") or "")
+    if not target.endswith("VLLMServerEngine"):
+        return []
+    from mrtpo.rollout.snapshots import leftover_note
+
+    note = leftover_note(OmegaConf.select(cfg, "rollout.engine.weight_dir", default=None))
+    return [note] if note else []
+
+
 def check_all(cfg: DictConfig) -> Findings:
     """Every check, each whatever the others found."""
     from mrtpo.config_keys import check_keys
@@ -272,6 +283,7 @@ def check_all(cfg: DictConfig) -> Findings:
     found.notes += [note] if note else []
     problem = engine_problem(cfg)
     found.problems += [f"engine: {problem}"] if problem else []
+    found.notes += leftover_snapshots(cfg)
     _attempt(found, "logger", lambda: check_loggers(cfg.get("logger")))
     return found
 

@@ -482,3 +482,17 @@ def test_an_engine_removes_its_snapshots_at_close_and_a_killed_runs_at_start(tem
     eng._prepare_weight_folder()
     eng.close()
     assert list(shared.iterdir()) == []  # its pushes-* went, the shared folder stays
+
+
+def test_check_names_a_killed_runs_snapshots(temp_dir, tmp_path):
+    from tests.conftest import compose_config
+
+    from mrtpo.dryrun import check_all
+    from mrtpo.rollout import snapshots
+
+    dead = _killed_run_folder(temp_dir, snapshots.OWN_ROOT)
+    found = check_all(compose_config("train.yaml", ["rollout=vllm_server"]))
+    [note] = [n for n in found.notes if "snapshot" in n]
+    assert str(dead) in note and "removes them at start" in note and dead.is_dir()
+    found = check_all(compose_config("train.yaml", ["rollout=hf"]))
+    assert not [n for n in found.notes if "snapshot" in n]  # no server engine: not its business
