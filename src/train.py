@@ -9,7 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 import mrtpo.cli  # (registers what --help says of each group)
-import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
+import mrtpo.config  # (registers the resolvers the configs use)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
@@ -56,6 +56,7 @@ if __name__ == "__main__":
     from mrtpo.settings import ConfigError, check_overrides
     from mrtpo.signals import run_and_exit
 
+    mrtpo.cli.COMMAND_LINE = True  # a refusal as Hydra starts: one line, exit status 2
     # --check is dry_run=true (configs/train.yaml), for Hydra
     sys.argv = ["dry_run=true" if a == "--check" else a for a in sys.argv]
     try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: True in the process of an entry point (src/train.py): a refusal before Hydra starts the
+#: job is printed as one line with exit status 2; a library caller gets the exception.
+COMMAND_LINE = False
+
 #: What a bad value, missing data or a model that cannot load raises: the entry points print
 #: its message alone. Anything else (a bug, an interrupted run) keeps Hydra's traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)

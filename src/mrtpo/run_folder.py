@@ -723,6 +723,93 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
     return moved
 
 
+# ---- a new run never writes into a folder that holds anything -------------------------------
+
+#: Folders chosen with ``hydra.run.dir``/``paths.output_dir`` for a new run, checked before
+#: Hydra wrote into them: resolved folder -> (it existed, the folders above it that did not).
+#: A run refused before it trained removes what was made for it (``discard_refused_folder``).
+_CHOSEN: dict[str, tuple[bool, list[str]]] = {}
+
+#: The values these keys have when not set: a new folder of this process (``unique_dir``),
+#: or the resumed run's.
+_DEFAULT_FOLDERS = {"hydra.run.dir": "${mrtpo.run_dir:", "paths.output_dir": "${hydra:runtime"}
+
+
+def _chosen_folder(cfg: DictConfig, key: str) -> Path | None:
+    """The folder ``key`` names when the user set it; None when it has its default."""
+    parent, leaf = key.rsplit(".", 1)
+    node = OmegaConf.select(cfg, parent, default=None)
+    if node is None:
+        return None
+    # (never ``leaf in node``: it would resolve the default and make a new run folder)
+    raw = OmegaConf.to_container(node, resolve=False).get(leaf)
+    if raw is None or str(raw).startswith(_DEFAULT_FOLDERS[key]):
+        return None
+    return Path(str(OmegaConf.select(cfg, key)))
+
+
+def check_new_run_folder(cfg: DictConfig) -> None:
+    """Refuse, before Hydra writes its ``.hydra/`` and log there, a new run whose chosen
+    folder (``hydra.run.dir``, ``paths.output_dir``) already holds anything: it would replace
+    a finished run's metrics and checkpoints, or edit a user's files. A resume continues its
+    run in place (``+resume=<folder>``); a DDP worker runs in its launcher's folder."""
+    from mrtpo.settings import ConfigError, check_names
+
+    check_names(cfg)
+    if cfg.get("resume") or _secondary_process():
+        return
+    for key in _DEFAULT_FOLDERS:
+        folder = _chosen_folder(cfg, key)
+        if folder is None:
+            continue
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise ConfigError(f"{key}={folder} is not a folder: name a new or empty folder")
+        if folder.is_dir() and any(folder.iterdir()):
+            raise ConfigError(
+                f"{key}={folder} already holds files, and a new run there would replace or "
+                "append to them: name a new or empty folder, or continue the run in it with "
+                f"+resume={folder}"
+            )
+        missing = [p for p in [folder, *folder.parents] if not p.exists()]
+        _CHOSEN[str(folder.resolve())] = (folder.exists(), [str(p) for p in missing[1:]])
+
+
+def _refuse_early(check, config: DictConfig) -> None:
+    """Run ``check`` on the composed config as Hydra starts; its refusal is one line."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from mrtpo import cli
+    from mrtpo.settings import ConfigError
+
+    HydraConfig.instance().set_config(config)  # ${hydra:...} in run_name resolves
+    try:
+        check(config)
+    except ConfigError as exc:
+        if not cli.COMMAND_LINE:
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - the bare GPU runner has no Hydra
+    Callback = object  # type: ignore[assignment,misc]
+
+
+class NewRunFolderCheck(Callback):
+    """Hydra callback (configs/hydra/default.yaml): ``check_new_run_folder`` before Hydra
+    makes or writes the run folder, and the names of a sweep before its jobs start."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_early(check_new_run_folder, config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from mrtpo.settings import check_names
+
+        _refuse_early(check_names, config)
+
+
 # ---- a new run refused before it trained leaves no folder -----------------------------------
 
 #: What Hydra writes in a new run's folder before the run starts: its config (``.hydra/``)
@@ -760,16 +847,21 @@ def is_refusal(exc: BaseException) -> bool:
 def discard_refused_folder(cfg: DictConfig) -> Path | None:
     """After a new run that stopped before it trained (refused, or ``dry_run=true``): remove
     the run folder this process created for it (``mrtpo.config.unique_dir``) and the empty
-    folders it created above it, so a refused command leaves nothing on the disk. A resume's
-    folder, a folder given with ``hydra.run.dir``/``paths.output_dir``, a sweep's job folder
-    (its ``job.json`` records the failure) and a folder holding anything but Hydra's config
-    and log are kept. Returns the removed folder, or None."""
+    folders it created above it, so a refused command leaves nothing on the disk. A folder
+    named with ``hydra.run.dir``/``paths.output_dir`` goes the same way when this run made
+    it, and is emptied of Hydra's files when it was an empty folder before
+    (``check_new_run_folder``). A resume's folder, a sweep's job folder (its ``job.json``
+    records the failure) and a folder holding anything but Hydra's config and log are kept.
+    Returns the removed (or emptied) folder, or None."""
     from mrtpo.config import made_here
 
     if cfg.get("resume") or _secondary_process():
         return None
     folder = run_folder_of(cfg)
     made = made_here(folder) if folder is not None else None
+    existed, chosen = _CHOSEN.get(str(folder.resolve()), (False, [])) if folder else (False, [])
+    if not made and folder is not None and str(folder.resolve()) in _CHOSEN:
+        made = [folder, *map(Path, chosen)]  # a folder the user named, made for this run
     if not made or not made[0].is_dir() or not _only_hydra_start(made[0]):
         return None
     root = logging.getLogger()
@@ -778,6 +870,10 @@ def discard_refused_folder(cfg: DictConfig) -> Path | None:
         if isinstance(h, logging.FileHandler) and Path(name).parent == made[0].resolve():
             h.close()
             root.removeHandler(h)
+    if existed:  # an empty folder the user named: emptied again, kept
+        for entry in made[0].iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        return made[0]
     shutil.rmtree(made[0], ignore_errors=True)
     for parent in made[1:]:
         with contextlib.suppress(OSError):  # not empty: something else lives there

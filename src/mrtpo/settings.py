@@ -237,11 +237,15 @@ class ReplayConfig(_Section):
     section: ClassVar[str] = "replay"
     token_budget: int = 16384  # rows x padded length per replay forward
     jsd_chunk: int = 256  # (row, position) pairs per float32 log-softmax / JSD chunk
+    # responses a step whose P_all replay also scores the update's way (train/replay/
+    # noise_floor, mrtpo.replay_noise); 0: off
+    noise_floor: int = 0
 
     def __post_init__(self) -> None:
         s = self.section
         _need(self.token_budget >= 1, s, "token_budget", self.token_budget, ">= 1")
         _need(self.jsd_chunk >= 1, s, "jsd_chunk", self.jsd_chunk, ">= 1")
+        _need(self.noise_floor >= 0, s, "noise_floor", self.noise_floor, ">= 0")
 
 
 @dataclass
@@ -392,11 +396,32 @@ def check_seed(cfg) -> None:
         raise ConfigError(f"seed={seed!r} is not allowed: an integer in [{lo}, {hi}]")
 
 
+def check_names(cfg) -> None:
+    """``job_name`` and ``run_name`` are one folder name each: the run's folder is
+    ``<paths.log_dir>/<job_name>/runs/<time>_<run_name>``, and a separator or ``..`` in them
+    put it outside ``logs/`` (``run_name=x/../../../../escaped``)."""
+    from omegaconf import OmegaConf
+
+    for key in ("job_name", "run_name"):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        name = str(value)
+        if not name or name in (".", "..") or any(c in name for c in ("/", "\\", "\0")):
+            raise ConfigError(
+                f"{key}={name!r} is not allowed: one folder name, without '/', '\\' or a "
+                "name of '.' or '..' (the run's folder is <paths.log_dir>/<job_name>/runs/"
+                "<time>_<run_name>; to put runs elsewhere set paths.log_dir)"
+            )
+
+
 def check_run(cfg) -> None:
-    """``seed`` and the ``trainer`` keys the RL loop depends on, named when they cannot work."""
+    """``seed``, ``job_name`` and ``run_name``, and the ``trainer`` keys the RL loop depends
+    on, named when they cannot work."""
     from omegaconf import OmegaConf
 
     check_seed(cfg)
+    check_names(cfg)
     if OmegaConf.select(cfg, "trainer") is None:
         return
     steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
@@ -458,6 +483,7 @@ def validate(cfg) -> None:
     check_finite(cfg)
     check_engine(cfg)
     check_schedule(cfg)
+    check_engine_settings(cfg)
 
 
 def check_engine(cfg) -> None:
@@ -477,6 +503,58 @@ def check_engine(cfg) -> None:
     )
 
 
+#: The most weight versions an ``async`` sample may lag behind (``rollout.max_staleness``):
+#: async keeps that many batches generated ahead, each from weights older than the last.
+#: Past a few versions the stale-sample correction has little left to correct with.
+MAX_STALENESS = 16
+
+#: Engines whose constructor only stores and checks its settings (no model, no process):
+#: the run's validation and ``--check`` build one to run those checks before anything loads.
+SETTINGS_ONLY_ENGINES = ("mrtpo.rollout.vllm_server.VLLMServerEngine",)
+
+
+def _engine_keys(engine: Mapping[str, Any]) -> None:
+    """``port`` and ``weight_dir`` of an engine node: a TCP port, an existing folder."""
+    port = engine.get("port")
+    if port is not None and not (_is_int(port) and 1 <= port <= 65535):
+        raise ConfigError(
+            f"rollout.engine.port={port!r} is not allowed: a TCP port from 1 to 65535, or "
+            "null for a free one"
+        )
+    folder = engine.get("weight_dir")
+    if folder is not None:
+        import os
+
+        if not os.path.isdir(str(folder)):
+            raise ConfigError(
+                f"rollout.engine.weight_dir={folder}: no such folder (it must exist and be "
+                "readable by the server as its MRTPO_WEIGHT_ROOT)"
+            )
+
+
+def check_engine_settings(cfg) -> None:
+    """The rollout engine's own checks of its settings (``rollout.engine.*``), run before
+    anything loads by both the run (``validate``) and ``--check``: one engine built from the
+    config for ``SETTINGS_ONLY_ENGINES``, and the port and weight folder of any engine."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "rollout.engine")
+    if node is None:
+        return
+    _engine_keys(OmegaConf.to_container(node, resolve=True))
+    if str(node.get("_target_")) not in SETTINGS_ONLY_ENGINES:
+        return
+    try:
+        instantiate(node)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (ValueError, TypeError)):
+            raise ConfigError(str(cause)) from None
+        raise
+
+
 def check_schedule(cfg) -> None:
     """``rollout.schedule`` and ``rollout.max_staleness`` are valid, and a schedule that
     generates while the trainer updates has an engine that can (its own weights) and that
@@ -488,6 +566,12 @@ def check_schedule(cfg) -> None:
 
     schedule = OmegaConf.select(cfg, "rollout.schedule", default="sync")
     staleness = OmegaConf.select(cfg, "rollout.max_staleness", default=1)
+    if not (_is_int(staleness) and staleness <= MAX_STALENESS):
+        raise ConfigError(
+            f"rollout.max_staleness={staleness!r} is not allowed: an integer from 1 to "
+            f"{MAX_STALENESS} (how many weight versions a sample may lag behind the trainer; "
+            "async keeps that many batches generated ahead)"
+        )
     try:
         check_values(schedule, staleness)
     except ValueError as exc:

@@ -33,12 +33,17 @@ def test_a_refused_run_leaves_no_folder_and_no_parents(tmp_path):
     assert "(the traceback is in" not in res.stderr  # it pointed at the removed log
 
 
-def test_a_refused_run_keeps_a_folder_it_did_not_make(tmp_path):
-    """``hydra.run.dir=<folder>`` names a folder the user chose: it is never removed."""
-    chosen = tmp_path / "mine"
+def test_a_refused_run_leaves_a_folder_it_was_given_as_it_found_it(tmp_path):
+    """``hydra.run.dir=<folder>`` (issue 47 item 5): a folder the refused run made goes with
+    the folders made above it; an empty folder the user made stays, empty again."""
+    chosen = tmp_path / "new" / "mine"
     res = _train([f"hydra.run.dir={chosen}", "trainer.max_steps=0"], tmp_path)
     assert res.returncode == 2
-    assert (chosen / ".hydra" / "config.yaml").is_file()
+    assert not (tmp_path / "new").exists()
+    chosen.mkdir(parents=True)
+    res = _train([f"hydra.run.dir={chosen}", "trainer.max_steps=0"], tmp_path)
+    assert res.returncode == 2
+    assert chosen.is_dir() and not any(chosen.iterdir())
 
 
 def test_a_run_that_ends_leaves_no_run_lock_and_its_folder(tmp_path, cache_dir):
