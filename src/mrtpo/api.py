@@ -21,7 +21,6 @@ caller's logging and torch's thread count are put back afterwards.
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import sys
@@ -33,6 +32,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 __all__ = ["RunResult", "evaluate", "export", "train"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,19 @@ class RunResult:
 
     def history(self) -> list[dict[str, float]]:
         """Every row of ``csv/metrics.csv`` (one per logged step), numbers as floats; a
-        cell the step did not log is left out of its row."""
+        cell the step did not log is left out of its row. Of a malformed file, a column with
+        a cell that is no number and a row longer than the header are left out, each logged
+        as a warning naming it (``mrtpo.analysis.runs.read_metrics``)."""
+        from mrtpo.analysis.runs import read_metrics
+
         path = self.run_dir / "csv" / "metrics.csv"
         if not path.is_file():
             return []
-        with open(path, newline="", encoding="utf-8") as f:
-            return [
-                {k: float(v) for k, v in row.items() if v not in ("", None)}
-                for row in csv.DictReader(f)
-            ]
+        warnings: list[str] = []
+        rows = read_metrics(path, warnings)
+        for w in warnings:
+            log.warning("%s", w)
+        return rows
 
 
 def train(overrides: Sequence[str] = ()) -> RunResult:

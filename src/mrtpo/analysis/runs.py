@@ -35,19 +35,110 @@ def source_commit(root: Path = ROOT) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def read_metrics(path: str | Path) -> list[dict[str, float]]:
+def read_metrics(path: str | Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
     """Rows of a Lightning metrics.csv, numbers only (empty cells dropped: Lightning writes one
-    row per logging call, so most cells of a row are empty)."""
-    rows = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            row = {}
-            for k, v in r.items():
-                if v not in ("", None):
-                    with contextlib.suppress(ValueError):
-                        row[k] = float(v)
-            rows.append(row)
+    row per logging call, so most cells of a row are empty).
+
+    A malformed file is read as far as it makes sense: a column with a cell that is no number
+    (text, a cell of megabytes) is left out whole, and a row with more cells than the header
+    (whose cells cannot be told apart) is left out; each is named in one line appended to
+    ``warnings``. A file the csv module cannot parse raises ``ValueError`` naming it."""
+    path = Path(path)
+    try:
+        with (
+            _field_limit(path.stat().st_size),
+            open(path, newline="", encoding="utf-8", errors="replace") as f,
+        ):
+            reader = csv.reader(f)
+            head = next(reader, [])
+            lines = [(reader.line_num, cells) for cells in reader]
+    except csv.Error as exc:
+        raise ValueError(f"{path}: not a CSV table ({exc})") from None
+    cut = _cut_last_line(path, head, lines)
+    rows, bad, long = _numbers(head, lines)
+    if warnings is not None:
+        warnings += (
+            [f"{path}: line {cut} is incomplete (a killed writer?); left out"] if cut else []
+        )
+        warnings += [f"{path}: column {_quoted(head[i])} holds a cell that is no number "
+                     f"(line {n}: {what}); the column is left out" for i, (n, what) in bad.items()]  # fmt: skip
+        if long:
+            more = f" (and {len(long) - 3} more rows)" if len(long) > 3 else ""
+            warnings.append(
+                f"{path}: line {long[0][0]} has {long[0][1]} cells for the header's {len(head)} "
+                f"columns{more}; {_n_rows(len(long))} left out"
+            )
     return rows
+
+
+def _numbers(
+    head: list[str], lines: list[tuple[int, list[str]]]
+) -> tuple[list[dict[str, float]], dict[int, tuple[int, str]], list[tuple[int, int]]]:
+    """(rows of numbers, {bad column: (its first bad line, that cell described)}, [(line,
+    cells) of each row longer than ``head``]); the bad columns are already left out."""
+    rows: list[dict[str, float]] = []
+    bad: dict[int, tuple[int, str]] = {}
+    long: list[tuple[int, int]] = []
+    for n, cells in lines:
+        if len(cells) > len(head):
+            long.append((n, len(cells)))
+            continue
+        row = {}
+        for i, v in enumerate(cells):
+            if v == "" or i in bad:
+                continue
+            try:
+                row[head[i]] = float(v)
+            except ValueError:
+                bad[i] = (n, f"{len(v):,} characters" if len(v) > 40 else repr(v))
+        rows.append(row)
+    gone = {head[i] for i in bad} - {h for i, h in enumerate(head) if i not in bad}
+    return [{k: v for k, v in r.items() if k not in gone} for r in rows], bad, long
+
+
+def _cut_last_line(path: Path, head: list[str], lines: list[tuple[int, list[str]]]) -> int:
+    """Take the last line off ``lines`` when a killed writer cut it (no line end, a cell that
+    is no number), so that it costs its row and not a column; its line number, else 0."""
+    if not lines:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        ended = f.read(1) in (b"\n", b"\r")
+    n, cells = lines[-1]
+    if ended or all(_is_float(v) for v in cells[: len(head)] if v != ""):
+        return 0
+    lines.pop()
+    return n
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _quoted(name: str, most: int = 80) -> str:
+    """A column name on one line (``repr``), cut to about ``most`` characters."""
+    text = repr(name)
+    return text if len(text) <= most else f"{text[: most - 12]}...' ({len(name):,} characters)"
+
+
+def _n_rows(k: int) -> str:
+    return "the row is" if k == 1 else "these rows are"
+
+
+@contextlib.contextmanager
+def _field_limit(size: int):
+    """csv's cell size limit raised to ``size`` (a file's size bounds its cells) while a file
+    is read, then put back: a cell past the default 131,072 characters is an error there."""
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, min(size + 1, 2**31 - 1)))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
 
 
 #: A row of an RL step: every task logs the summed reward; ``train/success`` only a task with
@@ -55,17 +146,18 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 STEP_KEYS = ("train/success", "train/reward/total/mean")
 
 
-def _step_rows(path: str | Path) -> list[dict[str, float]]:
-    rows = [r for r in read_metrics(path) if any(k in r for k in STEP_KEYS)]
+def _step_rows(path: str | Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
+    rows = [r for r in read_metrics(path, warnings) if any(k in r for k in STEP_KEYS)]
     rows.sort(key=lambda r: r["step"])
     return rows
 
 
-def rl_curves(path: str | Path) -> dict[str, list[float]]:
+def rl_curves(path: str | Path, warnings: list[str] | None = None) -> dict[str, list[float]]:
     """Per-step series of an RL run: ``success`` (where the task logs it), each reward's
     mean, by reward name, and each extra metric a reward reported, ``extra/<reward>/<name>``
-    (``train/extra/...``: those of a step that had none are NaN)."""
-    rows = _step_rows(path)
+    (``train/extra/...``: those of a step that had none are NaN). What of the file is left
+    out (``read_metrics``) is named in ``warnings``."""
+    rows = _step_rows(path, warnings)
     out: dict[str, list[float]] = {}
     if any("train/success" in r for r in rows):
         out["success"] = [r.get("train/success", math.nan) for r in rows]
@@ -151,12 +243,12 @@ REPLAY_KEYS = {
 }
 
 
-def run_series(path: str | Path) -> dict[str, list[float]]:
+def run_series(path: str | Path, warnings: list[str] | None = None) -> dict[str, list[float]]:
     """``rl_curves`` plus what replay cost and found, per step: ``replay/share``,
     ``time/replay_share`` and ``replay/top80/<reward>`` (share of a response's tokens holding
     80% of that reward's relevance). NaN where a step did not log it (GDPO never replays)."""
     rows = _step_rows(path)
-    out = rl_curves(path)
+    out = rl_curves(path, warnings)
     keys = {k for r in rows for k in r}
     for col, name in REPLAY_KEYS.items():
         if col in keys:

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import csv
 import glob
+import hashlib
 import io
 import json
 import logging
@@ -297,6 +298,12 @@ def load_run(folder: str | Path) -> Run:
         if cfg.is_file() and metrics.is_file():
             wall = max(0.0, metrics.stat().st_mtime - cfg.stat().st_mtime)
     metrics = folder / METRICS
+    curves: dict[str, list[float]] = {}
+    if metrics.is_file():
+        try:
+            curves = rl_curves(metrics, warnings)
+        except (OSError, ValueError) as exc:  # not a CSV table, unreadable
+            warnings.append(f"{exc}; the run's metrics are left out")
     return Run(
         path=folder,
         overrides=overrides,
@@ -304,7 +311,7 @@ def load_run(folder: str | Path) -> Run:
         status=info.get("status"),
         wall_s=None if wall is None else float(wall),
         run_name=info.get("run_name"),
-        curves=rl_curves(metrics) if metrics.is_file() else {},
+        curves=curves,
         job_num=info.get("job_num"),
         error=info.get("error"),
         max_steps=_saved_max_steps(folder),
@@ -410,11 +417,59 @@ def fmt_ci(iv: Interval, digits: int = 3) -> str:
     return f"{iv.mean:.{digits}f} ± {iv.half:.{digits}f}"
 
 
+def one_line(text: Any) -> str:
+    """``text`` with line breaks and other unprintable characters written as escapes
+    (``\\n``), so that a name from a run's files cannot end a markdown line or table row."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _digest(name: str, n: int = 8) -> str:
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:n]
+
+
+#: A metric name longer than this is shown cut, with a short hash of the whole name.
+LONGEST_NAME = 100
+
+
+def shown(metric: str) -> str:
+    """A metric's name as tables and titles show it: on one line, and a name longer than
+    ``LONGEST_NAME`` cut, with the hash its PNG's name carries (``figure_names``)."""
+    text = one_line(metric)
+    if len(text) <= LONGEST_NAME:
+        return text
+    return f"{text[: LONGEST_NAME - 24]}... ({len(metric):,} characters, #{_digest(metric)})"
+
+
+def figure_names(metrics: Sequence[str]) -> dict[str, str]:
+    """A PNG file name per metric, never shared: ``curves_<name>.png`` with ``/`` as ``_``
+    for a short name of letters, digits and ``_.-/`` that no other metric cleans to; any
+    other name is cleaned, cut and given a short hash of itself (``-<hash>``)."""
+    clean = {m: re.sub(r"[^A-Za-z0-9_.-]+", "_", m) for m in metrics}
+    count: dict[str, int] = {}
+    for c in clean.values():
+        count[c.casefold()] = count.get(c.casefold(), 0) + 1
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for m, c in clean.items():
+        plain = c == m.replace("/", "_") and len(c) <= LONGEST_NAME and count[c.casefold()] == 1
+        name = f"curves_{c}.png" if plain else f"curves_{c[:80]}-{_digest(m)}.png"
+        if name.casefold() in taken:  # a plain name that looks like another's hashed one
+            name = f"curves_{c[:80]}-{_digest(m, 64)}.png"
+        taken.add(name.casefold())
+        out[m] = name
+    return out
+
+
 def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    esc = [str(h).replace("|", r"\|") for h in head]
-    lines = ["| " + " | ".join(esc) + " |", "|" + "---|" * len(head)]
+    def cell(c: Any) -> str:
+        return one_line(c).replace("|", r"\|")
+
+    lines = ["| " + " | ".join(map(cell, head)) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join(str(c).replace("|", r"\|") for c in r) + " |")
+        lines.append("| " + " | ".join(map(cell, r)) + " |")
     return "\n".join(lines)
 
 
@@ -544,7 +599,7 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     metrics = metric_names(runs)
     names, common = labels([r.group for r in runs])
     md_head = ["job", "overrides", SEED, "status", "steps", "wall (s)"]
-    md_head += [f"{m} final / best" for m in metrics]
+    md_head += [f"{shown(m)} final / best" for m in metrics]
     md_rows = []
     for r, row in zip(runs, rows, strict=True):
         cells = [row["job"], names[r.group], row[SEED], row["status"] or "?", r.steps]
@@ -566,7 +621,7 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     for r, row in zip(runs, rows, strict=True):
         if r.status == "failed":
             lines.append(f"- job {row['job']} failed: `{(r.error or '?')[:300]}`")
-    lines += [f"- warning: {w}" for r in runs for w in r.warnings]
+    lines += [f"- warning: {one_line(w)}" for r in runs for w in r.warnings]
     if any(r.status == "failed" or r.warnings for r in runs):
         lines.append("")
     lines.append(f"Compare over seeds: `python src/report.py {root}`")
@@ -777,7 +832,8 @@ def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
     spec = " ".join(baseline)
     lines += ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
     if rows:
-        lines.append(markdown_table(["group", "baseline", "seed pairs", *metrics], rows))
+        lines.append(markdown_table(["group", "baseline", "seed pairs", *map(shown, metrics)],
+                                    rows))  # fmt: skip
         if any("(n=" in str(c) for r in rows for c in r[3:]):
             lines += ["", FEWER]
     else:
@@ -792,7 +848,7 @@ def _tables(groups, names, metrics, level) -> list[str]:
         (0, f"Final (mean of the last {FINAL_WINDOW} steps)"),
         (1, f"Best ({SMOOTH}-step moving average)"),
     ):
-        head = ["group", "seeds", "steps", *metrics]
+        head = ["group", "seeds", "steps", *map(shown, metrics)]
         rows = []
         for k, rs in groups.items():
             ivs = intervals(
@@ -827,7 +883,7 @@ def _preamble(groups, names, common, skipped, used, level) -> list[str]:
             lines.append(f"Counted although incomplete (--incomplete): {names[k]}: "
                          f"{len(part)} incomplete ({', '.join(part)}).")  # fmt: skip
     lines += [f"Warning: {w}" for r in [*used, *skipped] for w in r.warnings]
-    return lines
+    return [one_line(line) for line in lines]  # paths and names from the runs' files
 
 
 def report(
@@ -864,7 +920,7 @@ def report(
         lines += _paired_section(groups, names, metrics, baseline, level)
     figures: list[Path] = []
     if plots and out is not None:
-        paths = {m: out / f"curves_{re.sub(r'[^A-Za-z0-9_.-]+', '_', m)}.png" for m in metrics}
+        paths = {m: out / name for m, name in figure_names(metrics).items()}
         for p in [*paths.values(), out / "report.md"]:
             check_output(p)  # before anything is written
         out.mkdir(parents=True, exist_ok=True)
@@ -947,7 +1003,7 @@ def plot_metric(
         (line,) = ax.plot(x, mean, lw=1.6, label=f"{label} (n={n_seeds})")
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
     said = ", cut at 0 and 1" if math.isfinite(cut[1]) else ""
-    ax.set_title(f"{metric} (moving average {SMOOTH}; band: {100 * level:g}% over seeds{said})",
+    ax.set_title(f"{shown(metric)} (moving average {SMOOTH}; band: {100 * level:g}% over seeds{said})",
                  fontsize=9)  # fmt: skip
     ax.set_xlabel("RL step")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -1026,5 +1082,5 @@ def _failed(exc: Exception, runs: Sequence[Run] | None, args: dict[str, Any]) ->
         print(f"error: cannot write {exc.filename}: {exc.strerror}; give --out <a writable "
               "folder>, or --no-plots")  # fmt: skip
     else:
-        print(f"error: {exc}")
+        print(f"error: {one_line(exc)}")
     return 2
