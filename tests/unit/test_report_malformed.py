@@ -141,3 +141,21 @@ def test_a_last_line_cut_by_a_kill_costs_that_row_not_the_column(tmp_path):
     rows = read_metrics(metrics, warnings)
     assert len(rows) == 4 and all("train/success" in r for r in rows[:3])
     assert warnings == [f"{metrics}: line 6 is incomplete (a killed writer?); left out"]
+
+
+def test_an_override_with_a_newline_stays_on_the_evaluation_report_line(tmp_path):
+    import json
+
+    from mrtpo.analysis.sweep import write_summary
+
+    root = tmp_path / "evals"
+    for i in (0, 1):
+        job = root / str(i)
+        job.mkdir(parents=True)
+        info = {**DONE, "overrides": ["eval.split=a\nb", f"seed={i}"], "job_num": i}
+        (job / "job.json").write_text(json.dumps(info))
+        (job / "metrics.json").write_text(json.dumps({"exact_match": 0.5}))
+    text = report(find_runs([root]), None).text
+    assert "Every job: `eval.split=a\\nb`." in text
+    md = write_summary(root)[1].read_text()
+    assert "Every job: `eval.split=a\\nb`." in md and "\nb`" not in md

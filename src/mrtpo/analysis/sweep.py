@@ -564,9 +564,10 @@ def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
     md_rows = [[row["job"], row["overrides"], row["split"], row["status"], row["examples"],
                 *[fmt(row[k]) if row[k] != "" else "–" for k in metrics]] for row in rows]  # fmt: skip
     cmd = sweep_command(root)
-    lines = [f"# Evaluation sweep: {root.name}", ""] + ([f"`{cmd}`", ""] if cmd else [])
+    lines = [f"# Evaluation sweep: {one_line(root.name)}", ""]
+    lines += [f"`{one_line(cmd)}`", ""] if cmd else []
     if common:
-        lines.append(f"Every job: `{' '.join(common)}`.")
+        lines.append(f"Every job: `{one_line(' '.join(common))}`.")
     head_md = ["job", "overrides", "split", "status", "examples", *metrics]
     lines += ["", markdown_table(head_md, md_rows), ""]
     lines += [f"- job {r.job_num} failed: `{(r.error or '?')[:300]}`" for r in runs
@@ -608,15 +609,15 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
             cells.append(f"{fmt(row[f'{m}/final'])} / {fmt(row[f'{m}/best'])}")
         md_rows.append(cells)
     cmd = sweep_command(root)
-    lines = [f"# Sweep summary: {root.name}", ""]
+    lines = [f"# Sweep summary: {one_line(root.name)}", ""]
     if cmd:
-        lines += [f"`{cmd}`", ""]
+        lines += [f"`{one_line(cmd)}`", ""]
     lines += [
         f"{_n(len(runs), 'job')}. final: mean of the last {FINAL_WINDOW} steps; best: highest "
         f"{SMOOTH}-step moving average.",
     ]
     if common:
-        lines.append(f"Every job: `{' '.join(common)}`.")
+        lines.append(f"Every job: `{one_line(' '.join(common))}`.")
     lines += ["", markdown_table(md_head, md_rows), ""]
     for r, row in zip(runs, rows, strict=True):
         if r.status == "failed":
@@ -944,7 +945,7 @@ def eval_report(runs: Sequence[Run], level: float = 0.95) -> Report:
     lines = [f"{_n(len(used), 'evaluation')} in {_n(len(groups), 'group')}; mean ± "
              f"{100 * level:g}% t interval over each group's jobs."]  # fmt: skip
     if common:
-        lines.append(f"Every job: `{' '.join(common)}`.")
+        lines.append(f"Every job: `{one_line(' '.join(common))}`.")
     rows = []
     for k, rs in groups.items():
         vals = {m: [found[r.path].get(m) for r in rs] for m in metrics}
