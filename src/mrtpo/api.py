@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,9 @@ class RunResult:
         return rows
 
 
-def train(overrides: Sequence[str] = ()) -> RunResult:
-    """``python src/train.py <overrides>``: train, return the run folder and final metrics."""
+def train(overrides: Sequence[str] | Mapping[str, Any] = ()) -> RunResult:
+    """``python src/train.py <overrides>``: train, return the run folder and final metrics.
+    ``overrides``: a list of ``key=value`` strings, or a mapping of keys to values."""
     from mrtpo.pipeline import train as train_job
 
     def job(cfg: DictConfig) -> dict[str, float]:
@@ -133,7 +135,7 @@ def _run(
 
     if isinstance(overrides, str):
         raise TypeError("overrides is a list of strings: ['method=gdpo', 'seed=1']")
-    overrides = [str(o) for o in overrides]
+    overrides = as_overrides(overrides)
     flags = [o for o in overrides if o.startswith("-")]
     if flags:
         raise ValueError(
@@ -154,6 +156,35 @@ def _run(
     run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir)
     metrics = ret.return_value if isinstance(ret.return_value, dict) else {}
     return RunResult(run_dir, {k: _number(v) for k, v in metrics.items()}, tuple(overrides))
+
+
+_PLAIN = re.compile(r"[\w./:@+%-]+")
+
+
+def _override_value(key: str, value: Any) -> str:
+    """``value`` in Hydra's override grammar (a string quoted when it needs to be)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        if _PLAIN.fullmatch(value):
+            return value
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(key, v) for v in value) + "]"
+    raise TypeError(
+        f"overrides: {key}={value!r}: a mapping's values are numbers, strings, booleans, None "
+        "or lists of them; give a nested setting by its dotted key ({'optim.lr': 1e-5})"
+    )
+
+
+def as_overrides(overrides: Sequence[str] | Mapping[str, Any]) -> list[str]:
+    """Overrides as typed after ``python src/train.py``; a mapping
+    ``{"trainer.max_steps": 20, "method": "gdpo"}`` is ``["trainer.max_steps=20", "method=gdpo"]``."""
+    if isinstance(overrides, Mapping):
+        return [f"{k}={_override_value(str(k), v)}" for k, v in overrides.items()]
+    return [str(o) for o in overrides]
 
 
 def _number(value: Any) -> Any:

@@ -338,6 +338,35 @@ def check_resume_settings(
         )
 
 
+# ---- the command that continues a run ------------------------------------------------------
+
+#: Overrides a resume command leaves out: its own ``+resume``, a start checkpoint (a resume
+#: starts from last.ckpt), the dry run, Hydra's own keys.
+_NOT_RESUMED = ("resume=", "ckpt_path=", "dry_run=", "hydra.")
+
+
+def resume_command(folder: str | Path) -> str:
+    """The command that continues the run in ``folder``, as a shell line: this invocation's
+    overrides (else the run's ``.hydra/overrides.yaml``) and ``+resume=<folder>``. A resume
+    must repeat the run's settings (``check_resume_settings``): ``+resume`` alone was refused
+    for a run started with, e.g., ``rollout.schedule=one_step_off``."""
+    import shlex
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = [str(o) for o in HydraConfig.get().overrides.task]
+    except Exception:  # not inside a Hydra job: the run's own record
+        try:
+            saved = OmegaConf.load(Path(folder) / ".hydra" / "overrides.yaml")
+            given = [str(o) for o in saved]
+        except Exception:
+            given = []
+    kept = [o for o in given if not o.lstrip("+~").startswith(_NOT_RESUMED)]
+    words = ["python", "src/train.py", *kept, f"+resume={folder}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
 # ---- a checkpoint at or past the step limit ------------------------------------------------
 
 

@@ -62,7 +62,10 @@ def leaves_a_thread(prompt, response, **row):
 '''
 
 PROMPTS = ["Say something short.", "Reply with one word.", "Answer briefly.", "Write letters."]
-LINE = re.compile(r"received (SIGTERM|SIGINT) at step (\d+): stopping; resume with \+resume=(\S+)")
+LINE = re.compile(
+    r"received (SIGTERM|SIGINT) at step (\d+): stopping; resume with python src/train\.py "
+    r".*\+resume=(\S+)"
+)
 
 
 def _env() -> dict[str, str]:

@@ -85,7 +85,9 @@ def header(cfg) -> str:
         why = "null" if saver is None else "saves weights only"
         hint = f"(no resumable checkpoint: callbacks.model_checkpoint {why})"
     else:
-        hint = f"(continue it: python src/train.py +resume={out})"
+        from mrtpo.run_folder import resume_command
+
+        hint = f"(continue it: {resume_command(out)})"
     return (
         f"{stage}: task={choice('task')} method={choice('method')} "
         f"model={OmegaConf.select(cfg, 'model.name_or_path')} seed={cfg.get('seed')}\n"
