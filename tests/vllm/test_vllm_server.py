@@ -9,6 +9,7 @@ and a trainer killed with SIGKILL (its server must not outlive it)."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import signal
@@ -29,7 +30,8 @@ from mrtpo.models import TinyModelConfig, build_tiny_model, eos_token_ids, load_
 from mrtpo.pipeline import metrics_csv
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.server_client import write_snapshot
-from mrtpo.rollout.server_process import group_members
+from mrtpo.rollout.server_process import PROOF_PATH, group_members, proof
+from mrtpo.rollout.vllm_serve import guard_every_route
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 
 SERVER_CPU = max(os.sched_getaffinity(0))  # the server's core; the trainer has the others
@@ -59,6 +61,55 @@ def test_the_started_server_is_a_pinned_process_group_on_loopback(server):
     members = group_members(pid)
     assert len(members) >= 2  # the API server and vLLM's engine core at least
     assert all(os.sched_getaffinity(m) == {SERVER_CPU} for m in members)
+
+
+def test_the_started_server_asks_its_fresh_key_on_every_route(server):
+    """Issue 47, item 2: a started server gets a key of its own (no VLLM_API_KEY is set
+    here), every route asks for it, /health included, and it proves that it holds it. The key
+    is in no command line (world-readable) and not in the server's log."""
+    key, url = server._key, server.url
+    assert key and os.environ.get("VLLM_API_KEY") in (None, key)
+    for path in ("/health", "/collective_rpc", "/update_weights", "/server_info", "/v1/models"):
+        assert _status(url, path) == 401, path
+    assert _status(url, "/health", "not-the-key") == 401
+    assert _status(url, "/health", key) == 200
+    nonce = "n0nce-of-the-test-" * 2
+    with urllib.request.urlopen(f"{url}{PROOF_PATH}?nonce={nonce}", timeout=60) as r:
+        assert json.loads(r.read())["proofs"] == [proof(key, nonce)]
+    for pid in group_members(server.process.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+    assert key not in server.process.log_path.read_text(errors="replace")
+
+
+def test_the_launcher_guards_every_route_for_a_key_in_any_spelling(monkeypatch):
+    """Issue 47, item 4: ``--api-key=KEY`` (one word) and ``--api_key KEY`` guard the RL and
+    development routes too. vLLM's own parser and middleware set-up, no server."""
+    import vllm.entrypoints.serve.middleware.authenticate as auth
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(auth, "GUARDED_PREFIX", auth.GUARDED_PREFIX)  # restored afterwards
+    monkeypatch.setattr(auth, "AuthenticationMiddleware", auth.AuthenticationMiddleware)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for spelling in (["--api-key=k1"], ["--api_key", "k1"]):
+        argv = ["--model", "m", *spelling]
+        monkeypatch.setattr(sys, "argv", ["vllm_serve", *argv])
+        guard_every_route()
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        app = FastAPI()
+        app.post("/collective_rpc")(lambda: {"called": True})
+        init_entrypoints_middleware(args, app, ())
+        client = TestClient(app)
+        assert client.post("/collective_rpc").status_code == 401, spelling
+        assert client.get("/health").status_code == 401, spelling
+        ok = client.post("/collective_rpc", headers={"Authorization": "Bearer k1"})
+        assert ok.status_code == 200, spelling
+        nonce = "x" * 32
+        assert client.get(f"{PROOF_PATH}?nonce={nonce}").json() == {"proofs": [proof("k1", nonce)]}
 
 
 def test_a_push_reaches_the_server_and_each_sample_carries_its_version(server, tiny32):
@@ -200,11 +251,19 @@ def test_sync_on_the_server_gives_the_in_process_engines_numbers(
             assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-6, abs=1e-6), k
 
 
-def test_a_server_of_another_model_is_refused_naming_both(server, cache_dir):
+def _by_url(server, model: str, monkeypatch) -> VLLMServerEngine:
+    """An engine that reaches the module's server by its URL and its key."""
+    monkeypatch.setenv("MRTPO_TEST_KEY", server._key)
+    return VLLMServerEngine(
+        model, url=server.url, weight_dir=str(server._root), api_key_env="MRTPO_TEST_KEY"
+    )
+
+
+def test_a_server_of_another_model_is_refused_naming_both(server, cache_dir, monkeypatch):
     other = TinyModelConfig(**TINY_SHAPE, num_hidden_layers=3)
     path = build_tiny_model(cache_dir / "models" / "tiny-3-layers", other)
     model, tok = load_policy(str(path), tiny=None)
-    eng = VLLMServerEngine(str(path), url=server.url, weight_dir=str(server._root))
+    eng = _by_url(server, str(path), monkeypatch)
     with pytest.raises(VLLMServerError) as err:
         eng.bind(model, tok, eos_token_ids(tok, model))
     text = str(err.value)
@@ -212,12 +271,12 @@ def test_a_server_of_another_model_is_refused_naming_both(server, cache_dir):
     assert eng.weight_version == 0  # nothing was pushed
 
 
-def test_a_server_with_another_tokenizer_is_refused(server, tiny32, cache_dir):
+def test_a_server_with_another_tokenizer_is_refused(server, tiny32, cache_dir, monkeypatch):
     _, model, _ = tiny32
     corpus = ["Write three words about rivers, then stop. " * 50]
     other = TinyModelConfig(**TINY_SHAPE, extra_corpus=corpus)
     _, tok = load_policy(str(build_tiny_model(cache_dir / "models" / "tiny-tok", other)), tiny=None)
-    eng = VLLMServerEngine(server.model, url=server.url, weight_dir=str(server._root))
+    eng = _by_url(server, server.model, monkeypatch)
     with pytest.raises(VLLMServerError, match="tokenizer does not match the policy's"):
         eng.bind(model, tok, eos_token_ids(tok, model))
 

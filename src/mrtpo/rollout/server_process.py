@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,12 +29,58 @@ from pathlib import Path
 
 from mrtpo.safe_files import open_fd
 
+#: the one route a started server answers without its key: it proves that it holds the key
+PROOF_PATH = "/mrtpo/proof"
+_PROOF_CONTEXT = b"mrtpo-server-proof\0"
+
+
+def new_key() -> str:
+    """A fresh API key for one started server (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def proof(key: str, nonce: str) -> str:
+    """What a server holding ``key`` answers to the run's ``nonce`` on ``PROOF_PATH``: an
+    HMAC-SHA256, which shows the key is known without revealing it or being reusable for
+    another nonce."""
+    return hmac.new(key.encode(), _PROOF_CONTEXT + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def proves(answer: object, key: str, nonce: str) -> bool:
+    """Whether a server's answer on ``PROOF_PATH`` holds ``proof(key, nonce)``."""
+    proofs = answer.get("proofs") if isinstance(answer, dict) else None
+    want = proof(key, nonce)
+    return isinstance(proofs, list) and any(
+        isinstance(p, str) and hmac.compare_digest(p, want) for p in proofs
+    )
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
+    """A TCP port nobody listens on right now (another process may bind it before the
+    server does: the run trusts the key proof, never the port)."""
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another socket already holds ``host:port`` (a port in TIME_WAIT is free, as
+    for the server, which binds with SO_REUSEADDR)."""
+    with socket.socket(_family(host)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return True
+    return False
 
 
 def is_loopback(host: str) -> bool:

@@ -7,10 +7,16 @@ what ``rollout=vllm_server`` needs added.
   ends (Linux ``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL leaves no server behind;
 * ``MRTPO_SERVER_CPUS=1,3``: the server and every process it starts run on those cores only,
   and vLLM's CPU build binds its OpenMP threads to them;
-* with an API key (``VLLM_API_KEY``), every route asks for it. vLLM itself guards only the
-  routes under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
-  (``vllm/entrypoints/serve/middleware/authenticate.py``): the RL and development routes
-  (``/update_weights``, ``/collective_rpc``, which calls methods on the workers) stay open.
+* with an API key (``VLLM_API_KEY`` or ``--api-key`` in any form vLLM's parser takes), every
+  route asks for it. vLLM itself guards only the routes under ``/v1``, ``/v2``, ``/inference``
+  and ``/cohere`` (``vllm/entrypoints/serve/middleware/authenticate.py``): the RL and
+  development routes (``/update_weights``, ``/collective_rpc``, which calls methods on the
+  workers) would stay open. The guard widens vLLM's own key check, so it applies exactly when
+  vLLM found a key, however it was given;
+* one route needs no key: ``/mrtpo/proof?nonce=<nonce>`` answers the HMAC of the nonce under
+  each key (``mrtpo.rollout.server_process.proof``), so that a run proves it talks to its own
+  server before it sends the key or anything else (a process that bound the port first
+  cannot answer it).
 
 Everything else is ``vllm serve``'s (``vllm.entrypoints.launchers.api_server.entry``); the
 ``vllm serve`` command itself looks up the distribution ``vllm``, which the CPU build (named
@@ -24,6 +30,9 @@ import ctypes
 import os
 import signal
 import sys
+from urllib.parse import parse_qs
+
+from mrtpo.rollout.server_process import PROOF_PATH, proof
 
 PARENT_ENV = "MRTPO_SERVER_PARENT"
 CPUS_ENV = "MRTPO_SERVER_CPUS"
@@ -80,12 +89,39 @@ def pin_cpus() -> None:
 
 
 def guard_every_route() -> None:
-    """With an API key, ask for it on every route (see the module's docstring)."""
-    if not (os.environ.get("VLLM_API_KEY") or "--api-key" in sys.argv):
-        return
+    """Make vLLM's key check, which it installs whenever it has a key, guard every route and
+    answer the key proof (see the module's docstring). Deciding from vLLM's own parsed
+    arguments, not from ``sys.argv``, is what catches ``--api-key=KEY`` and ``--api_key``."""
     import vllm.entrypoints.serve.middleware.authenticate as auth
 
     auth.GUARDED_PREFIX = ("/",)
+    if not getattr(auth.AuthenticationMiddleware, "answers_proof", False):
+        auth.AuthenticationMiddleware = _with_proof(auth.AuthenticationMiddleware)
+
+
+def _with_proof(base: type) -> type:
+    """vLLM's key check plus the one route without a key, ``PROOF_PATH``."""
+    from starlette.responses import JSONResponse
+
+    class KeyCheckWithProof(base):  # type: ignore[misc, valid-type]
+        answers_proof = True
+
+        def __init__(self, app, tokens: list[str]) -> None:
+            super().__init__(app, tokens)
+            self._keys = list(tokens)
+
+        def __call__(self, scope, receive, send):
+            path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+            if scope["type"] != "http" or path != PROOF_PATH:
+                return super().__call__(scope, receive, send)
+            nonce = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("nonce", [""])
+            if not 16 <= len(nonce[0]) <= 256:
+                answer = JSONResponse({"error": "nonce: 16 to 256 characters"}, status_code=400)
+            else:
+                answer = JSONResponse({"proofs": [proof(k, nonce[0]) for k in self._keys]})
+            return answer(scope, receive, send)
+
+    return KeyCheckWithProof
 
 
 # In the server and, when vLLM spawns instead of forking, in its engine-core process (which

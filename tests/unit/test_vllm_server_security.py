@@ -1,0 +1,182 @@
+"""A started vLLM server answers to its run alone (issue 47, items 1-3), without vLLM.
+
+The impostor here is a real HTTP server on 127.0.0.1 that answers 200 to everything: what a
+local process that bound the run's port first would be. The run's "server" is a real child
+process that never listens (a vLLM start takes a minute; what is tested is what the run
+trusts). The real server's key, proof and routes are tested in tests/vllm/test_vllm_server.py.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import sys
+import threading
+import time
+
+import pytest
+
+import mrtpo.rollout.vllm_server as vs
+from mrtpo.rollout.server_process import PROOF_PATH, proof
+from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
+
+
+class _Impostor(http.server.BaseHTTPRequestHandler):
+    """Answers 200 and a JSON object to any request; records (path, Authorization)."""
+
+    seen: list = []
+
+    def _answer(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        type(self).seen.append((self.path, self.headers.get("Authorization")))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"proofs": ["0000"], "status": "ok"}')
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def impostor():
+    """(port, requests seen): a process listening on a port of 127.0.0.1."""
+    _Impostor.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Impostor)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], _Impostor.seen
+    server.shutdown()
+    server.server_close()
+
+
+def _quiet_child(monkeypatch):
+    """The started 'server' is a child that lives but never listens."""
+    child = [sys.executable, "-c", "import time; time.sleep(300)"]
+    monkeypatch.setattr(vs, "launch_command", lambda *a, **k: child)
+
+
+def test_an_impostor_on_the_free_port_gets_nothing_but_a_nonce(
+    impostor, monkeypatch, tmp_path, caplog
+):
+    """The race of item 1: free_port() found the port free, another process bound it before
+    vLLM did. The run must stop before it sends any request but the proof's, and never send
+    the key."""
+    port, seen = impostor
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setattr(vs, "free_port", lambda host="127.0.0.1": port)
+    _quiet_child(monkeypatch)
+    eng = VLLMServerEngine("m", log_file=str(tmp_path / "server.log"), start_timeout_s=60)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(VLLMServerError) as err:
+        eng.start()
+    text = str(err.value)
+    assert "is not the vLLM server the run started" in text and "\n" not in text
+    assert f"port {port}" in text
+    assert [p.split("?")[0] for p, _ in seen] == [PROOF_PATH]
+    assert all(auth is None for _, auth in seen)  # the key never left the run
+    assert eng.process is None and eng.client is None  # the child was stopped
+
+
+def test_a_server_given_by_url_must_prove_the_key_before_it_gets_it(
+    impostor, monkeypatch, tmp_path
+):
+    port, seen = impostor
+    monkeypatch.setenv("MRTPO_TEST_KEY", "a-key-the-impostor-must-not-learn")
+    eng = VLLMServerEngine(
+        "m", url=f"http://127.0.0.1:{port}", weight_dir=str(tmp_path), api_key_env="MRTPO_TEST_KEY"
+    )
+    with pytest.raises(VLLMServerError, match="did not prove that it holds the key in") as err:
+        eng.start()
+    assert "MRTPO_TEST_KEY" in str(err.value) and "a-key" not in str(err.value)
+    assert [p.split("?")[0] for p, _ in seen] == [PROOF_PATH]
+    assert all(auth is None for _, auth in seen)
+
+
+def test_a_fixed_port_already_in_use_is_refused_before_a_start(impostor, monkeypatch, tmp_path):
+    port, seen = impostor
+    _quiet_child(monkeypatch)
+    eng = VLLMServerEngine("m", port=port, log_file=str(tmp_path / "server.log"))
+    with pytest.raises(VLLMServerError, match=rf"rollout\.engine\.port={port}: .*in use") as err:
+        eng.start()
+    assert "\n" not in str(err.value)
+    assert seen == [] and eng.process is None
+
+
+def _environ(pid: int) -> bytes:
+    """/proc/<pid>/environ, once the new program has it (it reads empty just after exec)."""
+    for _ in range(600):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+        if data:
+            return data
+        time.sleep(0.05)
+    return b""
+
+
+def test_a_started_server_gets_a_fresh_key_by_environment_never_argv(monkeypatch, tmp_path, caplog):
+    """Each start draws a new key; it reaches the child in its environment (readable by this
+    user only), not its command line (world-readable in /proc), and no log line holds it."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    _quiet_child(monkeypatch)
+    caplog.set_level(logging.DEBUG)
+    keys = []
+    for _ in range(2):
+        eng = VLLMServerEngine("m", log_file=str(tmp_path / "server.log"))
+        eng._prepare_weight_folder()
+        try:
+            eng._launch()
+            key = eng._key
+            assert key and len(key) >= 32
+            pid = eng.process.pid
+            assert f"VLLM_API_KEY={key}".encode() in _environ(pid).split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+            assert key not in caplog.text
+            keys.append(key)
+        finally:
+            eng.close()
+    assert keys[0] != keys[1]
+
+
+def test_the_key_proof_is_bound_to_the_key_and_the_nonce():
+    a = proof("key-one", "n" * 32)
+    assert a == proof("key-one", "n" * 32)
+    assert a != proof("key-two", "n" * 32) and a != proof("key-one", "m" * 32)
+    assert "key-one" not in a and len(a) == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["--host", "0.0.0.0"], "rollout.engine.host"),
+        (["--host=0.0.0.0"], "rollout.engine.host"),
+        (["--ho", "0.0.0.0"], "rollout.engine.host"),  # argparse takes abbreviations
+        (["--port", "8000"], "rollout.engine.port"),
+        (["--api-key=abc"], "rollout.engine.api_key_env"),
+        (["--api_key", "abc"], "rollout.engine.api_key_env"),  # vLLM reads _ as -
+        (["--uds", "/tmp/s"], "rollout.engine.host"),
+        (["--config", "serve.yaml"], "server_args"),
+        (["--model", "/other"], "model.name_or_path"),
+        (["--weight-transfer-config.backend", "nccl"], "mrtpo_file"),
+        (["--logprobs-mode=raw_logprobs"], "processed_logprobs"),
+        (["--no-enable-scale-out"], "--enable-scale-out"),
+        (["-tp", "2"], "rollout.engine.tensor_parallel_size"),
+        (["--dtype", "float16"], "rollout.engine.dtype"),
+        (["--max-model-len", "9"], "rollout.engine.max_model_len"),
+    ],
+)
+def test_server_args_the_launcher_owns_are_refused_naming_the_key(args, key):
+    with pytest.raises(ValueError, match=r"rollout\.engine\.server_args") as err:
+        VLLMServerEngine("m", server_args=args)
+    text = str(err.value)
+    assert key in text and args[0] in text and "\n" not in text
+
+
+def test_other_server_args_pass():
+    args = ["--max-num-seqs", "8", "--disable-log-stats", "--enable-chunked-prefill"]
+    assert VLLMServerEngine("m", server_args=args).server_args == args
