@@ -160,6 +160,7 @@ def owned_argument(args: Sequence[str]) -> str | None:
         if owner is None:
             continue
         fixed = OWNED_ARGS[owner]
+        shown = arg.split("=", 1)[0] + ("=..." if "=" in arg else "")  # never echo a key
         instead = (
             f"set {fixed} instead"
             if fixed
@@ -167,7 +168,7 @@ def owned_argument(args: Sequence[str]) -> str | None:
             "processed_logprobs, --enable-scale-out)"
         )
         return (
-            f"rollout.engine.server_args holds {arg!r}, which sets {owner}, an argument the "
+            f"rollout.engine.server_args holds {shown!r}, which sets {owner}, an argument the "
             f"launcher owns (where the server listens and who may call it): {instead}"
         )
     return None
