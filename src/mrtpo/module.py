@@ -83,11 +83,9 @@ class PolicyModule(L.LightningModule):
         rcfg = ReplayConfig.from_mapping(replay)
         self.seed = seed
         replayer = Replayer(
-            tokenizer,
-            token_budget=rcfg.token_budget,
-            jsd_chunk=rcfg.jsd_chunk,
-            shared_prompt=self.rl.shared_prompt_forward,
-        )
+            tokenizer, rcfg.token_budget, rcfg.jsd_chunk, self.rl.shared_prompt_forward,
+            noise_floor=rcfg.noise_floor,
+        )  # fmt: skip
         self.ref_policy = None
         # Under LoRA the reference is the base model itself, adapters off: no second copy.
         if self.rl.kl_coef > 0 and not is_lora(policy):

@@ -53,6 +53,7 @@ from mrtpo.forward import (
     windowed,
     worth_sharing,
 )
+from mrtpo.replay_noise import NoiseFloor
 from mrtpo.rollout.build import chat_ids
 from mrtpo.tasks.base import Contexts, Task
 
@@ -105,6 +106,7 @@ class Replayer:
         token_budget: int = 16384,
         jsd_chunk: int = 256,
         shared_prompt: str = "auto",
+        noise_floor: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.token_budget = token_budget  # max (rows x padded length) per forward
@@ -116,6 +118,12 @@ class Replayer:
             raise ValueError(f"shared_prompt={shared_prompt!r}: use auto, off or always")
         #: the shared-prefix layouts ``_shared_layout`` may choose from (tests pin one)
         self.layouts: tuple[str, ...] = ("common", "branch")
+        #: replay.noise_floor: P_all of this many responses a step scored again the update's
+        #: way (``mrtpo.replay_noise``); None: off
+        self.noise = None
+        if noise_floor > 0:
+            pad = tokenizer.pad_token_id
+            self.noise = NoiseFloor(noise_floor, pad, jsd_chunk, self.shared_prompt)
 
     # -- planning -------------------------------------------------------------------------
     def plan(
@@ -180,6 +188,8 @@ class Replayer:
             model.train(was_training)
         out.q, out.logp = out.q.cpu(), out.logp.cpu()
         out.metrics = self._metrics(batch, out, request)
+        if self.noise is not None:
+            out.metrics.update(self.noise.metrics())
         return out
 
     def _run_chunks(self, model, batch: ScoredBatch, jobs_by_resp, request, out: ReplayResult):
@@ -200,6 +210,8 @@ class Replayer:
         chunks = self._pack(jobs_by_resp, roll.response_mask)
         idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0
         calls = computed = shared = 0  # decoder calls: two for a micro-batch sharing its prefix
+        if self.noise is not None:
+            self.noise.reset()
         for chunk in chunks:
             states, head, cost, was_shared = self._forward(
                 model, split, chunk, roll.response_ids, roll.response_mask
@@ -226,6 +238,8 @@ class Replayer:
                 request.score,
                 roll.temperature,
             )
+            if self.noise is not None and not sharded:  # sharded: a forward is a collective
+                calls += self.noise.add(model, chunk, states, head, roll, ALL)
             for job in chunk:
                 if job.key != ALL:
                     out.replayed[job.response, 0 if mode == "joint" else names.index(job.key)] = (

@@ -39,8 +39,10 @@ def assemble(
     iteration: int,
     nonfinite_skips: int,
     scoring_errors: float,
+    diagnostics: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {}),
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """(metrics, weights) of this rank's share of the step."""
+    """(metrics, weights) of this rank's share of the step; ``diagnostics``: the credit
+    diagnostics' (metrics, weights) (``mrtpo.step.diagnostics``)."""
     m, weights = _rewards(scored, success_check)
     mask = scored.rollout.response_mask
     a = scored.advantages[mask]
@@ -57,6 +59,8 @@ def assemble(
     weights["adv/mean"] = weights["adv/abs_mean"] = float(a.numel())
     m.update({f"adv/{k}": float(v) for k, v in scored.stats.items()})
     m.update(replay)
+    m.update(diagnostics[0])
+    weights.update(diagnostics[1])
     m.update(update)
     # means over this rank's valid tokens (the engine gap, the update's per-token statistics)
     # or its responses (sequence ratios) are combined over ranks weighted by those counts

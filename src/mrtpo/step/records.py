@@ -55,6 +55,8 @@ class Advantages:
 
     advantages: Tensor  # [N, T]
     stats: dict[str, float] = field(default_factory=dict)
+    #: [N, T] the reallocated credit before any cap (``CreditOutput.realloc``); None: none
+    realloc: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class StepRecord:
     ref_logp: Tensor | None = None
     advantages: Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    realloc: Tensor | None = None  # [N, T] the reallocated credit before any cap
 
     @property
     def mask(self) -> Tensor:
@@ -102,6 +105,7 @@ class StepRecord:
             ref_logp=old.ref_logp,
             advantages=adv.advantages,
             stats=adv.stats,
+            realloc=adv.realloc,
         )
 
 

@@ -41,6 +41,7 @@ from mrtpo.faults import FaultTracker
 from mrtpo.loss import engine_gap
 from mrtpo.replay import Replayer
 from mrtpo.scoring import score_batch
+from mrtpo.step.diagnostics import CreditDiagnostics
 from mrtpo.step.passes import LogprobPasses, Once
 from mrtpo.step.records import Advantages, OldPolicy, Relevance, StepRecord, StepResult
 from mrtpo.step.update import UpdateHost, Updater
@@ -85,6 +86,7 @@ class RLStep:
         self.passes = LogprobPasses(policy, ref_policy, pad, self.ranks, share)
         self.updater = Updater(policy, rl, self.ranks, pad, self.device)
         self.absent_as_nan = step_metrics.AbsentAsNaN()
+        self.diagnostics = CreditDiagnostics(task, tokenizer)
 
     def method_services(self) -> MethodServices:
         """What ``AdvantageMethod.bind`` lends a method: the task, the tokenizer, replay's
@@ -249,7 +251,8 @@ class RLStep:
                 extra=old.extra,
             )
         )
-        return Advantages(out.advantages.cpu(), dict(out.stats))
+        realloc = None if out.realloc is None else out.realloc.cpu()
+        return Advantages(out.advantages.cpu(), dict(out.stats), realloc)
 
     def _replay(self, scored: ScoredBatch, pairs: torch.Tensor):
         """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
@@ -325,6 +328,7 @@ class RLStep:
             iteration=self.iteration,
             nonfinite_skips=self.faults.nonfinite_steps,
             scoring_errors=self.faults.step_scoring_errors,
+            diagnostics=self.diagnostics(record, self.method.relevance),
         )
         same_everywhere = {*self.faults.counters, *schedule}
         m = self.absent_as_nan(step_metrics.combine(m, weights, self.ranks, same_everywhere))

@@ -175,6 +175,38 @@ def _kind(value: Any) -> str:
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} ({text})"
 
 
+def tag_spans(text: str, tags: Sequence[str]) -> dict[str, list[tuple[int, int]]]:
+    """Each tag's first ``<tag> ... </tag>`` in ``text`` as a character span, markers included
+    (an unclosed one runs to the end); a tag that does not open is left out."""
+    out = {}
+    for tag in tags:
+        start = text.find(f"<{tag}>")
+        if start < 0:
+            continue
+        end = text.find(f"</{tag}>", start)
+        out[tag] = [(start, len(text) if end < 0 else end + len(tag) + 3)]
+    return out
+
+
+def token_segments(
+    pieces: Sequence[str], spans: Mapping[str, Sequence[tuple[int, int]]]
+) -> dict[str, list[bool]]:
+    """Token masks of character ``spans`` over a text made of the tokens' ``pieces`` (their
+    decoded strings, in order): a token belongs to a segment when its characters overlap one
+    of the segment's spans (a token without characters, such as the end of sequence, to none)."""
+    starts, pos = [], 0
+    for piece in pieces:
+        starts.append(pos)
+        pos += len(piece)
+    out = {}
+    for name, ranges in spans.items():
+        out[name] = [
+            any(s < b + len(p) and b < e for s, e in ranges) if p else False
+            for b, p in zip(starts, pieces)
+        ]
+    return out
+
+
 @dataclass
 class Contexts:
     """The leave-one-out replay contexts of one scored sample (method.md §1)."""
@@ -296,6 +328,14 @@ class Task(ABC):
             {"role": "assistant", "content": example.reference},
             dict(last_user),
         ]
+
+    # ---- diagnostics --------------------------------------------------------------------
+    def segments(self, response: str) -> dict[str, list[tuple[int, int]]] | None:
+        """Named parts of a response, as character spans ``[start, end)`` of ``response``
+        (e.g. the reasoning and the answer): the step logs the share of the reallocated credit's
+        energy on each (``train/replay/energy_share/<name>``; ``token_segments`` turns spans
+        into token masks). None (the default): the task declares none."""
+        return None
 
     # ---- evaluation -----------------------------------------------------------------------
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:

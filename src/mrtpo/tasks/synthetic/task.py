@@ -431,6 +431,27 @@ class SyntheticTask(Task):
                 out[c.kind] = [len(words)]
         return out
 
+    def segments(self, response: str) -> dict[str, list[tuple[int, int]]]:
+        """``free`` (the free part up to its closing tag), ``close`` (the ``</think>`` tag),
+        ``answer`` (what the checkers read, its mark aside) and ``mark`` (the closing mark,
+        with ``closing_mark`` on), as character spans; a response whose free part never closes
+        is all ``free``."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        start = 0
+        if self.free is not None:
+            parts = split_free(response)
+            if parts is None:
+                return {"free": [(0, len(response))]}
+            start = len(parts[0])
+            out["free"] = [(0, start - len(CLOSE))]
+            out["close"] = [(start - len(CLOSE), start)]
+        end = len(response.rstrip())
+        if self.closing_mark and end > start and response[end - 1] in MARKS:
+            out["mark"] = [(end - 1, end)]
+            end -= 1
+        out["answer"] = [(start, end)]
+        return out
+
     def summarize(self, examples, scores) -> dict[str, float]:
         out = super().summarize(examples, scores)
         if scores:

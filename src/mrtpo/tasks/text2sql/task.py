@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mrtpo.tasks.base import Example, Score, Task
+from mrtpo.tasks.base import Example, Score, Task, tag_spans
 
 from .data import Question, SplitConfig, find_database, read_questions
 from .executor import RESULT_CAP_KINDS, ExecJob, ExecOutcome, SQLExecutor
@@ -466,6 +466,10 @@ class Text2SQLTask(Task):
         return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks, extras=extras)
 
     # ---- evaluation --------------------------------------------------------------------
+    def segments(self, response: str) -> dict[str, list[tuple[int, int]]]:
+        """The reasoning (``think``) and the query (``answer``), tags included."""
+        return tag_spans(response, ("think", "answer"))
+
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
         """``exec_acc`` overall and per database (and per BIRD difficulty), reward means.
 

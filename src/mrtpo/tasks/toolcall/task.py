@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mrtpo.tasks.base import Example, Score, Task
+from mrtpo.tasks.base import Example, Score, Task, tag_spans
 from mrtpo.tasks.toolcall import bfcl
 from mrtpo.tasks.toolcall.blocks import correctness_block, format_block
 from mrtpo.tasks.toolcall.data import load_rlla
@@ -130,6 +130,10 @@ class ToolCallTask(Task):
         )
 
     # ---- evaluation ---------------------------------------------------------------------------
+    def segments(self, response: str) -> dict[str, list[tuple[int, int]]]:
+        """The reasoning (``think``) and the first call block (``tool_call``), tags included."""
+        return tag_spans(response, ("think", "tool_call"))
+
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
         """Reward means; for RLLA the exact-match rate; for BFCL per-category accuracy and
         BFCL's summary averages (``bfcl/...``)."""

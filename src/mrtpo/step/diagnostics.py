@@ -1,0 +1,118 @@
+"""Credit diagnostics of one step (``train/replay/...``), from what the step already holds.
+
+* ``q_ratio/{p50,p99,max}``: quantiles of ``q_t / qbar`` over the valid tokens of replayed
+  pairs (``qbar`` the pair's mean relevance): how far a token's relevance stands above its
+  response's average, i.e. how spiky the profiles are;
+* ``profile_cosine``: the mean over responses (with two or more replayed rewards) of the
+  mean pairwise cosine between their rewards' profiles ``q_k``: near 1, every reward points
+  at the same tokens, and per-reward credit is the joint ablation's;
+* ``energy_share/<segment>``: the share of the reallocated credit's energy (the sum over
+  tokens of ``x_t^2``, ``x_t = R_t / (sigma + eps)`` before any cap) on each part of the
+  responses their task declares (``Task.segments``), ``other`` for the rest.
+
+Relevance profiles are read for Jensen–Shannon scores only (non-negative). Each value comes
+with its weight for the combination over ranks (``step_metrics.combine``): the energy shares
+combine to the global batch's exactly; the quantiles are the ranks' weighted mean (their
+maximum for ``max``), an approximation of the global quantile under DDP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mrtpo.tasks.base import Task, token_segments
+
+PREFIX = "replay/"
+
+
+def q_ratio_quantiles(q: Tensor, mask: Tensor, replayed: Tensor) -> tuple[dict, dict]:
+    """``q_ratio/{p50,p99,max}`` over replayed pairs' valid tokens (pairs with qbar > 1e-8)."""
+    qd = q.detach().to(torch.float64).cpu()
+    valid = mask.to(torch.bool).cpu()[:, None, :].expand_as(qd)
+    qv = torch.where(valid, qd, torch.zeros((), dtype=qd.dtype))
+    qbar = qv.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+    sel = valid & replayed.to(torch.bool).cpu()[:, :, None] & (qbar > 1e-8)
+    ratio = (qv / torch.where(qbar > 1e-8, qbar, torch.ones_like(qbar)))[sel]
+    if ratio.numel() == 0:
+        return {}, {}
+    p50, p99 = torch.quantile(ratio, torch.tensor([0.5, 0.99], dtype=ratio.dtype)).tolist()
+    m = {"q_ratio/p50": p50, "q_ratio/p99": p99, "q_ratio/max": float(ratio.max())}
+    return m, {"q_ratio/p50": float(ratio.numel()), "q_ratio/p99": float(ratio.numel())}
+
+
+def profile_cosine(q: Tensor, mask: Tensor, replayed: Tensor) -> tuple[dict, dict]:
+    """``profile_cosine``: each response's mean pairwise cosine between its replayed rewards'
+    relevance profiles (over its valid tokens), averaged over the responses that have a pair."""
+    if q.shape[1] < 2:
+        return {}, {}
+    qd = q.detach().to(torch.float64).cpu() * mask.to(torch.float64).cpu()[:, None, :]
+    norm = qd.norm(dim=-1)  # [N, K]
+    unit = qd / norm.clamp(min=1e-300)[..., None]
+    cos = unit @ unit.transpose(1, 2)  # [N, K, K]
+    ok = replayed.to(torch.bool).cpu() & (norm > 0)
+    k = q.shape[1]
+    upper = torch.ones(k, k, dtype=torch.bool).triu(1)
+    pairs = ok[:, :, None] & ok[:, None, :] & upper
+    count = pairs.sum((1, 2))
+    has = count > 0
+    if not bool(has.any()):
+        return {}, {}
+    per = (cos * pairs).sum((1, 2))[has] / count[has]
+    return {"profile_cosine": float(per.mean())}, {"profile_cosine": float(has.sum())}
+
+
+class CreditDiagnostics:
+    """The step's diagnostics; keeps each token id's decoded text between steps."""
+
+    def __init__(self, task: Task, tokenizer) -> None:
+        self.task, self.tokenizer = task, tokenizer
+        self._pieces: dict[int, str] = {}
+
+    def _piece(self, i: int) -> str:
+        if i not in self._pieces:
+            self._pieces[i] = self.tokenizer.decode([i], skip_special_tokens=True)
+        return self._pieces[i]
+
+    def energy_shares(self, realloc: Tensor, ids: Tensor, mask: Tensor) -> tuple[dict, dict]:
+        """``energy_share/<segment>`` (and ``other``) over this rank's responses."""
+        energy = torch.where(mask, realloc.detach().to(torch.float64).cpu(), 0.0).square()
+        total = float(energy.sum())
+        if total <= 0:
+            return {}, {}
+        sums: dict[str, float] = {}
+        declared = False
+        for j in (energy.sum(-1) > 0).nonzero().flatten().tolist():
+            t = int(mask[j].sum())
+            pieces = [self._piece(int(i)) for i in ids[j, :t].tolist()]
+            spans = self.task.segments("".join(pieces))
+            if spans is None:
+                continue
+            declared = True
+            seen = torch.zeros(t, dtype=torch.bool)
+            for name, tokens in token_segments(pieces, spans).items():
+                inside = torch.tensor(tokens, dtype=torch.bool) & ~seen
+                sums[name] = sums.get(name, 0.0) + float(energy[j, :t][inside].sum())
+                seen |= inside
+            sums["other"] = sums.get("other", 0.0) + float(energy[j, :t][~seen].sum())
+        if not declared:
+            return {}, {}
+        m = {f"energy_share/{k}": v / total for k, v in sums.items()}
+        return m, dict.fromkeys(m, total)
+
+    def __call__(self, record, relevance) -> tuple[dict[str, float], dict[str, float]]:
+        """(metrics, weights) of this rank, keys under ``replay/``."""
+        m: dict[str, float] = {}
+        w: dict[str, float] = {}
+        mask = record.rollout.response_mask.to(torch.bool)
+        jsd = relevance is not None and relevance.score == "jsd"
+        if jsd and record.q is not None and record.replayed is not None:
+            for part in (q_ratio_quantiles, profile_cosine):
+                pm, pw = part(record.q, mask, record.replayed)
+                m.update(pm)
+                w.update(pw)
+        if record.realloc is not None:
+            pm, pw = self.energy_shares(record.realloc, record.rollout.response_ids, mask.cpu())
+            m.update(pm)
+            w.update(pw)
+        return {PREFIX + k: v for k, v in m.items()}, {PREFIX + k: v for k, v in w.items()}
