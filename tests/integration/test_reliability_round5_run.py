@@ -200,3 +200,34 @@ def test_the_printed_resume_command_is_accepted_for_a_one_step_off_run(tmp_path,
     (run,) = (logs / "train" / "runs").iterdir()
     rows = (run / "csv" / "metrics.csv").read_text().strip().splitlines()
     assert len(rows) == 3  # header, step 0, step 1
+
+
+def test_a_resumed_metrics_csv_writes_nan_where_an_uninterrupted_run_does(tmp_path, cache_dir):
+    """Under one_step_off every step after the first trains on stale samples only: the
+    fresh-sample gap is NaN there (``AbsentAsNaN``), and a resumed run left it empty."""
+    import csv
+
+    from mrtpo.pipeline import train
+
+    def run(out: Path, steps: int, *more: str) -> None:
+        train(compose_config("train.yaml", [
+            f"paths.output_dir={out}", f"paths.log_dir={tmp_path}/logs",
+            f"paths.cache_dir={cache_dir}", f"paths.data_dir={SHARED_DATA}",
+            "rl.prompts_per_step=2", "rl.group_size=2", "rollout.sampling.max_new_tokens=4",
+            "callbacks.progress=null", "callbacks.export=null",
+            "callbacks.model_checkpoint.every_n_train_steps=1",
+            "rollout.engine.own_copy=true", "rollout.schedule=one_step_off",
+            f"trainer.max_steps={steps}", *more,
+        ]))  # fmt: skip
+
+    def cells(out: Path) -> list[str]:
+        with open(out / "csv" / "metrics.csv", newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("train/iteration")]
+        return [r["train/rollout/logp_gap/max"] for r in rows]
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run(whole, 2)
+    run(resumed, 1)
+    run(resumed, 2, f"+resume={resumed}")
+    assert cells(whole)[1] == "nan"
+    assert cells(resumed) == cells(whole)

@@ -8,7 +8,8 @@ by its rows of earlier steps followed by the new rows: every step appears once, 
 history is on disk at every instant (a resume killed while it starts loses nothing).
 
 It also records the run's settings in every checkpoint (``mrtpo.run_folder.settings_record``),
-so that a later ``+resume`` can refuse settings that would change the run.
+so that a later ``+resume`` can refuse settings that would change the run, and the names of the
+metrics logged so far, so that a resumed step writes NaN where the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from mrtpo.loggers import KeepingWriter, RunCSVLogger
 from mrtpo.run_folder import SETTINGS_KEY
 
 log = logging.getLogger(__name__)
+
+#: Where a checkpoint keeps the metric names the run has logged so far: a resumed run writes
+#: NaN for those a step does not log, as the uninterrupted run does (``AbsentAsNaN``).
+LOGGED_KEY = "mrtpo_logged_metrics"
+
+
+def _logged(pl_module):
+    """The module's ``AbsentAsNaN`` record of the metrics logged so far, if it has one."""
+    return getattr(getattr(pl_module, "step", None), "absent_as_nan", None)
 
 
 class ResumeMetrics(L.Callback):
@@ -43,6 +53,14 @@ class ResumeMetrics(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self.settings is not None:
             checkpoint[SETTINGS_KEY] = self.settings
+        logged = _logged(pl_module)
+        if logged is not None:
+            checkpoint[LOGGED_KEY] = sorted(logged.seen)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        logged = _logged(pl_module)
+        if logged is not None:
+            logged.seen |= set(checkpoint.get(LOGGED_KEY) or ())
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
