@@ -74,14 +74,17 @@ def response_logits(
     response_ids: Tensor,  # [n, T] right-padded
     response_mask: Tensor,  # [n, T]
     shared_prompt: str = "off",  # "auto": each distinct prompt once where that helps
+    hidden: Tensor | None = None,  # [n, P] context tokens no other token attends to
 ) -> Tensor:
-    """Logits predicting each response token: [n, T, V] (in the model's dtype)."""
+    """Logits predicting each response token: [n, T, V] (in the model's dtype). ``hidden``
+    context tokens keep their positions but are hidden from attention (``_joined``)."""
     t = response_ids.shape[1]
-    groups = prompt_groups(model, prompt_ids, prompt_mask, t, shared_prompt, packable=True)
+    mode = "off" if hidden is not None else shared_prompt
+    groups = prompt_groups(model, prompt_ids, prompt_mask, t, mode, packable=True)
     if groups is not None:
         run = _packed_prompt_logits if groups.packed else _shared_prompt_logits
         return run(model, groups, prompt_ids, prompt_mask, response_ids, response_mask)
-    inputs = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    inputs = _joined(model, prompt_ids, prompt_mask, response_ids, response_mask, hidden)
     out = model(**inputs, logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
     return out.logits[:, :-1]
 
@@ -92,21 +95,41 @@ def positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _joined(model, prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, Tensor]:
+def _joined(
+    model, prompt_ids, prompt_mask, response_ids, response_mask, hidden=None
+) -> dict[str, Tensor]:
     """The model's keyword inputs for context + response rows, on the model's device.
     Positions count only real tokens, so left padding does not shift them, and the leading
     columns that are padding in every row are dropped: a micro-batch is padded to the
     longest prompt of the whole rollout (41% of a text-to-SQL forward's tokens were such
-    padding), and those columns change nothing but the work."""
+    padding), and those columns change nothing but the work.
+
+    ``hidden`` [n, P] (``method.context=mask``): context tokens that keep their positions
+    but that no later token attends to, by a 4D mask (``hidden_mask``)."""
     device = next(model.parameters()).device
     real = prompt_mask.any(0)
     if bool(real.any()) and not bool(real[0]):
         first = int(real.to(torch.int8).argmax())
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+        hidden = None if hidden is None else hidden[:, first:]
     ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
     attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
     pos = positions(attn)
+    if hidden is not None:
+        hid = torch.cat([hidden.bool(), torch.zeros(response_mask.shape, dtype=torch.bool)], 1)
+        mask = hidden_mask(model, attn.bool(), hid.to(device))
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
     return {"input_ids": ids, "attention_mask": attn.long(), "position_ids": pos}
+
+
+def hidden_mask(model, real: Tensor, hidden: Tensor, seen: Tensor | None = None) -> Tensor:
+    """[n, 1, S, W + S] attention mask of ``S`` new columns (``real`` [n, S]) where the
+    ``hidden`` ones are keys to no other column (a hidden column still reads the visible ones
+    before it, so its own state stays finite), after ``W`` cached keys of which each row reads
+    ``seen`` [n, W] (W = 0 when None). Every column sees itself (padding only itself)."""
+    s = real.shape[1]
+    allowed = torch.ones((s, s), dtype=torch.bool, device=real.device).tril()
+    return _attention_mask(model, allowed, real & ~hidden, real.device, seen)
 
 
 # Architectures whose logits are exactly ``lm_head(decoder(...).last_hidden_state)``: no
@@ -146,9 +169,10 @@ def response_hidden(
     prompt_mask: Tensor,  # [n, P]
     response_ids: Tensor,  # [n, T] right-padded
     response_mask: Tensor,  # [n, T]
+    hidden: Tensor | None = None,  # [n, P] context tokens hidden from attention
 ) -> Tensor:
     """Final hidden states that predict each response token: [n, T, H] (model dtype)."""
-    inputs = _joined(decoder, prompt_ids, prompt_mask, response_ids, response_mask)
+    inputs = _joined(decoder, prompt_ids, prompt_mask, response_ids, response_mask, hidden)
     t = response_ids.shape[1]
     h = decoder(**inputs, use_cache=False).last_hidden_state
     return h[:, h.shape[1] - t - 1 : h.shape[1] - 1]
@@ -164,6 +188,7 @@ def response_hidden_shared_prefix(
     suffix_mask: Tensor,  # [n, S]
     response_ids: Tensor,  # [n, T] right-padded
     response_mask: Tensor,  # [n, T]
+    suffix_hidden: Tensor | None = None,  # [n, S] suffix tokens hidden from attention
 ) -> Tensor:
     """Like ``response_hidden`` for contexts ``prefix[row_prefix[i]][:prefix_keep[i]] +
     suffix[i]``: each prefix runs once, and every row continuing it reuses the first
@@ -171,7 +196,8 @@ def response_hidden_shared_prefix(
 
     Left-padded prefixes and suffixes put padding (and masked-out prefix tokens) in the
     middle of a row; positions count visible tokens only and hidden keys are masked, so each
-    row is computed as if its context were one unpadded sequence.
+    row is computed as if its context were one unpadded sequence. ``suffix_hidden`` tokens
+    (``method.context=mask``) keep their positions but no later token attends to them.
     """
     device = next(decoder.parameters()).device
     p_mask = prefix_mask.to(device)
@@ -191,7 +217,10 @@ def response_hidden_shared_prefix(
     seen = p_mask[rows] & (cols < (start + prefix_keep.to(device))[:, None])
     seg_ids = torch.cat([suffix_ids, response_ids], dim=1)
     seg_mask = torch.cat([suffix_mask, response_mask], dim=1)
-    h = _continue_cache(decoder, cache, seen, seg_ids, seg_mask).last_hidden_state
+    seg_hidden = None
+    if suffix_hidden is not None:
+        seg_hidden = torch.cat([suffix_hidden.bool(), torch.zeros_like(response_mask.bool())], 1)
+    h = _continue_cache(decoder, cache, seen, seg_ids, seg_mask, seg_hidden).last_hidden_state
     s, t = suffix_ids.shape[1], response_ids.shape[1]
     return h[:, s - 1 : s - 1 + t]
 
@@ -517,12 +546,19 @@ def _shared_prompt_logits(
     return out.logits[:, :-1]
 
 
-def _attention_mask(model, allowed: Tensor, key: Tensor, device) -> Tensor:
+def _attention_mask(model, allowed: Tensor, key: Tensor, device, seen: Tensor | None = None):
     """[R, 1, S, S] mask of a packed batch: ``allowed`` column pairs among the columns each
-    row may attend to (``key``); every column sees itself. Eager attention adds its mask, so
-    there it is 0 where allowed and the most negative float elsewhere."""
+    row may attend to (``key``); every column sees itself. With ``seen`` [R, W], ``W`` cached
+    keys come first ([R, 1, S, W + S]): every real column reads the ones its row sees. Eager
+    attention adds its mask, so there it is 0 where allowed and the most negative float
+    elsewhere."""
     s = allowed.shape[0]
-    mask = (allowed[None] & key[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
+    eye = torch.eye(s, dtype=torch.bool, device=allowed.device)
+    mask = (allowed[None] & key[:, None, :].to(allowed.device)) | eye[None]
+    if seen is not None:
+        seen = seen.to(allowed.device)
+        cached = seen[:, None, :] & key[:, :, None].to(allowed.device)
+        mask = torch.cat([cached.expand(-1, s, -1), mask], dim=2)
     mask = mask[:, None].to(device)
     if getattr(model.config, "_attn_implementation", None) == "eager":
         mask = torch.zeros(mask.shape, device=device).masked_fill_(
@@ -620,16 +656,22 @@ def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_
     return cache, p_mask[rows]
 
 
-def _continue_cache(model, cache, seen: Tensor, seg_ids: Tensor, seg_mask: Tensor, **kwargs):
+def _continue_cache(
+    model, cache, seen: Tensor, seg_ids: Tensor, seg_mask: Tensor, hidden=None, **kwargs
+):
     """Run the rows' segments on a prefix cache already reordered to the rows; ``seen`` [n, W]
-    marks the cached keys each row reads. Positions count the visible tokens only."""
+    marks the cached keys each row reads. Positions count the visible tokens only, and the
+    ``hidden`` segment tokens [n, S] (None: none), which no other token attends to."""
     device = seen.device
     seg_mask = seg_mask.to(device)
     full = torch.cat([seen, seg_mask], dim=1)
     pos = positions(full)[:, seen.shape[1] :]
+    mask = full.long()
+    if hidden is not None:
+        mask = hidden_mask(model, seg_mask.bool(), hidden.to(device), seen.bool())
     return model(
         input_ids=seg_ids.to(device),
-        attention_mask=full.long(),
+        attention_mask=mask,
         position_ids=pos,
         past_key_values=cache,
         use_cache=True,

@@ -43,6 +43,7 @@ from mrtpo.credit import js_distance
 from mrtpo.credit.methods import RelevanceRequest
 from mrtpo.distributed import Ranks, dummy_batch, is_sharded
 from mrtpo.forward import (
+    packed_prompt_blocker,
     pad_left,
     prefix_layout,
     response_hidden,
@@ -68,6 +69,70 @@ class _Job:
     response: int  # row in the batch
     key: str  # ALL, NONE or a reward name
     ids: list[int]  # context token ids
+    hidden: tuple[int, ...] = ()  # context tokens hidden from attention (method.context=mask)
+
+
+#: Stands in for a message's content to find where the chat template writes it.
+_PROBE = "\ue000mrtpo-content\ue001"
+
+
+class _Masker:
+    """``method.context=mask``: which of ``P_all``'s tokens hold a task's spans of text
+    (``Contexts.spans``). The chat text is rendered once per distinct ``P_all``; a token is
+    hidden when its characters overlap a span (one straddling a span's edge is hidden too)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[str, tuple[str, list[tuple[int, int]]]] = {}
+
+    def _render(self, messages) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+    def _offsets(self, key: str, messages, ids: list[int]):
+        if key not in self.cache:
+            text = self._render(messages)
+            try:
+                enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            except NotImplementedError:
+                raise ValueError(
+                    "method.context=mask needs a fast tokenizer (character offsets of tokens); "
+                    "use method.context=delete"
+                ) from None
+            if list(enc["input_ids"]) != list(ids):
+                raise ValueError(
+                    "method.context=mask: the tokenizer splits the rendered chat text otherwise "
+                    "than apply_chat_template does, so the information's tokens cannot be "
+                    "found; use method.context=delete"
+                )
+            self.cache[key] = (text, [tuple(o) for o in enc["offset_mapping"]])
+        return self.cache[key]
+
+    def _start(self, messages, m: int, text: str) -> int:
+        """Where message ``m``'s content starts in the rendered ``text``."""
+        probe = [dict(x) for x in messages]
+        probe[m]["content"] = _PROBE
+        at = self._render(probe).find(_PROBE)
+        content = messages[m]["content"]
+        if at < 0 or text[at : at + len(content)] != content:
+            raise ValueError(
+                f"method.context=mask: the chat template does not write message {m}'s text as "
+                "it is, so the information's tokens cannot be found; use method.context=delete"
+            )
+        return at
+
+    def hidden(self, key: str, messages, ids: list[int], spans) -> tuple[int, ...]:
+        text, offsets = self._offsets(key, messages, ids)
+        starts = {m: self._start(messages, m, text) for m in {sp[0] for sp in spans}}
+        cut = [(starts[m] + a, starts[m] + b) for m, a, b in spans if b > a]
+        out = tuple(i for i, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in cut))
+        if out and out[-1] == len(ids) - 1:
+            raise ValueError(
+                "method.context=mask: the information reaches the context's last token, which "
+                "predicts the first response token; use method.context=delete"
+            )
+        return out
 
 
 @dataclass
@@ -127,9 +192,10 @@ class Replayer:
 
     # -- planning -------------------------------------------------------------------------
     def plan(
-        self, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str
+        self, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str, form: str = "delete"
     ) -> dict[int, list[_Job]]:
-        """Context forwards per response: ``P_all`` first, then one per replayed reward."""
+        """Context forwards per response: ``P_all`` first, then one per replayed reward
+        (``form="mask"``: ``P_all``'s tokens again, the reward's information hidden)."""
         roll = batch.rollout
         names = batch.reward_names
         cache: dict[str, list[int]] = {}
@@ -141,6 +207,7 @@ class Replayer:
             return cache[key]
 
         jobs_by_resp: dict[int, list[_Job]] = {}
+        masker = _Masker(self.tokenizer) if form == "mask" else None
         for j in pairs.any(-1).nonzero().flatten().tolist():
             ctx: Contexts = task.contexts(roll.examples[j], batch.scores[j])
             if mode == "joint":
@@ -154,7 +221,14 @@ class Replayer:
             if not wanted:
                 continue
             jobs = [_Job(j, ALL, ids(ctx.all))]
-            jobs += [_Job(j, key, ids(m)) for key, m in wanted]
+            if masker is None:
+                jobs += [_Job(j, key, ids(m)) for key, m in wanted]
+            else:
+                key_all = json.dumps(ctx.all, sort_keys=True, ensure_ascii=False, default=str)
+                for key, _ in wanted:
+                    spans = _spans(task, ctx, key)
+                    hid = masker.hidden(key_all, ctx.all, jobs[0].ids, spans)
+                    jobs.append(_Job(j, key, jobs[0].ids, hid))
             jobs_by_resp[j] = jobs
         return jobs_by_resp
 
@@ -170,7 +244,9 @@ class Replayer:
         roll = batch.rollout
         n, t = roll.response_ids.shape
         device = next(model.parameters()).device
-        jobs_by_resp = self.plan(task, batch, pairs, request.contexts)
+        if request.form == "mask":
+            _check_maskable(model)
+        jobs_by_resp = self.plan(task, batch, pairs, request.contexts, request.form)
         out = ReplayResult(
             q=torch.zeros((n, pairs.shape[1], t), dtype=torch.float32, device=device),
             replayed=torch.zeros_like(pairs, dtype=torch.bool),
@@ -216,10 +292,10 @@ class Replayer:
             states, head, cost, was_shared = self._forward(
                 model, split, chunk, roll.response_ids, roll.response_mask
             )
-            if was_shared and low_precision:
-                # the cached prefix splits the attention sums differently from the plain pass:
-                # in bf16 the log-probs move by up to ~1e-2 nats, too far to stand in for
-                # pi_old, so these rows get their own plain forward
+            if (was_shared or any(job.hidden for job in chunk)) and low_precision:
+                # the cached prefix (or a 4D mask) splits the attention sums differently from
+                # the plain pass: in bf16 the log-probs move by up to ~1e-2 nats, too far to
+                # stand in for pi_old, so these rows get their own plain forward
                 out.logp_rows[[job.response for job in chunk]] = False
             shared, calls, computed = shared + was_shared, calls + 1 + was_shared, computed + cost
             out.forwards += len(chunk)
@@ -302,9 +378,11 @@ class Replayer:
         t = max(1, int(resp_mask.sum(-1).max()))
         r_ids, r_mask = response_ids[rows, :t], resp_mask[:, :t]
         pad = self.tokenizer.pad_token_id
+        masked = any(job.hidden for job in chunk)
+        ctx_ids, ctx_mask = pad_left([job.ids for job in chunk], pad)
+        hidden = _hidden_flags(chunk, [0] * len(chunk)) if masked else None
         if split is None:
-            ctx_ids, ctx_mask = pad_left([job.ids for job in chunk], pad)
-            logits = response_logits(model, ctx_ids, ctx_mask, r_ids, r_mask)
+            logits = response_logits(model, ctx_ids, ctx_mask, r_ids, r_mask, hidden=hidden)
             return logits, None, ctx_ids.numel() + r_ids.numel(), False
         decoder, head = split
         plain_cost = len(chunk) * (max(len(job.ids) for job in chunk) + t)
@@ -313,13 +391,15 @@ class Replayer:
             if shared is not None and self._worth_sharing(plain_cost, shared[-1]):
                 prefixes, row_prefix, keep, suffixes, cost = shared
                 p_ids, p_mask = pad_left(prefixes, pad)
+                suffixes = [job.ids[int(k) :] for job, k in zip(chunk, keep)]
                 s_ids, s_mask = pad_left(suffixes, pad)
+                s_hidden = _hidden_flags(chunk, keep.tolist()) if masked else None
                 h = response_hidden_shared_prefix(
-                    decoder, p_ids, p_mask, row_prefix, keep, s_ids, s_mask, r_ids, r_mask
-                )
+                    decoder, p_ids, p_mask, row_prefix, keep, s_ids, s_mask, r_ids, r_mask,
+                    s_hidden,
+                )  # fmt: skip
                 return h, head, cost, True
-        ctx_ids, ctx_mask = pad_left([job.ids for job in chunk], pad)
-        h = response_hidden(decoder, ctx_ids, ctx_mask, r_ids, r_mask)
+        h = response_hidden(decoder, ctx_ids, ctx_mask, r_ids, r_mask, hidden)
         return h, head, plain_cost, False
 
     def _worth_sharing(self, plain_cost: int, shared_cost: int) -> bool:
@@ -330,13 +410,17 @@ class Replayer:
 
     def _shared_layout(self, chunk: list[_Job], t: int):
         """The micro-batch's shared-prefix layout (``forward.prefix_layout``): a response's
-        contexts share a prefix, and its P_all context is the ``branch`` layout's base."""
-        base = {job.response: job.ids for job in chunk if job.key == ALL}
+        contexts share a prefix, and its P_all context is the ``branch`` layout's base. A
+        hidden token (``method.context=mask``) reads as an id of its row's own, so that a
+        row shares no prefix past its first hidden token: the cached keys after it were
+        computed attending to it."""
+        ctxs = []
+        for i, job in enumerate(chunk):
+            hid = set(job.hidden)
+            ctxs.append([-1 - i if c in hid else x for c, x in enumerate(job.ids)])
+        base = {job.response: ctxs[i] for i, job in enumerate(chunk) if job.key == ALL}
         is_base = [job.key == ALL for job in chunk]
-        return prefix_layout(
-            [job.ids for job in chunk], [job.response for job in chunk], t, self.layouts,
-            base, is_base,
-        )  # fmt: skip
+        return prefix_layout(ctxs, [job.response for job in chunk], t, self.layouts, base, is_base)
 
     # -- scoring ------------------------------------------------------------------------
     def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0) -> None:
@@ -408,6 +492,35 @@ class Replayer:
             q[jj, kk, s:e] = torch.where(cols < lengths[:, None], d, zero)
             lp_all = lp[n_other:].gather(-1, a_ids[:, s:e, None]).squeeze(-1)
             logp[a_j, s:e] = torch.where(cols < a_len[:, None], lp_all, zero)
+
+
+def _hidden_flags(chunk: list[_Job], start: list[int]) -> Tensor:
+    """[rows, width] bool, left-padded as ``pad_left`` pads the contexts from ``start``
+    on: the hidden tokens of each row's context."""
+    flags = []
+    for job, s in zip(chunk, start):
+        hid = set(job.hidden)
+        flags.append([int(c in hid) for c in range(int(s), len(job.ids))])
+    return pad_left(flags, 0)[0].bool()
+
+
+def _spans(task: Task, ctx: Contexts, key: str):
+    """The spans of ``P_all`` that ``key``'s context leaves out (every item's for NONE)."""
+    spans = ctx.none_spans if key == NONE else ctx.spans.get(key)
+    if spans is None or (key == NONE and not spans and ctx.without):
+        what = "every item" if key == NONE else f"reward {key!r}"
+        raise ValueError(
+            f"method.context=mask: task {task.name!r} does not say where {what}'s information "
+            "sits in the prompt (Contexts.spans); use method.context=delete"
+        )
+    return spans
+
+
+def _check_maskable(model) -> None:
+    """Refuse ``method.context=mask`` where a 4D attention mask is not applied as given."""
+    reason = packed_prompt_blocker(model)
+    if reason is not None:
+        raise ValueError(f"method.context=mask cannot run with this model: {reason}")
 
 
 def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -59,19 +59,26 @@ class RelevanceRequest:
     ``score``: ``"jsd"`` is the Jensen–Shannon distance (base 2, in [0, 1]) between the two
     full next-token distributions at each position; ``"logp_diff"`` is the sampled token's
     log-likelihood difference ``log p(y_t | P_all) - log p(y_t | other)`` (signed).
+    ``form``: how the other context leaves information out (``method.context``): ``"delete"``
+    builds it without the text (the paper's construction); ``"mask"`` keeps ``P_all``'s tokens
+    and positions and hides the information's tokens from attention.
     """
 
     contexts: str = "per_reward"
     score: str = "jsd"
+    form: str = "delete"
 
     CONTEXTS: ClassVar[tuple[str, ...]] = ("per_reward", "joint")
     SCORES: ClassVar[tuple[str, ...]] = ("jsd", "logp_diff")
+    FORMS: ClassVar[tuple[str, ...]] = ("delete", "mask")
 
     def __post_init__(self) -> None:
         if self.contexts not in self.CONTEXTS:
             raise ValueError(f"relevance contexts={self.contexts!r}; valid: {self.CONTEXTS}")
         if self.score not in self.SCORES:
             raise ValueError(f"relevance score={self.score!r}; valid: {self.SCORES}")
+        if self.form not in self.FORMS:
+            raise ValueError(f"method.context={self.form!r}: use one of {list(self.FORMS)}")
 
     @property
     def joint(self) -> bool:
@@ -408,8 +415,12 @@ class MRTPO(_RewardWeighted):
         eps: float = 1e-4,
         reward_weights: Mapping[str, float] | None = None,
         cap: str = "batch",
+        context: str = "delete",
     ):
         super().__init__(eps=eps, reward_weights=reward_weights)
+        # method.context: P_\k deletes the information's text (delete) or hides its tokens
+        # from attention, every position kept (mask)
+        self.relevance = replace(type(self).relevance, form=str(context))
         self.cap = check_cap(cap, "method.cap")
         self.beta_max, self.beta_warmup_steps = checked_beta(
             beta,

@@ -207,6 +207,10 @@ def token_segments(
     return out
 
 
+#: (message index, first character, end character) of a stretch of a message's content.
+Span = tuple[int, int, int]
+
+
 @dataclass
 class Contexts:
     """The leave-one-out replay contexts of one scored sample (method.md §1)."""
@@ -214,6 +218,28 @@ class Contexts:
     all: Messages  # P_all
     without: dict[str, Messages]  # reward name -> P_\k (only for rewards that have information)
     none: Messages  # every block (or every in-prompt item) removed; used by the joint ablation
+    #: Where each item sits in ``all``: reward name -> [(message index, first character, end
+    #: character)] of the text ``without[name]`` leaves out; ``none_spans``: every item's.
+    #: ``method.context=mask`` hides those characters' tokens instead of deleting the text.
+    spans: dict[str, list[Span]] = field(default_factory=dict)
+    none_spans: list[Span] = field(default_factory=list)
+
+
+def last_user_index(messages: Messages) -> int:
+    """Index of the last user message (a clear error when there is none)."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "user":
+            return i
+    raise ValueError("cannot append verifier information: the prompt has no user message")
+
+
+def joined_spans(message: int, start: int, texts: Sequence[str], sep: str) -> list[Span]:
+    """Spans of ``texts`` in ``sep.join(texts)`` written from character ``start`` on."""
+    out = []
+    for text in texts:
+        out.append((message, start, start + len(text)))
+        start += len(text) + len(sep)
+    return out
 
 
 def append_to_last_user(messages: Messages, text: str) -> Messages:
@@ -305,10 +331,15 @@ class Task(ABC):
             return append_to_last_user(example.messages, text)
 
         keys = list(blocks)
+        m = last_user_index(example.messages)
+        start = len(example.messages[m]["content"]) + 2  # after the blank line
+        spans = joined_spans(m, start, [blocks[k] for k in keys], "\n\n")
         return Contexts(
             all=join(keys),
             without={k: join([j for j in keys if j != k]) for k in keys},
             none=[dict(m) for m in example.messages],
+            spans={k: [span] for k, span in zip(keys, spans)},
+            none_spans=spans,
         )
 
     # ---- teacher context (self-distillation) ---------------------------------------------

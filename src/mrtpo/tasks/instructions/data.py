@@ -110,6 +110,28 @@ def render_prompt(base: str, sentences: Sequence[str], template: str = "type6") 
 TEMPLATES = ("type1", "type2", "type3", "type4", "type5", "type6")
 
 
+def sentence_spans(
+    prompt: str, base: str, sentences: Sequence[str], template: str = "type6"
+) -> list[tuple[int, int] | None]:
+    """(first, end) character of each constraint sentence in ``prompt`` as ``render_prompt``
+    wrote it (in the prose templates with the full stop it added), found in order after the
+    base request (before it for ``type5``); None for a sentence not found."""
+    cursor = len(base) if template != "type5" and prompt.startswith(base) else 0
+    out: list[tuple[int, int] | None] = []
+    for text in sentences:
+        at = prompt.find(text, cursor) if text else -1
+        if at < 0:
+            out.append(None)
+            continue
+        end = at + len(text)
+        prose = template in ("type1", "type2", "type5")
+        if prose and text[-1:] not in ",.?!" and prompt[end : end + 1] == ".":
+            end += 1
+        out.append((at, end))
+        cursor = end
+    return out
+
+
 def constraint_record(
     uid: str,
     base: str,

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task
+from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task, last_user_index
 from mrtpo.tasks.deadline import budget_seconds
 from mrtpo.tasks.instructions import checkers, muldimif
 from mrtpo.tasks.instructions.data import (
@@ -44,6 +44,7 @@ from mrtpo.tasks.instructions.data import (
     load_benchmark,
     load_hir,
     render_prompt,
+    sentence_spans,
 )
 from mrtpo.tasks.instructions.generator import generate_records
 from mrtpo.tasks.instructions.judge import (
@@ -508,7 +509,16 @@ class InstructionTask(Task):
 
         n = min(len(texts), self.max_constraints)
         without = {f"c{k}": prompt(texts[:k] + texts[k + 1 :]) for k in range(n)}
-        return Contexts(all=messages, without=without, none=prompt([]))
+        m = last_user_index(messages)
+        found = sentence_spans(messages[m]["content"], d["base"], texts[:n], d["template"])
+        spans = {f"c{k}": [(m, *se)] for k, se in enumerate(found) if se is not None}
+        return Contexts(
+            all=messages,
+            without=without,
+            none=prompt([]),
+            spans=spans,
+            none_spans=[(m, *se) for se in found if se is not None],
+        )
 
     # ---- evaluation ---------------------------------------------------------------------
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:

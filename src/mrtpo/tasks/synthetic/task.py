@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task
+from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task, joined_spans
 
 WORDS = [
     "apple",
@@ -390,10 +390,16 @@ class SyntheticTask(Task):
     def contexts(self, example: Example, score: Score) -> Contexts:
         cons = example.data["constraints"]
         shown = [cons[i] for i in example.data["order"]]
+        messages = [dict(m) for m in example.messages]
+        # each sentence's characters in the prompt, as ``render`` joins them
+        head = " ".join([BASE_PROMPT, THINK_PROMPT] if self.free is not None else [BASE_PROMPT])
+        spans = joined_spans(len(messages) - 1, len(head) + 1, [c.sentence() for c in shown], " ")
         return Contexts(
-            all=[dict(m) for m in example.messages],
+            all=messages,
             without={c.kind: self._messages([x for x in shown if x is not c]) for c in shown},
             none=self._messages([]),
+            spans={c.kind: [span] for c, span in zip(shown, spans)},
+            none_spans=spans,
         )
 
     # ---- analysis: where each checker looks ----------------------------------------------
