@@ -13,7 +13,11 @@ responses and steps:
   than even) and above 1 (more) in two hues.
 
 A legend gives both scales; hovering a token shows its reward, position, q and w; the step and
-reward filters hide the rest. The PNG draws one response the same way, for a paper or a note.
+reward filters hide the rest. Each response, and the page as a whole, gets the credit
+diagnostics the trainer logs (``mrtpo.step.diagnostics``): q / mean q quantiles per reward, the
+mean cosine between the rewards' q profiles, and, where the record holds them, the share of the
+reallocated credit's energy on each segment of the response its task declares. The PNG draws
+one response the same way, for a paper or a note.
 """
 
 from __future__ import annotations
@@ -190,8 +194,29 @@ def clean(rec: Any) -> dict | None:
         prompt = prompt[:MAX_PROMPT] + f" [... {len(prompt) - MAX_PROMPT} more characters]"
     beta = None if beta is None else _finite(beta)
     ident = str(rec.get("id", "?"))[:200]
-    return {"step": step, "id": ident, "beta": beta, "prompt": prompt, "tokens": tokens,
-            "rewards": rewards, "q": q, "w": w}  # fmt: skip
+    out = {"step": step, "id": ident, "beta": beta, "prompt": prompt, "tokens": tokens,
+           "rewards": rewards, "q": q, "w": w}  # fmt: skip
+    out.update(_diagnostic_fields(rec, len(tokens)))
+    return out
+
+
+def _diagnostic_fields(rec: dict, n: int) -> dict:
+    """The optional ``realloc`` (one number per token) and ``segments`` (name -> token
+    indices) a newer trainer writes; a ValueError names what is wrong with them."""
+    out: dict[str, Any] = {}
+    if rec.get("realloc") is not None:
+        out["realloc"] = _rows({"realloc": rec["realloc"]}, "realloc", n)["realloc"]
+    segs = rec.get("segments")
+    if segs is not None:
+        ok = isinstance(segs, dict) and all(
+            isinstance(v, list)
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in v)
+            for v in segs.values()
+        )
+        if not ok:
+            raise ValueError(f"'segments' is not an object of name -> token indices below {n}")
+        out["segments"] = {str(k)[:100]: v for k, v in segs.items()}
+    return out
 
 
 def parse_line(raw: bytes, first: bool = False) -> dict | None:
@@ -368,6 +393,92 @@ def visible(token: str) -> str:
     return token.replace("\n", "\u21b5").replace("\t", "\u2192").replace("\r", "") or "\u00b7"
 
 
+# ---- credit diagnostics (as the trainer logs them under train/replay/) ------------------------
+def _quantile(values: list[float], p: float) -> float:
+    """The ``p`` quantile of ``values`` (linear between the two nearest ranks)."""
+    v = sorted(values)
+    x = p * (len(v) - 1)
+    lo = math.floor(x)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+
+def q_ratios(rec: dict) -> dict[str, list[float]]:
+    """Each reward's ``q_t / mean_t q`` over the record's tokens (none where the mean is ~0)."""
+    out = {}
+    for name, row in rec["q"].items():
+        mean = sum(row) / len(row) if row else 0.0
+        if mean > 1e-8:
+            out[name] = [v / mean for v in row]
+    return out
+
+
+def profile_cosine(rec: dict) -> float | None:
+    """The mean pairwise cosine between the record's rewards' q profiles (None: fewer than two
+    with any relevance)."""
+    rows = [r for r in rec["q"].values() if any(v > 0 for v in r)]
+    norms = [math.sqrt(sum(v * v for v in r)) for r in rows]
+    pairs = [
+        sum(a * b for a, b in zip(rows[i], rows[j])) / (norms[i] * norms[j])
+        for i in range(len(rows))
+        for j in range(i + 1, len(rows))
+    ]
+    return sum(pairs) / len(pairs) if pairs else None
+
+
+def energy(rec: dict) -> dict[str, float]:
+    """The reallocated credit's energy (sum of squares) on each segment and ``other``; {}
+    for a record without ``realloc`` or ``segments``."""
+    realloc, segs = rec.get("realloc"), rec.get("segments")
+    if realloc is None or segs is None:
+        return {}
+    out, seen = {}, set()
+    for name, idx in segs.items():
+        mine = [i for i in idx if i not in seen]
+        out[name] = sum(realloc[i] ** 2 for i in mine)
+        seen.update(mine)
+    out["other"] = sum(v * v for i, v in enumerate(realloc) if i not in seen)
+    return out
+
+
+def diagnostics(records: list[dict]) -> dict[str, Any]:
+    """Over ``records``: q / mean q quantiles (p50, p99, max) per reward, the mean profile
+    cosine, and each segment's share of the summed energy (empty parts left out)."""
+    ratios: dict[str, list[float]] = {}
+    cosines, energies = [], {}
+    for rec in records:
+        for name, vals in q_ratios(rec).items():
+            ratios.setdefault(name, []).extend(vals)
+        c = profile_cosine(rec)
+        if c is not None:
+            cosines.append(c)
+        for name, e in energy(rec).items():
+            energies[name] = energies.get(name, 0.0) + e
+    total = sum(energies.values())
+    return {
+        "q_ratio": {
+            n: (_quantile(v, 0.5), _quantile(v, 0.99), max(v)) for n, v in ratios.items() if v
+        },
+        "cosine": sum(cosines) / len(cosines) if cosines else None,
+        "energy": {n: e / total for n, e in energies.items()} if total > 0 else {},
+    }
+
+
+def _diag_text(d: dict[str, Any]) -> str:
+    """One line of ``diagnostics`` for the page (empty when there is nothing)."""
+    parts = []
+    if d["q_ratio"]:
+        qs = "; ".join(f"{n} {a:.3g} · {b:.3g} · {c:.3g}" for n, (a, b, c) in d["q_ratio"].items())
+        parts.append(f"q/q̄ (p50 · p99 · max): {qs}")
+    if d["cosine"] is not None:
+        parts.append(f"profile cosine {d['cosine']:.3f}")
+    if d["energy"]:
+        parts.append(
+            "reallocated energy: " + " · ".join(f"{n} {v:.0%}" for n, v in d["energy"].items())
+        )
+    return " | ".join(parts)
+
+
 # ---- the page ---------------------------------------------------------------------------------
 def _row(rec: dict, name: str, kind: str, scales: Scales) -> str:
     values = rec[kind].get(name)
@@ -407,8 +518,10 @@ def _record(rec: dict, scales: Scales) -> str:
     head = f"step {step} · prompt {html.escape(str(rec.get('id', '?')))}"
     if isinstance(beta, (int, float)):
         head += f" · β = {beta:g}"
+    diag = _diag_text(diagnostics([rec]))
+    diag = f'<p class="diag">{html.escape(diag)}</p>' if diag else ""
     return (
-        f'<section class="rec" data-step="{step}" data-tokens="{tokens}"><h2>{head}</h2>'
+        f'<section class="rec" data-step="{step}" data-tokens="{tokens}"><h2>{head}</h2>{diag}'
         f"<details><summary>prompt</summary><pre>{html.escape(str(rec.get('prompt', '')))}</pre>"
         f"</details>{''.join(pairs)}</section>"
     )
@@ -506,7 +619,7 @@ margin:0 1px 1px 0;cursor:default}
 #tip{position:absolute;background:#222;color:#fff;font:12px monospace;white-space:pre;
 padding:4px 6px;border-radius:3px;pointer-events:none;z-index:2}
 pre{white-space:pre-wrap;font-size:.85em;background:#f6f6f6;padding:.5em}
-.note{color:#a33;font-size:.85em}
+.note{color:#a33;font-size:.85em} .diag{color:#444;font-size:.8em;margin:.1em 0}
 """
 
 
@@ -514,6 +627,9 @@ def render_html(records: list[dict], title: str, notes: Sequence[str] = ()) -> s
     """The page for ``records`` (all on one scale), with ``notes`` (what was left out)."""
     scales = Scales.of(records)
     note = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
+    summary = _diag_text(diagnostics(records))
+    if summary:
+        note += f'<p class="diag" id="summary">all shown responses: {html.escape(summary)}</p>'
     body = "".join(_record(r, scales) for r in records)
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'

@@ -4,12 +4,14 @@ concentration and overlap, where the reallocated energy lands, and replay's nois
 from __future__ import annotations
 
 import csv
+import json
 import math
 
 import pytest
 import torch
 from tests.conftest import compose_config
 
+from mrtpo import viewer
 from mrtpo.pipeline import build, metrics_csv
 from mrtpo.settings import ReplayConfig
 from mrtpo.step.diagnostics import CreditDiagnostics, profile_cosine, q_ratio_quantiles
@@ -30,6 +32,7 @@ RUN = (
     "rollout.sampling.max_new_tokens=6",
     "replay.noise_floor=2",
     "trainer.max_steps=3",
+    "callbacks.relevance_dump.every=1",
 )
 
 
@@ -40,7 +43,7 @@ def _rows(train_cfg, *extra: str) -> list[dict[str, float]]:
         return [{k: float(v) if v else math.nan for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-def test_a_short_run_logs_the_diagnostics(train_cfg):
+def test_a_short_run_logs_the_diagnostics(train_cfg, tmp_path):
     rows = _rows(train_cfg)
     replayed = [r for r in rows if r.get("train/replay/share", 0) > 0]
     assert replayed, "no step replayed anything: the run cannot show the diagnostics"
@@ -63,6 +66,13 @@ def test_a_short_run_logs_the_diagnostics(train_cfg):
     # count, so it may not be); its values are checked by hand below
     cos = [r.get("train/replay/profile_cosine", math.nan) for r in replayed]
     assert all(-1e-9 <= c <= 1 + 1e-9 for c in cos if not math.isnan(c))
+    # the relevance dump keeps each response's reallocation and segments for the viewer
+    [dump] = tmp_path.rglob("relevance.jsonl")
+    records = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert records and all("realloc" in r and "answer" in r["segments"] for r in records)
+    assert viewer.main([str(dump), "--out", str(tmp_path / "page")]) == 0
+    page = (tmp_path / "page" / "relevance.html").read_text()
+    assert "reallocated energy: " in page and 'id="summary"' in page and "q/q̄" in page
 
 
 def test_noise_floor_is_opt_in(train_cfg):
@@ -125,3 +135,29 @@ def test_energy_shares_by_hand():
     m, w = diag.energy_shares(realloc, ids, mask)
     assert m == {"energy_share/mark": 4 / 6, "energy_share/answer": 2 / 6, "energy_share/other": 0}
     assert w["energy_share/mark"] == 6.0
+
+
+def test_viewer_diagnostics_of_a_record():
+    rec = {
+        "step": 1,
+        "tokens": ["<think>", " a", "</think>", " b", "!"],
+        "q": {"first": [0.0, 0.1, 0.4, 0.0, 0.0], "mark": [0.0, 0.1, 0.4, 0.0, 0.5]},
+        "w": {"first": [1.0] * 5, "mark": [1.0] * 5},
+        "realloc": [0.0, 1.0, 3.0, 0.0, 2.0],
+        "segments": {"free": [0, 1], "close": [2], "answer": [3], "mark": [4]},
+    }
+    d = viewer.diagnostics([viewer.clean(rec)])
+    assert d["q_ratio"]["first"][2] == pytest.approx(4.0)  # 0.4 over a mean of 0.1
+    assert d["q_ratio"]["mark"][0] == pytest.approx(0.5)  # median of 0, .5, 2, 0, 2.5
+    dot = 0.1 * 0.1 + 0.4 * 0.4
+    assert d["cosine"] == pytest.approx(dot / math.sqrt(dot * (dot + 0.25)))
+    assert d["energy"] == pytest.approx(
+        {"free": 1 / 14, "close": 9 / 14, "answer": 0.0, "mark": 4 / 14, "other": 0.0}
+    )
+    page = viewer.render_html([viewer.clean(rec)], "t")
+    assert "close 64%" in page and "profile cosine" in page
+    # an older record without them still draws; a broken one is named
+    old = {k: v for k, v in rec.items() if k not in ("realloc", "segments")}
+    assert viewer.diagnostics([viewer.clean(old)])["energy"] == {}
+    with pytest.raises(ValueError, match="'segments' is not an object"):
+        viewer.clean({**rec, "segments": {"free": [9]}})

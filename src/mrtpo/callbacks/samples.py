@@ -298,4 +298,5 @@ class RelevanceDump(L.Callback):
                 rec = relevance_record(
                     scored, j, scored.q, w, scored.replayed, names, tok, step=step, beta=beta
                 )
+                rec.update(pl_module.step.diagnostics.record_fields(scored, j))  # the viewer's
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")

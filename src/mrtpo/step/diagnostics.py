@@ -74,6 +74,28 @@ class CreditDiagnostics:
             self._pieces[i] = self.tokenizer.decode([i], skip_special_tokens=True)
         return self._pieces[i]
 
+    def segment_tokens(self, ids: list[int]) -> dict[str, list[int]] | None:
+        """The token indices of each segment the task declares for a response (its sampled
+        ``ids``, pads left out); None when it declares none."""
+        pieces = [self._piece(int(i)) for i in ids]
+        spans = self.task.segments("".join(pieces))
+        if spans is None:
+            return None
+        masks = token_segments(pieces, spans)
+        return {name: [t for t, inside in enumerate(m) if inside] for name, m in masks.items()}
+
+    def record_fields(self, record, j: int) -> dict:
+        """What ``relevance.jsonl`` keeps of response ``j`` for the viewer's diagnostics: its
+        reallocated credit per token (``realloc``) and its segments' token indices."""
+        t = int(record.rollout.response_mask[j].sum())
+        out: dict = {}
+        if record.realloc is not None:
+            out["realloc"] = [round(float(v), 5) for v in record.realloc[j, :t].tolist()]
+        segs = self.segment_tokens(record.rollout.response_ids[j, :t].tolist())
+        if segs is not None:
+            out["segments"] = segs
+        return out
+
     def energy_shares(self, realloc: Tensor, ids: Tensor, mask: Tensor) -> tuple[dict, dict]:
         """``energy_share/<segment>`` (and ``other``) over this rank's responses."""
         energy = torch.where(mask, realloc.detach().to(torch.float64).cpu(), 0.0).square()
