@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import lightning as L
 
 from mrtpo.batch import PromptBatch
+from mrtpo.distributed import Ranks
 from mrtpo.models import eos_token_ids
 from mrtpo.rollout.base import RolloutEngine, SamplingConfig
 from mrtpo.rollout.source import RolloutSource
@@ -66,6 +67,7 @@ class RolloutCallback(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         eos = eos_token_ids(pl_module.tokenizer, pl_module.policy)
         self.source.bind(pl_module.policy, pl_module.tokenizer, eos)
+        self.source.rank = trainer.global_rank  # before a checkpoint's state is restored
 
     def _seed(self, trainer, pl_module, salt: int) -> int:
         return RolloutSource.seed(pl_module.seed, pl_module.iteration, trainer.global_rank, salt)
@@ -120,7 +122,14 @@ class RolloutCallback(L.Callback):
             self.engine.close()
 
     def state_dict(self) -> dict:
-        return self.source.state_dict() if self.source.depth else {}
+        """The source's state with every rank's batches generated ahead: Lightning saves
+        rank 0's state only, and calls this on every rank as it saves a checkpoint, so the
+        ranks' batches are gathered here (each tagged with its rank)."""
+        if not self.source.depth:
+            return {}
+        state = self.source.state_dict()
+        parts = Ranks().gather(state["ahead"])
+        return state | {"ahead": [a for part in parts for a in part], "world_size": len(parts)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict:

@@ -217,10 +217,10 @@ class HFEngine(RolloutEngine):
             return
         from mrtpo.distributed import is_sharded
 
-        if is_sharded(model) or Ranks(lambda: torch.device("cpu")).world_size > 1:
+        if is_sharded(model):
             raise ValueError(
-                "rollout.engine.own_copy=true runs on one process (its generate joins "
-                "collectives when several train): use rollout=vllm_server with DDP or FSDP"
+                "rollout.engine.own_copy=true runs on one process or DDP (a sharded copy's "
+                "generate joins collectives): use rollout=vllm_server with FSDP"
             )
         self.model = copy.deepcopy(model).requires_grad_(False)
 
@@ -252,10 +252,14 @@ class HFEngine(RolloutEngine):
         own_config = getattr(model, "generation_config", None)
         model.eval()
         ranks = Ranks(lambda: device)
-        lockstep = ranks.world_size > 1
+        # The own copy (a plain module, not sharded) generates in a worker thread beside the
+        # step's collectives: it joins none, each rank on its own; the shared model keeps
+        # the ranks in step (under FSDP its forwards are collectives).
+        joint = not self.own_copy
+        lockstep = ranks.world_size > 1 and joint
         calls = -(-len(flat) // self.batch_size)
         idle = ranks.max(calls) - calls if lockstep else 0
-        agree = self._agreement(ranks, n)
+        agree = self._agreement(ranks, n) if joint else None
         try:
             # transformers fills unset fields from model.generation_config: leave it nothing
             model.generation_config = GenerationConfig()
@@ -265,8 +269,11 @@ class HFEngine(RolloutEngine):
             if own_config is not None:
                 model.generation_config = own_config
             model.train(was_training)
-        # decided jointly: a rank that raised alone would leave the others in a collective
-        if ranks.any(guard.bad):
+        # decided jointly where the ranks generate in step (a rank that raised alone would
+        # leave the others in a collective); the own copy's rank raises alone, and the
+        # others stop at their next collective once its process has gone (or at the
+        # process group's timeout)
+        if ranks.any(guard.bad) if joint else guard.bad:
             raise NonFiniteLogitsError()
         return out
 

@@ -18,6 +18,12 @@ Schedules (``rollout.schedule``, docs/rollout.md):
   the generation in flight. Staleness is at most ``max_staleness``; a batch found staler
   (a stopped and restored run) is generated again and its samples counted as dropped.
 
+A checkpoint keeps the batches generated ahead, each with the rank that drew it and the ids of
+its prompts (the Lightning callback gathers every rank's into rank 0's state). A resumed rank
+takes a kept batch only when its rank, seed and prompt ids are those it draws now; otherwise
+(a resume on another number of processes, an older checkpoint) it generates the batch again
+and logs one line saying why.
+
 Each batch carries the version (trainer step) of the weights that sampled it
 (``RolloutBatch.versions``); the step corrects the loss for it (docs/method.md, "Stale
 samples"). Only an engine that holds its own copy of the weights can generate while the
@@ -26,6 +32,7 @@ trainer updates (``RolloutEngine.generates_apart``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +44,8 @@ from mrtpo.batch import RolloutBatch
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.rollout.build import assemble, build_rollout, prompt_ids
 from mrtpo.tasks.base import Example
+
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("sync", "one_step_off", "async")
 
@@ -88,8 +97,10 @@ class RolloutSource:
         self.version = 0  # the trainer step whose weights the engine holds
         self.dropped = 0  # samples generated again for exceeding max_staleness
         self.push_seconds = 0.0  # the last weight push's
+        self.rank = 0  # this process's rank: the batches it keeps in a checkpoint are its own
         self._ahead: dict[int, _Ahead] = {}
-        self._restored: dict[int, dict[str, Any]] = {}
+        self._restored: dict[int, dict[str, Any]] = {}  # this rank's kept batches
+        self._restored_ranks: dict[int, list[int]] = {}  # index -> ranks that kept one
         self._lock = threading.Lock()  # held by a generation and by a push
         self._pool: ThreadPoolExecutor | None = None
 
@@ -184,7 +195,7 @@ class RolloutSource:
                 )
             return (*got.future.result(), got.prompts)
         prompts = [prompt_ids(self.tokenizer, e) for e in examples]
-        kept = self._kept(index, seed)
+        kept = self._kept(index, seed, examples)
         return (*(kept or self._generate(prompts, seed)), prompts)
 
     def _submit(self, index: int, examples: Sequence[Example], seed: int) -> None:
@@ -193,7 +204,7 @@ class RolloutSource:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mrtpo-rollout")
         examples = list(examples)
         prompts = [prompt_ids(self.tokenizer, e) for e in examples]
-        kept = self._kept(index, seed)
+        kept = self._kept(index, seed, examples)
         if kept is not None:
             future: Future = Future()
             future.set_result(kept)
@@ -201,11 +212,29 @@ class RolloutSource:
             future = self._pool.submit(self._generate, prompts, seed)
         self._ahead[index] = _Ahead(index, seed, examples, prompts, future)
 
-    def _kept(self, index: int, seed: int):
-        """(version, seconds, generations) of batch ``index`` as a checkpoint kept it, or
-        None (not kept, or kept with another seed)."""
+    def _kept(self, index: int, seed: int, examples: Sequence[Example]):
+        """(version, seconds, generations) of batch ``index`` as a checkpoint kept it for
+        this rank with this seed and these prompts, or None (the batch is generated)."""
         saved = self._restored.pop(index, None)
-        if saved is None or saved["seed"] != seed:
+        others = self._restored_ranks.pop(index, [])
+        why = None
+        if saved is None and others:
+            why = f"for rank {', '.join(map(str, others))} only, not for rank {self.rank}"
+        elif saved is not None and saved["seed"] != seed:
+            why = f"on rank {self.rank} with another seed"
+        elif saved is not None and saved.get("ids") != [e.id for e in examples]:
+            ids = saved.get("ids")
+            why = (
+                "without its prompt ids (an older checkpoint)"
+                if ids is None
+                else f"on rank {self.rank} for other prompts than this rank draws now "
+                f"({len(ids)} kept, {len(examples)} now: another number of processes?)"
+            )
+        if why is not None:
+            log.info("rollout: batch %d kept by the checkpoint was drawn %s: generating it again",
+                     index, why)  # fmt: skip
+            return None
+        if saved is None:
             return None
         gens = [Generation(**g) for g in saved["generations"]]
         return saved["version"], float(saved.get("seconds", 0.0)), gens
@@ -274,6 +303,8 @@ class RolloutSource:
             ahead.append(
                 {
                     "index": got.index,
+                    "rank": self.rank,
+                    "ids": [e.id for e in got.examples],
                     "seed": got.seed,
                     "version": int(version),
                     "seconds": float(seconds),
@@ -283,8 +314,16 @@ class RolloutSource:
         return {"schedule": self.schedule, "version": self.version, "ahead": ahead}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict``'s batches of this rank (``self.rank``); a batch saved
+        without a rank (an older, rank-0-only checkpoint) counts as rank 0's."""
         self.version = int(state.get("version", self.version))
-        self._restored = {int(a["index"]): a for a in state.get("ahead", [])}
+        self._restored, self._restored_ranks = {}, {}
+        for a in state.get("ahead", []):
+            index, rank = int(a["index"]), int(a.get("rank", 0))
+            if rank == self.rank:
+                self._restored[index] = a
+            else:
+                self._restored_ranks.setdefault(index, []).append(rank)
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker: queued batches are cancelled, one in flight finishes (``wait``:
