@@ -187,3 +187,33 @@ def test_context_is_a_method_option_with_delete_the_default():
     assert method.relevance == RelevanceRequest("joint", "jsd", "mask")
     with pytest.raises(ValueError, match=r"method\.context='hide'"):
         MRTPO(context="hide")
+
+
+def test_fsdp_runs_a_masked_replay_step_that_equals_the_removed_context(tmp_path, cache_dir, tiny):
+    """trainer=fsdp (2 gloo ranks, uneven work: rank 1 replays nothing): one MRTPO step with
+    method.context=mask; rank 0's relevance equals the removed-and-kept reference computed
+    here with the unsharded initial model (replay runs before the step's update)."""
+    from tests.integration.test_fsdp import _cmd, _one_run, _run
+
+    extra = ("trainer.max_steps=1", "method.context=mask", "rollout.sampling.temperature=1.0")
+    _run(_cmd("fsdp", tmp_path, cache_dir, *extra), timeout=900)
+    run = _one_run(tmp_path)
+    rec = torch.load(run / "debug" / "step000000_rank0.pt", weights_only=False)
+    idle = torch.load(run / "debug" / "step000000_rank1.pt", weights_only=False)
+    assert rec["replayed"].any() and not idle["replayed"].any()
+    model, tok = tiny
+    model.eval()
+    task = SyntheticTask()
+    examples = {e.id: e for e in task.examples("train")}
+    checked = 0
+    for j, k in rec["replayed"].nonzero().tolist():
+        ex, t = examples[rec["ids"][j]], int(rec["mask"][j].sum())
+        ids, response = chat_ids(tok, ex.messages), rec["response_ids"][j, :t].tolist()
+        name = task.reward_names[k]
+        hidden = _hidden(tok, ex.messages, [_items(task, ex)[name]])
+        keep = [i for i in range(len(ids)) if i not in hidden]
+        full = _logp(model, ids, list(range(len(ids))), response)
+        ref = js_distance(full, _logp(model, ids, keep, response))
+        torch.testing.assert_close(rec["q"][j, k, :t], ref, atol=2e-5, rtol=1e-4)
+        checked += 1
+    assert checked >= 2

@@ -40,6 +40,7 @@ class BatchDump(L.Callback):
             "rewards": scored.rewards,
             "group": roll.group,
             "mask": roll.response_mask,
+            "response_ids": roll.response_ids,
             "q": scored.q,
             "replayed": scored.replayed,
             "advantages": scored.advantages,
