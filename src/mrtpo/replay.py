@@ -520,7 +520,9 @@ def _check_maskable(model) -> None:
     """Refuse ``method.context=mask`` where a 4D attention mask is not applied as given."""
     reason = packed_prompt_blocker(model)
     if reason is not None:
-        raise ValueError(f"method.context=mask cannot run with this model: {reason}")
+        raise ValueError(
+            f"method.context=mask cannot run with this model ({reason}); use method.context=delete"
+        )
 
 
 def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:

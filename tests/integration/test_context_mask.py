@@ -217,3 +217,15 @@ def test_fsdp_runs_a_masked_replay_step_that_equals_the_removed_context(tmp_path
         torch.testing.assert_close(rec["q"][j, k, :t], ref, atol=2e-5, rtol=1e-4)
         checked += 1
     assert checked >= 2
+
+
+def test_attention_that_ignores_a_4d_mask_is_refused_in_one_line(tiny):
+    import copy
+
+    model, tok = tiny
+    flash = copy.deepcopy(model)
+    flash.config._attn_implementation = "flash_attention_2"
+    scored = _scored(BlockTask(), tiny)
+    pairs = torch.ones(scored.rewards.shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"flash_attention_2.*use method\.context=delete"):
+        Replayer(tok).run(flash, BlockTask(), scored, pairs, MASK)
