@@ -250,6 +250,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "rl.shared_prompt_forward",
     "replay.token_budget",
     "replay.jsd_chunk",
+    "replay.noise_floor",
     "data.val_prompts",
     "data.val_batch_size",
 )

@@ -80,6 +80,13 @@ def test_noise_floor_is_opt_in(train_cfg):
     assert not any("noise_floor" in k for k in rows[0])
 
 
+def test_a_resume_may_turn_the_noise_floor_on_or_off():
+    from mrtpo.run_folder import may_change
+
+    # a diagnostic only: it changes what is logged, not what the run computes
+    assert may_change("replay.noise_floor") and not may_change("method.cap")
+
+
 def test_bad_noise_floor_is_named():
     with pytest.raises(ValueError, match=r"replay\.noise_floor"):
         ReplayConfig.from_mapping({"noise_floor": -1})
