@@ -7,6 +7,7 @@ Each test starts its own server (45-150 s here)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,3 +93,26 @@ def test_a_killed_runs_snapshots_are_removed_by_the_next_run_which_leaves_none(
     assert done.returncode == 0, done.stderr[-4000:]
     assert not os.path.exists(root)  # removed by the next run, at its start
     assert not [p for p in temp.iterdir() if p.name.startswith(snapshots.OWN_ROOT)]  # its own went
+
+
+def test_a_run_stopped_by_sigterm_leaves_no_snapshots(tmp_path, cache_dir):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**_env(), "TMPDIR": str(temp)}
+    cmd = _train_cmd(tmp_path, cache_dir, "trainer.max_steps=100000")
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    log = tmp_path / "run" / "vllm_server.log"
+    try:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while not (log.is_file() and log.read_text(errors="replace").count("/update_weights") >= 2):
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no weight push of a step"
+            time.sleep(1.0)
+        assert [p for p in temp.iterdir() if p.name.startswith(snapshots.OWN_ROOT)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=600) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [p for p in temp.iterdir() if p.name.startswith(snapshots.OWN_ROOT)]
