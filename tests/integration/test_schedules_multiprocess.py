@@ -72,9 +72,9 @@ class RolloutDump(L.Callback):
         torch.save(record, out / name)
 
 
-def _train(logs: Path, cache_dir: Path, *extra: str):
+def _train(logs: Path, cache_dir: Path, *extra: str, run: list[str] = RUN):
     return subprocess.run(
-        [sys.executable, "src/train.py", *RUN, f"paths.log_dir={logs}",
+        [sys.executable, "src/train.py", *run, f"paths.log_dir={logs}",
          f"paths.cache_dir={cache_dir}", *extra],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
@@ -179,6 +179,33 @@ def test_a_resume_on_another_number_of_processes_generates_the_kept_batches_agai
     for rank in (0, 1):
         d = _dump(run2, 4, rank)
         assert len(d["ids"]) == 4 and set(d["versions"].tolist()) == {4}
+
+
+@pytest.mark.slow
+def test_a_two_rank_async_run_resumes_with_each_rank_s_kept_batches(tmp_path, cache_dir):
+    """async keeps up to max_staleness batches per rank; which weights sample them depends
+    on timing, so the resumed run is compared by what it took, not by its numbers."""
+    run = [o for o in RUN if not o.startswith("rollout.schedule=")]
+    run += ["rollout.schedule=async", "rollout.max_staleness=2"]
+    res = _train(tmp_path / "logs", cache_dir, "trainer.max_steps=2", run=run)
+    assert res.returncode == 0, res.stderr[-4000:]
+    folder = _run_folder(tmp_path / "logs")
+    ckpt = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)
+    [state] = [v for k, v in ckpt["callbacks"].items() if "RolloutCallback" in k]
+    kept = {(a["rank"], a["index"]): a for a in state["ahead"]}
+    assert sorted(kept) == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    res = _train(tmp_path / "logs", cache_dir, f"+resume={folder}", "trainer.max_steps=4", run=run)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "generating it again" not in _log(folder)
+    for step in (2, 3):
+        for rank in (0, 1):
+            got = _dump(folder, step, rank)
+            assert got["ids"][::2] == kept[rank, step]["ids"], (step, rank)  # G = 2
+            gens = kept[rank, step]["generations"]
+            rows = [row[: len(g["token_ids"])] for row, g in zip(got["tokens"].tolist(), gens)]
+            assert rows == [g["token_ids"] for g in gens], (step, rank)
+            assert set(got["versions"].tolist()) == {kept[rank, step]["version"]}
+    assert sorted(_rows(folder)) == [0, 1, 2, 3]
 
 
 # -- fast: RolloutSource alone -------------------------------------------------------------
