@@ -513,15 +513,17 @@ MAX_STALENESS = 16
 SETTINGS_ONLY_ENGINES = ("mrtpo.rollout.vllm_server.VLLMServerEngine",)
 
 
-def _engine_keys(engine: Mapping[str, Any]) -> None:
+def _engine_keys(engine) -> None:
     """``port`` and ``weight_dir`` of an engine node: a TCP port, an existing folder."""
-    port = engine.get("port")
+    from omegaconf import OmegaConf
+
+    port = OmegaConf.select(engine, "port", default=None)
     if port is not None and not (_is_int(port) and 1 <= port <= 65535):
         raise ConfigError(
             f"rollout.engine.port={port!r} is not allowed: a TCP port from 1 to 65535, or "
             "null for a free one"
         )
-    folder = engine.get("weight_dir")
+    folder = OmegaConf.select(engine, "weight_dir", default=None)
     if folder is not None:
         import os
 
@@ -543,7 +545,7 @@ def check_engine_settings(cfg) -> None:
     node = OmegaConf.select(cfg, "rollout.engine")
     if node is None:
         return
-    _engine_keys(OmegaConf.to_container(node, resolve=True))
+    _engine_keys(node)
     if str(node.get("_target_")) not in SETTINGS_ONLY_ENGINES:
         return
     try:
