@@ -11,6 +11,13 @@ uninterrupted run would be, also when the number of ranks changes between the tw
 
 from __future__ import annotations
 
+# `python -m mrtpo.data fetch ...` is the data command (mrtpo.fetch); it runs here, before the
+# imports below, so it starts without loading torch or Lightning.
+if __name__ == "__main__":
+    from mrtpo.fetch.cli import main
+
+    raise SystemExit(main())
+
 import logging
 from collections.abc import Iterator, Sequence
 

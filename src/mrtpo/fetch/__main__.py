@@ -1,0 +1,3 @@
+from mrtpo.fetch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,250 @@
+"""``python -m mrtpo.data``: fetch the public data sets into the layout the tasks read.
+
+    python -m mrtpo.data list
+    python -m mrtpo.data fetch spider ifeval --to data/       # then paths.data_dir=data
+    python -m mrtpo.data fetch --check data/ [NAME...]        # present, missing or wrong
+
+Every file is checked against its committed sha256; a file the project has never downloaded
+(no committed checksum) is refused unless ``--trust-first-download``, which pins the hash of
+that download in ``<dir>/FETCHED.json``. Exit status: 0 all good, 1 something refused,
+missing or wrong (one line each), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mrtpo.fetch.download import FetchError, download, extract, sha256_of
+from mrtpo.fetch.registry import DATASETS, Archive, Remote, base_url
+
+RECORD = "FETCHED.json"
+
+
+class UsageError(Exception):
+    """A command line that names something wrong; the message is one line."""
+
+
+def _load_record(to: Path) -> dict[str, Any]:
+    path = to / RECORD
+    if not path.is_file():
+        return {"files": {}, "archives": {}}
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc}); remove it to start over") from None
+    rec.setdefault("files", {})
+    rec.setdefault("archives", {})
+    return rec
+
+
+def _save_record(to: Path, rec: dict[str, Any]) -> None:
+    tmp = to / f".{RECORD}.part"
+    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(to / RECORD)
+
+
+def _wanted(r: Remote | Archive, kind: str, rec: dict[str, Any]) -> str | None:
+    """The sha256 a file must have: the committed one, else the one pinned in the record."""
+    key = r.target if isinstance(r, Remote) else r.name
+    return r.sha256 or rec[kind].get(key, {}).get("sha256")
+
+
+def _refuse_unknown(label: str, to: Path) -> FetchError:
+    return FetchError(
+        f"{label}: no checksum is committed for it (the project never downloaded it); rerun "
+        f"with --trust-first-download to accept this download and pin its sha256 in {to / RECORD}"
+    )
+
+
+def fetch_file(r: Remote, to: Path, rec: dict, mirrors: dict, trust: bool) -> str:
+    """Get one file unless it is already there and right; what happened, in a word."""
+    dest, want = to / r.target, _wanted(r, "files", rec)
+    if want and dest.is_file() and sha256_of(dest) == want:
+        return "present"
+    if want is None and not trust:
+        raise _refuse_unknown(r.target, to)
+    url = f"{base_url(r.host, mirrors)}/{r.path}"
+    sha, n = download(url, dest, want, r.size)
+    how = "committed" if r.sha256 else "pinned"
+    rec["files"][r.target] = {"sha256": sha, "bytes": n, "source": url, "checksum": how}
+    return "fetched"
+
+
+def fetch_archive(a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool) -> str:
+    """Get, check and lay out one archive unless what it gives is already there."""
+    want, old = _wanted(a, "archives", rec), rec["archives"].get(a.name)
+    if old and want and not _archive_problems(a, to, rec):
+        return "present"
+    if want is None and not trust:
+        raise _refuse_unknown(a.name, to)
+    url = f"{base_url(a.host, mirrors)}/{a.path}"
+    tmp = to / f".{a.name}.download"
+    try:
+        sha, n = download(url, tmp, want, a.size)
+        members = extract(tmp, to, a.rules, a.nested, a.inner)
+    finally:
+        tmp.unlink(missing_ok=True)
+    missing = [e for e in a.expect if not (to / e).exists()]
+    if missing:
+        raise FetchError(f"{a.name} ({url}) did not hold {', '.join(missing)}")
+    how = "committed" if a.sha256 else "pinned"
+    rec["archives"][a.name] = {
+        "sha256": sha,
+        "bytes": n,
+        "source": url,
+        "checksum": how,
+        "members": members,
+    }
+    return "fetched"
+
+
+def _items(names: list[str]) -> list[tuple[str, Remote | Archive]]:
+    """(data set, file or archive) for ``names``, each target once, in order."""
+    seen, out = set(), []
+    for name in names:
+        for item in (*DATASETS[name].files, *DATASETS[name].archives):
+            key = item.target if isinstance(item, Remote) else item.name
+            if key not in seen:
+                seen.add(key)
+                out.append((name, item))
+    return out
+
+
+def run_fetch(names: list[str], to: Path, mirrors: dict, trust: bool) -> int:
+    to.mkdir(parents=True, exist_ok=True)
+    rec, failed, counts = _load_record(to), 0, {"present": 0, "fetched": 0}
+    for _name, item in _items(names):
+        fn = fetch_file if isinstance(item, Remote) else fetch_archive
+        try:
+            counts[fn(item, to, rec, mirrors, trust)] += 1
+        except FetchError as exc:
+            failed += 1
+            print(f"refused: {exc}", file=sys.stderr)
+            continue
+        _save_record(to, rec)
+    print(
+        f"{', '.join(names)} -> {to}: {counts['fetched']} fetched, {counts['present']} already "
+        f"present, {failed} refused"
+    )
+    return 1 if failed else 0
+
+
+def _file_state(r: Remote, to: Path, rec: dict) -> str:
+    dest, want = to / r.target, _wanted(r, "files", rec)
+    if not dest.is_file():
+        return "missing"
+    if r.size is not None and dest.stat().st_size != r.size:
+        return "wrong"
+    if want is None:
+        return "unverified"
+    return "present" if sha256_of(dest) == want else "wrong"
+
+
+def _archive_problems(a: Archive, to: Path, rec: dict) -> list[str]:
+    """Expected paths that are absent, and laid-out members whose size changed."""
+    out = [f"{e} missing" for e in a.expect if not (to / e).exists()]
+    members = rec["archives"].get(a.name, {}).get("members", {})
+    for target, size in members.items():
+        p = to / target
+        if not p.is_file():
+            out.append(f"{target} missing")
+        elif p.stat().st_size != size:
+            out.append(f"{target} wrong")
+    return out
+
+
+def run_check(names: list[str], to: Path) -> int:
+    rec, bad = _load_record(to), 0
+    for name in names:
+        states: dict[str, list[str]] = {}
+        for r in DATASETS[name].files:
+            states.setdefault(_file_state(r, to, rec), []).append(r.target)
+        for a in DATASETS[name].archives:
+            problems = _archive_problems(a, to, rec)
+            for p in problems:
+                target, _, state = p.rpartition(" ")
+                states.setdefault(state, []).append(target)
+            if not problems:
+                states.setdefault("present", []).append(a.name)
+        bad += len(states.get("missing", [])) + len(states.get("wrong", []))
+        print(f"{name}: " + ", ".join(f"{len(v)} {k}" for k, v in sorted(states.items())))
+        for state in ("wrong", "missing", "unverified"):
+            for target in states.get(state, []):
+                print(f"  {state}: {target}")
+    return 1 if bad else 0
+
+
+def run_list() -> int:
+    for d in DATASETS.values():
+        items = [*d.files, *d.archives]
+        unknown = sum(1 for i in items if i.sha256 is None)
+        pin = f"; {unknown} without a committed checksum" if unknown else ""
+        print(f"{d.name:<18} {d.what} ({len(items)} download(s){pin})")
+    return 0
+
+
+def _names(given: list[str], default_all: bool) -> list[str]:
+    if not given or given == ["all"]:
+        if default_all or given == ["all"]:
+            return list(DATASETS)
+        raise UsageError(f"name the data sets to fetch (or all): {', '.join(DATASETS)}")
+    unknown = [n for n in given if n not in DATASETS]
+    if unknown:
+        raise UsageError(f"unknown data set {unknown[0]!r}; choose from: {', '.join(DATASETS)}")
+    return given
+
+
+def _mirrors(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        host, sep, url = pair.partition("=")
+        if not sep or not url.startswith(("http://", "https://")):
+            raise UsageError(
+                f"--mirror {pair!r}: write HOST=http(s)://... (hosts: github, hub, ...)"
+            )
+        out[host] = url
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mrtpo.data", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the data sets this command knows")
+    f = sub.add_parser("fetch", help="download, check and lay out data sets")
+    f.add_argument("names", nargs="*", help="data sets (see `list`), or all")
+    f.add_argument("--to", type=Path, help="the data folder (use it as paths.data_dir)")
+    f.add_argument("--check", type=Path, metavar="DIR", help="say what is present/missing/wrong")
+    f.add_argument("--trust-first-download", action="store_true")
+    f.add_argument("--mirror", action="append", default=[], metavar="HOST=URL")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            return run_list()
+        if args.check is not None:
+            if not args.check.is_dir():
+                raise UsageError(f"--check {args.check}: no such folder")
+            return run_check(_names(args.names, default_all=True), args.check)
+        if args.to is None:
+            raise UsageError("fetch needs --to DIR (the folder to use as paths.data_dir)")
+        if args.to.exists() and not args.to.is_dir():
+            raise UsageError(f"--to {args.to} is a file, not a folder")
+        names = _names(args.names, default_all=False)
+        return run_fetch(names, args.to, _mirrors(args.mirror), args.trust_first_download)
+    except UsageError as exc:
+        print(f"python -m mrtpo.data: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the data folder cannot be written, disk full, ...
+        print(f"python -m mrtpo.data: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
