@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from mrtpo import live
 from mrtpo.cli import load_model
 from mrtpo.config import compose
 from mrtpo.config_keys import check_keys
@@ -83,7 +84,8 @@ def build(cfg: DictConfig, validated: bool = False):
     settings = settings_record(cfg)
     stage, task = prepare(cfg, validated=validated)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    policy, tokenizer = load_model(cfg)  # a folder that holds no model: one line naming it
+    # a folder that holds no model: one line naming it; a model given to mrtpo.Trainer: that one
+    policy, tokenizer = live.load_model(cfg, load_model)
     data = section(cfg, "data")
     prompts = PromptDataModule(
         task,
@@ -95,6 +97,7 @@ def build(cfg: DictConfig, validated: bool = False):
         tokenizer=tokenizer,
     )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    callbacks += live.callbacks()  # those given to mrtpo.Trainer
     module, datamodule, extra = stage.build(cfg, policy, tokenizer, task, prompts)
     callbacks.extend(extra)
     resuming = resume_checkpoint(cfg) is not None

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mrtpo import live
 from mrtpo.tasks.base import Example, Messages, Score, Task, reward_value, split_reward
 from mrtpo.tasks.custom.callables import (
     label,
@@ -269,6 +270,8 @@ class CustomTask(Task):
 
     def _split_rows(self, split: str) -> list[dict]:
         value, key = self.cfg.splits[split], f"task.data.splits.{split}"
+        if live.is_rows(value):  # a dataset given to mrtpo.Trainer
+            return live.rows(value, key)
         if Path(value).exists():
             return self._rows(value, None, key, fmt=None)  # its own file: format from its name
         if detect_format(self.cfg.path, self.cfg.format, "task.data.format") == "hf":
@@ -276,6 +279,8 @@ class CustomTask(Task):
         raise FileNotFoundError(f"{key}={value}: no such file")
 
     def _rows(self, path: str, hf_split: str | None, key: str, fmt: str | None) -> list[dict]:
+        if live.is_rows(path):  # a dataset given to mrtpo.Trainer, held in memory
+            return live.rows(path, key)
         fmt = detect_format(path, fmt, "task.data.format", path_key=key)
         return read_rows(path, fmt, split=hf_split, name=self.cfg.name, key=key)
 

@@ -1,0 +1,113 @@
+"""Python objects handed to a job in memory (``mrtpo.Trainer``), never through the config.
+
+The config names each object by a token: a reward or block function by the import string
+``mrtpo.live.<token>`` (this module answers the attribute), a dataset by the path
+``mrtpo-live:<token>`` (the custom task reads its rows from here), so the composed config,
+its ``.hydra/`` record and the run's command line stay plain text. A loaded model goes
+through ``session``: ``mrtpo.pipeline.build`` takes it from there instead of loading
+``model.name_or_path``, and leaves the policy and tokenizer it trained with there.
+
+Objects live only in this process: a job whose ranks are started as new processes cannot
+see them (``mrtpo.Trainer`` runs one process). This module imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "mrtpo-live:"  # a dataset's task.data.path
+_OBJECTS: dict[str, Any] = {}
+
+
+def put(obj: Any, kind: str) -> str:
+    """Keep ``obj`` under a new token ``<kind>_<hex>`` and return the token."""
+    token = f"{kind}_{secrets.token_hex(4)}"
+    _OBJECTS[token] = obj
+    return token
+
+
+def drop(tokens: list[str]) -> None:
+    for t in tokens:
+        _OBJECTS.pop(t, None)
+
+
+def __getattr__(name: str) -> Any:  # ``mrtpo.live.<token>``, as an import string resolves it
+    try:
+        return _OBJECTS[name]
+    except KeyError:
+        raise AttributeError(
+            f"mrtpo.live has no object {name!r}: objects given to mrtpo.Trainer exist only in "
+            "the process (and for the run) that was given them"
+        ) from None
+
+
+def is_rows(path: Any) -> bool:
+    return isinstance(path, str) and path.startswith(PREFIX)
+
+
+def rows(path: str, key: str) -> list[dict[str, Any]]:
+    """The rows kept under ``path`` (``mrtpo-live:<token>``), each a fresh dict."""
+    held = _OBJECTS.get(path[len(PREFIX) :])
+    if held is None:
+        raise ValueError(
+            f"{key}={path}: no dataset of that name in this process (a dataset given to "
+            "mrtpo.Trainer is read by its own run only)"
+        )
+    return [dict(r) for r in held]
+
+
+@dataclass
+class Session:
+    """One run's model objects: what it was given and what it trained."""
+
+    model: Any = None  # a loaded model to train instead of loading model.name_or_path
+    tokenizer: Any = None
+    prepare: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None  # (model, tok, cfg)
+    callbacks: list[Any] = field(default_factory=list)  # Lightning callbacks for the run
+    handed: bool = False
+    policy: Any = None  # the policy and tokenizer the run built (and trained, in place)
+    built_tokenizer: Any = None
+
+
+_SESSION: Session | None = None
+
+
+@contextlib.contextmanager
+def session(s: Session) -> Iterator[Session]:
+    global _SESSION
+    before, _SESSION = _SESSION, s
+    try:
+        yield s
+    finally:
+        _SESSION = before
+
+
+def current() -> Session | None:
+    return _SESSION
+
+
+def load_model(cfg: Any, load: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``load(cfg)``, unless a session holds a model not yet handed out: then that one
+    (prepared for the run). The first build of a session gets the given model (a warm start
+    is that build); the last build's policy is the one the session keeps."""
+    s = _SESSION
+    if s is None:
+        return load(cfg)
+    if s.model is not None and not s.handed:
+        s.handed = True
+        policy, tokenizer = s.model, s.tokenizer
+        if s.prepare is not None:
+            policy, tokenizer = s.prepare(policy, tokenizer, cfg)
+    else:
+        policy, tokenizer = load(cfg)
+    s.policy, s.built_tokenizer = policy, tokenizer
+    return policy, tokenizer
+
+
+def callbacks() -> list[Any]:
+    """The Lightning callbacks given to this session's run (none outside a session)."""
+    return list(_SESSION.callbacks) if _SESSION is not None else []

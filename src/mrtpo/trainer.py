@@ -1,0 +1,430 @@
+"""``mrtpo.Trainer`` and ``mrtpo.Config``: a TRL ``GRPOTrainer`` script, run by MRTPO.
+
+::
+
+    from datasets import Dataset
+    from mrtpo import Config, Trainer
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(c)) / 20 for c in completions]
+
+    ds = Dataset.from_list([{"prompt": "Say hi."}, {"prompt": "Name a colour."}])
+    trainer = Trainer(reward_funcs=[reward_len], train_dataset=ds, args=Config(max_steps=2))
+    run = trainer.train()        # api.RunResult: run_dir, metrics, history()
+    trainer.model, trainer.tokenizer    # the trained policy, in memory
+
+Underneath, ``train()`` composes the same Hydra config as ``python src/train.py task=custom
+...`` (``Config``'s fields are config keys, each named in its metadata) and runs the same job
+through ``mrtpo.api.train``: the same run folder, records, checks and errors. The reward
+functions, the dataset and a loaded model reach the job in memory (``mrtpo.live``); the
+config names them by tokens only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from mrtpo import live
+
+__all__ = ["Config", "Trainer"]
+
+log = logging.getLogger(__name__)
+
+
+def _meta(key: str, help: str) -> dict[str, str]:
+    return {"key": key, "help": help}
+
+
+def _key(key: str, help: str, default: Any = None) -> Any:
+    return field(default=default, metadata=_meta(key, help))
+
+
+@dataclass
+class Config:
+    """The knobs of a TRL ``GRPOConfig`` that MRTPO shares, under TRL's names and meanings;
+    None keeps the config's default. Each field sets the one config key in its metadata
+    (``Config.mapping()``); ``overrides`` takes any other Hydra override."""
+
+    method: str = _key("method", "mrtpo | gdpo | grpo | mrtpo_saw | ... (configs/method/)", "mrtpo")
+    output_dir: str | None = _key("paths.log_dir", "runs land in <output_dir>/train/runs/<run>")
+    learning_rate: float | None = _key("optim.lr", "AdamW's learning rate")
+    num_generations: int | None = _key("rl.group_size", "completions per prompt (G)")
+    per_device_train_batch_size: int | None = _key(
+        "rl.prompts_per_step",
+        "completions per step (TRL's meaning); prompts per step = this / num_generations",
+    )
+    max_completion_length: int | None = _key("rollout.sampling.max_new_tokens", "per completion")
+    max_prompt_length: int | None = _key("data.max_prompt_tokens", "longer prompts are dropped")
+    temperature: float | None = _key("rollout.sampling.temperature", "sampling temperature")
+    beta: float | None = _key("rl.kl_coef", "KL coefficient to the initial policy (TRL's beta)")
+    epsilon: float | None = _key("rl.clip_low", "lower clip of the ratio")
+    epsilon_high: float | None = _key("rl.clip_high", "upper clip of the ratio")
+    num_iterations: int | None = _key("rl.ppo_epochs", "updates per generated batch")
+    max_grad_norm: float | None = _key("rl.max_grad_norm", "gradient clipping (0: none)")
+    warmup_steps: int | None = _key("optim.warmup_steps", "linear learning-rate warm-up")
+    weight_decay: float | None = _key("optim.weight_decay", "AdamW's weight decay")
+    max_steps: int | None = _key("trainer.max_steps", "RL steps")
+    logging_steps: int | None = _key("trainer.log_every_n_steps", "log every N steps")
+    save_steps: int | None = _key(
+        "callbacks.model_checkpoint.every_n_train_steps", "checkpoint every N steps"
+    )
+    report_to: str | list[str] | None = field(
+        default=None,
+        metadata=_meta(
+            "logger",
+            "none | csv | tensorboard | wandb (csv is always kept: run.history() reads it)",
+        ),
+    )
+    seed: int | None = _key("seed", "the run's seed")
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata=_meta("method.reward_weights", "one weight per reward function, in order"),
+    )
+    credit_beta: float | None = _key(
+        "method.beta", "MRTPO's share of credit that follows relevance (not TRL's beta)"
+    )
+    overrides: list[str] = field(
+        default_factory=list, metadata={"key": "", "help": "any Hydra override, key=value"}
+    )
+
+    @classmethod
+    def mapping(cls) -> dict[str, str]:
+        """Field name -> the config key it sets."""
+        return {f.name: f.metadata["key"] for f in fields(cls) if f.metadata.get("key")}
+
+    def to_overrides(self, reward_names: Sequence[str]) -> list[str]:
+        """The Hydra overrides these settings stand for (``overrides`` last)."""
+        from mrtpo.api import as_overrides
+
+        out = [f"method={self.method}"]
+        for name, key in self.mapping().items():
+            value = getattr(self, name)
+            if value is None or name == "method":
+                continue
+            if name == "report_to":  # a list of config group options, written as is
+                out.append(f"{key}={_logger(value)}")
+            elif name == "reward_weights":  # a mapping, written as is
+                weights = self._weights(value, reward_names)
+                out.append(f"{key}={{" + ", ".join(f"{k}: {v!r}" for k, v in weights.items()) + "}")
+            elif name == "per_device_train_batch_size":
+                out.append(f"{key}={self._prompts_per_step(value)}")
+            else:
+                out += as_overrides({key: value})
+        return out + [str(o) for o in self.overrides]
+
+    def _prompts_per_step(self, batch: int) -> int:
+        g = self.num_generations or 4
+        if batch < g or batch % g:
+            raise ValueError(
+                f"Config(per_device_train_batch_size={batch}) must be a multiple of "
+                f"num_generations={g}: it counts completions, num_generations per prompt"
+            )
+        return batch // g
+
+    @staticmethod
+    def _weights(weights: Sequence[float], names: Sequence[str]) -> dict[str, float]:
+        if len(weights) != len(names):
+            raise ValueError(
+                f"Config(reward_weights=...) has {len(weights)} weight(s) for {len(names)} "
+                f"reward function(s) {list(names)}; give one per function"
+            )
+        return {n: float(w) for n, w in zip(names, weights)}
+
+
+def _logger(report_to: str | Sequence[str]) -> str:
+    """``logger=[csv,...]``: TRL's ``report_to`` names, with the CSV log always kept."""
+    wanted = [report_to] if isinstance(report_to, str) else list(report_to)
+    known = ("none", "csv", "tensorboard", "wandb")
+    bad = [w for w in wanted if w not in known]
+    if bad:
+        raise ValueError(
+            f"Config(report_to={report_to!r}): {bad} not known; give any of {list(known)} "
+            "(csv is always written)"
+        )
+    return "[" + ",".join(["csv", *sorted({w for w in wanted if w in known[2:]})]) + "]"
+
+
+class Trainer:
+    """TRL's ``GRPOTrainer`` arguments, trained by this project's job (module docstring)."""
+
+    def __init__(
+        self,
+        model: Any = None,
+        reward_funcs: Callable | Sequence[Callable] | None = None,
+        args: Config | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: Sequence[Any] | None = None,
+        reward_blocks: Mapping[str, Callable] | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if args is not None and not isinstance(args, Config):
+            raise TypeError(f"args is a mrtpo.Config, not a {type(args).__name__}")
+        self.args = args or Config()
+        self.reward_funcs = _reward_funcs(reward_funcs)
+        self.reward_names = _names(self.reward_funcs)
+        self.reward_blocks = dict(reward_blocks or {})
+        limit = _row_limit(self.args)
+        self.train_rows = _rows(train_dataset, "train_dataset", limit)
+        self.eval_rows = None if eval_dataset is None else _rows(eval_dataset, "eval_dataset")
+        self.callbacks = _callbacks(callbacks)
+        self.model, self.tokenizer = model, processing_class or tokenizer
+        self._model_overrides = _model_overrides(model)
+        if _is_model(model) and self.tokenizer is None:
+            self.tokenizer = _tokenizer_of(model)
+
+    def train(self) -> Any:
+        """Run the job; return its ``api.RunResult`` and keep the trained policy in
+        ``self.model`` / ``self.tokenizer``."""
+        from mrtpo import api
+
+        _probe(self.reward_funcs, self.reward_names, self.train_rows)
+        overrides = self.args.to_overrides(self.reward_names)  # bad settings: before anything
+        tokens: list[str] = []
+        try:
+            overrides = [*self._task_overrides(tokens), *self._model_overrides, *overrides]
+            given = self.model if _is_model(self.model) else None
+            tokenizer = self.tokenizer if given is not None else None
+            s = live.Session(given, tokenizer, _prepare, callbacks=self.callbacks)
+            with live.session(s):
+                result = api.train(overrides)
+        finally:
+            live.drop(tokens)
+        self.model, self.tokenizer = s.policy, s.built_tokenizer
+        return result
+
+    def _task_overrides(self, tokens: list[str]) -> list[str]:
+        def keep(obj: Any, kind: str) -> str:
+            tokens.append(live.put(obj, kind))
+            return tokens[-1]
+
+        rewards = [
+            f"mrtpo.live.{keep(_trl_reward(f, n), 'reward')}"
+            for f, n in zip(self.reward_funcs, self.reward_names)
+        ]
+        out = [
+            "task=custom",
+            f"task.data.path={live.PREFIX}{keep(self.train_rows, 'train_dataset')}",
+            f"task.rewards=[{','.join(rewards)}]",
+            f"task.reward_names=[{','.join(self.reward_names)}]",
+        ]
+        if self.eval_rows is not None:
+            out.append(f"task.data.splits={{val: {live.PREFIX}{keep(self.eval_rows, 'eval')}}}")
+        if self.reward_blocks:
+            blocks = {}
+            for name, fn in self.reward_blocks.items():
+                if not callable(fn):
+                    raise TypeError(
+                        f"reward_blocks[{name!r}] is a {type(fn).__name__}, not a function"
+                    )
+                blocks[name] = f"mrtpo.live.{keep(fn, 'block')}"
+            out.append("task.blocks={" + ",".join(f"{k}: {v}" for k, v in blocks.items()) + "}")
+        return out
+
+
+def _reward_funcs(given: Any) -> list[Callable]:
+    if given is None:
+        raise ValueError("reward_funcs is required: a reward function or a list of them")
+    funcs = [given] if callable(given) or isinstance(given, str) else list(given)
+    if not funcs:
+        raise ValueError("reward_funcs is empty: give at least one reward function")
+    for i, f in enumerate(funcs):
+        if not callable(f):
+            what = f"{f!r} (a reward model by name)" if isinstance(f, str) else type(f).__name__
+            raise TypeError(
+                f"reward_funcs[{i}] is {what}; give a function (prompts, completions, **kwargs) "
+                "-> list of float or None (reward models are not supported)"
+            )
+    return funcs
+
+
+def _names(funcs: Sequence[Callable]) -> list[str]:
+    """Each reward's name: the function's own (TRL's), ``reward_<i>`` for a lambda."""
+    out = []
+    for i, f in enumerate(funcs):
+        name = getattr(getattr(f, "func", f), "__name__", None) or type(f).__name__
+        ok = name.isidentifier() and not name.startswith("<")
+        out.append(name if ok and name not in out else f"reward_{i}")
+    return out
+
+
+def _row_limit(cfg: Config) -> int | None:
+    """How many rows of a stream (IterableDataset) the run can use: every step's prompts."""
+    if cfg.max_steps is None:
+        return None
+    per_step = (cfg.per_device_train_batch_size or 16) // (cfg.num_generations or 4)
+    return max(1, cfg.max_steps * max(per_step, 1))
+
+
+def _rows(dataset: Any, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+    """``dataset`` (a ``datasets.Dataset`` / ``IterableDataset`` or a list of dicts) as rows
+    with a ``prompt`` column; anything else is one line naming what to change."""
+    if dataset is None:
+        raise ValueError(
+            f"{name} is required: a datasets.Dataset or a list of dicts with a 'prompt'"
+        )
+    if hasattr(dataset, "to_list"):  # datasets.Dataset
+        rows = dataset.to_list()
+    elif isinstance(dataset, Iterable) and not isinstance(dataset, (str, bytes, Mapping)):
+        stream = not isinstance(dataset, Sequence)  # an IterableDataset: take what the run uses
+        rows = list(islice(dataset, limit) if stream and limit else dataset)
+    else:
+        raise TypeError(
+            f"{name} is a {type(dataset).__name__}; give a datasets.Dataset or a list of dicts"
+        )
+    if not rows:
+        raise ValueError(f"{name} has no rows")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, Mapping)), None)
+    if bad is not None:
+        raise TypeError(f"{name}[{bad}] is a {type(rows[bad]).__name__}, not a dict (a row)")
+    missing = next((i for i, r in enumerate(rows) if "prompt" not in r), None)
+    if missing is not None:
+        cols = sorted({k for r in rows[:100] for k in r})
+        raise ValueError(
+            f"{name} has no 'prompt' column (row {missing} has {cols}): as in TRL, each row's "
+            "'prompt' holds text or chat messages; rename the column that holds the prompts"
+        )
+    return [dict(r) for r in rows]
+
+
+def _callbacks(given: Sequence[Any] | None) -> list[Any]:
+    from lightning.pytorch.callbacks import Callback
+
+    out = list(given or [])
+    for i, c in enumerate(out):
+        if not isinstance(c, Callback):
+            raise TypeError(
+                f"callbacks[{i}] is a {type(c).__name__}: callbacks here are Lightning callbacks "
+                "(lightning.pytorch.Callback), not transformers' TrainerCallback"
+            )
+    return out
+
+
+def _is_model(model: Any) -> bool:
+    return model is not None and not isinstance(model, (str, Path))
+
+
+def _model_overrides(model: Any) -> list[str]:
+    """``model.*`` overrides: none for the tiny model (None), a path or hub id, or a loaded
+    model's own name (recorded; nothing is loaded from or written to it)."""
+    if model is None:
+        return []
+    if isinstance(model, (str, Path)):
+        return [f"model.name_or_path={_quoted(str(model))}", "model.tiny=null"]
+    import torch
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
+        raise TypeError(
+            f"model is a {type(model).__name__}; give None (the tiny model), a path or hub id, "
+            "or a loaded transformers causal LM (PreTrainedModel)"
+        )
+    name = str(getattr(model, "name_or_path", "") or "in-memory-model")
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        getattr(model, "dtype", torch.float32), "fp32"
+    )
+    return [f"model.name_or_path={_quoted(name)}", "model.tiny=null", f"model.dtype={dtype}"]
+
+
+def _quoted(text: str) -> str:
+    from mrtpo.api import as_overrides
+
+    return as_overrides({"k": text})[0][2:]
+
+
+def _tokenizer_of(model: Any) -> Any:
+    name = getattr(model, "name_or_path", "") or ""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception:
+        raise ValueError(
+            f"model is a loaded model whose tokenizer cannot be loaded from {name!r}; pass "
+            "processing_class=<its tokenizer>"
+        ) from None
+
+
+def _prepare(model: Any, tokenizer: Any, cfg: Any) -> tuple[Any, Any]:
+    """A given model and tokenizer made ready as ``mrtpo.models.load_policy`` makes a loaded
+    one: a pad token, left padding, train mode, and ``model.*``'s checkpointing and LoRA."""
+    from mrtpo.lora import LoraSettings, apply_lora
+    from mrtpo.models import eos_token_ids
+
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(
+            eos_token_ids(tokenizer, model)[0]
+        )
+    tokenizer.padding_side = "left"
+    if cfg.model.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    settings = LoraSettings.from_mapping(cfg.model.get("lora"))
+    if settings.enabled:
+        model = apply_lora(model, settings)
+    model.train()
+    return model, tokenizer
+
+
+def _accepts(fn: Callable) -> Callable[[str], bool]:
+    """Whether ``fn`` takes a keyword of that name (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return lambda name: True
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return lambda name: True
+    names = {p.name for p in params}
+    return lambda name: name in names
+
+
+def _trl_reward(fn: Callable, name: str) -> Callable:
+    """``fn`` called as TRL calls a reward: ``prompts``, ``completions``, ``completion_ids``
+    (the completions re-tokenized by the run's tokenizer) and the dataset's other columns,
+    each by name (those it takes, unless it takes ``**kwargs``)."""
+    takes = _accepts(fn)
+
+    def call(prompts, completions, **columns):
+        s = live.current()
+        tok = s.built_tokenizer if s is not None else None
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] if tok else [] for t in texts]
+        given = {"prompts": prompts, "completions": completions, "completion_ids": ids, **columns}
+        return fn(**{k: v for k, v in given.items() if takes(k)})
+
+    call.__name__ = name
+    call.__qualname__ = getattr(getattr(fn, "func", fn), "__qualname__", name)
+    call.__module__ = getattr(getattr(fn, "func", fn), "__module__", None) or __name__
+    return call
+
+
+def _probe(funcs: Sequence[Callable], names: Sequence[str], rows: list[dict]) -> None:
+    """Call each reward once on the first two prompts with empty completions: one that
+    returns the wrong count (or no list) is refused in one line before the run starts. One
+    that raises on empty completions is left to the run (which counts it per batch)."""
+    sample = rows[:2]
+    prompts = [r["prompt"] for r in sample]
+    completions = [
+        [{"role": "assistant", "content": ""}] if isinstance(p, list) else "" for p in prompts
+    ]
+    columns = {k: [r.get(k) for r in sample] for r in sample for k in r if k != "prompt"}
+    for i, (fn, name) in enumerate(zip(funcs, names)):
+        try:
+            values = _trl_reward(fn, name)(prompts, completions, **columns)
+        except Exception as exc:
+            log.debug("reward %s raised on empty completions (%s); not checked", name, exc)
+            continue
+        listed = isinstance(values, (list, tuple)) or getattr(values, "ndim", 0) == 1
+        count = len(values) if listed else None
+        if count != len(sample):
+            got = f"{count} value(s)" if count is not None else f"a {type(values).__name__}"
+            raise ValueError(
+                f"reward_funcs[{i}] ({name}) returned {got} for {len(sample)} completions; a "
+                "reward function returns a list with one float (or None) per completion"
+            )

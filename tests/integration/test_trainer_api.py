@@ -1,0 +1,189 @@
+"""``from mrtpo import Trainer, Config`` (issue 50, item 1): a TRL GRPO quickstart script with
+only its import and class names changed trains the tiny model for GDPO and MRTPO through the
+same job as ``src/train.py`` (run folder, records), with per-reward metrics, the trained
+policy left in memory, TRL's conversational form, a list-of-dicts dataset, a model object
+passed in (its folder left untouched), and one-line refusals that leave no run folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+# A GRPO quickstart as TRL's documentation writes it; only the import line and the class
+# names (GRPOConfig -> Config, GRPOTrainer -> Trainer) differ. The test fills in the __NAMES__.
+QUICKSTART = """
+from datasets import Dataset
+from mrtpo import Config, Trainer
+
+dataset = Dataset.from_list(
+    [{"prompt": f"Write a short line about the number {i}.", "target": 20 + i} for i in range(6)]
+)
+
+
+# Reward completions whose length is close to the row's target
+def reward_len(completions, target, **kwargs):
+    return [-abs(t - len(completion)) / t for completion, t in zip(completions, target)]
+
+
+def reward_vowels(prompts, completions, completion_ids, **kwargs):
+    assert len(completion_ids) == len(completions)
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
+training_args = Config(
+    output_dir=__OUT__,
+    method=__METHOD__,
+    logging_steps=1,
+    max_steps=2,
+    num_generations=2,
+    per_device_train_batch_size=4,
+    max_completion_length=8,
+)
+trainer = Trainer(
+    model=__MODEL__,
+    reward_funcs=[reward_len, reward_vowels],
+    args=training_args,
+    train_dataset=dataset,
+    __BLOCKS__
+)
+result = trainer.train()
+"""
+
+BLOCKS = 'reward_blocks={"reward_len": lambda prompt, response, target, **row: f"Aim: {target}"},'
+
+
+@pytest.fixture
+def tiny_path(tiny, cache_dir, monkeypatch):
+    """The tiny model's folder (built by ``tiny``); runs find the cache through the env."""
+    monkeypatch.setenv("MRTPO_CACHE_DIR", str(cache_dir))
+    return cache_dir / "models" / "tiny-qwen2"
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _changed(before: dict[str, torch.Tensor], model) -> bool:
+    return any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _folder_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("method", ["gdpo", "mrtpo"])
+def test_trl_quickstart_script_trains(method, tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    fill = {"__OUT__": repr(str(out)), "__METHOD__": repr(method),
+            "__MODEL__": repr(str(tiny_path)), "__BLOCKS__": BLOCKS if method == "mrtpo" else ""}  # fmt: skip
+    script = QUICKSTART
+    for name, value in fill.items():
+        script = script.replace(name, value)
+    start = AutoModelForCausalLM.from_pretrained(tiny_path)
+    scope: dict = {}
+    exec(compile(script, "trl_quickstart.py", "exec"), scope)  # as `python trl_quickstart.py`
+    result, trainer = scope["result"], scope["trainer"]
+
+    # the job src/train.py runs: its run folder, records and a completed job.json
+    assert result.run_dir.parent == out / "train" / "runs"
+    assert result.run_dir.name.endswith(f"custom-{method}")
+    assert (result.run_dir / ".hydra" / "config.yaml").is_file()
+    assert json.loads((result.run_dir / "job.json").read_text())["status"] == "completed"
+    recorded = (result.run_dir / ".hydra" / "config.yaml").read_text()
+    assert "mrtpo.live.reward_" in recorded and "mrtpo-live:train_dataset_" in recorded
+    # per-reward metrics, logged every step
+    for name in ("reward_len", "reward_vowels"):
+        assert f"train/reward/{name}/mean" in result.metrics, sorted(result.metrics)
+    rows = [r for r in result.history() if "train/reward/reward_len/mean" in r]
+    assert len(rows) == 2
+    # the trained policy, in memory: moved from the start, equal to the run's exported policy
+    assert isinstance(trainer.model, torch.nn.Module) and trainer.tokenizer is not None
+    assert _changed(_weights(start), trainer.model)
+    exported = AutoModelForCausalLM.from_pretrained(result.policy)
+    assert not _changed(_weights(exported), trainer.model)
+    assert result.metrics["train/scoring_errors_total"] == 0  # every reward scored every batch
+    if method == "mrtpo":  # reward_len's block gave replay its leave-one-out contexts
+        assert result.metrics["train/replay/forwards"] > 0
+        assert "train/replay/top80_token_share/reward_len" in result.metrics
+
+
+def test_loaded_model_conversational_list_of_dicts(tiny_path, tmp_path):
+    import lightning as L
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mrtpo import Config, Trainer
+
+    before_folder = _folder_digest(tiny_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    start = _weights(model)
+    seen: dict[str, object] = {}
+
+    def short(prompts, completions, **kwargs):  # TRL's conversational form
+        seen["prompt"], seen["completion"] = prompts[0], completions[0]
+        return [1.0 / (1 + len(c[0]["content"])) for c in completions]
+
+    class Steps(L.Callback):
+        n = 0
+
+        def on_train_batch_end(self, *args, **kwargs):
+            Steps.n += 1
+
+    rows = [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]}
+        for q in ("Hi?", "Why?", "Who?", "When?")
+    ]
+    args = Config(output_dir=str(tmp_path / "out"), method="gdpo", max_steps=2,
+                  num_generations=2, per_device_train_batch_size=4, max_completion_length=6)  # fmt: skip
+    trainer = Trainer(model=model, reward_funcs=short, args=args, train_dataset=rows,
+                      processing_class=tok, callbacks=[Steps()])  # fmt: skip
+    result = trainer.train()
+
+    assert trainer.model is model and trainer.tokenizer is tok  # trained in place, in memory
+    assert _changed(start, model)
+    assert seen["prompt"] == rows[0]["prompt"] or seen["prompt"] in [r["prompt"] for r in rows]
+    assert isinstance(seen["completion"], list) and seen["completion"][0]["role"] == "assistant"
+    assert "train/reward/short/mean" in result.metrics
+    assert Steps.n >= 2
+    assert _folder_digest(tiny_path) == before_folder  # the model's own folder: never written
+
+
+def test_bad_inputs_are_one_line_and_leave_no_run_folder(tiny_path, tmp_path):
+    from datasets import Dataset
+
+    from mrtpo import Config, Trainer
+
+    out = tmp_path / "out"
+    args = Config(output_dir=str(out), max_steps=1)
+    ds = Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])
+
+    def one_value(completions, **kwargs):
+        return [1.0]
+
+    with pytest.raises(ValueError, match=r"reward_funcs\[0\] \(one_value\) returned 1 value") as e:
+        Trainer(reward_funcs=[one_value], train_dataset=ds, args=args).train()
+    assert "\n" not in str(e.value)
+
+    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column") as e:
+        Trainer(reward_funcs=[one_value], train_dataset=[{"question": "a"}], args=args)
+    assert "\n" not in str(e.value) and "question" in str(e.value)
+
+    def fine(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        Trainer(reward_funcs=fine, train_dataset=ds,
+                args=Config(output_dir=str(out), per_device_train_batch_size=3)).train()  # fmt: skip
+    with pytest.raises(TypeError, match="reward models are not supported"):
+        Trainer(reward_funcs=["some/reward-model"], train_dataset=ds)
+    assert not out.exists()
