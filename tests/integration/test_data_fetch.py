@@ -302,3 +302,22 @@ def test_command_line_starts_without_torch_and_refuses_bad_input_in_one_line(tmp
         timeout=120,
     )
     assert run.returncode == 2 and "is a file" in run.stderr and file.read_text() == "mine"
+
+
+def test_first_download_of_an_error_page_is_not_pinned(server, tmp_path, capsys):
+    """With no committed checksum, a page in place of the data (a quota or login page served
+    with 200) must not be accepted and pinned: the file's format is checked first."""
+    to = tmp_path / "data"
+    page = b"<!DOCTYPE html><html><body>Quota exceeded</body></html>"
+    server.files["datasets/sastpg/HIR-16K/resolve/main/HIR_trainv1.jsonl"] = page
+    server.files["records/5205322/files/spider-realistic.json?download=1"] = page
+    rlla = "qiancheng0/ToolRL/8cee13ec0ca72f0461da372a93a6fd8140dbb840/dataset/rlla_4k"
+    server.files[f"{rlla}/train.parquet"] = page
+    server.files[f"{rlla}/test.parquet"] = page
+    names = ["hir16k", "spider_realistic", "toolrl_rlla_4k"]
+    args = ["fetch", *names, "--to", str(to), "--trust-first-download"]
+    assert main([*args, *server.mirrors("hub", "zenodo", "github")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all("not a " in line for line in err), err
+    assert not (to / "FETCHED.json").exists()
+    assert sorted(p.name for p in to.rglob("*") if p.is_file()) == []

@@ -84,7 +84,7 @@ def fetch_archive(a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool) -
     url = f"{base_url(a.host, mirrors)}/{a.path}"
     tmp = to / f".{a.name}.download"
     try:
-        sha, n = download(url, tmp, want, a.size)
+        sha, n = download(url, tmp, want, a.size, name=a.name)
         members = extract(tmp, to, a.rules, a.nested, a.inner)
     finally:
         tmp.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import os
 import re
 import shutil
@@ -66,9 +67,35 @@ def _stream(url: str, tmp: Path) -> tuple[str, int, int | None]:
     return h.hexdigest(), n, announced
 
 
-def download(url: str, dest: Path, sha256: str | None, size: int | None) -> tuple[str, int]:
-    """Fetch ``url`` to ``dest`` if whole and right: (sha256, bytes). ``sha256=None``
-    accepts any content (the caller pins what arrived)."""
+def format_problem(path: Path, name: str) -> str | None:
+    """Why ``path`` is not what a file called ``name`` holds (None: it looks right). Used when
+    no checksum can vouch for a download, so an error page served with 200 is not pinned."""
+    suffix = Path(name.split("?")[0]).suffix.lower()
+    with open(path, "rb") as f:
+        head = f.read(CHUNK)
+        f.seek(max(0, path.stat().st_size - 4))
+        tail = f.read(4)
+    try:
+        if suffix == ".parquet" and not (head[:4] == tail == b"PAR1"):
+            return "not a parquet file"
+        if suffix == ".zip" and head[:4] != b"PK\x03\x04":
+            return "not a zip archive"
+        if suffix == ".jsonl":
+            first = head.split(b"\n", 1)[0]
+            if len(first) == len(head) == CHUNK or not isinstance(json.loads(first), dict):
+                return "not a JSON-lines file of objects"
+        if suffix == ".json":
+            json.loads(path.read_bytes())
+    except ValueError:
+        return f"not a {suffix[1:].upper()} file"
+    return None
+
+
+def download(
+    url: str, dest: Path, sha256: str | None, size: int | None, name: str | None = None
+) -> tuple[str, int]:
+    """Fetch ``url`` to ``dest`` if whole and right: (sha256, bytes). With ``sha256=None``
+    the content is accepted when its format fits ``name`` (the caller pins what arrived)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part")
     try:
@@ -79,6 +106,8 @@ def download(url: str, dest: Path, sha256: str | None, size: int | None) -> tupl
             raise FetchError(f"wrong size: {n} bytes, expected {size} ({url})")
         if sha256 is not None and got != sha256:
             raise FetchError(f"checksum mismatch: sha256 {got}, expected {sha256} ({url})")
+        if sha256 is None and (why := format_problem(tmp, name or dest.name)):
+            raise FetchError(f"{why}: {url} sent something else (an error page?)")
         os.replace(tmp, dest)
         return got, n
     finally:
