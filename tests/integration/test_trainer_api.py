@@ -187,3 +187,17 @@ def test_bad_inputs_are_one_line_and_leave_no_run_folder(tiny_path, tmp_path):
     with pytest.raises(TypeError, match="reward models are not supported"):
         Trainer(reward_funcs=["some/reward-model"], train_dataset=ds)
     assert not out.exists()
+
+
+def test_every_config_field_sets_a_key_of_the_config_and_is_documented():
+    from omegaconf import OmegaConf
+    from tests.conftest import ROOT, compose_config
+
+    from mrtpo import Config
+
+    cfg = compose_config("train.yaml", ["task=custom", "method=mrtpo"])
+    table = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    missing = object()
+    for name, key in Config.mapping().items():
+        assert OmegaConf.select(cfg, key, default=missing) is not missing, (name, key)
+        assert f"`{name}`" in table and f"`{key}`" in table, (name, key)
