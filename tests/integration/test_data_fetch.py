@@ -255,6 +255,9 @@ def test_committed_checksum_accepts_the_published_file_and_check_reports(server,
     # a wrong file is fetched again and replaced
     assert main(["fetch", "ifeval", "--to", str(to), *server.mirrors("github")]) == 0
     assert main(["fetch", "--check", str(to), "ifeval"]) == 0
+    served = len(server.requests)  # a right file is not fetched again
+    assert main(["fetch", "ifeval", "--to", str(to), *server.mirrors("github")]) == 0
+    assert len(server.requests) == served and "1 already present" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not (SHARED / "MANIFEST.csv").is_file(), reason="shared/data is absent")
@@ -321,3 +324,16 @@ def test_first_download_of_an_error_page_is_not_pinned(server, tmp_path, capsys)
     assert len(err) == 4 and all("not a " in line for line in err), err
     assert not (to / "FETCHED.json").exists()
     assert sorted(p.name for p in to.rglob("*") if p.is_file()) == []
+
+
+def test_base_urls_move_by_flag_then_environment(monkeypatch):
+    from mrtpo.fetch.registry import base_url
+
+    monkeypatch.delenv("MRTPO_FETCH_HUB", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/hf/")
+    assert base_url("hub") == "http://127.0.0.1:9/hf"
+    monkeypatch.setenv("MRTPO_FETCH_HUB", "http://127.0.0.1:8")
+    assert base_url("hub") == "http://127.0.0.1:8"
+    assert base_url("hub", {"hub": "http://127.0.0.1:7/"}) == "http://127.0.0.1:7"
+    monkeypatch.delenv("MRTPO_FETCH_GITHUB", raising=False)
+    assert base_url("github") == "https://raw.githubusercontent.com"
