@@ -248,6 +248,10 @@ def test_committed_checksum_accepts_the_published_file_and_check_reports(server,
     out = capsys.readouterr().out
     assert "toolrl_rlla: 1 present" in out and "ifeval: 1 present" in out
     assert "missing: ifbench/IFBench_test.jsonl" in out
+    assert main(["fetch", "--check", str(to)]) == 0  # all: what is there is right
+    out = capsys.readouterr().out
+    assert "ifbench: not fetched" in out and "bird_dev: not fetched" in out
+    assert "ifeval: 1 present" in out
     with open(to / "ifeval/input_data.jsonl", "r+b") as f:  # same size, other bytes
         f.write(b"X")
     assert main(["fetch", "--check", str(to), "ifeval"]) == 1
@@ -337,3 +341,33 @@ def test_base_urls_move_by_flag_then_environment(monkeypatch):
     assert base_url("hub", {"hub": "http://127.0.0.1:7/"}) == "http://127.0.0.1:7"
     monkeypatch.delenv("MRTPO_FETCH_GITHUB", raising=False)
     assert base_url("github") == "https://raw.githubusercontent.com"
+
+
+@pytest.mark.skipif(not (SHARED / "MANIFEST.csv").is_file(), reason="shared/data is absent")
+def test_readme_data_commands_run_as_written(server, tmp_path, capsys, monkeypatch):
+    """The README's "Getting the data" commands, with data/ in a temp folder and the GitHub
+    host served from the shared files at their published paths; then the text2sql task's
+    composed config reads what landed."""
+    import re
+    import shlex
+
+    from mrtpo.config import compose
+
+    for target, _size, _sha, repo, commit, path in KNOWN:
+        server.files[f"{repo}/{commit}/{path}"] = (SHARED / target).read_bytes()
+    monkeypatch.setenv("MRTPO_FETCH_GITHUB", server.url)
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("\n### Getting the data\n") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    data = tmp_path / "data"
+    lines = [re.sub(r"(?<![\w/])data(?=/|$)", str(data), line) for line in lines if line]
+    data_cmds = [shlex.split(line) for line in lines]
+    assert [c[:3] for c in data_cmds[:2]] == [["python", "-m", "mrtpo.data"]] * 2
+    for cmd in data_cmds[:2]:
+        assert main(cmd[3:]) == 0, capsys.readouterr()
+    train = data_cmds[2]
+    assert train[:2] == ["python", "src/train.py"] and train[-1] == f"paths.data_dir={data}"
+    cfg = compose("train.yaml", train[2:])
+    assert Path(cfg.task.splits.spider_dev.file) == data / "spider/dev.json"
+    assert (data / "spider/database/concert_singer/concert_singer.sqlite").is_file()

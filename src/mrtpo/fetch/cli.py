@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mrtpo.fetch.download import FetchError, download, extract, sha256_of
-from mrtpo.fetch.registry import DATASETS, Archive, Remote, base_url
+from mrtpo.fetch.registry import DATASETS, Archive, DataSet, Remote, base_url
 
 RECORD = "FETCHED.json"
 
@@ -157,19 +157,32 @@ def _archive_problems(a: Archive, to: Path, rec: dict) -> list[str]:
     return out
 
 
-def run_check(names: list[str], to: Path) -> int:
+def _states(d: DataSet, to: Path, rec: dict) -> dict[str, list[str]]:
+    """state (present, missing, wrong, unverified) -> the targets of ``d`` in it."""
+    states: dict[str, list[str]] = {}
+    for r in d.files:
+        states.setdefault(_file_state(r, to, rec), []).append(r.target)
+    for a in d.archives:
+        problems = _archive_problems(a, to, rec)
+        if a.name not in rec["archives"] and len(problems) == len(a.expect):
+            problems = [f"{e} missing" for e in a.expect]  # never fetched: nothing laid out
+        for p in problems:
+            target, _, state = p.rpartition(" ")
+            states.setdefault(state, []).append(target)
+        if not problems:
+            states.setdefault("present", []).append(a.name)
+    return states
+
+
+def run_check(names: list[str], to: Path, every: bool = False) -> int:
+    """One line per data set, then one per file that is wrong, missing or unverified. With
+    ``every`` (no names given) a data set of which nothing is there is only "not fetched"."""
     rec, bad = _load_record(to), 0
     for name in names:
-        states: dict[str, list[str]] = {}
-        for r in DATASETS[name].files:
-            states.setdefault(_file_state(r, to, rec), []).append(r.target)
-        for a in DATASETS[name].archives:
-            problems = _archive_problems(a, to, rec)
-            for p in problems:
-                target, _, state = p.rpartition(" ")
-                states.setdefault(state, []).append(target)
-            if not problems:
-                states.setdefault("present", []).append(a.name)
+        states = _states(DATASETS[name], to, rec)
+        if every and set(states) == {"missing"}:
+            print(f"{name}: not fetched")
+            continue
         bad += len(states.get("missing", [])) + len(states.get("wrong", []))
         print(f"{name}: " + ", ".join(f"{len(v)} {k}" for k, v in sorted(states.items())))
         for state in ("wrong", "missing", "unverified"):
@@ -231,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check is not None:
             if not args.check.is_dir():
                 raise UsageError(f"--check {args.check}: no such folder")
-            return run_check(_names(args.names, default_all=True), args.check)
+            names = _names(args.names, default_all=True)
+            return run_check(names, args.check, every=not args.names or args.names == ["all"])
         if args.to is None:
             raise UsageError("fetch needs --to DIR (the folder to use as paths.data_dir)")
         if args.to.exists() and not args.to.is_dir():
