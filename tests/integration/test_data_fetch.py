@@ -371,3 +371,14 @@ def test_readme_data_commands_run_as_written(server, tmp_path, capsys, monkeypat
     cfg = compose("train.yaml", train[2:])
     assert Path(cfg.task.splits.spider_dev.file) == data / "spider/dev.json"
     assert (data / "spider/database/concert_singer/concert_singer.sqlite").is_file()
+
+
+def test_archive_without_the_expected_layout_is_refused_and_removed(server, tmp_path, capsys):
+    path = "download?id=1403EGqzIDoHMdQF4c9Bkyl7dZLZ5Wt6J&export=download&confirm=t"
+    server.files[path] = _zip({"spider_data/test.json": b"[]", "spider_data/README": b"x"})
+    to = tmp_path / "data"
+    args = ["fetch", "spider_test", "--to", str(to), "--trust-first-download"]
+    assert main([*args, *server.mirrors("gdrive")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not hold spider/test_database" in err[0], err
+    assert not (to / "spider/test.json").exists() and not (to / "FETCHED.json").exists()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mrtpo.fetch.download import FetchError, download, extract, sha256_of
+from mrtpo.fetch.download import FetchError, download, extract, remove_laid_out, sha256_of
 from mrtpo.fetch.registry import DATASETS, Archive, DataSet, Remote, base_url
 
 RECORD = "FETCHED.json"
@@ -90,7 +90,8 @@ def fetch_archive(a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool) -
         tmp.unlink(missing_ok=True)
     missing = [e for e in a.expect if not (to / e).exists()]
     if missing:
-        raise FetchError(f"{a.name} ({url}) did not hold {', '.join(missing)}")
+        remove_laid_out(to, members)
+        raise FetchError(f"{a.name} ({url}) did not hold {', '.join(missing)}; nothing kept")
     how = "committed" if a.sha256 else "pinned"
     rec["archives"][a.name] = {
         "sha256": sha,

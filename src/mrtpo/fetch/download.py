@@ -180,14 +180,15 @@ def extract(
                     _write_member(zf, info, to, target)
                     written[target] = info.file_size
     except zipfile.BadZipFile as exc:
-        _remove(to, written)
+        remove_laid_out(to, written)
         raise FetchError(f"{zip_path.name} is not a readable zip ({exc})") from None
     except BaseException:
-        _remove(to, written)
+        remove_laid_out(to, written)
         raise
     return written
 
 
-def _remove(to: Path, targets: dict[str, int]) -> None:
+def remove_laid_out(to: Path, targets: dict[str, int]) -> None:
+    """Remove the files ``extract`` wrote (folders stay: they may have been there before)."""
     for target in targets:
         (to / target).unlink(missing_ok=True)
