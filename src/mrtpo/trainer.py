@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import islice
@@ -71,6 +72,7 @@ class Config:
     weight_decay: float | None = _key("optim.weight_decay", "AdamW's weight decay")
     max_steps: int | None = _key("trainer.max_steps", "RL steps")
     logging_steps: int | None = _key("trainer.log_every_n_steps", "log every N steps")
+    eval_steps: int | None = _key("trainer.val_check_interval", "validate every N steps")
     save_steps: int | None = _key(
         "callbacks.model_checkpoint.every_n_train_steps", "checkpoint every N steps"
     )
@@ -173,7 +175,9 @@ class Trainer:
         self.reward_blocks = dict(reward_blocks or {})
         limit = _row_limit(self.args)
         self.train_rows = _rows(train_dataset, "train_dataset", limit)
-        self.eval_rows = None if eval_dataset is None else _rows(eval_dataset, "eval_dataset")
+        self.eval_rows = (
+            None if eval_dataset is None else _rows(eval_dataset, "eval_dataset", None, whole=True)
+        )
         self.callbacks = _callbacks(callbacks)
         self.model, self.tokenizer = model, processing_class or tokenizer
         self._model_overrides = _model_overrides(model)
@@ -190,6 +194,7 @@ class Trainer:
         tokens: list[str] = []
         try:
             overrides = [*self._task_overrides(tokens), *self._model_overrides, *overrides]
+            _precheck(overrides, self.args)  # a bad setting: one line, and no run folder
             given = self.model if _is_model(self.model) else None
             tokenizer = self.tokenizer if given is not None else None
             s = live.Session(given, tokenizer, _prepare, callbacks=self.callbacks)
@@ -217,6 +222,7 @@ class Trainer:
         ]
         if self.eval_rows is not None:
             out.append(f"task.data.splits={{val: {live.PREFIX}{keep(self.eval_rows, 'eval')}}}")
+            out.append(f"data.val_prompts={len(self.eval_rows)}")  # validated on all of them
         if self.reward_blocks:
             blocks = {}
             for name, fn in self.reward_blocks.items():
@@ -227,6 +233,41 @@ class Trainer:
                 blocks[name] = f"mrtpo.live.{keep(fn, 'block')}"
             out.append("task.blocks={" + ",".join(f"{k}: {v}" for k, v in blocks.items()) + "}")
         return out
+
+
+def _precheck(overrides: list[str], args: Config) -> None:
+    """Compose the job's config and check its keys and typed settings as the job will, but
+    before it makes a run folder; the error names the ``Config`` field that set the key."""
+    from hydra.errors import ConfigCompositionException
+
+    from mrtpo.config import compose
+    from mrtpo.config_keys import check_keys
+    from mrtpo.settings import validate
+
+    try:
+        cfg = compose("train.yaml", overrides)
+        check_keys(cfg)
+        validate(cfg)
+    except ConfigCompositionException as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        m = re.match(r"Could not override '([\w.]+)'", text)
+        if m and m.group(1).startswith("method."):
+            text = f"{m.group(1)} is not a setting of method={args.method}"
+        elif m:
+            text = f"{m.group(1)} is not a setting (python src/train.py --help lists them)"
+        raise ValueError(_named(text, args)) from None
+    except ValueError as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (_named(exc.args[0], args), *exc.args[1:])
+        raise
+
+
+def _named(message: str, args: Config) -> str:
+    """``message`` led by the ``Config`` field whose key it names (as it is, if none)."""
+    for name, key in Config.mapping().items():
+        if message.startswith((f"{key}=", f"{key} ")) and name != "method":
+            return f"Config({name}={getattr(args, name)!r}): {message}"
+    return message
 
 
 def _reward_funcs(given: Any) -> list[Callable]:
@@ -256,25 +297,34 @@ def _names(funcs: Sequence[Callable]) -> list[str]:
 
 
 def _row_limit(cfg: Config) -> int | None:
-    """How many rows of a stream (IterableDataset) the run can use: every step's prompts."""
+    """How many rows of a stream (IterableDataset) are read: max_steps x prompts per step
+    (the rl default of 4 prompts per step where ``per_device_train_batch_size`` is unset)."""
     if cfg.max_steps is None:
         return None
-    per_step = (cfg.per_device_train_batch_size or 16) // (cfg.num_generations or 4)
+    g = cfg.num_generations or 4
+    per_step = cfg.per_device_train_batch_size // g if cfg.per_device_train_batch_size else 4
     return max(1, cfg.max_steps * max(per_step, 1))
 
 
-def _rows(dataset: Any, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+def _rows(
+    dataset: Any, name: str, limit: int | None, *, whole: bool = False
+) -> list[dict[str, Any]]:
     """``dataset`` (a ``datasets.Dataset`` / ``IterableDataset`` or a list of dicts) as rows
     with a ``prompt`` column; anything else is one line naming what to change."""
     if dataset is None:
         raise ValueError(
             f"{name} is required: a datasets.Dataset or a list of dicts with a 'prompt'"
         )
-    if hasattr(dataset, "to_list"):  # datasets.Dataset
+    if hasattr(dataset, "to_list") and hasattr(dataset, "__len__"):  # datasets.Dataset
         rows = dataset.to_list()
     elif isinstance(dataset, Iterable) and not isinstance(dataset, (str, bytes, Mapping)):
         stream = not isinstance(dataset, Sequence)  # an IterableDataset: take what the run uses
-        rows = list(islice(dataset, limit) if stream and limit else dataset)
+        if stream and limit is None and not whole:
+            raise ValueError(
+                f"{name} is a stream ({type(dataset).__name__}): set Config(max_steps=N), as "
+                "TRL asks, so that the rows the run needs can be read"
+            )
+        rows = list(islice(dataset, limit) if stream and not whole else dataset)
     else:
         raise TypeError(
             f"{name} is a {type(dataset).__name__}; give a datasets.Dataset or a list of dicts"

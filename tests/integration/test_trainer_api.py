@@ -144,9 +144,10 @@ def test_loaded_model_conversational_list_of_dicts(tiny_path, tmp_path):
         for q in ("Hi?", "Why?", "Who?", "When?")
     ]
     args = Config(output_dir=str(tmp_path / "out"), method="gdpo", max_steps=2,
-                  num_generations=2, per_device_train_batch_size=4, max_completion_length=6)  # fmt: skip
+                  num_generations=2, per_device_train_batch_size=4, max_completion_length=6,
+                  eval_steps=2)  # fmt: skip
     trainer = Trainer(model=model, reward_funcs=short, args=args, train_dataset=rows,
-                      processing_class=tok, callbacks=[Steps()])  # fmt: skip
+                      eval_dataset=rows[:2], processing_class=tok, callbacks=[Steps()])  # fmt: skip
     result = trainer.train()
 
     assert trainer.model is model and trainer.tokenizer is tok  # trained in place, in memory
@@ -155,6 +156,7 @@ def test_loaded_model_conversational_list_of_dicts(tiny_path, tmp_path):
     assert isinstance(seen["completion"], list) and seen["completion"][0]["role"] == "assistant"
     assert "train/reward/short/mean" in result.metrics
     assert Steps.n >= 2
+    assert any(k.startswith("val/") for k in result.metrics), sorted(result.metrics)
     assert _folder_digest(tiny_path) == before_folder  # the model's own folder: never written
 
 
@@ -184,6 +186,13 @@ def test_bad_inputs_are_one_line_and_leave_no_run_folder(tiny_path, tmp_path):
     with pytest.raises(ValueError, match="multiple of num_generations"):
         Trainer(reward_funcs=fine, train_dataset=ds,
                 args=Config(output_dir=str(out), per_device_train_batch_size=3)).train()  # fmt: skip
+    with pytest.raises(ValueError, match=r"^Config\(num_generations=1\): rl\.group_size=1 "):
+        Trainer(reward_funcs=fine, train_dataset=ds,
+                args=Config(output_dir=str(out), num_generations=1)).train()  # fmt: skip
+    with pytest.raises(ValueError, match=r"^Config\(credit_beta=0\.5\): method\.beta is not a "
+                       "setting of method=gdpo$"):  # fmt: skip
+        Trainer(reward_funcs=fine, train_dataset=ds,
+                args=Config(output_dir=str(out), method="gdpo", credit_beta=0.5)).train()  # fmt: skip
     with pytest.raises(TypeError, match="reward models are not supported"):
         Trainer(reward_funcs=["some/reward-model"], train_dataset=ds)
     assert not out.exists()
@@ -201,3 +210,19 @@ def test_every_config_field_sets_a_key_of_the_config_and_is_documented():
     for name, key in Config.mapping().items():
         assert OmegaConf.select(cfg, key, default=missing) is not missing, (name, key)
         assert f"`{name}`" in table and f"`{key}`" in table, (name, key)
+
+
+def test_iterable_dataset_takes_the_rows_the_run_needs(tiny_path, tmp_path):
+    from datasets import Dataset
+
+    from mrtpo import Config, Trainer
+
+    def fine(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    stream = Dataset.from_list([{"prompt": f"p{i}"} for i in range(50)]).to_iterable_dataset()
+    args = Config(output_dir=str(tmp_path), max_steps=3, num_generations=2,
+                  per_device_train_batch_size=4)  # fmt: skip
+    assert len(Trainer(reward_funcs=fine, train_dataset=stream, args=args).train_rows) == 6
+    with pytest.raises(ValueError, match=r"set Config\(max_steps=N\)"):
+        Trainer(reward_funcs=fine, train_dataset=stream, args=Config(output_dir=str(tmp_path)))
