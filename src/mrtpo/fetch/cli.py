@@ -232,8 +232,18 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("names", nargs="*", help="data sets (see `list`), or all")
     f.add_argument("--to", type=Path, help="the data folder (use it as paths.data_dir)")
     f.add_argument("--check", type=Path, metavar="DIR", help="say what is present/missing/wrong")
-    f.add_argument("--trust-first-download", action="store_true")
-    f.add_argument("--mirror", action="append", default=[], metavar="HOST=URL")
+    f.add_argument(
+        "--trust-first-download",
+        action="store_true",
+        help="accept files with no committed checksum and pin their sha256 in DIR/FETCHED.json",
+    )
+    f.add_argument(
+        "--mirror",
+        action="append",
+        default=[],
+        metavar="HOST=URL",
+        help="serve HOST (github, hub, gdrive, bird, zenodo) from URL; or MRTPO_FETCH_<HOST>",
+    )
     return p
 
 
