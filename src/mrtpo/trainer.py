@@ -183,6 +183,10 @@ class Trainer:
         self._model_overrides = _model_overrides(model)
         if _is_model(model) and self.tokenizer is None:
             self.tokenizer = _tokenizer_of(model)
+        elif not _is_model(model) and self.tokenizer is not None:
+            log.warning(
+                "processing_class is used with a loaded model only; the model's own is used"
+            )
 
     def train(self) -> Any:
         """Run the job; return its ``api.RunResult`` and keep the trained policy in
@@ -248,6 +252,7 @@ def _precheck(overrides: list[str], args: Config) -> None:
         cfg = compose("train.yaml", overrides)
         check_keys(cfg)
         validate(cfg)
+        _one_process(cfg)
     except ConfigCompositionException as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         m = re.match(r"Could not override '([\w.]+)'", text)
@@ -260,6 +265,17 @@ def _precheck(overrides: list[str], args: Config) -> None:
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (_named(exc.args[0], args), *exc.args[1:])
         raise
+
+
+def _one_process(cfg: Any) -> None:
+    """The objects live in this process: a trainer that starts others cannot use them."""
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    if str(devices) != "1" or str(nodes) != "1":
+        raise ValueError(
+            f"trainer.devices={devices} trainer.num_nodes={nodes}: mrtpo.Trainer trains in this "
+            "one process (its objects cannot reach others); for several devices run "
+            "python src/train.py task=custom with import strings (docs/extending.md)"
+        )
 
 
 def _named(message: str, args: Config) -> str:

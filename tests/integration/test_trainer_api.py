@@ -193,6 +193,11 @@ def test_bad_inputs_are_one_line_and_leave_no_run_folder(tiny_path, tmp_path):
                        "setting of method=gdpo$"):  # fmt: skip
         Trainer(reward_funcs=fine, train_dataset=ds,
                 args=Config(output_dir=str(out), method="gdpo", credit_beta=0.5)).train()  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"^trainer\.devices=2 .*: mrtpo\.Trainer trains in this one"
+    ):
+        Trainer(reward_funcs=fine, train_dataset=ds,
+                args=Config(output_dir=str(out), overrides=["trainer=ddp"])).train()  # fmt: skip
     with pytest.raises(TypeError, match="reward models are not supported"):
         Trainer(reward_funcs=["some/reward-model"], train_dataset=ds)
     assert not out.exists()
