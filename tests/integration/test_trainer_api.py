@@ -99,6 +99,8 @@ def test_trl_quickstart_script_trains(method, tiny_path, tmp_path):
     assert result.run_dir.name.endswith(f"custom-{method}")
     assert (result.run_dir / ".hydra" / "config.yaml").is_file()
     assert json.loads((result.run_dir / "job.json").read_text())["status"] == "completed"
+    log = (result.run_dir / "train.log").read_text()
+    assert "evaluate: python src/eval.py" in log and "mrtpo-live:" not in log  # no dead tokens
     recorded = (result.run_dir / ".hydra" / "config.yaml").read_text()
     assert "mrtpo.live.reward_" in recorded and "mrtpo-live:train_dataset_" in recorded
     # per-reward metrics, logged every step

@@ -115,6 +115,9 @@ def run_eval_command(policy: str | Path) -> str:
     except Exception as exc:  # a config that does not resolve here: the task at least
         log.debug("the eval command of %s holds the task only: %s", policy, exc)
         extra = [f"task={task}"]
+    if any(w.partition("=")[2].startswith(("mrtpo-live:", "[mrtpo.live.")) for w in extra):
+        # mrtpo.Trainer's data and rewards were objects of its process: name yours instead
+        extra = ["task=custom", "task.data.path=<prompts file>", "task.rewards=[<module.reward>]"]
     return " ".join(shlex.quote(w) for w in [*words, *extra])
 
 
