@@ -14,6 +14,7 @@ see them (``mrtpo.Trainer`` runs one process). This module imports nothing of th
 from __future__ import annotations
 
 import contextlib
+import re
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,13 +37,15 @@ def drop(tokens: list[str]) -> None:
 
 
 def __getattr__(name: str) -> Any:  # ``mrtpo.live.<token>``, as an import string resolves it
-    try:
+    if name in _OBJECTS:
         return _OBJECTS[name]
-    except KeyError:
-        raise AttributeError(
-            f"mrtpo.live has no object {name!r}: objects given to mrtpo.Trainer exist only in "
-            "the process (and for the run) that was given them"
-        ) from None
+    if re.fullmatch(r"(reward|block)_[0-9a-f]{8}", name):  # a token of a run that has ended
+        raise ImportError(
+            f"mrtpo.live.{name} was a function given to mrtpo.Trainer, which exists only in "
+            "the process that trained with it: name the function by its import string "
+            "(task.rewards=[mymodule.my_reward], docs/extending.md)"
+        )
+    raise AttributeError(f"module 'mrtpo.live' has no attribute {name!r}")
 
 
 def is_rows(path: Any) -> bool:
@@ -54,8 +57,8 @@ def rows(path: str, key: str) -> list[dict[str, Any]]:
     held = _OBJECTS.get(path[len(PREFIX) :])
     if held is None:
         raise ValueError(
-            f"{key}={path}: no dataset of that name in this process (a dataset given to "
-            "mrtpo.Trainer is read by its own run only)"
+            f"{key}={path} was a dataset given to mrtpo.Trainer, which exists only in the "
+            "process that trained with it: give a file of prompts (task.data.path=prompts.jsonl)"
         )
     return [dict(r) for r in held]
 

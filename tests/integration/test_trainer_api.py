@@ -233,3 +233,13 @@ def test_iterable_dataset_takes_the_rows_the_run_needs(tiny_path, tmp_path):
     assert len(Trainer(reward_funcs=fine, train_dataset=stream, args=args).train_rows) == 6
     with pytest.raises(ValueError, match=r"set Config\(max_steps=N\)"):
         Trainer(reward_funcs=fine, train_dataset=stream, args=Config(output_dir=str(tmp_path)))
+
+
+def test_a_token_of_an_ended_run_is_one_line_naming_what_to_give():
+    from mrtpo.tasks.custom.callables import resolve
+    from mrtpo.tasks.custom.task import CustomTask
+
+    with pytest.raises(ImportError, match=r"^mrtpo\.live\.reward_0badc0de was a function given"):
+        resolve("mrtpo.live.reward_0badc0de", "task.rewards[0]")
+    with pytest.raises(ValueError, match=r"mrtpo-live:train_dataset_0badc0de was a dataset given"):
+        CustomTask(data={"path": "mrtpo-live:train_dataset_0badc0de"}, rewards=[len])
