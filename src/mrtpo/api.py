@@ -158,19 +158,27 @@ def _run(
     return RunResult(run_dir, {k: _number(v) for k, v in metrics.items()}, tuple(overrides))
 
 
-_PLAIN = re.compile(r"[\w./:@+%-]+")
+def _quoted(text: str) -> str:
+    """``text`` as a quoted string of Hydra's grammar that the config holds as that string.
+
+    OmegaConf first: ``${`` becomes ``\\${`` (no interpolation), the backslashes right before
+    it doubled. Then Hydra's quotes: inside them a backslash escapes only a quote or the
+    closing quote, so the backslashes before a ``'`` or at the end are doubled."""
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+    return "'" + text + "'"
 
 
 def _override_value(key: str, value: Any) -> str:
-    """``value`` in Hydra's override grammar (a string quoted when it needs to be)."""
+    """``value`` in Hydra's override grammar; every string quoted, so that ``"true"``,
+    ``"123"`` or ``"${x}"`` stays that string rather than a bool, a number or a reference."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        if _PLAIN.fullmatch(value):
-            return value
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return _quoted(value)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_override_value(key, v) for v in value) + "]"
     raise TypeError(
