@@ -253,6 +253,7 @@ def _precheck(overrides: list[str], args: Config) -> None:
         check_keys(cfg)
         validate(cfg)
         _one_process(cfg)
+        _build_task(cfg)
     except ConfigCompositionException as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         m = re.match(r"Could not override '([\w.]+)'", text)
@@ -264,6 +265,21 @@ def _precheck(overrides: list[str], args: Config) -> None:
     except ValueError as exc:
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (_named(exc.args[0], args), *exc.args[1:])
+        raise
+
+
+def _build_task(cfg: Any) -> None:
+    """Build the task as the job will (its rows read from memory, its functions resolved),
+    so that a bad row or block name is refused before the run folder; the task's own error
+    is raised, not Hydra's wrapper."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(cfg.task)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, Exception):
+            raise exc.__cause__ from None
         raise
 
 

@@ -200,6 +200,14 @@ def test_bad_inputs_are_one_line_and_leave_no_run_folder(tiny_path, tmp_path):
     ):
         Trainer(reward_funcs=fine, train_dataset=ds,
                 args=Config(output_dir=str(out), overrides=["trainer=ddp"])).train()  # fmt: skip
+    with pytest.raises(ValueError, match=r"task\.blocks has key\(s\) \['nope'\] that are not "):
+        Trainer(reward_funcs=fine, train_dataset=ds, reward_blocks={"nope": lambda p, r: None},
+                args=Config(output_dir=str(out))).train()  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"train_dataset_\w+ row 1: column 'prompt' must hold text"
+    ):
+        Trainer(reward_funcs=fine, train_dataset=[{"prompt": "a"}, {"prompt": 7}],
+                args=Config(output_dir=str(out))).train()  # fmt: skip
     with pytest.raises(TypeError, match="reward models are not supported"):
         Trainer(reward_funcs=["some/reward-model"], train_dataset=ds)
     assert not out.exists()
