@@ -309,8 +309,10 @@ def _reward_funcs(given: Any) -> list[Callable]:
     if not funcs:
         raise ValueError("reward_funcs is empty: give at least one reward function")
     for i, f in enumerate(funcs):
-        if not callable(f):
-            what = f"{f!r} (a reward model by name)" if isinstance(f, str) else type(f).__name__
+        if not callable(f) or hasattr(f, "forward"):  # a name or a model: a reward model
+            what = (
+                f"{f!r} (a reward model by name)" if isinstance(f, str) else f"a {type(f).__name__}"
+            )
             raise TypeError(
                 f"reward_funcs[{i}] is {what}; give a function (prompts, completions, **kwargs) "
                 "-> list of float or None (reward models are not supported)"

@@ -210,6 +210,8 @@ def test_bad_inputs_are_one_line_and_leave_no_run_folder(tiny_path, tmp_path):
                 args=Config(output_dir=str(out))).train()  # fmt: skip
     with pytest.raises(TypeError, match="reward models are not supported"):
         Trainer(reward_funcs=["some/reward-model"], train_dataset=ds)
+    with pytest.raises(TypeError, match=r"reward_funcs\[1\] is a Linear; .* not supported"):
+        Trainer(reward_funcs=[fine, torch.nn.Linear(2, 1)], train_dataset=ds)
     assert not out.exists()
 
 
