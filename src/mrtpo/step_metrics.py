@@ -25,6 +25,8 @@ STAGE_TIMES = ("rollout", "reward", "old_logp", "replay", "update", "step")
 EXTRA_PREFIX = "extra/"
 #: update metrics that are means over responses, not tokens (combined over ranks so)
 PER_RESPONSE = ("rollout/seq_", "rollout/stale/seq_", "rollout/staleness/")
+#: metrics that are shares of one total per rank (their weight): a rank lacking one has 0 of it
+SHARE_PREFIXES = ("replay/energy_share/",)
 
 
 def assemble(
@@ -142,7 +144,8 @@ def combine(
     Means are weighted by each rank's count (``weights``, default 1); counts and throughput
     are summed; minima, maxima and stage times (the slowest rank) reduced accordingly. A key
     some rank lacks (a reward absent from its samples) is combined over the ranks that have
-    it, so every rank ends with the same keys.
+    it, so every rank ends with the same keys; except a share (``SHARE_PREFIXES``), which such
+    a rank holds 0 of, at the weight of its other shares under the same prefix.
     """
     if ranks.group is None:
         return m
@@ -151,6 +154,9 @@ def combine(
     out: dict[str, float] = {}
     for k in keys:
         vals = [(p[0][k], p[1].get(k, 1.0)) for p in parts if k in p[0]]
+        share = next((s for s in SHARE_PREFIXES if k.startswith(s)), None)
+        if share is not None:
+            vals = [_share(p, k, share) for p in parts]
         xs = [v for v, _ in vals]
         if k.startswith(EXTRA_PREFIX):
             out[k] = _weighted_mean(vals)
@@ -167,6 +173,15 @@ def combine(
         else:
             out[k] = _weighted_mean(vals)
     return out
+
+
+def _share(part, key: str, prefix: str) -> tuple[float, float]:
+    """(value, weight) of one rank's share ``key``: (0, its total) where it lacks the key."""
+    m, weights = part
+    if key in m:
+        return m[key], weights.get(key, 1.0)
+    total = next((weights.get(k, 0.0) for k in m if k.startswith(prefix)), 0.0)
+    return 0.0, total
 
 
 def _weighted_mean(vals: list[tuple[float, float]]) -> float:

@@ -8,15 +8,22 @@
   at the same tokens, and per-reward credit is the joint ablation's;
 * ``energy_share/<segment>``: the share of the reallocated credit's energy (the sum over
   tokens of ``x_t^2``, ``x_t = R_t / (sigma + eps)`` before any cap) on each part of the
-  responses their task declares (``Task.segments``), ``other`` for the rest.
+  responses their task declares (``Task.segments``), ``other`` for the rest; a segment met at
+  an earlier step is logged as 0 at a step whose responses lack it.
 
 Relevance profiles are read for Jensen–Shannon scores only (non-negative). Each value comes
-with its weight for the combination over ranks (``step_metrics.combine``): the energy shares
-combine to the global batch's exactly; the quantiles are the ranks' weighted mean (their
-maximum for ``max``), an approximation of the global quantile under DDP.
+with its weight for the combination over ranks (``step_metrics.combine``). The energy shares
+are exact over ranks: a share's weight is its rank's total energy, and a rank that lacks a
+segment counts 0 of it, so the combined share is the summed segment energy over the summed
+total. The quantiles are not: ``p50``/``p99`` combine as the ranks' quantiles averaged with
+their token counts as weights (the global quantile only with one rank, or ranks of equal
+distributions), ``max`` as the ranks' maximum (exact). ``profile_cosine`` is exact (a
+per-response mean weighted by response counts).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -24,6 +31,21 @@ from torch import Tensor
 from mrtpo.tasks.base import Task, token_segments
 
 PREFIX = "replay/"
+
+
+def quantiles(x: Tensor, qs: tuple[float, ...]) -> list[float]:
+    """The ``qs`` quantiles of the 1-D ``x`` as ``torch.quantile`` defines them (linear
+    interpolation between the order statistics around ``q (n - 1)``), by ``kthvalue``: exact,
+    and without ``torch.quantile``'s limit of 2^24 elements."""
+    n = x.numel()
+    out = []
+    for q in qs:
+        rank = q * (n - 1)
+        lo = math.floor(rank)
+        below = x.kthvalue(lo + 1).values
+        above = x.kthvalue(min(lo + 2, n)).values if rank > lo else below
+        out.append(float(torch.lerp(below, above, torch.tensor(rank - lo, dtype=x.dtype))))
+    return out
 
 
 def q_ratio_quantiles(q: Tensor, mask: Tensor, replayed: Tensor) -> tuple[dict, dict]:
@@ -36,7 +58,7 @@ def q_ratio_quantiles(q: Tensor, mask: Tensor, replayed: Tensor) -> tuple[dict, 
     ratio = (qv / torch.where(qbar > 1e-8, qbar, torch.ones_like(qbar)))[sel]
     if ratio.numel() == 0:
         return {}, {}
-    p50, p99 = torch.quantile(ratio, torch.tensor([0.5, 0.99], dtype=ratio.dtype)).tolist()
+    p50, p99 = quantiles(ratio, (0.5, 0.99))
     m = {"q_ratio/p50": p50, "q_ratio/p99": p99, "q_ratio/max": float(ratio.max())}
     return m, {"q_ratio/p50": float(ratio.numel()), "q_ratio/p99": float(ratio.numel())}
 
@@ -68,6 +90,8 @@ class CreditDiagnostics:
     def __init__(self, task: Task, tokenizer) -> None:
         self.task, self.tokenizer = task, tokenizer
         self._pieces: dict[int, str] = {}
+        #: segment names met so far: logged at every later step, 0 when a step lacks them
+        self._names: set[str] = set()
 
     def _piece(self, i: int) -> str:
         if i not in self._pieces:
@@ -119,7 +143,8 @@ class CreditDiagnostics:
             sums["other"] = sums.get("other", 0.0) + float(energy[j, :t][~seen].sum())
         if not declared:
             return {}, {}
-        m = {f"energy_share/{k}": v / total for k, v in sums.items()}
+        self._names.update(sums)
+        m = {f"energy_share/{k}": sums.get(k, 0.0) / total for k in sorted(self._names)}
         return m, dict.fromkeys(m, total)
 
     def __call__(self, record, relevance) -> tuple[dict[str, float], dict[str, float]]:
