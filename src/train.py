@@ -53,6 +53,7 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
+    from mrtpo.run_folder import resume_overrides
     from mrtpo.settings import ConfigError, check_overrides
     from mrtpo.signals import run_and_exit
 
@@ -61,6 +62,9 @@ if __name__ == "__main__":
     sys.argv = ["dry_run=true" if a == "--check" else a for a in sys.argv]
     try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts
         check_overrides(sys.argv[1:])
+        # +resume=<run>: the run's own overrides (its .hydra/overrides.yaml), then what a
+        # resume may change; any other key given is refused naming the run's value
+        sys.argv[1:] = resume_overrides(sys.argv[1:])
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
     # SIGTERM/SIGINT end the run within a bounded time (exit status 143/130), and threads a

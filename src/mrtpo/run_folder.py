@@ -29,6 +29,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -347,25 +348,144 @@ _NOT_RESUMED = ("resume=", "ckpt_path=", "dry_run=", "hydra.")
 
 
 def resume_command(folder: str | Path) -> str:
-    """The command that continues the run in ``folder``, as a shell line: this invocation's
-    overrides (else the run's ``.hydra/overrides.yaml``) and ``+resume=<folder>``. A resume
-    must repeat the run's settings (``check_resume_settings``): ``+resume`` alone was refused
-    for a run started with, e.g., ``rollout.schedule=one_step_off``."""
+    """The command that continues the run in ``folder``, as a shell line: ``+resume=<folder>``
+    (the resume takes the run's own overrides from its ``.hydra/overrides.yaml``,
+    ``resume_overrides``) after what this invocation gave beyond those (a resumed run's new
+    ``trainer.max_steps``)."""
     import shlex
 
+    try:
+        saved = _saved_overrides(Path(folder)) or []
+    except ValueError:  # unreadable: the command repeats all that was given
+        saved = []
     try:
         from hydra.core.hydra_config import HydraConfig
 
         given = [str(o) for o in HydraConfig.get().overrides.task]
     except Exception:  # not inside a Hydra job: the run's own record
-        try:
-            saved = OmegaConf.load(Path(folder) / ".hydra" / "overrides.yaml")
-            given = [str(o) for o in saved]
-        except Exception:
-            given = []
-    kept = [o for o in given if not o.lstrip("+~").startswith(_NOT_RESUMED)]
+        given = []
+    kept = [o for o in given if not o.lstrip("+~").startswith(_NOT_RESUMED) and o not in saved]
     words = ["python", "src/train.py", *kept, f"+resume={folder}"]
     return " ".join(shlex.quote(w) for w in words)
+
+
+# ---- a resume composed from the run's own overrides ------------------------------------------
+
+#: Keys a resume passes on to the checkpoint's comparison (``check_resume_settings``), which
+#: decides them: the batch keys may change form when they make the same global batch.
+_CHECKED_LATER = ("dry_run", "hydra.*")
+
+
+def _override_key(word: str) -> str:
+    return word.split("=", 1)[0].lstrip("+~")
+
+
+def _is_override(word: str) -> bool:
+    return "=" in word and not word.startswith("-")
+
+
+def _run_value(run: Path, key: str, saved: dict[str, str]) -> Any:
+    """The run's value of ``key``: as its overrides gave it, else its config group's choice
+    (``.hydra/hydra.yaml``), else the leaf of its saved config; ``<not set>`` when none."""
+    import yaml
+
+    if key in saved:
+        return saved[key]
+    hydra_dir = run / ".hydra"
+    for name, path in (("choices", "hydra.yaml"), ("config", "config.yaml")):
+        try:
+            data = yaml.safe_load((hydra_dir / path).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        node: Any = data.get("hydra", {}).get("runtime", {}).get("choices", {})
+        if name == "choices":
+            if isinstance(node, dict) and key in node:
+                return node[key]
+            continue
+        node = data
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return "<not set>"
+            node = node[part]
+        return node
+    return "<not set>"
+
+
+def _same(given: str, theirs: Any) -> bool:
+    import yaml
+
+    try:
+        value = yaml.safe_load(given)
+    except yaml.YAMLError:
+        value = given
+    if isinstance(theirs, str):
+        with contextlib.suppress(yaml.YAMLError):
+            theirs = yaml.safe_load(theirs)
+    return value == theirs or str(value) == str(theirs)
+
+
+def _saved_overrides(run: Path) -> list[str] | None:
+    """The run's ``.hydra/overrides.yaml``, read as data; None when the folder has none."""
+    import yaml
+
+    from mrtpo.settings import ConfigError
+
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"+resume={run}: cannot read {path} ({type(exc).__name__})") from None
+    if saved is None:
+        return []
+    if not isinstance(saved, list) or not all(isinstance(o, str) for o in saved):
+        raise ConfigError(f"+resume={run}: {path} is not a list of overrides")
+    return [o for o in saved if not o.lstrip("+~").startswith(_NOT_RESUMED)]
+
+
+def resume_overrides(argv: Sequence[str]) -> list[str]:
+    """The command line of ``+resume=<run>`` completed with the run's own overrides.
+
+    The run's ``.hydra/overrides.yaml`` comes first; an override given beside ``+resume``
+    replaces the run's value of a key a resume may change (``RESUME_MAY_CHANGE``), is dropped
+    when it repeats the run's value, and is refused naming the run's value otherwise. Without
+    ``+resume``, or for a folder that records no overrides, ``argv`` is returned as it is."""
+    from mrtpo.settings import BATCH_KEYS, ConfigError
+
+    words = list(argv)
+    resume = next((w for w in words if _is_override(w) and _override_key(w) == "resume"), None)
+    if resume is None:
+        return words
+    run = Path(resume.split("=", 1)[1])
+    saved = _saved_overrides(run) if run.is_dir() else None
+    if saved is None:
+        return words  # the resume's own checks say what is wrong with the folder
+    theirs = {_override_key(o): o.split("=", 1)[1] for o in saved if "=" in o}
+    keep, extra, flags = list(saved), [], []
+    for word in words:
+        if not _is_override(word):
+            flags.append(word)
+            continue
+        key, value = _override_key(word), word.split("=", 1)[1]
+        if word == resume or (key in theirs and _same(value, theirs[key])):
+            continue
+        free = may_change(key) or key in BATCH_KEYS
+        if free or any(fnmatch.fnmatchcase(key, p) for p in _CHECKED_LATER):
+            keep = [o for o in keep if _override_key(o) != key]
+            extra.append(word)
+            continue
+        run_value = _run_value(run, key, theirs)
+        if _same(value, run_value):
+            continue
+        raise ConfigError(
+            f"{key}={value}: the run in {run} has {key}={run_value}, and +resume continues "
+            "the run with its own settings (its .hydra/overrides.yaml); beside it give only "
+            "what a resume may change (RESUME_MAY_CHANGE: trainer.max_steps, paths, devices, "
+            f"memory and speed knobs), or start a new run from its checkpoint with "
+            f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"
+        )
+    return [*flags, *keep, *extra, resume]
 
 
 # ---- a checkpoint at or past the step limit ------------------------------------------------
@@ -842,9 +962,14 @@ class NewRunFolderCheck(Callback):
 
 # ---- a new run refused before it trained leaves no folder -----------------------------------
 
-#: What Hydra writes in a new run's folder before the run starts: its config (``.hydra/``)
-#: and its job log. A folder holding anything else is a run's, and is kept.
-HYDRA_START_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml"})
+#: What a new run's folder holds before its first step: Hydra's config (``.hydra/``), the
+#: run's record of its command (``history.yaml``), its job log and empty folders its loggers
+#: made (``csv/``). A folder holding anything else is a run's, and is kept.
+HYDRA_START_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml", "history.yaml"})
+
+
+def _empty_tree(folder: Path) -> bool:
+    return all(p.is_dir() and not p.is_symlink() and _empty_tree(p) for p in folder.iterdir())
 
 
 def _only_hydra_start(folder: Path) -> bool:
@@ -853,6 +978,9 @@ def _only_hydra_start(folder: Path) -> bool:
             return False
         if entry.name == ".hydra" and entry.is_dir():
             if not all(p.name in HYDRA_START_FILES and p.is_file() for p in entry.iterdir()):
+                return False
+        elif entry.is_dir():
+            if not _empty_tree(entry):
                 return False
         elif not (entry.is_file() and entry.suffix == ".log"):
             return False

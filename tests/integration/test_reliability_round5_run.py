@@ -192,10 +192,10 @@ def test_the_printed_resume_command_is_accepted_for_a_one_step_off_run(tmp_path,
     hint = re.search(r"continue it: (python src/train\.py .*)\)", first.stdout)
     assert hint, first.stdout[-3000:]
     words = shlex.split(hint.group(1))
-    assert words[:2] == ["python", "src/train.py"]
-    assert "rollout.schedule=one_step_off" in words  # the run's overrides, as given
-    longer = [w.replace("trainer.max_steps=1", "trainer.max_steps=2") for w in words[2:]]
-    again = _train(longer, tmp_path, cache_dir)
+    (run,) = (logs / "train" / "runs").iterdir()
+    # the folder alone: the resume takes the run's overrides from it (issue 50, item 2)
+    assert words == ["python", "src/train.py", f"+resume={run}"]
+    again = _train([*words[2:], "trainer.max_steps=2"], tmp_path, cache_dir)
     assert again.returncode == 0, again.stderr[-3000:]
     (run,) = (logs / "train" / "runs").iterdir()
     rows = (run / "csv" / "metrics.csv").read_text().strip().splitlines()
