@@ -162,6 +162,8 @@ def _load_failure(name: str, exc: BaseException) -> str:
     for prefix in (f"model.name_or_path={name} ", f"could not load model '{name}': "):
         first = first.removeprefix(prefix)
     folder = Path(name)
+    if name.startswith(("/", "./", "../", "~")) and not folder.expanduser().exists():
+        return "no such folder: name a folder that holds a model, or a Hub id such as org/name"
     if folder.is_dir() and not (folder / "config.json").is_file() and "tiny model" not in first:
         return "the folder holds no config.json: it is not a model folder"
     if not folder.exists() and "/" in name and not name.startswith(("/", ".")):
@@ -177,7 +179,12 @@ def load_model(cfg: DictConfig) -> tuple[Any, Any]:
     try:
         return load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
     except (OSError, ValueError, KeyError) as exc:
+        from mrtpo.settings import ConfigError
+
         name = str(cfg.model.get("name_or_path"))
-        raise ValueError(
-            f"model.name_or_path={name}: cannot load the model ({_load_failure(name, exc)})"
-        ) from exc
+        why = _load_failure(name, exc)
+        # a folder that is not there: a refusal (the run leaves no folder); a model that is
+        # there but fails to load keeps its run folder and the traceback in its log
+        missing = name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists()
+        error = ConfigError if missing else ValueError
+        raise error(f"model.name_or_path={name}: cannot load the model ({why})") from exc

@@ -17,6 +17,7 @@ integer >= 2, and the code that needs the value would have to repeat the default
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -484,6 +485,54 @@ def validate(cfg) -> None:
     check_engine(cfg)
     check_schedule(cfg)
     check_engine_settings(cfg)
+    check_method(cfg)
+    note = warmup_note(cfg)
+    if note:  # not a refusal: a short run to try things out is fine, said once at start
+        logging.getLogger(__name__).warning("%s", note)
+
+
+def check_method(cfg) -> None:
+    """``method.*`` values, checked by the method's own constructor before any model loads
+    or the run starts; its refusal (``method.beta=1.0``) is a ``ConfigError``, so a refused
+    run leaves no folder (``mrtpo.run_folder.discard_refused_folder``)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "method", default=None)
+    if node is None or OmegaConf.select(node, "_target_", default=None) is None:
+        return
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(node)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (ValueError, TypeError)):
+            raise ConfigError(str(cause)) from None
+        raise
+
+
+def warmup_note(cfg) -> str | None:
+    """One line when ``method.beta_warmup_steps`` ramps beta past the run's last step, so beta
+    never reaches ``method.beta`` (a 5-step run with the default 10-step warm-up ends at 0.18
+    of 0.5); None otherwise."""
+    from omegaconf import OmegaConf
+
+    from mrtpo.credit.relevance import beta_schedule
+
+    beta = OmegaConf.select(cfg, "method.beta", default=None)
+    warmup = OmegaConf.select(cfg, "method.beta_warmup_steps", default=None)
+    steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
+    if not (_is_int(warmup) and _is_int(steps) and isinstance(beta, (int, float))):
+        return None
+    if warmup <= 0 or beta <= 0 or steps - 1 >= warmup:
+        return None
+    reached = beta_schedule(float(beta), steps - 1, warmup)
+    return (
+        f"method.beta_warmup_steps={warmup} is longer than this run (trainer.max_steps="
+        f"{steps}): beta ends at {reached:.3g} of method.beta={beta:g} at the last step; set "
+        f"method.beta_warmup_steps below {steps} (0: no warm-up) for beta to reach its value"
+    )
 
 
 def check_engine(cfg) -> None:
@@ -615,6 +664,61 @@ def check_renamed(key: str) -> None:
         )
 
 
+def _method_keys(name: str, depth: int = 0) -> set[str] | None:
+    """The keys ``configs/method/<name>.yaml`` sets, with those of the methods it builds on
+    (its ``defaults``); None when there is no such file or it cannot be read here."""
+    from pathlib import Path
+
+    import yaml
+
+    # the project's configs/ (as mrtpo.config.CONFIG_DIR, which imports this module)
+    path = Path(__file__).resolve().parents[2] / "configs" / "method" / f"{name}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or depth > 4:
+        return None
+    keys = {k for k in data if k != "defaults"}
+    for base in data.get("defaults") or []:
+        if base == "_self_":
+            continue
+        more = _method_keys(str(base), depth + 1) if isinstance(base, str) else None
+        if more is None:
+            return None  # a form of defaults not read here: Hydra decides
+        keys |= more
+    return keys
+
+
+def check_method_keys(argv: Sequence[str]) -> None:
+    """Refuse ``method.<key>=...`` for a method without that key (``method=gdpo
+    method.beta=0.5``), naming the method and its keys: Hydra would advise ``+method.beta``,
+    which gives GDPO a beta it never reads. The method is the last ``method=`` given, else
+    the default (``mrtpo``); under an ``experiment=`` preset without ``method=`` Hydra decides."""
+    words = [a for a in argv if "=" in a and not a.startswith("-")]
+    chosen = [a.split("=", 1)[1] for a in words if a.split("=", 1)[0].lstrip("+") == "method"]
+    if not chosen and any(a.split("=", 1)[0].lstrip("+") == "experiment" for a in words):
+        return
+    name = chosen[-1] if chosen else "mrtpo"
+    keys = _method_keys(name)
+    if keys is None:
+        return  # an unknown method: Hydra names the choices
+    for arg in words:
+        key = arg.split("=", 1)[0]
+        if not key.startswith("method.") or key.startswith(("+", "~")):
+            continue
+        leaf = key.split(".")[1]
+        if leaf in keys:
+            continue
+        why = (
+            " (beta is MRTPO's share of the credit placed by relevance; this method gives "
+            "every token its response's credit): drop method.beta, or choose method=mrtpo"
+            if leaf == "beta"
+            else f": its keys are {sorted(k for k in keys if not k.startswith('_'))}"
+        )
+        raise ConfigError(f"{arg}: method={name} has no {leaf}{why}")
+
+
 def check_overrides(argv: Sequence[str]) -> None:
     """Refuse ``rl.nope=1`` on the command line, listing the valid keys of that section,
     and a replaced key (``RENAMED``), naming the one to use.
@@ -622,6 +726,7 @@ def check_overrides(argv: Sequence[str]) -> None:
     Hydra would refuse it too, but says only that the key is not in the config (and suggests
     ``+rl.nope=1``, which a schema refuses as well).
     """
+    check_method_keys(argv)
     for arg in argv:
         if "=" in arg:
             check_renamed(arg.split("=", 1)[0])

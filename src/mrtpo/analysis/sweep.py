@@ -44,7 +44,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from mrtpo.analysis.runs import check_output, rl_curves, write_file
+from mrtpo.analysis.runs import check_output, read_metrics, rl_curves, write_file
 from mrtpo.analysis.stats import (
     FINAL_WINDOW,
     SMOOTH,
@@ -211,21 +211,48 @@ def _saved_seed(run: Path) -> str | None:
     return None if seed is None else str(seed)
 
 
-def _saved_max_steps(run: Path) -> int | None:
-    """``trainer.max_steps`` of the run's newest start: its latest resume's config
-    (``.hydra/resumes/<time>-<pid>/``), else its own; None when unknown or not positive."""
+def _saved_setting(run: Path, key: str) -> Any:
+    """``key`` of the run's newest start: its latest resume's config
+    (``.hydra/resumes/<time>-<pid>/``), else its own; None when unknown."""
     hydra = run / ".hydra"
     resumes = sorted((hydra / "resumes").glob("*/config.yaml"), key=lambda p: p.parent.name)
     for p in [*reversed(resumes), hydra / "config.yaml"]:
         if not p.is_file():
             continue
         try:
-            value = OmegaConf.select(OmegaConf.load(p), "trainer.max_steps", default=None)
+            return OmegaConf.select(OmegaConf.load(p), key, default=None)
         except Exception:
             continue
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return value if ok else None
     return None
+
+
+def _saved_max_steps(run: Path) -> int | None:
+    """``trainer.max_steps`` of the run's newest start; None when unknown or not positive."""
+    value = _saved_setting(run, "trainer.max_steps")
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
+
+
+def beta_short(run: Path) -> str | None:
+    """A note when the run's logged ``train/beta`` never reached its ``method.beta`` (a
+    warm-up, ``method.beta_warmup_steps``, longer than the run): its relevance share was
+    smaller than the one named, and it differs less from GDPO than the setting says."""
+    beta = _saved_setting(run, "method.beta")
+    path = run / METRICS
+    if not _is_number(beta) or beta <= 0 or not path.is_file():
+        return None
+    try:
+        logged = [r["train/beta"] for r in read_metrics(path) if "train/beta" in r]
+    except (OSError, ValueError):
+        return None
+    top = max((b for b in logged if math.isfinite(b)), default=None)
+    if top is None or top >= beta * (1 - 1e-6):
+        return None
+    warmup = _saved_setting(run, "method.beta_warmup_steps")
+    return (
+        f"beta never reached method.beta={beta:g} (at most {top:.3g}; method.beta_warmup_steps="
+        f"{warmup} is longer than its {len(logged)} steps): {run}"
+    )
 
 
 def _is_int(v: Any) -> bool:
@@ -884,6 +911,7 @@ def _preamble(groups, names, common, skipped, used, level) -> list[str]:
             lines.append(f"Counted although incomplete (--incomplete): {names[k]}: "
                          f"{len(part)} incomplete ({', '.join(part)}).")  # fmt: skip
     lines += [f"Warning: {w}" for r in [*used, *skipped] for w in r.warnings]
+    lines += [f"Warning: {note}" for r in used if (note := beta_short(r.path))]
     return [one_line(line) for line in lines]  # paths and names from the runs' files
 
 
