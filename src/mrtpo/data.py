@@ -124,9 +124,13 @@ class PromptDataModule(L.LightningDataModule):
         val_prompts: int = 0,
         val_batch_size: int = 8,
         tokenizer=None,
+        cache_dir=None,
     ) -> None:
         super().__init__()
         self.task = task
+        # prompt token counts kept between jobs (mrtpo.prompt_cache); None: not kept
+        self.cache_dir = cache_dir
+        self.tokenized = 0  # prompts this module tokenized (the others came from the cache)
         self.prompts_per_step = prompts_per_step
         self.seed = seed
         self.max_prompt_tokens = max_prompt_tokens
@@ -175,7 +179,7 @@ class PromptDataModule(L.LightningDataModule):
     def _filter_length(self, examples: list[Example], split: str) -> list[Example]:
         if self.tokenizer is None or not self.max_prompt_tokens:
             return examples
-        lengths = self.prompt_lengths(examples)
+        lengths = self.prompt_lengths(examples, what=f"{split} prompts")
         kept = [e for e, n in zip(examples, lengths, strict=True) if n <= self.max_prompt_tokens]
         if len(kept) < len(examples):
             log.warning(
@@ -187,20 +191,28 @@ class PromptDataModule(L.LightningDataModule):
             )
         return kept
 
-    def prompt_lengths(self, examples: list[Example], chunk: int = 1024) -> list[int]:
+    def prompt_lengths(
+        self, examples: list[Example], chunk: int = 1024, what: str = "prompts"
+    ) -> list[int]:
         """Token counts of the sampling prompts, tokenized in batches (thousands of long
-        text-to-SQL schemas would take minutes one by one)."""
-        out: list[int] = []
-        for s in range(0, len(examples), chunk):
+        text-to-SQL schemas would take minutes one by one), with progress; counts of an
+        earlier job with the same prompts and tokenizer come from the cache."""
+        from mrtpo.prompt_cache import cached_lengths
+
+        def count(messages: list) -> list[int]:
             texts = [
-                self.tokenizer.apply_chat_template(
-                    e.messages, add_generation_prompt=True, tokenize=False
-                )
-                for e in examples[s : s + chunk]
+                self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                for m in messages
             ]
-            enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            out.extend(len(ids) for ids in enc)
-        return out
+            return [
+                len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            ]
+
+        lengths, done = cached_lengths(
+            [e.messages for e in examples], count, self.tokenizer, self.cache_dir, what, chunk
+        )
+        self.tokenized += done
+        return lengths
 
     def prompt_length(self, example: Example) -> int:
         return self.prompt_lengths([example])[0]

@@ -95,6 +95,7 @@ def build(cfg: DictConfig, validated: bool = False):
         val_prompts=data.val_prompts,
         val_batch_size=data.val_batch_size,
         tokenizer=tokenizer,
+        cache_dir=OmegaConf.select(cfg, "paths.cache_dir", default=None),  # prompt token counts
     )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     callbacks += live.callbacks()  # those given to mrtpo.Trainer

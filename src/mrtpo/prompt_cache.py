@@ -1,0 +1,110 @@
+"""Prompt token counts kept between jobs: the data phase's length filter tokenizes each
+prompt once per tokenizer, not once per job (a text-to-SQL job spent ~55 s on it, again in
+every job of a sweep).
+
+A count is keyed by the prompt's messages (which hold the data and the task's template) and
+stored in a file per tokenizer identity (its serialized vocabulary and rules, and its chat
+template) under the project's cache (``<paths.cache_dir>/prompt_lengths/``), never next to
+the user's data. Only counts are stored. A damaged or unwritable file is said in one warning
+line and the counts are worked out again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+FOLDER = "prompt_lengths"
+
+
+def tokenizer_key(tokenizer: Any) -> str:
+    """What the counts depend on besides the prompt: the tokenizer's vocabulary and rules,
+    and the chat template that renders the prompt."""
+    h = hashlib.sha256(f"v{VERSION}:{type(tokenizer).__name__}".encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        rules = backend.to_str() if backend is not None else None
+    except Exception:  # a backend that cannot serialize itself: its vocabulary below
+        rules = None
+    if rules is None:
+        rules = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    h.update(rules.encode("utf-8"))
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode("utf-8"))
+    special = getattr(tokenizer, "special_tokens_map", {}) or {}
+    h.update(json.dumps(special, sort_keys=True, default=str).encode("utf-8"))
+    return h.hexdigest()[:32]
+
+
+def prompt_key(messages: Any) -> str:
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def _read(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("data: prompt-length cache %s unreadable (%s); counting again", path, exc)
+        return {}
+    counts = data.get("lengths") if isinstance(data, dict) else None
+    if counts is None or data.get("version") != VERSION or not isinstance(counts, dict):
+        return {}
+    return {k: v for k, v in counts.items() if isinstance(v, int) and v >= 0}
+
+
+def _write(path: Path, counts: dict[str, int]) -> None:
+    """Atomically (another job of a sweep may read or write it at the same time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**_read(path), **counts}  # what another job added meanwhile stays
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"version": VERSION, "lengths": merged}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("data: prompt-length cache %s not written (%s)", path, exc)
+        with contextlib.suppress(UnboundLocalError, OSError):
+            os.unlink(tmp)
+
+
+def cached_lengths(
+    messages: Sequence[Any],
+    count: Callable[[list[Any]], list[int]],
+    tokenizer: Any,
+    cache_dir: str | Path | None,
+    what: str = "prompts",
+    chunk: int = 1024,
+) -> tuple[list[int], int]:
+    """Token counts of ``messages`` (one entry per prompt) and how many were counted here
+    (``count`` on a list of prompts); the others come from the cache in ``cache_dir`` (None:
+    no cache). Progress is logged per ``chunk`` when there are more than one."""
+    keys = [prompt_key(m) for m in messages]
+    path = Path(cache_dir) / FOLDER / f"{tokenizer_key(tokenizer)}.json" if cache_dir else None
+    known = _read(path) if path is not None else {}
+    todo = [i for i, k in enumerate(keys) if k not in known]
+    if path is not None and len(todo) < len(keys):
+        log.info("data: %d of %d %s' token counts from the cache %s",
+                 len(keys) - len(todo), len(keys), what, path)  # fmt: skip
+    new: dict[str, int] = {}
+    for s in range(0, len(todo), chunk):
+        part = todo[s : s + chunk]
+        for i, n in zip(part, count([messages[i] for i in part]), strict=True):
+            new[keys[i]] = int(n)
+        if len(todo) > chunk:
+            log.info("data: counting %s' tokens: %d/%d", what, s + len(part), len(todo))
+    if path is not None and new:
+        _write(path, new)
+    lengths = {**known, **new}
+    return [lengths[k] for k in keys], len(todo)
