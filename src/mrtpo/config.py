@@ -8,6 +8,7 @@ registers the resolvers (the entry points import it before ``@hydra.main`` runs)
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,6 +103,38 @@ def flat_dirname(name: str) -> str:
     return str(name).replace("/", "_").replace(os.sep, "_")[:200]
 
 
+# A multirun's folder, by its base (``.../multiruns/<time>``): the launcher resolves it from
+# the sweep's own overrides first, and each job (whose overrides are its own) gets the same.
+_SWEEP_DIRS: dict[str, str] = {}
+
+
+def swept_keys(overrides) -> list[str]:
+    """The keys a multirun sweeps over (``method=gdpo,mrtpo``, ``seed=range(1,4)``), in order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, keys = OverridesParser.create(), []
+    for text in overrides or []:
+        try:
+            parsed = parser.parse_overrides([str(text)])[0]
+        except Exception:  # not Hydra's grammar: not a sweep Hydra would run
+            continue
+        if parsed.is_sweep_override() and parsed.key_or_group not in keys:
+            keys.append(parsed.key_or_group)
+    return keys
+
+
+def sweep_dir(base, overrides) -> str:
+    """``hydra.sweep.dir``: ``base`` (``.../multiruns/<time>``) followed by the swept keys
+    (``..._method-seed``), so a sweep's folder says what it holds; one folder name of at most
+    100 more characters, the same for the sweep and each of its jobs."""
+    key = str(base)
+    if key not in _SWEEP_DIRS:
+        name = "-".join(swept_keys(overrides))
+        name = re.sub(r"[^A-Za-z0-9._=+-]", "_", name)[:100]
+        _SWEEP_DIRS[key] = f"{key}_{name}" if name else key
+    return _SWEEP_DIRS[key]
+
+
 # src/eval.py's .hydra subfolders, by eval.output: one answer per folder however often resolved.
 _EVAL_SUBDIRS: dict[str, str] = {}
 
@@ -152,6 +185,7 @@ def register_resolvers() -> None:
         ("mrtpo.hydra_subdir", hydra_subdir),
         ("mrtpo.job_log", job_log),
         ("mrtpo.flat_dirname", flat_dirname),
+        ("mrtpo.sweep_dir", sweep_dir),
         ("mrtpo.project_root", lambda: str(PROJECT_ROOT)),
         ("mrtpo.eval_hydra_subdir", eval_hydra_subdir),
         ("mrtpo.eval_task_name", eval_task_name),
