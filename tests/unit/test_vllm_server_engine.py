@@ -401,6 +401,30 @@ def test_a_server_reporting_tempered_logprobs_passes_the_probe(answers, tmp_path
     eng._probe_generate(eng.client)
 
 
+def test_a_probe_whose_top_tokens_do_not_overlap_is_a_bad_answer(answers, tmp_path):
+    """Tempering keeps the order of tokens, so the two probes share their top tokens; a
+    server whose probes share none sent a wrong answer (was a ValueError traceback)."""
+    url, table = answers
+    table["/inference/v1/generate"] = [_top({1: -0.5, 2: -1.0}), _top({3: -0.5, 4: -1.0})]
+    eng = _reached(url, tmp_path)
+    with pytest.raises(VLLMServerError) as err:
+        eng._probe_generate(eng.client)
+    text = str(err.value)
+    assert text.startswith(f"the vLLM server at {url} sent an answer the run cannot use "
+                           "during the log-prob probe: "), text  # fmt: skip
+    assert "no top token in common" in text and "\n" not in text
+
+
+@pytest.mark.parametrize("value", ['"mrtpo_file"', "[1]", "7"])
+def test_a_weight_transfer_config_that_is_not_an_object_names_the_server(answers, tmp_path, value):
+    url, table = answers
+    table["/server_info"] = f'{{"vllm_config": {{"weight_transfer_config": {value}}}}}'.encode()
+    eng = VLLMServerEngine("m", url=url, weight_dir=str(tmp_path))
+    with pytest.raises(VLLMServerError) as err:
+        eng._check_server(ServerClient(url))
+    assert str(err.value).startswith(f"the vLLM server at {url} has weight transfer backend")
+
+
 # ---- weight snapshot folders (issue 47, item 6) --------------------------------------------
 
 
@@ -452,7 +476,11 @@ def test_the_next_run_removes_only_what_a_killed_run_provably_left(temp_dir, tmp
     not_ours = _killed_run_folder(tmp_path, "elsewhere-")  # another name: never looked at
     target = _killed_run_folder(tmp_path, snapshots.PUSHES)  # a link to a dead one
     (shared / "pushes-link").symlink_to(target)
-    kept = {live, other_host, unrecorded, shared / "pushes-link", not_ours, target}
+    other_ns = _killed_run_folder(shared, snapshots.PUSHES, pidns=1)  # another container's
+    no_ns = _killed_run_folder(shared, snapshots.PUSHES, pidns=None)  # cannot tell: kept
+    no_start = _killed_run_folder(shared, snapshots.PUSHES, pid=os.getpid(), start=None)
+    kept = {live, other_host, unrecorded, shared / "pushes-link", not_ours, target, other_ns}
+    kept |= {no_ns, no_start}
     note = snapshots.leftover_note(shared)
     assert note is not None and note.startswith("4 weight snapshot folder(s) of killed runs")
     gone = set(snapshots.remove_leftovers(shared))

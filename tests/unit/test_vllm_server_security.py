@@ -143,10 +143,12 @@ def test_a_started_server_gets_a_fresh_key_by_environment_never_argv(monkeypatch
     assert keys[0] != keys[1]
 
 
-def test_the_key_proof_is_bound_to_the_key_and_the_nonce():
-    a = proof("key-one", "n" * 32)
-    assert a == proof("key-one", "n" * 32)
-    assert a != proof("key-two", "n" * 32) and a != proof("key-one", "m" * 32)
+def test_the_key_proof_is_bound_to_the_key_the_nonce_and_the_address():
+    where = "127.0.0.1:8000"
+    a = proof("key-one", "n" * 32, where)
+    assert a == proof("key-one", "n" * 32, where)
+    assert a != proof("key-two", "n" * 32, where) and a != proof("key-one", "m" * 32, where)
+    assert a != proof("key-one", "n" * 32, "127.0.0.1:8001")
     assert "key-one" not in a and len(a) == 64
 
 
@@ -181,3 +183,173 @@ def test_server_args_the_launcher_owns_are_refused_naming_the_key(args, key):
 def test_other_server_args_pass():
     args = ["--max-num-seqs", "8", "--disable-log-stats", "--enable-chunked-prefill"]
     assert VLLMServerEngine("m", server_args=args).server_args == args
+
+
+def test_a_proof_that_is_not_ascii_is_refused_not_a_traceback():
+    """compare_digest raises TypeError on str holding non-ASCII characters."""
+    from mrtpo.rollout.server_process import proves
+
+    assert not proves({"proofs": ["é" * 64, "\ud800"]}, "k", "n" * 32, "127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--api-server-count", "2"],
+        ["-asc", "2"],
+        ["--api_server_count=2"],
+        ["--headless"],
+        ["--grpc"],
+    ],
+)
+def test_options_that_start_unguarded_or_no_api_processes_are_refused(args):
+    with pytest.raises(ValueError, match=r"rollout\.engine\.server_args") as err:
+        VLLMServerEngine("m", server_args=args)
+    assert args[0].split("=")[0] in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- a relay of the key proof (review of issue 47, item 1) ---------------------------------
+
+
+class _KeyCheck:
+    """The base ``_with_proof`` widens (vLLM's AuthenticationMiddleware, which needs vLLM
+    to import): a bearer key on every route. tests/vllm checks vLLM's own class."""
+
+    def __init__(self, app, tokens):
+        self.app, self.tokens = app, [f"Bearer {t}".encode() for t in tokens]
+
+    def __call__(self, scope, receive, send):
+        from starlette.responses import JSONResponse
+
+        if dict(scope.get("headers", [])).get(b"authorization") in self.tokens:
+            return self.app(scope, receive, send)
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
+@pytest.fixture
+def real_server():
+    """(port, key): the real proof middleware on a Starlette app served by uvicorn on
+    127.0.0.1 in a thread."""
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from mrtpo.rollout.server_process import free_port, new_key
+    from mrtpo.rollout.vllm_serve import _with_proof
+
+    key = new_key()
+    app = Starlette(routes=[Route("/health", lambda r: JSONResponse({"ok": 1}))])
+    app.add_middleware(_with_proof(_KeyCheck), tokens=[key])
+    port = free_port("127.0.0.1")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(600):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield port, key
+    server.should_exit = True
+    thread.join(30)
+
+
+def _relay(family_host: str, port: int, target_port: int):
+    """A process that passes the proof route on to the real server at 127.0.0.1 and keeps
+    what else it is sent (the run's key, if the run trusted it)."""
+    import socket
+    import urllib.request
+
+    stolen: list = []
+
+    class Relay(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            stolen.append(self.headers.get("Authorization"))
+            body = b'{"ok": 1}'
+            if self.path.startswith(PROOF_PATH):
+                url = f"http://127.0.0.1:{target_port}{self.path}"
+                body = urllib.request.urlopen(url, timeout=30).read()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in family_host else socket.AF_INET
+
+    relay = Server((family_host, port), Relay)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    return relay, stolen
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("where", ["another port", "[::1], the same port"])
+def test_a_relay_of_the_real_servers_proof_is_refused_and_gets_no_key(
+    real_server, monkeypatch, tmp_path, where
+):
+    """A process that forwards the nonce to the real server and its proof back must not
+    pass: the proof is bound to the address the server was reached on."""
+    port, key = real_server
+    if where.startswith("[::1]") and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    host = "::1" if where.startswith("[::1]") else "127.0.0.1"
+    relay, stolen = _relay(host, port if host == "::1" else 0, port)
+    try:
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{relay.server_address[1]}"
+        monkeypatch.setenv("MRTPO_TEST_KEY", key)
+        eng = VLLMServerEngine("m", url=url, weight_dir=str(tmp_path), api_key_env="MRTPO_TEST_KEY")
+        with pytest.raises(VLLMServerError, match="did not prove that it holds the key") as err:
+            eng.start()
+        assert "\n" not in str(err.value) and key not in str(err.value)
+        assert stolen == [None]  # the proof request alone, without the key
+    finally:
+        relay.shutdown()
+        relay.server_close()
+
+
+def test_the_real_server_proves_itself_at_the_address_the_run_reached(real_server, monkeypatch):
+    port, key = real_server
+    monkeypatch.setenv("MRTPO_TEST_KEY", key)
+    eng = VLLMServerEngine("m", url="http://x", weight_dir="/tmp", api_key_env="MRTPO_TEST_KEY")
+    eng._key = key
+    assert eng._prove(f"http://localhost:{port}") == f"http://127.0.0.1:{port}"  # pinned
+
+
+@pytest.mark.parametrize(
+    ("host", "url_host"), [("localhost", "127.0.0.1"), ("::1", "[::1]"), ("127.0.0.1", "127.0.0.1")]
+)
+def test_a_started_server_binds_and_is_reached_at_one_numeric_address(
+    host, url_host, monkeypatch, tmp_path
+):
+    """``localhost`` may resolve to ::1 for the client and 127.0.0.1 for the server: the
+    launcher resolves it once and uses that literal for --host, the port checks and the URL."""
+    if host == "::1" and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    launched = []
+    child = [sys.executable, "-c", "import time; time.sleep(300)"]
+    monkeypatch.setattr(vs, "launch_command", lambda *a, **k: launched.append(a) or child)
+    eng = VLLMServerEngine("m", host=host, log_file=str(tmp_path / "server.log"))
+    eng._prepare_weight_folder()
+    try:
+        eng._launch()
+        bind, port = launched[0][0], launched[0][1]
+        assert bind == url_host.strip("[]")
+        assert eng.url == f"http://{url_host}:{port}"
+    finally:
+        eng.close()

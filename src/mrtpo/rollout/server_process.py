@@ -17,7 +17,9 @@ import atexit
 import contextlib
 import hashlib
 import hmac
+import http.client
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -26,7 +28,9 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from mrtpo.rollout.server_client import RequestFailed
 from mrtpo.safe_files import open_fd
 
 #: the one route a started server answers without its key: it proves that it holds the key
@@ -39,24 +43,93 @@ def new_key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def proof(key: str, nonce: str) -> str:
-    """What a server holding ``key`` answers to the run's ``nonce`` on ``PROOF_PATH``: an
-    HMAC-SHA256, which shows the key is known without revealing it or being reusable for
-    another nonce."""
-    return hmac.new(key.encode(), _PROOF_CONTEXT + nonce.encode(), hashlib.sha256).hexdigest()
+def proof(key: str, nonce: str, address: str) -> str:
+    """What a server holding ``key`` answers to the run's ``nonce`` on ``PROOF_PATH`` when
+    reached at ``address`` (``ip:port``, ``canonical_address``): an HMAC-SHA256, which shows
+    the key is known without revealing it or being reusable for another nonce or address. The
+    address stops a relay: a process that passes the nonce on to the real server gets back a
+    proof for the real server's address, not its own."""
+    message = _PROOF_CONTEXT + nonce.encode() + b"\0" + address.encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
 
 
 def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
-def proves(answer: object, key: str, nonce: str) -> bool:
-    """Whether a server's answer on ``PROOF_PATH`` holds ``proof(key, nonce)``."""
+def proves(answer: object, key: str, nonce: str, address: str) -> bool:
+    """Whether a server's answer on ``PROOF_PATH`` holds ``proof(key, nonce, address)``
+    (compared as bytes: ``compare_digest`` refuses a str that is not ASCII)."""
     proofs = answer.get("proofs") if isinstance(answer, dict) else None
-    want = proof(key, nonce)
+    want = proof(key, nonce, address).encode()
     return isinstance(proofs, list) and any(
-        isinstance(p, str) and hmac.compare_digest(p, want) for p in proofs
+        isinstance(p, str) and hmac.compare_digest(p.encode("utf-8", "replace"), want)
+        for p in proofs
     )
+
+
+def _canonical_ip(host: str) -> str | None:
+    """A numeric address as both ends write it (an IPv4-mapped IPv6 address, which a
+    dual-stack socket reports, as IPv4; no zone); None for anything else."""
+    try:
+        ip = ipaddress.ip_address(str(host).split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.compressed
+
+
+def canonical_address(host: str, port: int | None) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6), as the proof binds it."""
+    ip = _canonical_ip(host)
+    return f"{host}:{port}" if ip is None else f"{url_host(ip)}:{port}"
+
+
+def url_host(ip: str) -> str:
+    """``ip`` as the host of a URL (brackets around IPv6)."""
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def resolve(host: str) -> str:
+    """The one numeric address ``host`` names here (the first the resolver gives), which
+    the launcher binds, checks and connects to: a name resolved twice may give two
+    addresses (``localhost``: 127.0.0.1 for the server, ::1 for the client), and another
+    process may listen on the second. ValueError when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"{host!r} does not resolve to an address here ({exc})") from None
+    return _canonical_ip(infos[0][4][0]) or str(infos[0][4][0])
+
+
+def ask_proof(url: str, nonce: str, timeout_s: float = 10.0) -> tuple[object, str]:
+    """GET ``PROOF_PATH`` at ``url`` without a key: (the answer, the ``ip:port`` this
+    connection reached), the address the proof must be bound to. Failures are
+    ``RequestFailed`` as for ``ServerClient``."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
+    conn_type = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    conn = conn_type(parts.hostname or "", parts.port or (443 if https else 80), timeout=timeout_s)
+    try:
+        conn.request("GET", f"{parts.path.rstrip('/')}{PROOF_PATH}?nonce={nonce}")
+        peer = conn.sock.getpeername() if conn.sock is not None else ("", None)
+        resp = conn.getresponse()
+        raw, status = resp.read(), resp.status
+    except TimeoutError:
+        raise RequestFailed("timeout", f"no answer within {timeout_s:g} s") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise RequestFailed("unreachable", f"{type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
+    text = raw.decode("utf-8", errors="replace")
+    if status >= 400:
+        raise RequestFailed("refused", " ".join(text.split())[:500], status)
+    try:
+        answer: object = json.loads(text)
+    except ValueError:
+        answer = text
+    return answer, canonical_address(peer[0], peer[1])
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -4,11 +4,12 @@ A run writes each push into ``pushes-<random>/v<version>/`` inside the folder th
 reads (``rollout.engine.weight_dir``, or a temporary ``mrtpo-vllm-server-<random>/`` of its
 own). The engine removes its folder when it closes (the end of each fit, an exception, and
 interpreter exit). A trainer killed with SIGKILL runs none of these, so every such folder
-carries ``owner.json``: the host, its boot, the pid and that process's start time. The next
-run removes a leftover only when all of this proves it dead: the name pattern, a real folder
-(not a link) owned by this user, a record written on this host whose process is gone (or
-was another process: same pid, another start time or boot). A folder without a record, from
-another host, or of a live run is kept.
+carries ``owner.json``: the host, its boot, the pid namespace, the pid and that process's
+start time. The next run removes a leftover only when all of this proves it dead: the name
+pattern, a real folder (not a link) owned by this user, a record written on this host in
+this pid namespace whose process is gone (or was another process: same pid, another start
+time or boot). A folder without a record, from another host or pid namespace (a container
+sharing the hostname and the folder), with a start time unknown, or of a live run is kept.
 """
 
 from __future__ import annotations
@@ -49,10 +50,19 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def _pid_namespace() -> int | None:
+    """This process's pid namespace (the inode of /proc/self/ns/pid): containers that share
+    a hostname and a folder but not their pids tell their runs apart by it."""
+    with contextlib.suppress(OSError):
+        return os.stat("/proc/self/ns/pid").st_ino
+    return None
+
+
 def owner() -> dict[str, Any]:
     """This process, as ``owner.json`` records it."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid, "start": _start_time(pid)}
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pidns": _pid_namespace(),
+            "pid": pid, "start": _start_time(pid)}  # fmt: skip
 
 
 def make_folder(prefix: str, parent: Path | None = None) -> Path:
@@ -89,11 +99,15 @@ def is_dead_leftover(folder: Path) -> bool:
         return False
     if not isinstance(rec.get("pid"), int) or isinstance(rec.get("pid"), bool):
         return False
+    ns = _pid_namespace()
+    if ns is None or rec.get("pidns") != ns:
+        return False  # its pid means nothing here (another container), or cannot tell
     if rec["boot"] != _boot_id():
         return True  # the machine restarted since: nothing of that boot runs
     if not pid_alive(rec["pid"]):
         return True
-    return _start_time(rec["pid"]) != rec.get("start")  # the pid now names another process
+    now, then = _start_time(rec["pid"]), rec.get("start")
+    return now is not None and then is not None and now != then  # the pid names another process
 
 
 def leftovers(weight_dir: str | Path | None = None) -> list[Path]:

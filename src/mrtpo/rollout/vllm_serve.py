@@ -13,10 +13,12 @@ what ``rollout=vllm_server`` needs added.
   development routes (``/update_weights``, ``/collective_rpc``, which calls methods on the
   workers) would stay open. The guard widens vLLM's own key check, so it applies exactly when
   vLLM found a key, however it was given;
-* one route needs no key: ``/mrtpo/proof?nonce=<nonce>`` answers the HMAC of the nonce under
-  each key (``mrtpo.rollout.server_process.proof``), so that a run proves it talks to its own
-  server before it sends the key or anything else (a process that bound the port first
-  cannot answer it).
+* one route needs no key: ``/mrtpo/proof?nonce=<nonce>`` answers the HMAC, under each key, of
+  the nonce and the address the request reached (``scope["server"]``;
+  ``mrtpo.rollout.server_process.proof``), so that a run proves it talks to its own server
+  before it sends the key or anything else: a process that bound the port first cannot
+  answer it, and one that relays the nonce to the real server gets a proof for the real
+  server's address, which the run, connected to the relay's, refuses.
 
 Everything else is ``vllm serve``'s (``vllm.entrypoints.launchers.api_server.entry``); the
 ``vllm serve`` command itself looks up the distribution ``vllm``, which the CPU build (named
@@ -32,7 +34,7 @@ import signal
 import sys
 from urllib.parse import parse_qs
 
-from mrtpo.rollout.server_process import PROOF_PATH, proof
+from mrtpo.rollout.server_process import PROOF_PATH, canonical_address, proof
 
 PARENT_ENV = "MRTPO_SERVER_PARENT"
 CPUS_ENV = "MRTPO_SERVER_CPUS"
@@ -117,8 +119,10 @@ def _with_proof(base: type) -> type:
             nonce = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("nonce", [""])
             if not 16 <= len(nonce[0]) <= 256:
                 answer = JSONResponse({"error": "nonce: 16 to 256 characters"}, status_code=400)
-            else:
-                answer = JSONResponse({"proofs": [proof(k, nonce[0]) for k in self._keys]})
+            else:  # bound to the address this connection reached (a relay's is not ours)
+                host, port = (scope.get("server") or ("", None))[:2]
+                address = canonical_address(host, port)
+                answer = JSONResponse({"proofs": [proof(k, nonce[0], address) for k in self._keys]})
             return answer(scope, receive, send)
 
     return KeyCheckWithProof

@@ -46,14 +46,16 @@ from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.rollout.server_answers import BadAnswer, as_object, field
 from mrtpo.rollout.server_client import RequestFailed, ServerClient, write_snapshot
 from mrtpo.rollout.server_process import (
-    PROOF_PATH,
     ServerProcess,
+    ask_proof,
     free_port,
     is_loopback,
     new_key,
     new_nonce,
     port_in_use,
     proves,
+    resolve,
+    url_host,
 )
 from mrtpo.rollout.vllm import _model_config, prompt_seed
 from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
@@ -112,6 +114,7 @@ def launch_command(url_host: str, port: int, model: str, args: Sequence[str]) ->
 #: ``vllm serve`` arguments the launcher sets, and what sets each instead (None: the run
 #: needs the launcher's value). vLLM's parser reads ``_`` as ``-``, takes ``--name=value`` and
 #: unique abbreviations, and ``--name.field`` sets one field of a JSON argument.
+_ONE_API = "nothing: remove it (the run serves one HTTP API process, the one that checks the key)"
 OWNED_ARGS: dict[str, str | None] = {
     "--host": "rollout.engine.host",
     "--port": "rollout.engine.port",
@@ -131,6 +134,11 @@ OWNED_ARGS: dict[str, str | None] = {
     "--logprobs-mode": None,
     "--enable-scale-out": None,
     "--no-enable-scale-out": None,
+    # more API processes (or none, or gRPC) than the one the launcher guards with the key
+    "--api-server-count": _ONE_API,
+    "-asc": _ONE_API,
+    "--headless": _ONE_API,
+    "--grpc": _ONE_API,
 }
 
 
@@ -162,7 +170,9 @@ def owned_argument(args: Sequence[str]) -> str | None:
         fixed = OWNED_ARGS[owner]
         shown = arg.split("=", 1)[0] + ("=..." if "=" in arg else "")  # never echo a key
         instead = (
-            f"set {fixed} instead"
+            fixed
+            if fixed == _ONE_API
+            else f"set {fixed} instead"
             if fixed
             else f"remove it (the run needs the launcher's {owner}: {BACKEND} weight transfer, "
             "processed_logprobs, --enable-scale-out)"
@@ -268,6 +278,7 @@ class VLLMServerEngine(RolloutEngine):
     ) -> None:
         self.model, self.url = str(model), (str(url).rstrip("/") if url else None)
         self.host, self.port = str(host), port
+        self._bind_host = self.host  # its one numeric address (resolved in _check_settings)
         self.api_key_env = str(api_key_env)
         self.cpus = [int(c) for c in cpus] if cpus else []
         self.devices = [int(d) for d in devices] if devices else []
@@ -346,8 +357,12 @@ class VLLMServerEngine(RolloutEngine):
                     "rollout.engine.url names an existing one: drop one of them",
                 )
             return
+        try:
+            self._bind_host = resolve(self.host)
+        except ValueError as exc:
+            raise ValueError(f"rollout.engine.host={self.host}: {exc}") from None
         need(
-            is_loopback(self.host) or self.api_key is not None,
+            is_loopback(self._bind_host) or self.api_key is not None,
             f"rollout.engine.host={self.host} would expose the server beyond this machine "
             f"without an API key, and its RL and development routes load files into the model "
             f"and call methods on its workers: set the key in the environment variable "
@@ -513,23 +528,24 @@ class VLLMServerEngine(RolloutEngine):
                 f"rollout.engine.model={self.model}: no such folder for the server to load "
                 "(it follows model.name_or_path)"
             )
-        if self.port and port_in_use(self.host, int(self.port)):
+        bind = self._bind_host
+        if self.port and port_in_use(bind, int(self.port)):
             raise VLLMServerError(
-                f"rollout.engine.port={self.port}: {self.host}:{self.port} is already in use by "
+                f"rollout.engine.port={self.port}: {url_host(bind)}:{self.port} is already in use by "
                 "another process, and the run talks to the server it starts only: choose a free "
                 "port, or leave rollout.engine.port unset (a free one)"
             )
-        port = int(self.port) if self.port else free_port(self.host)
+        port = int(self.port) if self.port else free_port(bind)
         self._key = self.api_key or new_key()  # a fresh key unless the user set one
-        cmd = launch_command(self.host, port, self.model, self.server_arguments())
+        cmd = launch_command(bind, port, self.model, self.server_arguments())
         log_path = Path(self.log_file) if self.log_file else self._root / "server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.process = ServerProcess(cmd, self._server_env(), log_path, self.stop_timeout_s)
         log.info("starting the vLLM server: %s (log: %s)", " ".join(cmd), log_path)
         self.process.start()
         log.info("vLLM server started: pid %s", self.process.pid)
-        shown = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        self.url = f"http://{shown}:{port}"
+        shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+        self.url = f"http://{url_host(shown)}:{port}"
 
     def _wait_healthy(self, client: ServerClient) -> None:
         """Wait for the key proof (``_prove``), then for ``/health`` (with the key)."""
@@ -542,7 +558,7 @@ class VLLMServerEngine(RolloutEngine):
                     f"starting ({self.process.log_tail()}); its log: {self.process.log_path}"
                 )
             try:
-                self._prove(client.url)
+                client.url = self.url = self._prove(client.url)
                 client.get("/health", timeout_s=10)
                 return
             except RequestFailed as exc:
@@ -554,32 +570,37 @@ class VLLMServerEngine(RolloutEngine):
             f"{self.start_timeout_s:g} s (rollout.engine.start_timeout_s; last: {last}){where}"
         )
 
-    def _prove(self, url: str) -> None:
+    def _prove(self, url: str) -> str:
         """The server at ``url`` must prove that it holds the run's key before it gets any
-        request or the key: it answers a fresh nonce with ``proof(key, nonce)`` (an HMAC) on
-        the one route that needs no key (``mrtpo.rollout.vllm_serve``). A process that bound
-        the port first sees the nonce alone and cannot answer it; any answer but the proof
-        stops the run. No answer yet (not listening, busy starting) is asked again."""
+        request or the key: it answers a fresh nonce with ``proof(key, nonce, address)`` (an
+        HMAC) on the one route that needs no key (``mrtpo.rollout.vllm_serve``), ``address``
+        being where this connection reached it. A process that bound the port first sees the
+        nonce alone and cannot answer it; one that relays it to the real server gets a proof
+        for another address. Any answer but the proof stops the run; no answer yet (not
+        listening, busy starting) is asked again. Returns the URL to use from now on: over
+        http, the proven numeric address (a name resolved again may lead elsewhere)."""
         if self._key is None:
             log.warning("no API key in %s: the run cannot check that %s is the server meant "
                         "(and anyone who reaches it can call its RL routes)", self.api_key_env,
                         url)  # fmt: skip
-            return
+            return url
         nonce = new_nonce()
         try:
-            answer = ServerClient(url, None, 10).get(f"{PROOF_PATH}?nonce={nonce}")
+            answer, address = ask_proof(url, nonce)
         except RequestFailed as exc:
             if exc.kind != "refused":
                 raise
-            answer = f"HTTP {exc.status}: {exc.detail}"
-        if proves(answer, self._key, nonce):
-            return
+            answer, address = f"HTTP {exc.status}: {exc.detail}", ""
+        if proves(answer, self._key, nonce, address):
+            return self._proven_url(url, address)
         seen = " ".join(str(answer).split())[:120]
         if self.process is None:
             raise VLLMServerError(
                 f"the server at {url} did not prove that it holds the key in {self.api_key_env} "
-                f"(it answered {seen!r}; the key was not sent): start it with `python -m "
-                f"{LAUNCHER}` of this version and that key, and check rollout.engine.url"
+                f"for the address the run reached ({address or 'none'}; it answered {seen!r}; "
+                f"the key was not sent): start it with `python -m {LAUNCHER}` of this version "
+                "and that key, reach it directly (no relay or port mapping), and check "
+                "rollout.engine.url"
             )
         raise VLLMServerError(
             f"the process answering at {url} is not the vLLM server the run started: it could "
@@ -587,6 +608,16 @@ class VLLMServerEngine(RolloutEngine):
             f"key was sent). Another process holds port {urlsplit(url).port}: stop it, or set "
             "rollout.engine.port to a free port"
         )
+
+    def _proven_url(self, url: str, address: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            return url  # https: the certificate names the host
+        if not is_loopback(address.rsplit(":", 1)[0].strip("[]")):
+            log.warning("the run sends the key in %s to %s over plain http, readable by anyone "
+                        "on the network path: use https or an SSH tunnel", self.api_key_env,
+                        url)  # fmt: skip
+        return f"http://{address}{parts.path.rstrip('/')}"
 
     # -- what the server must be -------------------------------------------------------------
 
@@ -597,7 +628,8 @@ class VLLMServerEngine(RolloutEngine):
         info = self._call(lambda: as_object(client.get("/server_info?config_format=json")),
                           what=what)  # fmt: skip
         vcfg = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
-        backend = (vcfg.get("weight_transfer_config") or {}).get("backend")
+        wcfg = vcfg.get("weight_transfer_config")
+        backend = wcfg.get("backend") if isinstance(wcfg, dict) else None
         if backend != BACKEND:
             raise VLLMServerError(
                 f"the vLLM server at {client.url} has weight transfer backend {backend!r}, not "
@@ -659,8 +691,11 @@ class VLLMServerEngine(RolloutEngine):
         double every gap between two tokens' log-probs at 0.5, the model's own keep it."""
         tops = [self._probe_top(client, t) for t in (1.0, 0.5)]
         common = set(tops[0]) & set(tops[1])
+        if not common:  # tempering keeps the tokens' order: the same prompt shares its top
+            raise self._bad_answer("the log-prob probe", BadAnswer(
+                f"no top token in common at temperature 1 ({sorted(tops[0])[:PROBE_TOP]}) and "
+                f"0.5 ({sorted(tops[1])[:PROBE_TOP]}) for the same seeded prompt"))  # fmt: skip
         gaps = [max(top[t] for t in common) - min(top[t] for t in common) for top in tops]
-        gaps = gaps if len(common) > 1 else [0.0, 0.0]
         if gaps[0] > 1e-3:  # else the tokens are too close to tell: trust the server's word
             tempered, seen = gaps[1] / gaps[0] > 1.5, f"{gaps[1] / gaps[0]:.2f} x"
         else:
