@@ -23,6 +23,7 @@ from mrtpo.tasks.deadline import WALL_GUARD_FACTOR, CheckTimeout, call_with_budg
 
 BUDGET_S = 0.25
 HANG_GUARD_S = 300.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUSY = 11  # processes sharing the test's core: the check gets about 1/12 of it
 
 
@@ -74,6 +75,49 @@ def test_an_unknown_clock_is_refused():
 # ---- the official checker on a loaded core -------------------------------------------------------
 
 
+BUSY_S = 120.0  # a busy process stops by itself after this long, whatever happens to the test
+# each busy process: dies with the test (PR_SET_PDEATHSIG, Linux), pins itself to the core,
+# then spins until its deadline
+SPIN = """
+import ctypes, os, signal, sys, time
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+if os.getppid() != {parent}:
+    sys.exit(0)  # the test died before prctl took effect
+os.sched_setaffinity(0, {{{core}}})
+print("ready", flush=True)
+deadline = time.time() + {seconds}
+while time.time() < deadline:
+    pass
+"""
+
+
+def start_busy(core: int, n: int, seconds: float = BUSY_S) -> list[subprocess.Popen]:
+    """``n`` processes spinning on ``core`` for ``seconds``, each ready when this returns;
+    on any failure the ones started are killed."""
+    code = SPIN.format(parent=os.getpid(), core=core, seconds=seconds)
+    busy: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            busy.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                         text=True))  # fmt: skip
+        for p in busy:
+            assert p.stdout.readline().strip() == "ready"
+    except BaseException:
+        stop(busy)
+        raise
+    return busy
+
+
+def stop(busy: list[subprocess.Popen]) -> None:
+    for p in busy:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
 @pytest.fixture
 def loaded_core():
     """Pin this thread to one core and start ``BUSY`` spinning processes pinned to it."""
@@ -81,21 +125,55 @@ def loaded_core():
         pytest.skip("needs os.sched_setaffinity (Linux)")
     before = os.sched_getaffinity(0)
     core = min(before)
-    spin = (
-        f"import os; os.sched_setaffinity(0, {{{core}}}); print('ready', flush=True)\nwhile 1: pass"
-    )
-    busy = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
-            for _ in range(BUSY)]  # fmt: skip
+    busy = start_busy(core, BUSY)
     try:
-        for p in busy:
-            assert p.stdout.readline().strip() == "ready"
         os.sched_setaffinity(0, {core})
         yield
     finally:
         os.sched_setaffinity(0, before)
-        for p in busy:
-            p.kill()
-            p.wait()
+        stop(busy)
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    """Whether process ``pid`` has ended (and been reaped, or is a zombie) within ``within_s``."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
+def test_busy_processes_end_with_the_test_and_by_their_deadline():
+    """A test killed mid-way (SIGKILL: no finally runs) leaves no process spinning, and a
+    busy process stops by itself at its deadline."""
+    core = min(os.sched_getaffinity(0))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, '.');"
+         "from tests.unit.test_checker_load import start_busy; "
+         f"b = start_busy({core}, 2); print(*[p.pid for p in b], flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    pids = [int(x) for x in parent.stdout.readline().split()]
+    try:
+        assert len(pids) == 2
+        parent.kill()
+        parent.wait()
+        assert all(_gone(pid, 60.0) for pid in pids), "busy processes outlived their parent"
+    finally:
+        for pid in pids:  # only if the check above failed: they are ours, end them
+            if not _gone(pid, 0.0):
+                os.kill(pid, signal.SIGKILL)
+    busy = start_busy(core, 1, seconds=0.5)
+    try:
+        assert busy[0].wait(timeout=60.0) == 0
+    finally:
+        stop(busy)
 
 
 def _placeholders(n: int) -> Example:
