@@ -353,3 +353,13 @@ def test_a_started_server_binds_and_is_reached_at_one_numeric_address(
         assert eng.url == f"http://{url_host}:{port}"
     finally:
         eng.close()
+
+
+def test_a_key_sent_over_plain_http_beyond_loopback_is_warned_about(caplog, tmp_path):
+    eng = VLLMServerEngine("m", url="http://nodeB:8000", weight_dir=str(tmp_path))
+    caplog.set_level(logging.WARNING)
+    assert eng._proven_url("http://nodeB:8000", "127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert "clear text" not in caplog.text
+    assert eng._proven_url("http://nodeB:8000", "10.0.0.2:8000") == "http://10.0.0.2:8000"
+    assert "clear text" in caplog.text and "https" in caplog.text
+    assert eng._proven_url("https://nodeB:8000", "10.0.0.2:8000") == "https://nodeB:8000"

@@ -614,9 +614,9 @@ class VLLMServerEngine(RolloutEngine):
         if parts.scheme != "http":
             return url  # https: the certificate names the host
         if not is_loopback(address.rsplit(":", 1)[0].strip("[]")):
-            log.warning("the run sends the key in %s to %s over plain http, readable by anyone "
-                        "on the network path: use https or an SSH tunnel", self.api_key_env,
-                        url)  # fmt: skip
+            log.warning("the run sends the key in %s to %s over plain http, in clear text "
+                        "for anyone on the network path: use https or an SSH tunnel",
+                        self.api_key_env, url)  # fmt: skip
         return f"http://{address}{parts.path.rstrip('/')}"
 
     # -- what the server must be -------------------------------------------------------------
