@@ -18,6 +18,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tiny model is ~3x faster on one thread than on two (thread hand-off dominates its
 # small matrices); subprocesses inherit this too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# ATEN_CPU_CAPABILITY lowers torch's own kernels only; oneDNN still picks AMX/AVX-512 from the
+# CPU, and torch 2.13's bf16 attention then fails ("pack_vnni2 is only supported when avx512 is
+# supported"). Lower oneDNN with it, as on a CPU that has no more (issue 47).
+_ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2"}.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+if _ONEDNN_ISA:
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parents[1]
