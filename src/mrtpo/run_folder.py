@@ -878,6 +878,7 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
 #: Folders chosen with ``hydra.run.dir``/``paths.output_dir`` for a new run, checked before
 #: Hydra wrote into them: resolved folder -> (it existed, the folders above it that did not).
 #: A run refused before it trained removes what was made for it (``discard_refused_folder``).
+#: The current run's only: a process runs one at a time, each check starts it afresh.
 _CHOSEN: dict[str, tuple[bool, list[str]]] = {}
 
 #: The values these keys have when not set: a new folder of this process (``unique_dir``),
@@ -906,6 +907,7 @@ def check_new_run_folder(cfg: DictConfig) -> None:
     from mrtpo.settings import ConfigError, check_names
 
     check_names(cfg)
+    _CHOSEN.clear()
     if cfg.get("resume") or _secondary_process():
         return
     for key in _DEFAULT_FOLDERS:
@@ -1017,8 +1019,9 @@ def discard_refused_folder(cfg: DictConfig) -> Path | None:
         return None
     folder = run_folder_of(cfg)
     made = made_here(folder) if folder is not None else None
-    existed, chosen = _CHOSEN.get(str(folder.resolve()), (False, [])) if folder else (False, [])
-    if not made and folder is not None and str(folder.resolve()) in _CHOSEN:
+    entry = _CHOSEN.pop(str(folder.resolve()), None) if folder is not None else None
+    existed, chosen = entry or (False, [])
+    if not made and entry is not None:
         made = [folder, *map(Path, chosen)]  # a folder the user named, made for this run
     if not made or not made[0].is_dir() or not _only_hydra_start(made[0]):
         return None
