@@ -16,10 +16,11 @@ A data file that does not exist is refused where the task reads it
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mrtpo.settings import ConfigError
+from mrtpo.settings import ConfigError, warmup_note
 
 #: How to set a mandatory key (``???`` in its config) left without a value, and what it is.
 _MISSING_HINTS = {
@@ -39,6 +40,9 @@ def check(cfg: DictConfig) -> None:
     check_mandatory(cfg)
     check_logger_packages(cfg)
     check_vllm_on_cpu(cfg)
+    note = warmup_note(cfg)  # not a refusal (a short run to try things is fine): said once
+    if note:
+        logging.getLogger(__name__).warning("%s", note)
 
 
 def _task_choice(cfg: DictConfig) -> str | None:

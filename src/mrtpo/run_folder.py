@@ -109,8 +109,8 @@ def validate_resume(ckpt: dict[str, Any], module, ckpt_path: str | Path) -> None
         if key in state and state[key] != mine:
             raise ResumeRefused(
                 f"{ckpt_path} was trained with {key}={state[key]!r} but this run has "
-                f"{key}={mine!r}; resume with the original run's overrides (its "
-                ".hydra/overrides.yaml, left unchanged)"
+                f"{key}={mine!r}; +resume=<run> alone continues it with its own overrides "
+                "(its .hydra/overrides.yaml): give only what a resume may change"
             )
     theirs = ckpt["state_dict"]
     ours = module.state_dict()
@@ -129,7 +129,7 @@ def validate_resume(ckpt: dict[str, Any], module, ckpt_path: str | Path) -> None
         )
         raise ResumeRefused(
             f"{ckpt_path} holds a different model than model.name_or_path / model=... of this "
-            f"run ({detail}); resume with the original run's model= overrides"
+            f"run ({detail}); +resume=<run> alone continues it with its own model= overrides"
         )
 
 
@@ -334,9 +334,9 @@ def check_resume_settings(
             + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else "")
             + ". A resume continues the same run and may change only where things go, the "
             "step limit, the number of processes and knobs of memory and speed (the list: "
-            "RESUME_MAY_CHANGE in mrtpo/run_folder.py, docs/reliability.md). Resume with "
-            "the run's settings (its .hydra/overrides.yaml), or start a new run from the "
-            f"checkpoint with ckpt_path={ckpt_path}"
+            "RESUME_MAY_CHANGE in mrtpo/run_folder.py, docs/reliability.md). +resume=<run> "
+            "alone takes the run's settings (its .hydra/overrides.yaml); or start a new run "
+            f"from the checkpoint with ckpt_path={ckpt_path}"
         )
 
 
@@ -372,8 +372,10 @@ def resume_command(folder: str | Path) -> str:
 # ---- a resume composed from the run's own overrides ------------------------------------------
 
 #: Keys a resume passes on to the checkpoint's comparison (``check_resume_settings``), which
-#: decides them: the batch keys may change form when they make the same global batch.
+#: decides them, as it does the batch keys (they may change form when they make the same
+#: global batch) and config groups (``trainer=ddp`` changes only keys a resume may change).
 _CHECKED_LATER = ("dry_run", "hydra.*")
+_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _override_key(word: str) -> str:
@@ -470,7 +472,7 @@ def resume_overrides(argv: Sequence[str]) -> list[str]:
         key, value = _override_key(word), word.split("=", 1)[1]
         if word == resume or (key in theirs and _same(value, theirs[key])):
             continue
-        free = may_change(key) or key in BATCH_KEYS
+        free = may_change(key) or key in BATCH_KEYS or (_CONFIGS / key).is_dir()
         if free or any(fnmatch.fnmatchcase(key, p) for p in _CHECKED_LATER):
             keep = [o for o in keep if _override_key(o) != key]
             extra.append(word)

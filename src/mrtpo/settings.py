@@ -17,7 +17,6 @@ integer >= 2, and the code that needs the value would have to repeat the default
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -486,9 +485,6 @@ def validate(cfg) -> None:
     check_schedule(cfg)
     check_engine_settings(cfg)
     check_method(cfg)
-    note = warmup_note(cfg)
-    if note:  # not a refusal: a short run to try things out is fine, said once at start
-        logging.getLogger(__name__).warning("%s", note)
 
 
 def check_method(cfg) -> None:
