@@ -154,11 +154,11 @@ def combine(
     out: dict[str, float] = {}
     for k in keys:
         vals = [(p[0][k], p[1].get(k, 1.0)) for p in parts if k in p[0]]
-        share = next((s for s in SHARE_PREFIXES if k.startswith(s)), None)
-        if share is not None:
-            vals = [_share(p, k, share) for p in parts]
         xs = [v for v, _ in vals]
-        if k.startswith(EXTRA_PREFIX):
+        share = next((s for s in SHARE_PREFIXES if k.startswith(s)), None)
+        if share is not None:  # whatever the segment's name ends in
+            out[k] = _weighted_mean([_share(p, k, share) for p in parts])
+        elif k.startswith(EXTRA_PREFIX):
             out[k] = _weighted_mean(vals)
         elif k in SUM_METRICS:
             out[k] = float(sum(xs))

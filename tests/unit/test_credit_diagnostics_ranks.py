@@ -84,12 +84,21 @@ def _diag() -> CreditDiagnostics:
                              CharTokenizer())  # fmt: skip
 
 
+def _renamed(shares: tuple[dict, dict]) -> tuple[dict, dict]:
+    """A custom task's segment named like a reduction (``max``): still a share."""
+    return tuple({k.replace("/mark", "/max"): v for k, v in d.items()} for d in shares)
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         part = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
-        torch.save(combine(*_shares(_diag(), part), Ranks()), Path(out_dir) / f"rank{rank}.pt")
+        out = {
+            "plain": combine(*_shares(_diag(), part), Ranks()),
+            "renamed": combine(*_renamed(_shares(_diag(), part)), Ranks()),
+        }
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -107,11 +116,13 @@ def test_two_ranks_give_the_one_process_energy_shares(tmp_path: Path) -> None:
         full[PREFIX + "energy_share/mark"] > 0 and rank1.get(PREFIX + "energy_share/mark", 0) == 0
     )
     assert math.isclose(sum(full.values()), 1.0, rel_tol=1e-12)
+    renamed = _renamed((full, {}))[0]
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got.keys() == full.keys()
-        for k, v in full.items():
-            assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-15), (rank, k)
+        for name, want in (("plain", full), ("renamed", renamed)):
+            assert got[name].keys() == want.keys()
+            for k, v in want.items():
+                assert got[name][k] == pytest.approx(v, rel=1e-12, abs=1e-15), (rank, name, k)
 
 
 def test_a_segment_seen_before_is_logged_as_zero():
