@@ -40,7 +40,9 @@ def check(cfg: DictConfig) -> None:
     check_mandatory(cfg)
     check_logger_packages(cfg)
     check_vllm_on_cpu(cfg)
-    note = warmup_note(cfg)  # not a refusal (a short run to try things is fine): said once
+    # not a refusal (a short run to try things is fine): said once, as the run starts (a
+    # resume's start said it; report.py names such runs)
+    note = None if cfg.get("resume") else warmup_note(cfg)
     if note:
         logging.getLogger(__name__).warning("%s", note)
 
