@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make train   builds .venv if missing, then `python src/train.py experiment=demo`: a short SFT
-#                warm start and MRTPO on the synthetic task (toy model, CPU, ~4 min), printing
+#                warm start and MRTPO on the synthetic task (toy model, CPU; README, "Timings"), printing
 #                the success rate as it rises (configs/experiment/demo.yaml says everything)
 #   make test    builds .venv if missing, then runs the test suite (no `slow`, `gpu`, `vllm` or
 #                `harness` tests; `make test-harness` runs the benchmark and replication ones,
