@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,16 +78,26 @@ class Session:
 
 
 _SESSION: Session | None = None
+# One session per process at a time: the job's code reads the session from this module, so a
+# second run at once (another thread) would swap the first one's model and tokenizer.
+_ONE_AT_A_TIME = threading.Lock()
 
 
 @contextlib.contextmanager
 def session(s: Session) -> Iterator[Session]:
+    """``s`` is the session for the run inside; a second one meanwhile is refused."""
     global _SESSION
-    before, _SESSION = _SESSION, s
+    if not _ONE_AT_A_TIME.acquire(blocking=False):
+        raise RuntimeError(
+            "another mrtpo.Trainer.train() is running in this process; run one at a time "
+            "(or each in its own process)"
+        )
     try:
+        _SESSION = s
         yield s
     finally:
-        _SESSION = before
+        _SESSION = None
+        _ONE_AT_A_TIME.release()
 
 
 def current() -> Session | None:

@@ -26,7 +26,7 @@ import inspect
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -121,13 +121,30 @@ class Config:
         return out + [str(o) for o in self.overrides]
 
     def _prompts_per_step(self, batch: int) -> int:
-        g = self.num_generations or 4
+        g = self.rl_sizes()[0]
         if batch < g or batch % g:
             raise ValueError(
                 f"Config(per_device_train_batch_size={batch}) must be a multiple of "
                 f"num_generations={g}: it counts completions, num_generations per prompt"
             )
         return batch // g
+
+    def rl_sizes(self) -> tuple[int, int]:
+        """(rl.group_size, prompts per step) of the config these settings compose to, so that
+        ``overrides`` or an experiment setting the group size count; where they do not
+        compose, (num_generations or 4, 4) (the job's pre-check then says what is wrong)."""
+        from mrtpo.config import compose
+
+        rest = replace(self, per_device_train_batch_size=None, reward_weights=None)
+        try:
+            rl = compose("train.yaml", ["task=custom", *rest.to_overrides([])]).rl
+            g = int(rl.group_size)
+            per_step = rl.get("prompts_per_step") or rl.get("global_prompts_per_step") or 4
+        except Exception:  # a bad setting: refused in one line by Trainer's pre-check
+            return self.num_generations or 4, 4
+        if self.per_device_train_batch_size:
+            per_step = self.per_device_train_batch_size // max(g, 1)
+        return g, int(per_step)
 
     @staticmethod
     def _weights(weights: Sequence[float], names: Sequence[str]) -> dict[str, float]:
@@ -172,9 +189,8 @@ class Trainer:
         self.args = args or Config()
         self.reward_funcs = _reward_funcs(reward_funcs)
         self.reward_names = _names(self.reward_funcs)
-        self.reward_blocks = dict(reward_blocks or {})
-        limit = _row_limit(self.args)
-        self.train_rows = _rows(train_dataset, "train_dataset", limit)
+        self.reward_blocks = _blocks(reward_blocks)
+        self.train_rows = _rows(train_dataset, "train_dataset", lambda: _row_limit(self.args))
         self.eval_rows = (
             None if eval_dataset is None else _rows(eval_dataset, "eval_dataset", None, whole=True)
         )
@@ -330,18 +346,33 @@ def _names(funcs: Sequence[Callable]) -> list[str]:
     return out
 
 
+def _blocks(given: Mapping[str, Callable] | None) -> dict[str, Callable]:
+    """``reward_blocks`` by reward name: a key goes into a ``task.blocks={...}`` override as
+    is, so one that is not a plain name (``a,b``, ``${...}``) is refused, not written."""
+    out = dict(given or {})
+    for name in out:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(
+                f"reward_blocks has a key {name!r} that is not a name; key each block by its "
+                "reward function's name (letters, digits and _)"
+            )
+    return out
+
+
 def _row_limit(cfg: Config) -> int | None:
     """How many rows of a stream (IterableDataset) are read: max_steps x prompts per step
-    (the rl default of 4 prompts per step where ``per_device_train_batch_size`` is unset)."""
+    (of the config the settings compose to)."""
     if cfg.max_steps is None:
         return None
-    g = cfg.num_generations or 4
-    per_step = cfg.per_device_train_batch_size // g if cfg.per_device_train_batch_size else 4
-    return max(1, cfg.max_steps * max(per_step, 1))
+    return max(1, cfg.max_steps * max(cfg.rl_sizes()[1], 1))
 
 
 def _rows(
-    dataset: Any, name: str, limit: int | None, *, whole: bool = False
+    dataset: Any,
+    name: str,
+    limit: Callable[[], int | None] | None,
+    *,
+    whole: bool = False,
 ) -> list[dict[str, Any]]:
     """``dataset`` (a ``datasets.Dataset`` / ``IterableDataset`` or a list of dicts) as rows
     with a ``prompt`` column; anything else is one line naming what to change."""
@@ -353,12 +384,13 @@ def _rows(
         rows = dataset.to_list()
     elif isinstance(dataset, Iterable) and not isinstance(dataset, (str, bytes, Mapping)):
         stream = not isinstance(dataset, Sequence)  # an IterableDataset: take what the run uses
-        if stream and limit is None and not whole:
+        n = limit() if stream and limit is not None and not whole else None
+        if stream and n is None and not whole:
             raise ValueError(
                 f"{name} is a stream ({type(dataset).__name__}): set Config(max_steps=N), as "
                 "TRL asks, so that the rows the run needs can be read"
             )
-        rows = list(islice(dataset, limit) if stream and not whole else dataset)
+        rows = list(islice(dataset, n) if stream and not whole else dataset)
     else:
         raise TypeError(
             f"{name} is a {type(dataset).__name__}; give a datasets.Dataset or a list of dicts"

@@ -253,3 +253,86 @@ def test_a_token_of_an_ended_run_is_one_line_naming_what_to_give():
         resolve("mrtpo.live.reward_0badc0de", "task.rewards[0]")
     with pytest.raises(ValueError, match=r"mrtpo-live:train_dataset_0badc0de was a dataset given"):
         CustomTask(data={"path": "mrtpo-live:train_dataset_0badc0de"}, rewards=[len])
+
+
+# ---- issue 50 review ----------------------------------------------------------------------
+
+
+def test_completions_per_step_divide_by_the_composed_group_size(tiny_path, tmp_path):
+    """per_device_train_batch_size counts completions: prompts per step and the rows read from
+    a stream use the group size the config composes to (rl.group_size=8 given as an
+    override), not num_generations' default."""
+    from datasets import Dataset
+
+    from mrtpo import Config, Trainer
+
+    def fine(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    stream = Dataset.from_list([{"prompt": f"p{i}"} for i in range(50)]).to_iterable_dataset()
+    args = Config(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=16,
+                  overrides=["rl.group_size=8"])  # fmt: skip
+    assert "rl.prompts_per_step=2" in args.to_overrides(["fine"])
+    assert len(Trainer(reward_funcs=fine, train_dataset=stream, args=args).train_rows) == 6
+    # with no batch size given, a stream is read for the composed prompts per step
+    args = Config(output_dir=str(tmp_path), max_steps=3, overrides=["rl.prompts_per_step=5"])
+    assert len(Trainer(reward_funcs=fine, train_dataset=stream, args=args).train_rows) == 15
+    with pytest.raises(ValueError, match=r"multiple of num_generations=8") as e:
+        Config(per_device_train_batch_size=12, overrides=["rl.group_size=8"]).to_overrides([])
+    assert "\n" not in str(e.value)
+
+
+def test_a_second_concurrent_session_is_refused_in_one_line(tiny_path, tmp_path):
+    """Two trainings in one process at once would swap each other's model and tokenizer
+    (mrtpo.live keeps one session): the second is refused, before it makes a run folder."""
+    import threading
+
+    from mrtpo import Config, Trainer, live
+
+    entered, release, seen = threading.Event(), threading.Event(), []
+    first = live.Session()
+
+    def hold():
+        with live.session(first):
+            entered.set()
+            release.wait(timeout=300)
+            seen.append(live.current())
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert entered.wait(timeout=300)
+        with (
+            pytest.raises(RuntimeError, match=r"another mrtpo\.Trainer") as e,
+            live.session(live.Session()),
+        ):
+            pass
+        assert "\n" not in str(e.value)
+        out = tmp_path / "out"
+
+        def fine(completions, **kwargs):
+            return [0.5] * len(completions)
+
+        with pytest.raises(RuntimeError, match=r"another mrtpo\.Trainer"):
+            Trainer(reward_funcs=fine, train_dataset=[{"prompt": "a"}, {"prompt": "b"}],
+                    args=Config(output_dir=str(out), max_steps=1)).train()  # fmt: skip
+        assert not out.exists()
+    finally:
+        release.set()
+        t.join(timeout=300)
+    assert seen == [first]  # the first run kept its own session throughout
+    with live.session(live.Session()):  # free again once the first has ended
+        pass
+
+
+@pytest.mark.parametrize("key", ["a,b", "a}", "${oc.env:HOME}", "x y", ""])
+def test_a_reward_block_key_that_is_not_a_name_is_refused(key):
+    from mrtpo import Trainer
+
+    def fine(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    with pytest.raises(ValueError, match=r"^reward_blocks has a key .* not a name") as e:
+        Trainer(reward_funcs=fine, train_dataset=[{"prompt": "a"}],
+                reward_blocks={key: lambda prompt, response, **row: ""})  # fmt: skip
+    assert "\n" not in str(e.value)
