@@ -33,11 +33,13 @@ IFEVAL_PATH = "sastpg/HIR/a06c51fc396658aba47d1d58c22e2dfd750d882c/evaluation/IF
 
 class Server:
     """Serves ``files`` (path after the first '/', query included); a path in ``truncate``
-    announces its full length but sends half and closes."""
+    announces its full length but sends half and closes; one in ``no_length`` announces no
+    length (the body ends when the connection closes)."""
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
         self.truncate: set[str] = set()
+        self.no_length: set[str] = set()
         self.requests: list[str] = []
         outer = self
 
@@ -50,7 +52,8 @@ class Server:
                     self.send_error(404)
                     return
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
+                if key not in outer.no_length:
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body[: len(body) // 2] if key in outer.truncate else body)
                 self.close_connection = True
@@ -256,8 +259,13 @@ def test_committed_checksum_accepts_the_published_file_and_check_reports(server,
         f.write(b"X")
     assert main(["fetch", "--check", str(to), "ifeval"]) == 1
     assert "wrong: ifeval/input_data.jsonl" in capsys.readouterr().out
-    # a wrong file is fetched again and replaced
-    assert main(["fetch", "ifeval", "--to", str(to), *server.mirrors("github")]) == 0
+    # a wrong file is not ours to overwrite: refused naming it, replaced with --replace
+    capsys.readouterr()
+    assert main(["fetch", "ifeval", "--to", str(to), *server.mirrors("github")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ifeval/input_data.jsonl" in err[0] and "--replace" in err[0], err
+    args = ["fetch", "ifeval", "--to", str(to), "--replace", *server.mirrors("github")]
+    assert main(args) == 0
     assert main(["fetch", "--check", str(to), "ifeval"]) == 0
     served = len(server.requests)  # a right file is not fetched again
     assert main(["fetch", "ifeval", "--to", str(to), *server.mirrors("github")]) == 0
@@ -382,3 +390,127 @@ def test_archive_without_the_expected_layout_is_refused_and_removed(server, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did not hold spider/test_database" in err[0], err
     assert not (to / "spider/test.json").exists() and not (to / "FETCHED.json").exists()
+
+
+GDRIVE = "download?id=1403EGqzIDoHMdQF4c9Bkyl7dZLZ5Wt6J&export=download&confirm=t"
+REALISTIC = "records/5205322/files/spider-realistic.json?download=1"
+
+
+def _everything(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_refused_archive_never_removes_or_overwrites_the_users_files(server, tmp_path, capsys):
+    to = tmp_path / "data"
+    mine = to / "spider/test.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"mine")
+    args = ["fetch", "spider_test", "--to", str(to), "--trust-first-download"]
+    # the archive holds test.json but not the databases: refused, with or without --replace
+    server.files[GDRIVE] = _zip({"spider_data/test.json": b"[]"})
+    for extra in ([], ["--replace"]):
+        assert main([*args, *extra, *server.mirrors("gdrive")]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "did not hold spider/test_database" in err[0], err
+        assert mine.read_bytes() == b"mine" and _everything(to) == ["spider", "spider/test.json"]
+    # a whole archive whose test.json differs: refused naming the file, nothing laid out
+    good = {"spider_data/test.json": b"[]", "spider_data/test_database/a/a.sqlite": b"db"}
+    server.files[GDRIVE] = _zip(good)
+    assert main([*args, *server.mirrors("gdrive")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(mine) in err[0] and "--replace" in err[0], err
+    assert mine.read_bytes() == b"mine" and _everything(to) == ["spider", "spider/test.json"]
+    # the same content as the archive's is kept as it is; --replace lays out the archive
+    assert main([*args, "--replace", *server.mirrors("gdrive")]) == 0, capsys.readouterr().err
+    assert mine.read_bytes() == b"[]" and (to / "spider/test_database/a/a.sqlite").is_file()
+    assert not list(to.glob(".staging-*")) and _leftovers(to) == []
+
+
+def test_a_refused_single_file_never_overwrites_the_users_file(server, tmp_path, capsys):
+    to = tmp_path / "data"
+    mine = to / "spider_realistic/spider-realistic.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"[1]")
+    server.files[REALISTIC] = json.dumps([{"db_id": "x", "query": "SELECT 1"}]).encode()
+    args = ["fetch", "spider_realistic", "--to", str(to), "--trust-first-download"]
+    assert main([*args, *server.mirrors("zenodo")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(mine) in err[0] and "--replace" in err[0], err
+    assert mine.read_bytes() == b"[1]" and server.requests == []
+    server.truncate.add(REALISTIC)  # with --replace, a refused download keeps the old file
+    assert main([*args, "--replace", *server.mirrors("zenodo")]) == 1
+    assert "truncated download" in capsys.readouterr().err and mine.read_bytes() == b"[1]"
+    assert _leftovers(to) == []
+    server.truncate.clear()
+    assert main([*args, "--replace", *server.mirrors("zenodo")]) == 0
+    assert mine.read_bytes() == server.files[REALISTIC]
+
+
+def test_a_zip_bomb_is_refused_in_one_line_and_nothing_is_left(server, tmp_path, capsys):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("spider_data/test.json", b"[]")
+        zf.writestr("spider_data/test_database/big/big.sqlite", bytes(40 << 20))
+    server.files[GDRIVE] = buf.getvalue()
+    assert len(server.files[GDRIVE]) < 100_000
+    to = tmp_path / "data"
+    args = ["fetch", "spider_test", "--to", str(to), "--trust-first-download"]
+    assert main([*args, *server.mirrors("gdrive")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "big.sqlite" in err[0] and "zip bomb" in err[0], err
+    assert _everything(to) == []
+
+
+def _limited(monkeypatch, name: str, max_bytes: int) -> None:
+    from dataclasses import replace
+
+    d = DATASETS[name]
+    files = tuple(replace(f, max_bytes=max_bytes) for f in d.files)
+    archives = tuple(replace(a, max_bytes=max_bytes) for a in d.archives)
+    monkeypatch.setitem(DATASETS, name, replace(d, files=files, archives=archives))
+
+
+def test_downloads_and_archives_past_max_bytes_are_refused(server, tmp_path, capsys, monkeypatch):
+    to = tmp_path / "data"
+    server.files[REALISTIC] = json.dumps([{"q": "x" * 5000}]).encode()
+    _limited(monkeypatch, "spider_realistic", 4000)
+    args = ["fetch", "spider_realistic", "--to", str(to), "--trust-first-download"]
+    for announced in (True, False):
+        if not announced:
+            server.no_length.add(REALISTIC)
+        assert main([*args, *server.mirrors("zenodo")]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "more than 4000 bytes" in err[0], err
+        assert _everything(to) == []
+    # an archive small enough to download whose members would unpack past the limit
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("spider_data/test.json", b"[]")
+        zf.writestr("spider_data/test_database/a/a.sqlite", bytes(20_000))  # too small a bomb
+    server.files[GDRIVE] = buf.getvalue()
+    assert len(server.files[GDRIVE]) < 1000
+    _limited(monkeypatch, "spider_test", 10_000)
+    args = ["fetch", "spider_test", "--to", str(to), "--trust-first-download"]
+    assert main([*args, *server.mirrors("gdrive")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than 10000 bytes" in err[0], err
+    assert _everything(to) == []
+
+
+def test_links_inside_the_layout_are_not_written_through(server, tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    to = tmp_path / "data"
+    to.mkdir()
+    (to / "spider").symlink_to(elsewhere)
+    (to / "spider_realistic").symlink_to(elsewhere)
+    server.files[GDRIVE] = _zip(
+        {"spider_data/test.json": b"[]", "spider_data/test_database/a/a.sqlite": b"db"}
+    )
+    server.files[REALISTIC] = json.dumps([{"db_id": "x"}]).encode()
+    args = ["fetch", "spider_test", "spider_realistic", "--to", str(to), "--trust-first-download"]
+    assert main([*args, *server.mirrors("gdrive", "zenodo")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("symbolic link" in line for line in err), err
+    assert str(to / "spider") in err[0] and str(to / "spider_realistic") in err[1], err
+    assert list(elsewhere.iterdir()) == [] and not list(to.glob(".staging-*"))

@@ -6,7 +6,8 @@
 
 Every file is checked against its committed sha256; a file the project has never downloaded
 (no committed checksum) is refused unless ``--trust-first-download``, which pins the hash of
-that download in ``<dir>/FETCHED.json``. Exit status: 0 all good, 1 something refused,
+that download in ``<dir>/FETCHED.json``. A file already in the folder that is not the one
+fetch would lay out is refused by name unless ``--replace``. Exit status: 0 all good, 1 something refused,
 missing or wrong (one line each), 2 a usage error.
 """
 
@@ -14,11 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from mrtpo.fetch.download import FetchError, download, extract, remove_laid_out, sha256_of
+from mrtpo.fetch.download import (
+    FetchError,
+    already_there,
+    check_no_links,
+    download,
+    extract,
+    lay_out,
+    sha256_of,
+)
 from mrtpo.fetch.registry import DATASETS, Archive, DataSet, Remote, base_url
 
 RECORD = "FETCHED.json"
@@ -60,38 +70,63 @@ def _refuse_unknown(label: str, to: Path) -> FetchError:
     )
 
 
-def fetch_file(r: Remote, to: Path, rec: dict, mirrors: dict, trust: bool) -> str:
-    """Get one file unless it is already there and right; what happened, in a word."""
+def fetch_file(
+    r: Remote, to: Path, rec: dict, mirrors: dict, trust: bool, replace: bool = False
+) -> str:
+    """Get one file unless it is already there and right; what happened, in a word. A file
+    there with other content (or none to vouch for it) is replaced only with ``replace``."""
     dest, want = to / r.target, _wanted(r, "files", rec)
     if want and dest.is_file() and sha256_of(dest) == want:
         return "present"
     if want is None and not trust:
         raise _refuse_unknown(r.target, to)
+    check_no_links(to, r.target)
+    if dest.exists() and not replace:
+        raise already_there(dest) if want else already_there(dest, "no checksum vouches for it")
     url = f"{base_url(r.host, mirrors)}/{r.path}"
-    sha, n = download(url, dest, want, r.size)
+    sha, n = download(url, dest, want, r.size, r.max_bytes)
     how = "committed" if r.sha256 else "pinned"
     rec["files"][r.target] = {"sha256": sha, "bytes": n, "source": url, "checksum": how}
     return "fetched"
 
 
-def fetch_archive(a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool) -> str:
-    """Get, check and lay out one archive unless what it gives is already there."""
+def _staging(to: Path, a: Archive) -> Path:
+    """A new private folder for one archive's download and files; never an old one."""
+    staging = to / f".staging-{a.name}"
+    try:
+        staging.mkdir(mode=0o700)
+    except FileExistsError:
+        raise FetchError(
+            f"{staging} is already there (left by an interrupted fetch?); remove it and rerun"
+        ) from None
+    return staging
+
+
+def fetch_archive(
+    a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool, replace: bool = False
+) -> str:
+    """Get, check and lay out one archive unless what it gives is already there. It is
+    downloaded and unpacked in a staging folder; its files move into ``to`` only when all is
+    good (see ``lay_out``), and the staging folder is removed whatever happens."""
     want, old = _wanted(a, "archives", rec), rec["archives"].get(a.name)
     if old and want and not _archive_problems(a, to, rec):
         return "present"
     if want is None and not trust:
         raise _refuse_unknown(a.name, to)
+    for e in a.expect:
+        check_no_links(to, e)
     url = f"{base_url(a.host, mirrors)}/{a.path}"
-    tmp = to / f".{a.name}.download"
+    staging = _staging(to, a)
     try:
-        sha, n = download(url, tmp, want, a.size, name=a.name)
-        members = extract(tmp, to, a.rules, a.nested, a.inner)
+        sha, n = download(url, staging / "archive", want, a.size, a.max_bytes, name=a.name)
+        out = staging / "out"
+        members = extract(staging / "archive", out, a.rules, a.nested, a.inner, a.max_bytes)
+        missing = [e for e in a.expect if not (out / e).exists()]
+        if missing:
+            raise FetchError(f"{a.name} ({url}) did not hold {', '.join(missing)}; nothing kept")
+        lay_out(out, to, members, replace)
     finally:
-        tmp.unlink(missing_ok=True)
-    missing = [e for e in a.expect if not (to / e).exists()]
-    if missing:
-        remove_laid_out(to, members)
-        raise FetchError(f"{a.name} ({url}) did not hold {', '.join(missing)}; nothing kept")
+        shutil.rmtree(staging, ignore_errors=True)
     how = "committed" if a.sha256 else "pinned"
     rec["archives"][a.name] = {
         "sha256": sha,
@@ -115,13 +150,13 @@ def _items(names: list[str]) -> list[tuple[str, Remote | Archive]]:
     return out
 
 
-def run_fetch(names: list[str], to: Path, mirrors: dict, trust: bool) -> int:
+def run_fetch(names: list[str], to: Path, mirrors: dict, trust: bool, replace: bool = False) -> int:
     to.mkdir(parents=True, exist_ok=True)
     rec, failed, counts = _load_record(to), 0, {"present": 0, "fetched": 0}
     for _name, item in _items(names):
         fn = fetch_file if isinstance(item, Remote) else fetch_archive
         try:
-            counts[fn(item, to, rec, mirrors, trust)] += 1
+            counts[fn(item, to, rec, mirrors, trust, replace)] += 1
         except FetchError as exc:
             failed += 1
             print(f"refused: {exc}", file=sys.stderr)
@@ -238,6 +273,11 @@ def _parser() -> argparse.ArgumentParser:
         help="accept files with no committed checksum and pin their sha256 in DIR/FETCHED.json",
     )
     f.add_argument(
+        "--replace",
+        action="store_true",
+        help="overwrite files already in DIR that differ from the ones fetched (default: refuse)",
+    )
+    f.add_argument(
         "--mirror",
         action="append",
         default=[],
@@ -262,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.to.exists() and not args.to.is_dir():
             raise UsageError(f"--to {args.to} is a file, not a folder")
         names = _names(args.names, default_all=False)
-        return run_fetch(names, args.to, _mirrors(args.mirror), args.trust_first_download)
+        mirrors, trust = _mirrors(args.mirror), args.trust_first_download
+        return run_fetch(names, args.to, mirrors, trust, args.replace)
     except UsageError as exc:
         print(f"python -m mrtpo.data: {exc}", file=sys.stderr)
         return 2

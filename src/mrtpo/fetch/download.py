@@ -1,10 +1,15 @@
 """Streaming downloads that land only when whole and right, and zips laid out safely.
 
-A download goes to a hidden temp file beside its target, is hashed while it streams, and is
-renamed onto the target only when its length matches what the server announced (and the
-registry's size) and its sha256 matches the expected one; otherwise the temp file is removed
-and a :class:`FetchError` says why in one line. Nothing is resumed from an old temp file: a
-new attempt starts from zero, so a half-written file can never be taken for the real one.
+A download goes to a new hidden temp file beside its target, is hashed while it streams, and
+is renamed onto the target only when its length matches what the server announced (and the
+registry's size), it stayed under its ``max_bytes``, and its sha256 matches the expected one;
+otherwise the temp file is removed and a :class:`FetchError` says why in one line. Nothing is
+resumed from an old temp file, so a half-written file can never be taken for the real one.
+
+An archive is unpacked into a private staging folder (see :func:`extract`), and its files are
+moved into the data folder by :func:`lay_out` only when all of them are there and none would
+overwrite a different file the user has (unless asked to). Nothing is ever written through a
+symbolic link under the data folder: the command cannot tell where such a link leads.
 """
 
 from __future__ import annotations
@@ -14,17 +19,22 @@ import http.client
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePosixPath
 
 CHUNK = 1 << 20
 #: seconds a connection may stay silent (a hang guard, not a limit on the whole download)
 TIMEOUT_S = 60.0
+#: a member that unpacks to more than this many times its compressed size is refused...
+MAX_RATIO = 200
+#: ...when it unpacks to more than this (small files of one repeated byte are common)
+RATIO_FROM = 4 << 20
 
 
 class FetchError(Exception):
@@ -50,17 +60,31 @@ def _open(url: str):
         raise FetchError(f"cannot reach {url} ({reason})") from None
 
 
-def _stream(url: str, tmp: Path) -> tuple[str, int, int | None]:
-    """Write ``url``'s body to ``tmp``: (sha256, bytes received, bytes announced or None)."""
+def _too_big(url: str, max_bytes: int) -> FetchError:
+    return FetchError(f"{url} sends more than {max_bytes} bytes (its max_bytes); nothing kept")
+
+
+def _new_file(path: Path):
+    """Open a new file at ``path`` for writing; never one that is already there."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+
+
+def _stream(url: str, tmp: Path, max_bytes: int) -> tuple[str, int, int | None]:
+    """Write ``url``'s body to the new file ``tmp``: (sha256, bytes received, bytes announced
+    or None). More than ``max_bytes`` (announced or received) is refused."""
     h, n = hashlib.sha256(), 0
-    with _open(url) as resp, open(tmp, "wb") as out:
+    with _open(url) as resp, _new_file(tmp) as out:
         announced = resp.headers.get("Content-Length")
         announced = int(announced) if announced and announced.isdigit() else None
+        if announced is not None and announced > max_bytes:
+            raise _too_big(url, max_bytes)
         try:
             for block in iter(lambda: resp.read(CHUNK), b""):
+                n += len(block)
+                if n > max_bytes:
+                    raise _too_big(url, max_bytes)
                 h.update(block)
                 out.write(block)
-                n += len(block)
         except (http.client.IncompleteRead, OSError) as exc:
             got = n + len(getattr(exc, "partial", b"") or b"")
             raise FetchError(f"the connection broke after {got} bytes ({url})") from None
@@ -92,14 +116,22 @@ def format_problem(path: Path, name: str) -> str | None:
 
 
 def download(
-    url: str, dest: Path, sha256: str | None, size: int | None, name: str | None = None
+    url: str,
+    dest: Path,
+    sha256: str | None,
+    size: int | None,
+    max_bytes: int,
+    name: str | None = None,
 ) -> tuple[str, int]:
     """Fetch ``url`` to ``dest`` if whole and right: (sha256, bytes). With ``sha256=None``
-    the content is accepted when its format fits ``name`` (the caller pins what arrived)."""
+    the content is accepted when its format fits ``name`` (the caller pins what arrived).
+    The caller has checked that ``dest``'s folders under the data folder are not links."""
+    made = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]  # deepest first
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part")
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(8)}.part")
+    done = False
     try:
-        got, n, announced = _stream(url, tmp)
+        got, n, announced = _stream(url, tmp, max_bytes)
         if announced is not None and n != announced:
             raise FetchError(f"truncated download: {n} of {announced} bytes ({url})")
         if size is not None and n != size:
@@ -109,9 +141,15 @@ def download(
         if sha256 is None and (why := format_problem(tmp, name or dest.name)):
             raise FetchError(f"{why}: {url} sent something else (an error page?)")
         os.replace(tmp, dest)
+        done = True
         return got, n
     finally:
         tmp.unlink(missing_ok=True)
+        for folder in made if not done else ():  # only the empty folders this call made
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _safe_name(name: str) -> bool:
@@ -138,57 +176,134 @@ def _target(name: str, rules: Sequence[tuple[str, str]]) -> str | None:
     return None
 
 
+def _plan(
+    zf: zipfile.ZipFile, rules: Sequence[tuple[str, str]], nested: str | None
+) -> list[tuple[zipfile.ZipInfo, str | None]]:
+    """(member, target) for each member to unpack; target None: a nested zip."""
+    plan: list[tuple[zipfile.ZipInfo, str | None]] = []
+    for info in zf.infolist():
+        if nested and re.match(nested, info.filename):
+            plan.append((info, None))
+        elif (target := _target(info.filename, rules)) is not None:
+            plan.append((info, target))
+    return plan
+
+
+def _check_sizes(plan: list[tuple[zipfile.ZipInfo, str | None]], label: str, budget: int) -> None:
+    """Refuse before unpacking: members adding up past ``budget``, or one that expands more
+    than MAX_RATIO times. zipfile stops reading a member at its declared size, so a header
+    that understates the size cannot unpack more than it declares."""
+    total = sum(info.file_size for info, _ in plan)
+    if total > budget:
+        raise FetchError(
+            f"{label} would unpack {total} bytes, more than {budget} bytes (its max_bytes); "
+            "nothing kept"
+        )
+    for info, _ in plan:
+        ratio = info.file_size // max(info.compress_size, 1)
+        if info.file_size > RATIO_FROM and ratio > MAX_RATIO:
+            raise FetchError(
+                f"{label}: member {info.filename!r} would expand {ratio}:1 to {info.file_size} "
+                "bytes (a zip bomb?); nothing kept"
+            )
+
+
 def _write_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, to: Path, target: str) -> Path:
     dest = (to / target).resolve()
     if not _safe_name(target) or not dest.is_relative_to(to.resolve()):
-        raise FetchError(
-            f"member {info.filename!r} would land outside {to}; nothing more extracted"
-        )
+        raise FetchError(f"member {info.filename!r} would land outside {to}; nothing kept")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part")
-    try:
-        with zf.open(info) as src, open(tmp, "wb") as out:
-            shutil.copyfileobj(src, out, CHUNK)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with zf.open(info) as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, CHUNK)
     return dest
 
 
 def extract(
     zip_path: Path,
-    to: Path,
+    out: Path,
     rules: Sequence[tuple[str, str]],
     nested: str | None = None,
     inner: Sequence[tuple[str, str]] = (),
+    budget: int = 4 << 30,
 ) -> dict[str, int]:
-    """Lay out the members of ``zip_path`` that ``rules`` map (target -> bytes); a member
-    matching ``nested`` is a zip laid out by ``inner``. On any failure what was written is
-    removed again."""
+    """Unpack the members of ``zip_path`` that ``rules`` map into ``out`` (target -> bytes);
+    a member matching ``nested`` is a zip unpacked by ``inner``. ``out`` and its parent are a
+    staging folder the caller made and removes; nothing here touches the data folder."""
     written: dict[str, int] = {}
     try:
         with zipfile.ZipFile(zip_path) as zf:
             _check_members(zf, zip_path.name)
-            for info in zf.infolist():
-                if nested and re.match(nested, info.filename):
-                    inner_zip = _write_member(zf, info, to, f".{zip_path.name}.inner.zip")
+            plan = _plan(zf, rules, nested)
+            _check_sizes(plan, zip_path.name, budget)
+            for info, target in plan:
+                if target is None:
+                    inner_zip = _write_member(
+                        zf, info, out.parent, PurePosixPath(info.filename).name
+                    )
+                    left = budget - sum(written.values()) - info.file_size
                     try:
-                        written |= extract(inner_zip, to, inner)
+                        written |= extract(inner_zip, out, inner, None, (), left)
                     finally:
                         inner_zip.unlink(missing_ok=True)
-                elif (target := _target(info.filename, rules)) is not None:
-                    _write_member(zf, info, to, target)
+                else:
+                    _write_member(zf, info, out, target)
                     written[target] = info.file_size
     except zipfile.BadZipFile as exc:
-        remove_laid_out(to, written)
-        raise FetchError(f"{zip_path.name} is not a readable zip ({exc})") from None
-    except BaseException:
-        remove_laid_out(to, written)
-        raise
+        raise FetchError(f"{zip_path.name} is not a readable zip ({exc}); nothing kept") from None
     return written
 
 
-def remove_laid_out(to: Path, targets: dict[str, int]) -> None:
-    """Remove the files ``extract`` wrote (folders stay: they may have been there before)."""
+def check_no_links(to: Path, rel: str) -> None:
+    """Refuse to write ``rel`` under ``to`` if a path on the way (or the file) is a symbolic
+    link: the command never writes through a link it did not make. ``to`` itself may be one."""
+    p = to
+    for part in PurePosixPath(rel).parts:
+        p = p / part
+        if p.is_symlink():
+            raise FetchError(
+                f"{p} is a symbolic link; fetch never writes through a link it did not make: "
+                "make it a real folder, or fetch into another folder and move the files"
+            )
+        if not p.exists():
+            return
+
+
+def already_there(dest: Path, why: str = "differs from the file fetch would lay out") -> FetchError:
+    return FetchError(
+        f"{dest} is already there and {why}; fetch does not overwrite it: move it away, or "
+        "rerun with --replace"
+    )
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.stat().st_size == b.stat().st_size and sha256_of(a) == sha256_of(b)
+
+
+def lay_out(out: Path, to: Path, targets: Iterable[str], replace: bool) -> None:
+    """Move the staged files ``targets`` from ``out`` into ``to``. Every target is checked
+    first: none may be under a link, and a file already there must be the same (then it is
+    kept as it is) unless ``replace``. If a move fails, the files this call created are
+    removed again; a file that was there before is never removed."""
+    moves = []
     for target in targets:
-        (to / target).unlink(missing_ok=True)
+        check_no_links(to, target)
+        dest = to / target
+        if dest.exists():
+            if dest.is_file() and _same(out / target, dest):
+                continue
+            if not replace:
+                raise already_there(dest)
+        moves.append(target)
+    created: list[Path] = []
+    try:
+        for target in moves:
+            dest = to / target
+            existed = dest.exists()
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out / target, dest)
+            if not existed:
+                created.append(dest)
+    except BaseException:
+        for p in created:
+            p.unlink(missing_ok=True)
+        raise

@@ -10,6 +10,11 @@ A file whose sha256 is committed (``checksums.KNOWN``) is accepted only with tha
 file the project never downloaded has ``sha256=None``: ``fetch`` refuses it unless
 ``--trust-first-download``, which records the hash of that download in the folder's
 ``FETCHED.json`` so later fetches and ``--check`` hold it to the same bytes.
+
+Each source has a ``max_bytes``: a download that grows past it is stopped and removed, and an
+archive whose laid-out members would add up to more is refused before anything is unpacked.
+The limits are generous guesses above the published sizes, there to stop a runaway server or
+a zip bomb filling the disk, not to describe the data.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 from dataclasses import dataclass, field
 
 from mrtpo.fetch.checksums import KNOWN
+
+GiB = 1 << 30
 
 #: host -> default base URL
 HOSTS = {
@@ -38,6 +45,7 @@ class Remote:
     path: str  # under the host's base URL
     sha256: str | None = None  # None: never downloaded by the project
     size: int | None = None
+    max_bytes: int = GiB  # the most a download may bring (the largest known file is ~0.1 GB)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Archive:
     inner: tuple[tuple[str, str], ...] = ()
     sha256: str | None = None
     size: int | None = None
+    max_bytes: int = 4 * GiB  # the most the download, and separately its unpacked files, may be
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ _SETS = (
                     (_TOP + r"test_database/(.+)$", r"spider/test_database/\1"),
                 ),
                 expect=("spider/test.json", "spider/test_database"),
+                max_bytes=4 * GiB,  # spider_data.zip unpacks to about 1 GB
             ),
         ),
         needs=("spider",),
@@ -149,6 +159,7 @@ _SETS = (
                 nested=_TOP + r"dev_databases\.zip$",
                 inner=((_TOP + r"(?:dev_databases/)?([^/]+/.+)$", r"bird/dev/dev_databases/\1"),),
                 expect=("bird/dev/dev.json", "bird/dev/dev_databases"),
+                max_bytes=10 * GiB,  # about 3 GB unpacked, plus the nested zip while unpacking
             ),
         ),
     ),
