@@ -7,6 +7,10 @@ stored in a file per tokenizer identity (its serialized vocabulary and rules, an
 template) under the project's cache (``<paths.cache_dir>/prompt_lengths/``), never next to
 the user's data. Only counts are stored. A damaged or unwritable file is said in one warning
 line and the counts are worked out again.
+
+A file only grows (one entry per prompt ever counted with that tokenizer; delete the folder to
+reclaim it). Jobs writing one file at once may lose each other's new entries (the last
+replace wins): those prompts are counted again next time; no count is ever wrong.
 """
 
 from __future__ import annotations
@@ -42,7 +46,31 @@ def tokenizer_key(tokenizer: Any) -> str:
     h.update(str(getattr(tokenizer, "chat_template", None)).encode("utf-8"))
     special = getattr(tokenizer, "special_tokens_map", {}) or {}
     h.update(json.dumps(special, sort_keys=True, default=str).encode("utf-8"))
+    h.update(json.dumps(_options(tokenizer), sort_keys=True).encode("utf-8"))
     return h.hexdigest()[:32]
+
+
+# init_kwargs that say where and how the files were read, not how text is split
+_HOW_LOADED = frozenset(
+    {"name_or_path", "is_local", "local_files_only", "revision", "subfolder", "token",
+     "use_auth_token", "trust_remote_code", "force_download", "proxies", "user_agent"}
+)  # fmt: skip
+
+
+def _options(tokenizer: Any) -> dict[str, Any]:
+    """The tokenizer's init options (``do_lower_case``, ...), which a slow tokenizer's
+    vocabulary does not show: those JSON can write, less file and folder names (the same
+    tokenizer copied elsewhere keeps its key)."""
+    out = {}
+    for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items():
+        if k in _HOW_LOADED or k.startswith("_") or k.endswith(("_file", "_dir", "_path")):
+            continue
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[k] = v
+    return out
 
 
 def prompt_key(messages: Any) -> str:
