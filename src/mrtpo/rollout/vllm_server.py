@@ -615,8 +615,11 @@ class VLLMServerEngine(RolloutEngine):
             return url  # https: the certificate names the host
         if not is_loopback(address.rsplit(":", 1)[0].strip("[]")):
             log.warning("the run sends the key in %s to %s over plain http, in clear text "
-                        "for anyone on the network path: use https or an SSH tunnel",
-                        self.api_key_env, url)  # fmt: skip
+                        "for anyone on the network path: serve https (vLLM's --ssl-keyfile and "
+                        "--ssl-certfile) or use an SSH tunnel that keeps the address and port "
+                        "(ssh -L 127.0.0.1:P:127.0.0.1:P, the server on 127.0.0.1:P there, "
+                        "rollout.engine.url=http://127.0.0.1:P); a tunnel that maps the port "
+                        "fails the key proof", self.api_key_env, url)  # fmt: skip
         return f"http://{address}{parts.path.rstrip('/')}"
 
     # -- what the server must be -------------------------------------------------------------
