@@ -103,8 +103,8 @@ def flat_dirname(name: str) -> str:
     return str(name).replace("/", "_").replace(os.sep, "_")[:200]
 
 
-# A multirun's folder, by its base (``.../multiruns/<time>``): the launcher resolves it from
-# the sweep's own overrides first, and each job (whose overrides are its own) gets the same.
+# A multirun's folder, by its base (``.../multiruns/<time>``): the last one the launcher
+# resolved from a sweep's own overrides, for its jobs (whose overrides sweep nothing).
 _SWEEP_DIRS: dict[str, str] = {}
 
 
@@ -126,12 +126,14 @@ def swept_keys(overrides) -> list[str]:
 def sweep_dir(base, overrides) -> str:
     """``hydra.sweep.dir``: ``base`` (``.../multiruns/<time>``) followed by the swept keys
     (``..._method-seed``), so a sweep's folder says what it holds; one folder name of at most
-    100 more characters, the same for the sweep and each of its jobs."""
-    key = str(base)
-    if key not in _SWEEP_DIRS:
-        name = "-".join(swept_keys(overrides))
-        name = re.sub(r"[^A-Za-z0-9._=+-]", "_", name)[:100]
-        _SWEEP_DIRS[key] = f"{key}_{name}" if name else key
+    100 more characters. A job's own overrides sweep nothing: it gets the folder its sweep
+    was given last (sweeps in one process run one after another). Like Hydra's ``${now:...}``
+    folder, two sweeps over the same keys in the same second share one folder."""
+    key, keys = str(base), swept_keys(overrides)
+    if not keys:
+        return _SWEEP_DIRS.get(key, key)
+    name = re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(keys))[:100]
+    _SWEEP_DIRS[key] = f"{key}_{name}"
     return _SWEEP_DIRS[key]
 
 
