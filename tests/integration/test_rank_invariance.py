@@ -108,11 +108,11 @@ def _update(model, tok, scored, adv, old, engine_logp, ranks: Ranks, mini: int) 
     gap, _ = engine_gap(old, engine_logp, scored.rollout.response_mask, tis_cap=1.05)
     record = StepRecord(scored.rollout, scored.scores, scored.reward_names, scored.rewards,
                         advantages=adv, stats={})  # fmt: skip
-    m, weights = step_metrics.assemble(
+    stats = step_metrics.assemble(
         record, {**upd.metrics, **gap}, {}, {}, {}, success_check=None, schedule={},
         iteration=1, nonfinite_skips=0, scoring_errors=0.0,
     )  # fmt: skip
-    m = step_metrics.combine(m, weights, ranks)
+    m = step_metrics.combine(stats, ranks)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"params": params, "metrics": m}
 

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 from tests.conftest import ROOT
@@ -116,9 +117,12 @@ def _rank(rank: int, init_file: str, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         # rank 0: 1 response measured 10; rank 1: 3 responses measured 2 on average
-        m = {"extra/r/max": [10.0, 2.0][rank], "reward/r/max": [10.0, 2.0][rank]}
-        w = {"extra/r/max": [1.0, 3.0][rank]}
-        queue.put((rank, step_metrics.combine(m, w, Ranks())))
+        got = [[10.0], [1.0, 2.0, 3.0]][rank]
+        scored = SimpleNamespace(scores=[SimpleNamespace(extras={"r": {"max": v}}) for v in got])
+        m = step_metrics._extras(scored)
+        # beside it, a metric declared a maximum is one (the declaration, not the name)
+        m["reward/r/max"] = step_metrics.Stat([10.0, 2.0][rank], step_metrics.Reduce.MAX)
+        queue.put((rank, step_metrics.combine(m, Ranks())))
     finally:
         dist.destroy_process_group()
 

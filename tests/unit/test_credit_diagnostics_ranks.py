@@ -14,7 +14,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mrtpo.distributed import Ranks
-from mrtpo.step.diagnostics import PREFIX, CreditDiagnostics, q_ratio_quantiles, quantiles
+from mrtpo.step.diagnostics import (
+    PREFIX,
+    CreditDiagnostics,
+    q_ratio_quantiles,
+    quantiles,
+    share_stats,
+)
 from mrtpo.step_metrics import combine
 from mrtpo.tasks.synthetic import SyntheticTask
 
@@ -79,6 +85,14 @@ def _shares(diag: CreditDiagnostics, rows: slice) -> tuple[dict, dict]:
     return {PREFIX + k: v for k, v in m.items()}, {PREFIX + k: v for k, v in w.items()}
 
 
+def _declared(rows: slice, renamed: bool = False) -> dict:
+    """This rank's shares as the step declares them (``share_stats``)."""
+    m, w = _diag().energy_shares(*_batch(rows))
+    if renamed:
+        m, w = ({k.replace("/mark", "/max"): v for k, v in d.items()} for d in (m, w))
+    return share_stats(m, w)
+
+
 def _diag() -> CreditDiagnostics:
     return CreditDiagnostics(SyntheticTask(num_constraints=2, closing_mark=True, free_tokens=3),
                              CharTokenizer())  # fmt: skip
@@ -95,8 +109,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         part = slice(0, SPLIT) if rank == 0 else slice(SPLIT, None)
         out = {
-            "plain": combine(*_shares(_diag(), part), Ranks()),
-            "renamed": combine(*_renamed(_shares(_diag(), part)), Ranks()),
+            "plain": combine(_declared(part), Ranks()),
+            "renamed": combine(_declared(part, renamed=True), Ranks()),
         }
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:

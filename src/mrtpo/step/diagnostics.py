@@ -11,8 +11,9 @@
   responses their task declares (``Task.segments``), ``other`` for the rest; a segment met at
   an earlier step is logged as 0 at a step whose responses lack it.
 
-Relevance profiles are read for Jensen–Shannon scores only (non-negative). Each value comes
-with its weight for the combination over ranks (``step_metrics.combine``). The energy shares
+Relevance profiles are read for Jensen–Shannon scores only (non-negative). Each value is
+declared with its reduction over ranks (``step_metrics.Stat``, combined by
+``step_metrics.combine``). The energy shares
 are exact over ranks: a share's weight is its rank's total energy, and a rank that lacks a
 segment counts 0 of it, so the combined share is the summed segment energy over the summed
 total. The quantiles are not: ``p50``/``p99`` combine as the ranks' quantiles averaged with
@@ -28,9 +29,29 @@ import math
 import torch
 from torch import Tensor
 
+from mrtpo.step_metrics import Reduce, Stat
 from mrtpo.tasks.base import Task, token_segments
 
 PREFIX = "replay/"
+SHARES = PREFIX + "energy_share/"
+#: how each quantile and the cosine combine over ranks (their weights: token, response counts)
+_REDUCE = {
+    "q_ratio/p50": Reduce.MEAN_BY_TOKENS,
+    "q_ratio/p99": Reduce.MEAN_BY_TOKENS,
+    "q_ratio/max": Reduce.MAX,
+    "profile_cosine": Reduce.MEAN_BY_RESPONSES,
+}
+
+
+def declared(m: dict[str, float], w: dict[str, float]) -> dict[str, Stat]:
+    """A part's (metrics, weights) as Stats under ``replay/``, each with its reduction."""
+    return {PREFIX + k: Stat(v, _REDUCE[k], w.get(k, 1.0)) for k, v in m.items()}
+
+
+def share_stats(m: dict[str, float], w: dict[str, float]) -> dict[str, Stat]:
+    """``energy_shares``'s (metrics, weights) as Stats under ``replay/``: shares of the rank's
+    total energy, whatever a segment is named."""
+    return {PREFIX + k: Stat(v, Reduce.SHARE, w[k], family=SHARES) for k, v in m.items()}
 
 
 def quantiles(x: Tensor, qs: tuple[float, ...]) -> list[float]:
@@ -147,19 +168,15 @@ class CreditDiagnostics:
         m = {f"energy_share/{k}": sums.get(k, 0.0) / total for k in sorted(self._names)}
         return m, dict.fromkeys(m, total)
 
-    def __call__(self, record, relevance) -> tuple[dict[str, float], dict[str, float]]:
-        """(metrics, weights) of this rank, keys under ``replay/``."""
-        m: dict[str, float] = {}
-        w: dict[str, float] = {}
+    def __call__(self, record, relevance) -> dict[str, Stat]:
+        """This rank's diagnostics, keys under ``replay/``, each declared (``Stat``)."""
+        out: dict[str, Stat] = {}
         mask = record.rollout.response_mask.to(torch.bool)
         jsd = relevance is not None and relevance.score == "jsd"
         if jsd and record.q is not None and record.replayed is not None:
             for part in (q_ratio_quantiles, profile_cosine):
-                pm, pw = part(record.q, mask, record.replayed)
-                m.update(pm)
-                w.update(pw)
+                out.update(declared(*part(record.q, mask, record.replayed)))
         if record.realloc is not None:
-            pm, pw = self.energy_shares(record.realloc, record.rollout.response_ids, mask.cpu())
-            m.update(pm)
-            w.update(pw)
-        return {PREFIX + k: v for k, v in m.items()}, {PREFIX + k: v for k, v in w.items()}
+            ids = record.rollout.response_ids
+            out.update(share_stats(*self.energy_shares(record.realloc, ids, mask.cpu())))
+        return out

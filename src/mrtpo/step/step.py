@@ -36,6 +36,7 @@ import torch
 from mrtpo import step_metrics
 from mrtpo.batch import RolloutBatch, ScoredBatch, rewards_tensor
 from mrtpo.credit.methods import AdvantageMethod, CreditInputs, MethodServices, StepView
+from mrtpo.credit.relevance import relevance_weights
 from mrtpo.distributed import Ranks, is_sharded
 from mrtpo.faults import FaultTracker
 from mrtpo.loss import engine_gap
@@ -146,10 +147,12 @@ class RLStep:
         if upd is None:
             return self.skip(host, "loss", scored, adv.advantages)
         self.iteration += 1
-        record = StepRecord.of(scored, rel, old, adv, upd)
+        weights = self.token_weights(rel, rollout.response_mask)
+        beta = float(self.method.schedule(self.iteration - 1).get("beta", 0.0))
+        record = StepRecord.of(scored, rel, old, adv, upd, beta=beta, token_weights=weights)
         times["step"] = time.perf_counter() - t_step + rollout_s
         gap = upd.rollout_metrics or old.rollout_metrics
-        return self.result(record, {**upd.metrics, **gap, **lag}, rel.metrics, times)
+        return self.result(record, upd.metrics, {**gap, **lag}, rel.metrics, times)
 
     def score(self, rollout: RolloutBatch) -> ScoredBatch:
         """2. Every response's rewards (NaN: does not apply) and verifier blocks."""
@@ -226,6 +229,14 @@ class RLStep:
             "rollout/staleness/mean": float(lag.mean()),
             "rollout/staleness/max": float(lag.max()),
         }
+
+    def token_weights(self, rel: Relevance, mask: torch.Tensor) -> torch.Tensor | None:
+        """The method's per-token weights from this step's relevance (for the record's readers:
+        relevance dumps, pictures); 1 on every token for a method without its own."""
+        if rel.q is None:
+            return None
+        w = self.method.token_weights(rel.q, mask, rel.replayed, self.iteration - 1)
+        return w if w is not None else relevance_weights(rel.q, mask, rel.replayed, 0.0)
 
     def advantages(self, scored: ScoredBatch, rel: Relevance, old: OldPolicy) -> Advantages:
         """5. Token advantages [N, T] and the method's statistics. Group ids are local to this
@@ -314,10 +325,10 @@ class RLStep:
         }
         return StepResult(metrics, skipped=what)
 
-    def result(self, record: StepRecord, upd, replay_metrics, times) -> StepResult:
+    def result(self, record: StepRecord, upd, rollout, replay_metrics, times) -> StepResult:
         """The step's metrics over the global batch (every rank gets the same values)."""
         schedule = self.method.schedule(self.iteration - 1)
-        m, weights = step_metrics.assemble(
+        stats = step_metrics.assemble(
             record,
             upd,
             replay_metrics,
@@ -329,9 +340,9 @@ class RLStep:
             nonfinite_skips=self.faults.nonfinite_steps,
             scoring_errors=self.faults.step_scoring_errors,
             diagnostics=self.diagnostics(record, self.method.relevance),
+            rollout=rollout,
         )
-        same_everywhere = {*self.faults.counters, *schedule}
-        m = self.absent_as_nan(step_metrics.combine(m, weights, self.ranks, same_everywhere))
+        m = self.absent_as_nan(step_metrics.combine(stats, self.ranks))
         bar = {"reward": m["reward/total/mean"]}
         if "success" in m:
             bar["success"] = m["success"]
