@@ -44,7 +44,7 @@ class BatchDump(L.Callback):
             "q": scored.q,
             "replayed": scored.replayed,
             "advantages": scored.advantages,
-            "beta": float(pl_module.method.schedule(step).get("beta", 0.0)),
+            "beta": scored.beta,
             "stats": dict(scored.stats),
         }
         torch.save(record, out / f"step{step:06d}_rank{trainer.global_rank}.pt")

@@ -17,7 +17,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mrtpo.credit.relevance import relevance_weights
 from mrtpo.safe_files import no_follow  # never append through a link planted in the folder
 
 log = logging.getLogger(__name__)
@@ -281,14 +280,10 @@ class RelevanceDump(L.Callback):
         step = pl_module.iteration
         if (step - 1) % self.every != 0:
             return
-        roll, tok = scored.rollout, pl_module.tokenizer
-        method = pl_module.method
-        beta = float(method.schedule(step - 1).get("beta", 0.0))
-        # the method's own weights (MRTPO's from JSD, CoRT's from log-likelihood contrasts);
-        # a method without them spreads credit evenly: 1 on every token
-        w = method.token_weights(scored.q, roll.response_mask, scored.replayed, step - 1)
-        if w is None:
-            w = relevance_weights(scored.q, roll.response_mask, scored.replayed, 0.0)
+        tok, beta = pl_module.tokenizer, scored.beta
+        # the method's own weights (MRTPO's from JSD, CoRT's from log-likelihood contrasts),
+        # or 1 on every token for a method without them: the step's record holds them
+        w = scored.token_weights
         names = scored.reward_names if scored.q.shape[1] == len(scored.reward_names) else ("joint",)
         picked = scored.replayed.any(-1).nonzero().flatten().tolist()[: self.num]
         with open(

@@ -84,6 +84,11 @@ class StepRecord:
     advantages: Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
     realloc: Tensor | None = None  # [N, T] the reallocated credit before any cap
+    beta: float = 0.0  # the method's scheduled beta at this step (0 for a method without one)
+    #: [N, K, T] (or [N, 1, T]) the method's per-token weights from ``q``
+    #: (``AdvantageMethod.token_weights``; 1 on every token for a method without its own);
+    #: None when nothing was replayed
+    token_weights: Tensor | None = None
 
     @property
     def mask(self) -> Tensor:
@@ -91,7 +96,15 @@ class StepRecord:
 
     @classmethod
     def of(
-        cls, scored: ScoredBatch, rel: Relevance, old: OldPolicy, adv: Advantages, upd: Update
+        cls,
+        scored: ScoredBatch,
+        rel: Relevance,
+        old: OldPolicy,
+        adv: Advantages,
+        upd: Update,
+        *,
+        beta: float = 0.0,
+        token_weights: Tensor | None = None,
     ) -> StepRecord:
         return cls(
             rollout=scored.rollout,
@@ -106,6 +119,8 @@ class StepRecord:
             advantages=adv.advantages,
             stats=adv.stats,
             realloc=adv.realloc,
+            beta=beta,
+            token_weights=token_weights,
         )
 
 
