@@ -58,7 +58,8 @@ class Config:
     num_generations: int | None = _key("rl.group_size", "completions per prompt (G)")
     per_device_train_batch_size: int | None = _key(
         "rl.prompts_per_step",
-        "completions per step (TRL's meaning); prompts per step = this / num_generations",
+        "completions per step (TRL's meaning); prompts per step = this / the group size "
+        "(num_generations, or rl.group_size as overrides or an experiment set it)",
     )
     max_completion_length: int | None = _key("rollout.sampling.max_new_tokens", "per completion")
     max_prompt_length: int | None = _key("data.max_prompt_tokens", "longer prompts are dropped")
