@@ -133,7 +133,9 @@ class Run:
         )
         deadline = time.monotonic() + timeout
         while not test():
-            assert self.proc.poll() is None, f"the run ended first:\n{self.text()[-3000:]}"
+            if self.proc.poll() is not None:  # it may have ended between the test and here
+                assert test(), f"the run ended first:\n{self.text()[-3000:]}"
+                return
             assert time.monotonic() < deadline, f"timed out:\n{self.text()[-3000:]}"
             time.sleep(0.1)
 
