@@ -47,7 +47,8 @@ def test_header_offers_resume_only_when_the_run_saves_checkpoints():
     from mrtpo.callbacks.console import header
 
     saving = header(compose_config("train.yaml", ["paths.output_dir=/runs/a"]))
-    assert "python src/train.py +resume=/runs/a" in saving
+    # the hint repeats what was given beyond the run's saved overrides, then +resume=<folder>
+    assert "python src/train.py paths.output_dir=/runs/a +resume=/runs/a)" in saving
     none = header(compose_config("train.yaml", ["paths.output_dir=/runs/a",
                                                 "callbacks.model_checkpoint=null"]))  # fmt: skip
     assert "+resume=" not in none and "callbacks.model_checkpoint null" in none
