@@ -496,6 +496,12 @@ def check_method(cfg) -> None:
     node = OmegaConf.select(cfg, "method", default=None)
     if node is None or OmegaConf.select(node, "_target_", default=None) is None:
         return
+    _instantiate_checked(node)
+
+
+def _instantiate_checked(node) -> None:
+    """Build ``node`` to let its constructor check its values; a ValueError or TypeError it
+    raises becomes a one-line ``ConfigError``."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -583,8 +589,6 @@ def check_engine_settings(cfg) -> None:
     """The rollout engine's own checks of its settings (``rollout.engine.*``), run before
     anything loads by both the run (``validate``) and ``--check``: one engine built from the
     config for ``SETTINGS_ONLY_ENGINES``, and the port and weight folder of any engine."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, "rollout.engine")
@@ -593,13 +597,7 @@ def check_engine_settings(cfg) -> None:
     _engine_keys(node)
     if str(node.get("_target_")) not in SETTINGS_ONLY_ENGINES:
         return
-    try:
-        instantiate(node)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, (ValueError, TypeError)):
-            raise ConfigError(str(cause)) from None
-        raise
+    _instantiate_checked(node)
 
 
 def check_schedule(cfg) -> None:
