@@ -364,7 +364,11 @@ def resume_command(folder: str | Path) -> str:
         given = [str(o) for o in HydraConfig.get().overrides.task]
     except Exception:  # not inside a Hydra job: the run's own record
         given = []
-    kept = [o for o in given if not o.lstrip("+~").startswith(_NOT_RESUMED) and o not in saved]
+    kept = [
+        o
+        for o in given
+        if not o.lstrip("+~").startswith(_NOT_RESUMED) and (o not in saved or _names_code(o))
+    ]  # a resume takes a saved override that could name code only when it is repeated
     words = ["python", "src/train.py", *kept, f"+resume={folder}"]
     return " ".join(shlex.quote(w) for w in words)
 
@@ -426,6 +430,89 @@ def _same(given: str, theirs: Any) -> bool:
     return value == theirs or str(value) == str(theirs)
 
 
+#: Keys whose value names code a run imports or runs: the custom task's functions and import
+#: folders (tasks/custom/task.py), and a started vLLM server's arguments.
+_CODE_KEYS = (
+    "task.rewards",
+    "task.blocks",
+    "task.success",
+    "task.import_dirs",
+    "rollout.engine.server_args",
+)
+#: Nodes the run instantiates: a ``+`` addition under one may add an object to build.
+_BUILT = ("callbacks", "method", "rollout.engine", "logger", "trainer")
+
+
+def _names_code(override: str) -> bool:
+    """Whether a saved override could make the run import or run code: an interpolation, an
+    instantiation key, an addition under a node the run builds, a Hydra key or group, or a
+    key of ``_CODE_KEYS``. A config group choice (``task=custom``) names a committed file."""
+    key = _override_key(override)
+    return (
+        "${" in override
+        or any(m in override for m in ("_target_", "_args_", "_partial_"))
+        or (override.startswith("+") and _under(key, _BUILT))
+        or key == "hydra"
+        or key.startswith(("hydra/", "hydra."))
+        or _under(key, _CODE_KEYS)
+    )
+
+
+def _under(key: str, names: Sequence[str]) -> bool:
+    return any(key == n or key.startswith((f"{n}.", f"{n}[")) for n in names)
+
+
+def _others_may_write(st: os.stat_result) -> bool:
+    """World-writable, or group-writable by a group other than the user's own private group
+    (umask 002 gives every file of a user-private-group system the group's write bit)."""
+    import grp
+    import pwd
+
+    if st.st_mode & 0o002:
+        return True
+    if not st.st_mode & 0o020:
+        return False
+    try:
+        group, user = grp.getgrgid(st.st_gid), pwd.getpwuid(os.getuid())
+    except KeyError:
+        return True
+    return not (group.gr_name == user.pw_name and st.st_gid == user.pw_gid and not group.gr_mem)
+
+
+def _owned_text(path: Path) -> str:
+    """``path``'s text, refused unless it is a file (not a link) of this user that no one
+    else may write: a resume takes its overrides from it."""
+    from mrtpo.settings import ConfigError
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or _others_may_write(st):
+            raise ConfigError(
+                f"{path} is not yours or others may write it (mode {st.st_mode & 0o777:o}, "
+                f"owner uid {st.st_uid}): a resume takes the run's overrides from it; check "
+                f"it, then chown it to you and chmod go-w it"
+            )
+        return f.read().decode("utf-8")
+
+
+def _untrusted(run: Path, saved: list[str], words: list[str]) -> None:
+    """Refuse a saved override that could name code (``_names_code``) unless the same
+    override is given beside ``+resume``: the user says to run it, not the folder."""
+    import shlex
+
+    from mrtpo.settings import ConfigError
+
+    missing = [o for o in saved if _names_code(o) and o not in words]
+    if missing:
+        add = " ".join(shlex.quote(o) for o in missing)
+        raise ConfigError(
+            f"+resume={run}: its .hydra/overrides.yaml has {', '.join(missing)}, which can "
+            f"name code to run; a resume takes such an override only when you repeat it. "
+            f"If you trust it, add it: python src/train.py {add} {shlex.quote(f'+resume={run}')}"
+        )
+
+
 def _saved_overrides(run: Path) -> list[str] | None:
     """The run's ``.hydra/overrides.yaml``, read as data; None when the folder has none."""
     import yaml
@@ -436,7 +523,7 @@ def _saved_overrides(run: Path) -> list[str] | None:
     if not path.is_file():
         return None
     try:
-        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+        saved = yaml.safe_load(_owned_text(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"+resume={run}: cannot read {path} ({type(exc).__name__})") from None
     if saved is None:
@@ -463,6 +550,7 @@ def resume_overrides(argv: Sequence[str]) -> list[str]:
     saved = _saved_overrides(run) if run.is_dir() else None
     if saved is None:
         return words  # the resume's own checks say what is wrong with the folder
+    _untrusted(run, saved, words)
     theirs = {_override_key(o): o.split("=", 1)[1] for o in saved if "=" in o}
     keep, extra, flags = list(saved), [], []
     for word in words:
