@@ -451,7 +451,7 @@ def _names_code(override: str) -> bool:
     return (
         "${" in override
         or any(m in override for m in ("_target_", "_args_", "_partial_"))
-        or (override.startswith("+") and _under(key, _BUILT))
+        or (override.startswith("+") and _under(key.split("@", 1)[-1], _BUILT))
         or key == "hydra"
         or key.startswith(("hydra/", "hydra."))
         or _under(key, _CODE_KEYS)

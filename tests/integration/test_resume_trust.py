@@ -132,6 +132,7 @@ def test_an_added_callback_with_a_target_is_refused(tmp_path):
         "trainer.plugins._target_=os.system",
         "+trainer.strategy={_partial_:true}",
         "+logger.x=1",
+        "+method@callbacks.x=mrtpo",
         "task.blocks={r1: mymod.b}",
         "task.success=mymod.ok",
         "task.import_dirs=[/tmp]",
