@@ -40,6 +40,19 @@ def shared_data() -> Path:
 
 CONFIG_DIR = ROOT / "configs"
 
+#: A one-process command-line run small enough for a test: two prompts of two samples, four new
+#: tokens, nothing printed or dumped, a checkpoint every step (tests add their own steps).
+SMALL_RUN = (
+    "print_config=false",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+    "rollout.sampling.max_new_tokens=4",
+    "callbacks.progress=null",
+    "callbacks.sample_table=null",
+    "callbacks.relevance_dump=null",
+    "callbacks.model_checkpoint.every_n_train_steps=1",
+)
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:

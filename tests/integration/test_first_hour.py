@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SMALL_RUN
 
 from mrtpo.analysis.sweep import main as report_main
 from mrtpo.data import PromptDataModule
@@ -31,19 +31,7 @@ from mrtpo.tasks.synthetic import SyntheticTask
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
 
-RUN = [
-    "print_config=false",
-    "rl.prompts_per_step=2",
-    "rl.group_size=2",
-    "rollout.sampling.max_new_tokens=4",
-    "method.beta_warmup_steps=3",
-    "optim.lr=1e-3",
-    "callbacks.progress=null",
-    "callbacks.sample_table=null",
-    "callbacks.relevance_dump=null",
-    "callbacks.export=null",
-    "callbacks.model_checkpoint.every_n_train_steps=1",
-]
+RUN = [*SMALL_RUN, "method.beta_warmup_steps=3", "optim.lr=1e-3", "callbacks.export=null"]
 
 
 def _train(logs: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -20,25 +20,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SMALL_RUN
 
 from mrtpo.run_folder import resume_overrides
 from mrtpo.settings import ConfigError
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
 
-RUN = [
-    "print_config=false",
-    "trainer.max_steps=1",
-    "rl.prompts_per_step=2",
-    "rl.group_size=2",
-    "rollout.sampling.max_new_tokens=4",
-    "callbacks.progress=null",
-    "callbacks.sample_table=null",
-    "callbacks.relevance_dump=null",
-    "callbacks.export=null",
-    "callbacks.model_checkpoint.every_n_train_steps=1",
-]
+RUN = [*SMALL_RUN, "trainer.max_steps=1", "callbacks.export=null"]
 REWARDS = "def r1(prompt, response, **row):\n    return float(len(response) <= 8)\n"
 
 
