@@ -156,7 +156,7 @@ def test_busy_processes_end_with_the_test_and_by_their_deadline():
     busy process stops by itself at its deadline."""
     core = min(os.sched_getaffinity(0))
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, '.');"
+        [sys.executable, "-c",  # -c puts the working folder (ROOT) first on the import path
          "from tests.unit.test_checker_load import start_busy; "
          f"b = start_busy({core}, 2); print(*[p.pid for p in b], flush=True); input()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
