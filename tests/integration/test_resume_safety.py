@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SMALL_RUN
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
 
@@ -36,15 +36,8 @@ def _cmd(logs: Path, cache_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         str(ROOT / "src" / "train.py"),
-        "print_config=false",
-        "rl.prompts_per_step=2",
-        "rl.group_size=2",
-        "rollout.sampling.max_new_tokens=4",
-        "callbacks.progress=null",
-        "callbacks.sample_table=null",
-        "callbacks.relevance_dump=null",
+        *SMALL_RUN,
         "callbacks.export=null",
-        "callbacks.model_checkpoint.every_n_train_steps=1",
         f"paths.log_dir={logs}",
         f"paths.cache_dir={cache_dir}",
         *extra,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, SMALL_RUN, compose_config
 
 from mrtpo.models import load_policy
 from mrtpo.pipeline import train
@@ -194,17 +194,7 @@ def test_a_failed_restore_puts_metrics_back(train_cfg, finished_run, monkeypatch
 
 # ---- the entry point: Hydra's own writes, and run folders of simultaneous runs -----------------
 
-CLI = [
-    "print_config=false",
-    "trainer.max_steps=1",
-    "rl.prompts_per_step=2",
-    "rl.group_size=2",
-    "rollout.sampling.max_new_tokens=4",
-    "callbacks.progress=null",
-    "callbacks.sample_table=null",
-    "callbacks.relevance_dump=null",
-    "callbacks.model_checkpoint.every_n_train_steps=1",
-]
+CLI = [*SMALL_RUN, "trainer.max_steps=1"]
 
 
 def _cli(args, cache_dir, log_dir, **kw):
