@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mrtpo.config import CONFIG_DIR
+from mrtpo.run.config import CONFIG_DIR
 from replication.harness import (
     FULL_K,
     FULL_SEEDS,

@@ -8,12 +8,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
+import mrtpo.run.config  # noqa: F401  (registers the resolvers the configs use)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="export.yaml")
 def main(cfg: DictConfig) -> None:
-    from mrtpo.export import run
+    from mrtpo.evaluate.export import run
 
     try:
         run(cfg)

@@ -8,18 +8,18 @@ python src/train.py experiment=text2sql_coder7b --check   # check it all, say wh
 import hydra
 from omegaconf import DictConfig
 
-import mrtpo.cli  # (registers what --help says of each group)
-import mrtpo.config  # (registers the resolvers the configs use)
+import mrtpo.run.cli  # (registers what --help says of each group)
+import mrtpo.run.config  # (registers the resolvers the configs use)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> float | None:
-    from mrtpo.cli import in_sweep, run_job
-    from mrtpo.pipeline import train
-    from mrtpo.run_folder import NothingToTrain, discard_refused_folder, is_refusal
+    from mrtpo.lightning.pipeline import train
+    from mrtpo.run.cli import in_sweep, run_job
+    from mrtpo.run.folder import NothingToTrain, discard_refused_folder, is_refusal
 
     if cfg.get("dry_run"):  # --check: every check, then what the run would do; no training
-        from mrtpo.dryrun import dry_run
+        from mrtpo.run.dryrun import dry_run
 
         try:
             run_job(dry_run, cfg)
@@ -53,11 +53,11 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
-    from mrtpo.run_folder import resume_overrides
-    from mrtpo.settings import ConfigError, check_overrides
-    from mrtpo.signals import run_and_exit
+    from mrtpo.run.folder import resume_overrides
+    from mrtpo.run.settings import ConfigError, check_overrides
+    from mrtpo.run.signals import run_and_exit
 
-    mrtpo.cli.COMMAND_LINE = True  # a refusal as Hydra starts: one line, exit status 2
+    mrtpo.run.cli.COMMAND_LINE = True  # a refusal as Hydra starts: one line, exit status 2
     # --check is dry_run=true (configs/train.yaml), for Hydra
     sys.argv = ["dry_run=true" if a == "--check" else a for a in sys.argv]
     try:  # an unknown rl./optim./replay./data. key: name the valid ones, before Hydra starts
@@ -68,5 +68,5 @@ if __name__ == "__main__":
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
     # SIGTERM/SIGINT end the run within a bounded time (exit status 143/130), and threads a
-    # reward left running do not keep the process alive after the run (mrtpo.faults)
+    # reward left running do not keep the process alive after the run (mrtpo.core.faults)
     run_and_exit(main)

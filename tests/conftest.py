@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import mrtpo.config  # noqa: F401  (registers the resolvers the configs use)
+import mrtpo.run.config  # noqa: F401  (registers the resolvers the configs use)
 
 # Tests never reach the network: any hub access must fail at once, not wait for a timeout.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,7 +62,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def compose_config(name: str, overrides: list[str]):
     """The real Hydra config, composed as the entry points compose it."""
-    from mrtpo.config import compose
+    from mrtpo.run.config import compose
 
     return compose(name, overrides, config_dir=CONFIG_DIR)
 
@@ -92,7 +92,7 @@ def train_cfg(tmp_path, cache_dir):
 @pytest.fixture(scope="session")
 def tiny(cache_dir):
     """(model, tokenizer) of the tiny offline model, built once and loaded from disk."""
-    from mrtpo.models import load_policy
+    from mrtpo.core.models import load_policy
 
     model, tok = load_policy(str(cache_dir / "models" / "tiny-qwen2"), tiny={})
     return model, tok

@@ -155,7 +155,7 @@ def run(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from mrtpo.pipeline import build
+    from mrtpo.lightning.pipeline import build
 
     ensure_model(size)
     n = prompts * group

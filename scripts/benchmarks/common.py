@@ -1,7 +1,7 @@
 """Pieces shared by the benchmark sections: model sizes, configs, controlled rewards, timing.
 
 Every section builds the trainer the way ``src/train.py`` does (the real Hydra configs,
-``mrtpo.pipeline.build``), so what is timed is the code a user runs, not a re-implementation.
+``mrtpo.lightning.pipeline.build``), so what is timed is the code a user runs, not a re-implementation.
 Hydra is imported only inside the functions that compose a config: the GPU runner
 (``benchmarks.gpu``) uses the model sizes and controlled rewards from here on machines
 without Hydra.
@@ -53,7 +53,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 #: The folder that holds this package (``scripts/``): worker processes need it on their path.
 SCRIPTS = Path(__file__).resolve().parents[1]
 
-# Qwen2 shapes with random weights and the tiny byte-level tokenizer (mrtpo.models).
+# Qwen2 shapes with random weights and the tiny byte-level tokenizer (mrtpo.core.models).
 # ``tiny`` is configs/model/tiny.yaml (0.1M parameters: Python overhead dominates); ``mini``
 # (~3M) is for the scaling sweeps on CPU; ``small`` is the CPU-sized model (~23M: model
 # compute dominates a step); ``medium`` (~0.2B) and ``large`` (~1.1B) are GPU sizes (--full).
@@ -130,14 +130,14 @@ def model_overrides(size: str) -> list[str]:
 
 
 def ensure_model(size: str) -> Path:
-    from mrtpo.models import TinyModelConfig, build_tiny_model
+    from mrtpo.core.models import TinyModelConfig, build_tiny_model
 
     return build_tiny_model(model_path(size), TinyModelConfig(**MODEL_SIZES[size]))
 
 
 def compose(overrides: Sequence[str], run_dir: Path):
     """The real train config with ``overrides``, writing under ``run_dir``."""
-    from mrtpo.config import compose as compose_config
+    from mrtpo.run.config import compose as compose_config
 
     base = [
         f"paths.output_dir={run_dir}",
@@ -164,7 +164,7 @@ def build_method(name: str):
     schedule off (``schedule_off``)."""
     from hydra.utils import instantiate
 
-    from mrtpo.config import compose as compose_config
+    from mrtpo.run.config import compose as compose_config
 
     cfg = compose_config("train.yaml", [f"method={name}"], config_dir=CONFIG_DIR)
     return schedule_off(instantiate(cfg.method))
@@ -292,7 +292,7 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     out = bench_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    from mrtpo.analysis.runs import source_commit
+    from mrtpo.evaluate.analysis.runs import source_commit
 
     data = {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S"),

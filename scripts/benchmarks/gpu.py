@@ -379,7 +379,7 @@ def build_model(sizes: Sizes, tokenizer):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from mrtpo.models import resolve_dtype
+    from mrtpo.core.models import resolve_dtype
 
     torch.manual_seed(0)
     # the tokenizer's ids must all be rows of the embedding (the real vocabulary is larger)
@@ -399,7 +399,7 @@ def build_model(sizes: Sizes, tokenizer):
 
 
 def build_tokenizer():
-    from mrtpo.models import build_tokenizer as project_tokenizer
+    from mrtpo.core.models import build_tokenizer as project_tokenizer
 
     return project_tokenizer(1024)
 
@@ -520,7 +520,7 @@ def gpu_method(name: str):
     (``benchmarks.common.build_method``): this machine has no Hydra to compose
     ``configs/method/<name>.yaml``; a test checks that both give the same method."""
     from benchmarks.common import schedule_off
-    from mrtpo.credit.methods import GDPO, MRTPO
+    from mrtpo.core.credit.methods import GDPO, MRTPO
 
     return schedule_off({"mrtpo": MRTPO, "gdpo": GDPO}[name]())
 
@@ -529,9 +529,9 @@ def build_trainer(sizes: Sizes, state: dict[str, Any], max_steps: int, root: Pat
     """(trainer, module, datamodule) built by hand, as ``pipeline.build`` would from a config."""
     import lightning as L
 
-    from mrtpo.callbacks.rollout import RolloutCallback
-    from mrtpo.data import PromptDataModule
-    from mrtpo.module import PolicyModule
+    from mrtpo.lightning.callbacks.rollout import RolloutCallback
+    from mrtpo.lightning.data import PromptDataModule
+    from mrtpo.lightning.module import PolicyModule
 
     tok, model = state["tok"], state["model"]
     task = long_context_task(sizes, tok)
@@ -663,8 +663,8 @@ def _scored_batch(sizes: Sizes, state: dict[str, Any]):
     import torch
 
     from benchmarks.common import controlled_task
-    from mrtpo.batch import ScoredBatch, rewards_tensor
-    from mrtpo.models import eos_token_ids
+    from mrtpo.core.batch import ScoredBatch, rewards_tensor
+    from mrtpo.core.models import eos_token_ids
     from mrtpo.rollout.base import SamplingConfig
     from mrtpo.rollout.build import build_rollout
 
@@ -699,7 +699,7 @@ def stage_numerics(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from mrtpo.replay import Replayer
+    from mrtpo.core.replay import Replayer
 
     require("numerics", sizes)
     if "model" not in state:
@@ -787,9 +787,9 @@ def stage_jsd_memory(sizes: Sizes) -> dict[str, Any]:
 
 # ---- 6. generation -------------------------------------------------------------------------
 def stage_generation(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
-    from mrtpo.models import eos_token_ids
+    from mrtpo.core.chat import chat_ids
+    from mrtpo.core.models import eos_token_ids
     from mrtpo.rollout.base import SamplingConfig
-    from mrtpo.rollout.build import chat_ids
     from mrtpo.rollout.hf import HFEngine
 
     require("generation", sizes)

@@ -9,7 +9,7 @@ On one CUDA GPU, with no downloads:
 4. runs 3 policy-gradient steps (a plain REINFORCE update written here, not the project's
    trainer, so every sync can be inspected); after each ``sync_weights`` it samples with
    vLLM (``SamplingParams(logprobs=0)``) and compares vLLM's log-prob of every sampled token
-   with the trainer's (``mrtpo.forward.response_logprobs``) — and, as a control, with the
+   with the trainer's (``mrtpo.core.forward.response_logprobs``) — and, as a control, with the
    weights from before the step, which a missed sync would match instead;
 5. optionally (``--trainer-smoke``) runs ``src/train.py rollout=vllm`` for 3 steps on a small
    checkpoint, in a subprocess, and records its exit code and output tail.
@@ -128,11 +128,11 @@ def versions() -> dict:
 def build_tokenizer():
     """The project's byte-level tokenizer; an inline equivalent if that is not available."""
     try:
-        from mrtpo.models import build_tokenizer as project_builder
+        from mrtpo.core.models import build_tokenizer as project_builder
 
         return project_builder(1024)
     except Exception as exc:
-        log(f"mrtpo.models.build_tokenizer unavailable ({exc}); training one inline")
+        log(f"mrtpo.core.models.build_tokenizer unavailable ({exc}); training one inline")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -214,7 +214,7 @@ def calibrate_eos(model, tok, target: float, cont: int = 64) -> dict:
 
     import torch
 
-    from mrtpo.forward import pad_left, pad_right, response_logits
+    from mrtpo.core.forward import pad_left, pad_right, response_logits
 
     emb = model.get_input_embeddings().weight
     eos = tok.eos_token_id
@@ -275,7 +275,7 @@ def calibrate_eos(model, tok, target: float, cont: int = 64) -> dict:
 
 def eos_ids_of(tok, model) -> list[int]:
     try:
-        from mrtpo.models import eos_token_ids
+        from mrtpo.core.models import eos_token_ids
 
         return eos_token_ids(tok, model)
     except Exception:
@@ -287,7 +287,7 @@ def trainer_logprobs(model, tok, prompts, responses, micro: int = 8, bf16: bool 
     import torch
 
     try:
-        from mrtpo.forward import pad_left, pad_right, response_logprobs
+        from mrtpo.core.forward import pad_left, pad_right, response_logprobs
     except Exception:
         response_logprobs = None
     out: list[list[float]] = []
@@ -372,7 +372,7 @@ def pg_step(model, opt, tok, prompts, gens, group: int, seed: int) -> dict:
     """
     import torch
 
-    from mrtpo.forward import pad_left, pad_right, response_logprobs
+    from mrtpo.core.forward import pad_left, pad_right, response_logprobs
 
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randn(len(gens), generator=g).view(-1, group)

@@ -57,8 +57,8 @@ def _peak_bytes() -> int:
 def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps: int) -> dict:
     import torch
 
-    from mrtpo.credit import js_distance, js_distance_chunked
-    from mrtpo.replay import ALL, Replayer, _Job
+    from mrtpo.core.credit import js_distance, js_distance_chunked
+    from mrtpo.core.replay import ALL, Replayer, _Job
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     dev = torch.device(device)

@@ -154,7 +154,7 @@ def _how_to_read(present: list[dict[str, Any]]) -> list[str]:
         "synthetic task scores each response as usual, then a fixed random set of "
         "(prompt, reward) cells is made to vary within its group and the rest held constant, "
         "which fixes the share of response-reward pairs MRTPO replays (the paper saw 12-21%).",
-        "- **Random-weight models.** Qwen2 shapes from `mrtpo.models.TinyModelConfig` with the "
+        "- **Random-weight models.** Qwen2 shapes from `mrtpo.core.models.TinyModelConfig` with the "
         "tiny byte-level tokenizer (vocabulary ~630): model compute is realistic for the "
         "size, the vocabulary is not. Section 2 measures the vocabulary-sized part (the "
         "JSD over 32k and 152k) on its own.",

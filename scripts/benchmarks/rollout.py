@@ -107,7 +107,7 @@ def run(
     """One model size: every (shape, G) case, plus the weight-sync timings."""
     import torch
 
-    from mrtpo.models import eos_token_ids, load_policy
+    from mrtpo.core.models import eos_token_ids, load_policy
     from mrtpo.rollout.base import SamplingConfig
     from mrtpo.rollout.hf import HFEngine
 

@@ -86,7 +86,7 @@ def _overrides(size, method, schedule, engine, *, prompts, group, rewards, new_t
 
 def run_once(engines, label, method, schedule, engine, steps, warmup, share, **shape):
     """One Lightning run on a shared engine: (step times after warm-up, step splits)."""
-    from mrtpo.pipeline import build
+    from mrtpo.lightning.pipeline import build
 
     cfg = compose(
         [*_overrides(shape.pop("size"), method, schedule, engine, **shape),
@@ -154,7 +154,7 @@ def run(
     import torch
 
     from benchmarks.against_trl import long_text
-    from mrtpo.models import eos_token_ids, load_policy
+    from mrtpo.core.models import eos_token_ids, load_policy
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from mrtpo.forward import pad_left, pad_right, prompt_groups, response_logprobs
+from mrtpo.core.forward import pad_left, pad_right, prompt_groups, response_logprobs
 
 #: name -> (hidden size, layers, MLP size)
 MODELS = {"h64, 2 layers": (64, 2, 128), "h256, 4 layers": (256, 4, 512)}

@@ -26,8 +26,8 @@ from benchmarks.common import (
     med,
     model_overrides,
 )
-from mrtpo.callbacks.rollout import RolloutCallback
-from mrtpo.forward import pad_left, response_logits
+from mrtpo.core.forward import pad_left, response_logits
+from mrtpo.lightning.callbacks.rollout import RolloutCallback
 from mrtpo.rollout.build import build_rollout
 
 PHASES = ("rollout", "reward", "old_logp", "replay", "update")
@@ -99,7 +99,7 @@ def fuse_old_logp(module) -> None:
     log-probs): responses' old log-probs come from that replay, only the remaining rows run
     the old-policy pass, and the step's own replay then returns the same result. Toggle with
     ``module.fuse``."""
-    from mrtpo.module import PolicyModule
+    from mrtpo.lightning.module import PolicyModule
 
     assert isinstance(module, PolicyModule)
     step = module.step
@@ -325,7 +325,7 @@ def run_case(
         *extra,
     ]
     cfg = compose(overrides, run_dir)
-    from mrtpo.pipeline import build
+    from mrtpo.lightning.pipeline import build
 
     trainer, module, dm = build(cfg)
     alt = alternate(

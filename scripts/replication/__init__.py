@@ -10,5 +10,5 @@ that runs it; not part of the installed ``mrtpo`` package.
     long_report  its predictions, verdicts, diagnostics and ``docs/replication_long.md``;
                  its ``main`` runs the long toy, then writes the report
 
-The statistics and run readers it uses are the library's (``mrtpo.analysis``).
+The statistics and run readers it uses are the library's (``mrtpo.evaluate.analysis``).
 """

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrtpo.analysis.stats import (
+from mrtpo.evaluate.analysis.stats import (
     Interval,
     censored_steps,
     early_minus_late,

@@ -5,7 +5,7 @@ the task from clean references until held-out success reaches a target, then
 ``experiment=toy_sft_noisy`` trains on references that often break a constraint until success
 has fallen to RL's starting level — then RL from that same checkpoint with every method and
 seed (``experiment=toy_replication``; the same prompts and sampling seeds for every method,
-since both follow ``seed``). Runs go through ``mrtpo.pipeline.build`` in worker processes
+since both follow ``seed``). Runs go through ``mrtpo.lightning.pipeline.build`` in worker processes
 (``replication.jobs``), one CPU thread each. Then ``write_report`` writes
 ``<docs>/replication.md``: per K, steps to reach a success threshold, final success and area
 under the success curve (mean and 95% interval over seeds, and paired differences against
@@ -35,8 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
-from mrtpo.analysis.stats import (
+from mrtpo.evaluate.analysis.runs import read_jsonl, read_metrics, run_series, source_commit
+from mrtpo.evaluate.analysis.stats import (
     FINAL_WINDOW,
     SMOOTH,
     Interval,
@@ -46,7 +46,7 @@ from mrtpo.analysis.stats import (
     run_stats,
     trend,
 )
-from mrtpo.config import CONFIG_DIR, compose
+from mrtpo.run.config import CONFIG_DIR, compose
 from replication import claims as claims_mod
 from replication.jobs import Job, quieted, recorded_csv, run_all
 from replication.plots import plot_curves, plot_gain_vs_k, plot_relevance, plot_replay_share
@@ -429,9 +429,9 @@ def teacher_check(policy: Path, k: int, n: int = TEACHER_PROMPTS) -> dict[str, f
 
     from hydra.utils import instantiate
 
-    from mrtpo.evaluation import evaluate_examples
-    from mrtpo.models import load_policy
-    from mrtpo.sft import answer
+    from mrtpo.core.evaluation import evaluate_examples
+    from mrtpo.core.models import load_policy
+    from mrtpo.lightning.sft import answer
 
     cfg = compose("train.yaml", ["experiment=toy_replication", f"task.num_constraints={k}"])
     task = instantiate(cfg.task)
@@ -459,8 +459,8 @@ def analyse(opts: Options, console) -> list[KResult]:
     warm start once per K for the relevance statistics (cached as ``relevance_sft.jsonl``)."""
     from hydra.utils import instantiate
 
-    from mrtpo.models import load_policy
-    from mrtpo.sft import read_summary
+    from mrtpo.core.models import load_policy
+    from mrtpo.lightning.sft import read_summary
 
     figs = opts.docs / "figures"
     results = []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import muted_libraries
-from mrtpo.config import compose
+from mrtpo.run.config import compose
 
 
 @dataclass
@@ -110,7 +110,7 @@ def recorded_csv(csv: Path, job_dir: Path) -> Path:
 
 def run_job(job: Job, queue=None) -> dict[str, Any]:
     """Train one composed config (in a worker process); return where its results are."""
-    from mrtpo.pipeline import build, metrics_csv
+    from mrtpo.lightning.pipeline import build, metrics_csv
 
     t0 = time.perf_counter()
     try:

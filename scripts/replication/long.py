@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mrtpo.analysis.runs import read_jsonl, read_metrics, run_series
-from mrtpo.config import compose
+from mrtpo.evaluate.analysis.runs import read_jsonl, read_metrics, run_series
+from mrtpo.run.config import compose
 from replication.harness import ROOT, method_dir, parse_method
 from replication.jobs import Job, recorded_csv, run_all
 
@@ -321,7 +321,7 @@ class CellRuns:
 
 
 def read_cells(opts: LongOptions) -> list[CellRuns]:
-    from mrtpo.sft import read_summary
+    from mrtpo.lightning.sft import read_summary
 
     out = []
     for cell in opts.cells:

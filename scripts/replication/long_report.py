@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mrtpo.analysis.runs import source_commit
-from mrtpo.analysis.stats import (
+from mrtpo.evaluate.analysis.runs import source_commit
+from mrtpo.evaluate.analysis.stats import (
     SMOOTH,
     Interval,
     mean_ci,
@@ -31,7 +31,7 @@ from mrtpo.analysis.stats import (
     steps_to_threshold,
     trend,
 )
-from mrtpo.config import compose
+from mrtpo.run.config import compose
 from replication import claims as C
 from replication.harness import ROOT
 from replication.jobs import quieted
@@ -576,7 +576,7 @@ def _steps(summary: dict) -> str:
 
 def _chain(add, opts: LongOptions) -> None:
     """The clean passes run only as another cell's start (K = 8's chain)."""
-    from mrtpo.sft import read_summary
+    from mrtpo.lightning.sft import read_summary
 
     rows = []
     for wave in sft_waves(list(opts.cells)):

@@ -7,7 +7,7 @@ import html
 import math
 from pathlib import Path
 
-from mrtpo.analysis.stats import SMOOTH, mean_ci, smooth
+from mrtpo.evaluate.analysis.stats import SMOOTH, mean_ci, smooth
 
 COLORS = {
     "grpo": "#7f7f7f",

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from mrtpo.config import compose
+from mrtpo.run.config import compose
 
 
 def token_word_index(tokenizer, token_ids: Sequence[int]) -> tuple[list[int | None], int]:
@@ -98,11 +98,11 @@ def replay_records(
     every (response, reward) pair, and return them as ``relevance.jsonl`` records (step 0)."""
     from hydra.utils import instantiate
 
-    from mrtpo.batch import ScoredBatch, rewards_tensor
-    from mrtpo.callbacks.samples import relevance_record
-    from mrtpo.credit import relevance_weights
-    from mrtpo.models import eos_token_ids, load_policy
-    from mrtpo.replay import Replayer
+    from mrtpo.core.batch import ScoredBatch, rewards_tensor
+    from mrtpo.core.credit import relevance_weights
+    from mrtpo.core.models import eos_token_ids, load_policy
+    from mrtpo.core.replay import Replayer
+    from mrtpo.lightning.callbacks.samples import relevance_record
     from mrtpo.rollout.base import SamplingConfig
     from mrtpo.rollout.build import build_rollout
     from mrtpo.rollout.hf import HFEngine

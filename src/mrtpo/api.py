@@ -61,8 +61,8 @@ class RunResult:
         """Every row of ``csv/metrics.csv`` (one per logged step), numbers as floats; a
         cell the step did not log is left out of its row. Of a malformed file, a column with
         a cell that is no number and a row longer than the header are left out, each logged
-        as a warning naming it (``mrtpo.analysis.runs.read_metrics``)."""
-        from mrtpo.analysis.runs import read_metrics
+        as a warning naming it (``mrtpo.evaluate.analysis.runs.read_metrics``)."""
+        from mrtpo.evaluate.analysis.runs import read_metrics
 
         path = self.run_dir / "csv" / "metrics.csv"
         if not path.is_file():
@@ -77,7 +77,7 @@ class RunResult:
 def train(overrides: Sequence[str] | Mapping[str, Any] = ()) -> RunResult:
     """``python src/train.py <overrides>``: train, return the run folder and final metrics.
     ``overrides``: a list of ``key=value`` strings, or a mapping of keys to values."""
-    from mrtpo.pipeline import train as train_job
+    from mrtpo.lightning.pipeline import train as train_job
 
     def job(cfg: DictConfig) -> dict[str, float]:
         return train_job(cfg)
@@ -87,8 +87,8 @@ def train(overrides: Sequence[str] | Mapping[str, Any] = ()) -> RunResult:
 
 def evaluate(overrides: Sequence[str] = ()) -> RunResult:
     """``python src/eval.py <overrides>``: evaluate, return the output folder and metrics."""
-    from mrtpo.eval_job import run
-    from mrtpo.threads import configure
+    from mrtpo.evaluate.job import run
+    from mrtpo.run.threads import configure
 
     def job(cfg: DictConfig) -> dict[str, float]:
         configure(cfg)
@@ -101,7 +101,7 @@ def evaluate(overrides: Sequence[str] = ()) -> RunResult:
 
 def export(overrides: Sequence[str] = ()) -> Path:
     """``python src/export.py <overrides>``: export a checkpoint, return the folder written."""
-    from mrtpo.export import run
+    from mrtpo.evaluate.export import run
 
     holder: dict[str, Path] = {}
 
@@ -131,7 +131,7 @@ def _run(
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from mrtpo.config import CONFIG_DIR
+    from mrtpo.run.config import CONFIG_DIR
 
     if isinstance(overrides, str):
         raise TypeError("overrides is a list of strings: ['method=gdpo', 'seed=1']")
@@ -210,7 +210,7 @@ def _threads_state() -> tuple[int, str | None]:
 
 
 def _restore_threads(state: tuple[int, str | None]) -> None:
-    """Give the caller back torch's thread count (a job sets its own: ``mrtpo.threads``)."""
+    """Give the caller back torch's thread count (a job sets its own: ``mrtpo.run.threads``)."""
     import torch
 
     threads, env = state

@@ -4,7 +4,7 @@ The config names each object by a token: a reward or block function by the impor
 ``mrtpo.live.<token>`` (this module answers the attribute), a dataset by the path
 ``mrtpo-live:<token>`` (the custom task reads its rows from here), so the composed config,
 its ``.hydra/`` record and the run's command line stay plain text. A loaded model goes
-through ``session``: ``mrtpo.pipeline.build`` takes it from there instead of loading
+through ``session``: ``mrtpo.lightning.pipeline.build`` takes it from there instead of loading
 ``model.name_or_path``, and leaves the policy and tokenizer it trained with there.
 
 Objects live only in this process: a job whose ranks are started as new processes cannot

@@ -134,7 +134,7 @@ class Config:
         """(rl.group_size, prompts per step) of the config these settings compose to, so that
         ``overrides`` or an experiment setting the group size count; where they do not
         compose, (num_generations or 4, 4) (the job's pre-check then says what is wrong)."""
-        from mrtpo.config import compose
+        from mrtpo.run.config import compose
 
         rest = replace(self, per_device_train_batch_size=None, reward_weights=None)
         try:
@@ -261,9 +261,9 @@ def _precheck(overrides: list[str], args: Config) -> None:
     before it makes a run folder; the error names the ``Config`` field that set the key."""
     from hydra.errors import ConfigCompositionException
 
-    from mrtpo.config import compose
-    from mrtpo.config_keys import check_keys
-    from mrtpo.settings import validate
+    from mrtpo.run.config import compose
+    from mrtpo.run.config_keys import check_keys
+    from mrtpo.run.settings import validate
 
     try:
         cfg = compose("train.yaml", overrides)
@@ -469,10 +469,10 @@ def _tokenizer_of(model: Any) -> Any:
 
 
 def _prepare(model: Any, tokenizer: Any, cfg: Any) -> tuple[Any, Any]:
-    """A given model and tokenizer made ready as ``mrtpo.models.load_policy`` makes a loaded
+    """A given model and tokenizer made ready as ``mrtpo.core.models.load_policy`` makes a loaded
     one: a pad token, left padding, train mode, and ``model.*``'s checkpointing and LoRA."""
-    from mrtpo.lora import LoraSettings, apply_lora
-    from mrtpo.models import eos_token_ids
+    from mrtpo.core.lora import LoraSettings, apply_lora
+    from mrtpo.core.models import eos_token_ids
 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(

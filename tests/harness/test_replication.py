@@ -9,7 +9,7 @@ import re
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.analysis.runs import read_metrics, rl_curves
+from mrtpo.evaluate.analysis.runs import read_metrics, rl_curves
 
 
 def _script():

@@ -1,4 +1,4 @@
-"""The claim statistics (mrtpo.analysis.stats) and verdicts (replication.claims) on
+"""The claim statistics (mrtpo.evaluate.analysis.stats) and verdicts (replication.claims) on
 hand-computed inputs: no training."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mrtpo.analysis.stats import Interval, early_minus_late, mean_finite, value_at
+from mrtpo.evaluate.analysis.stats import Interval, early_minus_late, mean_finite, value_at
 from replication import claims
 from replication.claims import (
     INCONCLUSIVE,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from hydra.utils import instantiate
 
-from mrtpo.config import compose
-from mrtpo.credit import CoRT
+from mrtpo.core.credit import CoRT
+from mrtpo.run.config import compose
 from replication import harness as rep
 from replication.jobs import recorded_csv, run_all
 

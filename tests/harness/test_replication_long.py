@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.analysis.runs import rl_curves
-from mrtpo.config import compose
+from mrtpo.evaluate.analysis.runs import rl_curves
+from mrtpo.run.config import compose
 from replication import claims as C
 from replication import long as L
 from replication import long_report as R
@@ -288,7 +288,7 @@ def test_credit_stats_reading_and_picture_of_a_made_up_dump(tmp_path):
     import yaml
     from tests.conftest import CONFIG_DIR
 
-    from mrtpo.models import build_tokenizer
+    from mrtpo.core.models import build_tokenizer
     from mrtpo.tasks.synthetic import SyntheticTask
 
     tiny = yaml.safe_load((CONFIG_DIR / "model" / "toy.yaml").read_text())["tiny"]

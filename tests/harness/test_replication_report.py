@@ -309,7 +309,7 @@ def test_no_schedule_section_without_variants(report):
 
 
 def test_schedule_verdict_branches():
-    from mrtpo.analysis.stats import Interval
+    from mrtpo.evaluate.analysis.stats import Interval
     from replication.harness import schedule_verdict
 
     sync = Interval(0.5, 0.1, 8)  # [0.4, 0.6]

@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-from mrtpo.models import load_policy
+from mrtpo.core.models import load_policy
 from replication.harness import teacher_check
 
 

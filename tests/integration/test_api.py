@@ -12,7 +12,7 @@ import torch
 from tests.conftest import SHARED_DATA
 
 from mrtpo import api
-from mrtpo.settings import ConfigError
+from mrtpo.run.settings import ConfigError
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 from tests.conftest import ROOT
 
-from mrtpo.checkpointing import (
+from mrtpo.run.checkpointing import (
     CheckpointError,
     SafeCheckpointIO,
     atomic_save,

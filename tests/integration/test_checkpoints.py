@@ -20,7 +20,8 @@ import lightning as L
 import pytest
 import torch
 
-from mrtpo.checkpointing import (
+from mrtpo.lightning.pipeline import build
+from mrtpo.run.checkpointing import (
     CheckpointError,
     NonFiniteStateError,
     assert_finite_state,
@@ -29,7 +30,6 @@ from mrtpo.checkpointing import (
     load_checkpoint,
     read_checksum,
 )
-from mrtpo.pipeline import build
 
 EVERY_STEP = (
     "callbacks.model_checkpoint.every_n_train_steps=1",
@@ -383,7 +383,7 @@ def _killed_writer(target: Path) -> None:
     """A real process killed with SIGKILL in the middle of ``atomic_save(..., target)``."""
     script = (
         "import time, torch\n"
-        "from mrtpo.checkpointing import atomic_save\n"
+        "from mrtpo.run.checkpointing import atomic_save\n"
         "def stuck(obj, f, *a, **k):\n"
         "    f.write(b'x' * 65536); f.flush(); print('writing', flush=True); time.sleep(600)\n"
         "torch.save = stuck\n"
@@ -401,7 +401,7 @@ def _killed_writer(target: Path) -> None:
 
 
 def test_a_save_killed_midway_leaves_a_temporary_the_next_start_removes(train_cfg, tmp_path):
-    from mrtpo.pipeline import train
+    from mrtpo.lightning.pipeline import train
 
     out = tmp_path / "run"
     train(train_cfg(*EVERY_STEP, f"paths.output_dir={out}"))
@@ -418,7 +418,7 @@ def test_a_save_killed_midway_leaves_a_temporary_the_next_start_removes(train_cf
 
 
 def test_only_temporaries_of_dead_writers_are_removed_without_the_lock(tmp_path):
-    from mrtpo.checkpointing import remove_stale_temporaries
+    from mrtpo.run.checkpointing import remove_stale_temporaries
 
     done = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

@@ -13,9 +13,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from tests.conftest import ROOT
 
-from mrtpo import models
-from mrtpo.pipeline import build, prepare, train
-from mrtpo.settings import ConfigError
+from mrtpo.core import models
+from mrtpo.lightning.pipeline import build, prepare, train
+from mrtpo.run.settings import ConfigError
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_every_number_of_every_typed_section_must_be_finite(value):
     import dataclasses
     import typing
 
-    from mrtpo.settings import SCHEMAS
+    from mrtpo.run.settings import SCHEMAS
 
     checked = 0
     for name, schema in SCHEMAS.items():
@@ -154,7 +154,7 @@ def test_settings_that_lived_only_in_code_can_be_set_plainly(train_cfg):
 
 
 def test_stage_is_instantiated_not_named(train_cfg):
-    from mrtpo.stages import RLStage, SFTStage
+    from mrtpo.lightning.stages import RLStage, SFTStage
 
     stage, _ = prepare(train_cfg())
     assert isinstance(stage, RLStage)
@@ -209,7 +209,7 @@ def test_fsdp_refuses_what_it_cannot_shard_yet_before_the_model_loads(
 
 @pytest.mark.parametrize("key", ["replay.share_prefix", "rollout.engine.share_prompt"])
 def test_a_replaced_prefix_sharing_key_names_the_one_to_use(train_cfg, key):
-    from mrtpo.settings import ConfigError, check_overrides
+    from mrtpo.run.settings import ConfigError, check_overrides
 
     for arg in (f"{key}=false", f"+{key}=false"):  # refused before Hydra composes anything
         with pytest.raises(ConfigError, match=rf"{key} was replaced by rl\.shared_prompt_forward"):

@@ -14,10 +14,10 @@ import torch
 from hydra.utils import instantiate
 from tests.integration.test_replay import BlockTask, _scored
 
-from mrtpo.credit import js_distance
-from mrtpo.credit.methods import MRTPO, RelevanceRequest
-from mrtpo.replay import Replayer
-from mrtpo.rollout.build import chat_ids
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.credit import js_distance
+from mrtpo.core.credit.methods import MRTPO, RelevanceRequest
+from mrtpo.core.replay import Replayer
 from mrtpo.tasks.base import Contexts
 from mrtpo.tasks.instructions import InstructionTask
 from mrtpo.tasks.instructions.data import TEMPLATES, render_prompt, sentence_spans
@@ -176,7 +176,7 @@ def test_constraint_sentences_are_found_in_every_template(template):
 
 
 def test_context_is_a_method_option_with_delete_the_default():
-    from mrtpo.config import compose
+    from mrtpo.run.config import compose
 
     for name in ("mrtpo", "mrtpo_joint", "mrtpo_saw", "mrtpo_shuffle"):
         cfg = compose("train.yaml", [f"method={name}"])

@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-from mrtpo.batch import ScoredBatch, rewards_tensor
-from mrtpo.credit import CoRT, grpo_advantages
-from mrtpo.pipeline import build, metrics_csv
-from mrtpo.replay import Replayer
+from mrtpo.core.batch import ScoredBatch, rewards_tensor
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.credit import CoRT, grpo_advantages
+from mrtpo.core.replay import Replayer
+from mrtpo.lightning.pipeline import build, metrics_csv
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.rollout.build import build_rollout, chat_ids
+from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
 from mrtpo.tasks.synthetic.task import SyntheticTask
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from tests.conftest import compose_config
 
-from mrtpo import viewer
-from mrtpo.pipeline import build, metrics_csv
-from mrtpo.settings import ReplayConfig
+from mrtpo.evaluate import viewer
+from mrtpo.lightning.pipeline import build, metrics_csv
+from mrtpo.run.settings import ReplayConfig
 from mrtpo.step.diagnostics import CreditDiagnostics, profile_cosine, q_ratio_quantiles
 from mrtpo.tasks.base import tag_spans, token_segments
 from mrtpo.tasks.synthetic import SyntheticTask
@@ -81,7 +81,7 @@ def test_noise_floor_is_opt_in(train_cfg):
 
 
 def test_a_resume_may_turn_the_noise_floor_on_or_off():
-    from mrtpo.run_folder import may_change
+    from mrtpo.run.folder import may_change
 
     # a diagnostic only: it changes what is logged, not what the run computes
     assert may_change("replay.noise_floor") and not may_change("method.cap")

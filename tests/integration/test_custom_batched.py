@@ -13,7 +13,7 @@ import pytest
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.lightning.pipeline import build, metrics_csv
 
 MODULE = "mrtpo_test_trl_rewards"
 

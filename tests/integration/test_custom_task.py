@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from tests.conftest import CONFIG_DIR
 
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.lightning.pipeline import build, metrics_csv
 from mrtpo.tasks.base import Example
 
 MODULE = "mrtpo_test_user_rewards"

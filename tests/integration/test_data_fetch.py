@@ -359,7 +359,7 @@ def test_readme_data_commands_run_as_written(server, tmp_path, capsys, monkeypat
     import re
     import shlex
 
-    from mrtpo.config import compose
+    from mrtpo.run.config import compose
 
     for target, _size, _sha, repo, commit, path in KNOWN:
         server.files[f"{repo}/{commit}/{path}"] = (SHARED / target).read_bytes()

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from tests.conftest import ROOT
 
-from mrtpo.credit.methods import CreditInputs
-from mrtpo.data import PromptStream
+from mrtpo.core.credit.methods import CreditInputs
+from mrtpo.lightning.data import PromptStream
 from mrtpo.tasks.synthetic import SyntheticTask
 
 
@@ -112,7 +112,7 @@ def test_two_processes_match_one_process_over_the_gathered_batch(tmp_path, cache
             "callbacks.progress=null",
             "data.val_prompts=3",  # one validation batch, which both ranks get (padding)
             f"trainer.val_check_interval={steps}",
-            "+callbacks.batch_dump._target_=mrtpo.callbacks.debug.BatchDump",
+            "+callbacks.batch_dump._target_=mrtpo.lightning.callbacks.debug.BatchDump",
             f"paths.log_dir={tmp_path}/logs",
             f"paths.cache_dir={cache_dir}",
             "print_config=false",

@@ -8,8 +8,8 @@ import lightning as L
 import pytest
 from omegaconf import open_dict
 
-from mrtpo.callbacks.rollout import RolloutCallback
-from mrtpo.pipeline import build
+from mrtpo.lightning.callbacks.rollout import RolloutCallback
+from mrtpo.lightning.pipeline import build
 from mrtpo.rollout.hf import HFEngine
 
 HERE = __name__

@@ -7,8 +7,8 @@ import json
 import pytest
 from tests.conftest import SHARED_DATA, compose_config
 
-from mrtpo.eval_job import run
-from mrtpo.pipeline import build
+from mrtpo.evaluate.job import run
+from mrtpo.lightning.pipeline import build
 
 
 def _eval_cfg(tmp_path, cache_dir, *overrides):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-from mrtpo.trained_run import from_training_run
+from mrtpo.run.trained_run import from_training_run
 
 
 def _run_with_limit(tmp_path):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SHARED_DATA, compose_config
 
-from mrtpo.eval_job import run
-from mrtpo.evaluation import write_results
+from mrtpo.core.evaluation import write_results
+from mrtpo.evaluate.job import run
 
 
 def _eval_cfg(tmp_path, cache_dir, *overrides):
@@ -91,7 +91,7 @@ def test_partial_predictions_warn_and_record_coverage(tmp_path, cache_dir, val_i
     path = tmp_path / "preds.jsonl"
     path.write_bytes(_good(val_ids[0]) + _good(val_ids[0]))  # 1 example, 2 samples
     out = tmp_path / "out"
-    with caplog.at_level(logging.WARNING, logger="mrtpo.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="mrtpo.core.evaluation"):
         metrics = run(
             _eval_cfg(tmp_path, cache_dir, f"eval.responses={path}", f"eval.output={out}")
         )
@@ -116,7 +116,7 @@ def test_partial_predictions_warn_and_record_coverage(tmp_path, cache_dir, val_i
     # complete: coverage 1 and no warning
     path.write_bytes(b"".join(_good(i) for i in val_ids))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mrtpo.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="mrtpo.core.evaluation"):
         metrics = run(
             _eval_cfg(
                 tmp_path,
@@ -342,7 +342,7 @@ def test_limit_applies_to_the_predictions_too(tmp_path, cache_dir, val_ids, capl
     cfg = _eval_cfg(
         tmp_path, cache_dir, f"eval.responses={path}", f"eval.output={out}", "eval.limit=4"
     )
-    with caplog.at_level(logging.WARNING, logger="mrtpo.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="mrtpo.core.evaluation"):
         metrics = run(cfg)
     assert metrics["n_responses"] == 4.0 and metrics["coverage"] == 1.0
     skipped = len(val_ids) - 4

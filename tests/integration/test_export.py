@@ -15,7 +15,7 @@ import pytest
 import torch
 from tests.conftest import ROOT, compose_config
 
-from mrtpo.pipeline import build
+from mrtpo.lightning.pipeline import build
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 TRAINED = ["optim.lr=0.02", "optim.weight_decay=0.0", "rl.group_size=4"]
@@ -152,7 +152,7 @@ def test_export_cli_converts_a_checkpoint_and_eval_reads_it(lora_checkpoint, tmp
 
 
 def test_export_refuses_unsafe_destinations_and_other_models(lora_checkpoint, tmp_path, cache_dir):
-    from mrtpo.export import run
+    from mrtpo.evaluate.export import run
 
     ckpt = lora_checkpoint / "checkpoints" / "last.ckpt"
     model_dir = cache_dir / "models" / "tiny-qwen2"
@@ -196,7 +196,7 @@ def test_the_end_of_run_export_never_overwrites_the_starting_model(
     before = _tree_digest(start)
     cfg = train_cfg(f"model.name_or_path={start}", "model.tiny=null", "trainer.max_steps=1")
     trainer, module, dm = build(cfg)
-    with caplog.at_level(logging.WARNING, logger="mrtpo.callbacks.export"):
+    with caplog.at_level(logging.WARNING, logger="mrtpo.lightning.callbacks.export"):
         trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 1
     assert _tree_digest(start) == before
@@ -208,7 +208,7 @@ def test_the_exported_generation_config_drops_the_checkpoints_own_defaults(tiny)
     sample as training did, so none of them may come back."""
     import copy
 
-    from mrtpo.export import generation_config
+    from mrtpo.evaluate.export import generation_config
 
     model, tok = tiny
     model = copy.deepcopy(model)
@@ -293,7 +293,7 @@ def test_the_eval_command_composes_to_the_runs_task(overrides):
 
     from omegaconf import OmegaConf
 
-    from mrtpo.callbacks.export import eval_overrides
+    from mrtpo.lightning.callbacks.export import eval_overrides
 
     run = compose_config("train.yaml", overrides)
     saved = OmegaConf.create(OmegaConf.to_container(run, resolve=False))  # .hydra/config.yaml

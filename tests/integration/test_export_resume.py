@@ -90,7 +90,7 @@ def test_a_run_killed_during_its_export_exports_on_resume(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("kind", ["tmp", "old"])
 def test_export_folders_left_by_dead_processes_are_removed(tmp_path, kind):
-    from mrtpo.callbacks.export import remove_stale_exports
+    from mrtpo.lightning.callbacks.export import remove_stale_exports
 
     out = tmp_path / "policy"
     stale = tmp_path / f".policy.{kind}{_dead_pid()}"

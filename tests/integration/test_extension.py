@@ -16,8 +16,9 @@ import random
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from mrtpo.credit.advantages import grpo_advantages, replay_mask
-from mrtpo.credit.methods import (
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.credit.advantages import grpo_advantages, replay_mask
+from mrtpo.core.credit.methods import (
     AdvantageMethod,
     CreditInputs,
     CreditOutput,
@@ -25,12 +26,11 @@ from mrtpo.credit.methods import (
     RelevanceRequest,
     StepView,
 )
-from mrtpo.forward import pad_left, response_logits, response_logprobs
-from mrtpo.loss import aggregate
-from mrtpo.pipeline import build
+from mrtpo.core.forward import pad_left, response_logits, response_logprobs
+from mrtpo.core.loss import aggregate
+from mrtpo.lightning.pipeline import build
+from mrtpo.lightning.stages import RLStage
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
-from mrtpo.rollout.build import chat_ids
-from mrtpo.stages import RLStage
 from mrtpo.tasks.base import Contexts, Example, Score, Task
 
 HERE = __name__  # the instance pytest imported, so SEEN is shared

@@ -16,11 +16,11 @@ import math
 import pytest
 import torch
 
-from mrtpo.credit.methods import GDPO, CreditOutput, RewardSet
-from mrtpo.data import PromptDataModule
-from mrtpo.evaluation import read_jsonl, score_responses
-from mrtpo.pipeline import build, metrics_csv
-from mrtpo.replay import Replayer
+from mrtpo.core.credit.methods import GDPO, CreditOutput, RewardSet
+from mrtpo.core.evaluation import read_jsonl, score_responses
+from mrtpo.core.replay import Replayer
+from mrtpo.lightning.data import PromptDataModule
+from mrtpo.lightning.pipeline import build, metrics_csv
 from mrtpo.tasks.base import Score
 from mrtpo.tasks.synthetic import SyntheticTask
 

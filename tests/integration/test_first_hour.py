@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SMALL_RUN
 
-from mrtpo.analysis.sweep import main as report_main
-from mrtpo.data import PromptDataModule
-from mrtpo.settings import ConfigError, check_overrides
+from mrtpo.evaluate.analysis.sweep import main as report_main
+from mrtpo.lightning.data import PromptDataModule
+from mrtpo.run.settings import ConfigError, check_overrides
 from mrtpo.tasks.synthetic import SyntheticTask
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
@@ -105,7 +105,7 @@ def test_a_resume_that_changes_another_key_is_refused_naming_the_runs_value(runs
     assert _tree(run) == before
     # a key the run left at its default, named with the run's value; a repeated value is
     # accepted; a config group (trainer=ddp) is left to the checkpoint's key-by-key check
-    from mrtpo.run_folder import resume_overrides
+    from mrtpo.run.folder import resume_overrides
 
     with pytest.raises(ConfigError, match="has seed=0"):
         resume_overrides([f"+resume={run}", "seed=3"])
@@ -212,7 +212,7 @@ def test_prompt_token_counts_come_from_the_cache_in_a_second_job(runs, tiny, tmp
 
 
 def test_a_sweep_folder_is_named_by_its_swept_keys(tmp_path, cache_dir):
-    from mrtpo.config import sweep_dir, swept_keys
+    from mrtpo.run.config import sweep_dir, swept_keys
 
     given = ["method=gdpo,mrtpo", "seed=range(1,3)", "rl.group_size=2", "'task.rewards=[a,b]'"]
     assert swept_keys(given) == ["method", "seed"]

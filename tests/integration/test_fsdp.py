@@ -27,7 +27,7 @@ from hydra.utils import instantiate
 from tests.conftest import ROOT
 from tests.integration.test_ddp import _gather
 
-from mrtpo.credit.methods import CreditInputs
+from mrtpo.core.credit.methods import CreditInputs
 from mrtpo.rollout.hf import HFEngine
 from mrtpo.tasks.base import Score
 from mrtpo.tasks.synthetic import SyntheticTask
@@ -124,7 +124,7 @@ def _cmd(trainer: str, log_dir: Path, cache_dir: Path, *extra: str) -> list[str]
         "callbacks.model_checkpoint.every_n_train_steps=1",
         "callbacks.progress=null",
         "callbacks.sample_table=null",
-        "+callbacks.batch_dump._target_=mrtpo.callbacks.debug.BatchDump",
+        "+callbacks.batch_dump._target_=mrtpo.lightning.callbacks.debug.BatchDump",
         f"paths.log_dir={log_dir}",
         f"paths.cache_dir={cache_dir}",
         "print_config=false",
@@ -192,7 +192,7 @@ def fsdp_run(tmp_path_factory, cache_dir) -> Path:
 
 def test_fsdp_config_composes(train_cfg):
     cfg = train_cfg("trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2")
-    assert cfg.trainer.strategy._target_ == "mrtpo.sharding.FSDP2Strategy"
+    assert cfg.trainer.strategy._target_ == "mrtpo.lightning.sharding.FSDP2Strategy"
     assert cfg.trainer.precision == "32-true"
     strategy = instantiate(cfg.trainer.strategy)
     # sharded over every process, not ModelParallelStrategy's tensor-parallel default
@@ -203,7 +203,7 @@ def test_fsdp_config_composes(train_cfg):
 def test_architecture_without_a_wrapping_rule_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from mrtpo.sharding import LAYER_RULES, check_shardable
+    from mrtpo.lightning.sharding import LAYER_RULES, check_shardable
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32))
     with pytest.raises(ValueError) as err:
@@ -305,7 +305,7 @@ def _sync_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int) 
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         import mrtpo.rollout.weight_sync as ws
-        from mrtpo.sharding import shard_policy
+        from mrtpo.lightning.sharding import shard_policy
 
         torch.manual_seed(0)
         cfg = Qwen2Config(

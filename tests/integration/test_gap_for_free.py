@@ -17,8 +17,8 @@ import pytest
 import torch
 from tests.integration.test_on_policy import OffsetEngine
 
-from mrtpo.loss import EngineGap, engine_gap
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.core.loss import EngineGap, engine_gap
+from mrtpo.lightning.pipeline import build, metrics_csv
 from mrtpo.step.passes import LogprobPasses
 
 TAU = 0.7

@@ -14,8 +14,8 @@ from hydra.utils import instantiate
 from tests.conftest import ROOT
 from tests.integration.test_ddp import _env
 
-from mrtpo.data import PromptStream
-from mrtpo.settings import ConfigError, RLConfig
+from mrtpo.lightning.data import PromptStream
+from mrtpo.run.settings import ConfigError, RLConfig
 
 
 def test_per_rank_share_of_a_global_batch():
@@ -50,7 +50,7 @@ def test_two_ranks_each_sample_half_of_the_global_batch(tmp_path, cache_dir, tra
             "rollout.sampling.max_new_tokens=4",
             "callbacks.progress=null",
             "callbacks.model_checkpoint=null",
-            "+callbacks.batch_dump._target_=mrtpo.callbacks.debug.BatchDump",
+            "+callbacks.batch_dump._target_=mrtpo.lightning.callbacks.debug.BatchDump",
             f"paths.log_dir={tmp_path}/logs",
             f"paths.cache_dir={cache_dir}",
         ],

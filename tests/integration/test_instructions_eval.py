@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.evaluation import read_jsonl, score_responses
+from mrtpo.core.evaluation import read_jsonl, score_responses
 from mrtpo.tasks.instructions import InstructionTask, checkers
 
 WORDS_310 = " ".join(["steady"] * 310)
@@ -170,8 +170,8 @@ def test_ifbench_generation_checks_only_the_prompts_within_the_limit(strict_task
 
 def test_eval_job_scores_an_ifbench_file_that_avoids_them(strict_task, shared_data, tmp_path):
     """Through the evaluation job of src/eval.py (responses mode needs no model)."""
-    from mrtpo.config import compose
-    from mrtpo.eval_job import run
+    from mrtpo.evaluate.job import run
+    from mrtpo.run.config import compose
 
     preds = _lines(tmp_path / "preds.jsonl", ["0", "5"])
     overrides = [

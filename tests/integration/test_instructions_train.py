@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.lightning.pipeline import build, metrics_csv
 
 
 @pytest.mark.slow  # about 25 s on 2 CPU cores, plus the session's tiny-model build

@@ -20,8 +20,8 @@ import pytest
 import torch
 from tests.conftest import ROOT
 
-from mrtpo.credit.relevance import beta_schedule
-from mrtpo.pipeline import build, metrics_csv, resume_checkpoint
+from mrtpo.core.credit.relevance import beta_schedule
+from mrtpo.lightning.pipeline import build, metrics_csv, resume_checkpoint
 from mrtpo.rollout.hf import HFEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from mrtpo.loggers import LoggerPackageMissing, check_loggers
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.lightning.pipeline import build, metrics_csv
+from mrtpo.run.loggers import LoggerPackageMissing, check_loggers
 
 
 def fit(cfg):
@@ -114,18 +114,18 @@ def test_unknown_logger_module_is_named(train_cfg):
 
 def test_training_stops_before_the_model_loads(train_cfg, monkeypatch):
     """The entry point's order: the logger check comes before the policy is loaded."""
-    import mrtpo.models
+    import mrtpo.core.models
 
     loaded = []
-    real = mrtpo.models.load_policy
+    real = mrtpo.core.models.load_policy
 
     def spy(*args, **kwargs):
         loaded.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mrtpo.models, "load_policy", spy)
+    monkeypatch.setattr(mrtpo.core.models, "load_policy", spy)
     _hide(monkeypatch, "wandb")
-    from mrtpo.pipeline import train
+    from mrtpo.lightning.pipeline import train
 
     with pytest.raises(LoggerPackageMissing, match=r"pip install -e \.\[wandb\]"):
         train(train_cfg("logger=wandb"))

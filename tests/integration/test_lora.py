@@ -12,11 +12,11 @@ import pytest
 import torch
 from tests.conftest import ROOT
 
-from mrtpo.checkpointing import load_checkpoint
-from mrtpo.lora import LoraSettings, apply_lora, is_lora
-from mrtpo.models import load_policy
-from mrtpo.pipeline import build
-from mrtpo.run_folder import validate_resume
+from mrtpo.core.lora import LoraSettings, apply_lora, is_lora
+from mrtpo.core.models import load_policy
+from mrtpo.lightning.pipeline import build
+from mrtpo.run.checkpointing import load_checkpoint
+from mrtpo.run.folder import validate_resume
 
 LORA = ["model.lora.r=4", "optim.lr=0.02", "optim.weight_decay=0.0"]
 
@@ -117,7 +117,7 @@ def test_kl_reference_is_the_base_model(lora_run, cache_dir):
     assert not torch.allclose(adapted, expected, atol=1e-4)
     # and the module's own reference path gives the base model's log-probs of a rollout
     roll = module.last.rollout
-    from mrtpo.forward import response_logprobs
+    from mrtpo.core.forward import response_logprobs
 
     with torch.no_grad():
         want = response_logprobs(
@@ -148,7 +148,7 @@ def test_a_full_finetune_checkpoint_is_refused_by_a_lora_run(train_cfg, tmp_path
     ckpt_path = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = load_checkpoint(ckpt_path, weights_only=True)
     _, lora_module, _ = build(train_cfg("trainer.max_steps=1", *LORA))
-    from mrtpo.run_folder import ResumeRefused
+    from mrtpo.run.folder import ResumeRefused
 
     with pytest.raises(ResumeRefused, match=r"model"):
         validate_resume(ckpt, lora_module, ckpt_path)
@@ -175,8 +175,8 @@ def test_the_cli_command_trains_lora_and_exports_the_checkpointed_policy(tmp_pat
     weights of the policy in ``<run>/checkpoints/last.ckpt``."""
     from safetensors.torch import load_file
 
-    from mrtpo.export import merged_state_dict
-    from mrtpo.trained_run import load_checkpoint_weights
+    from mrtpo.evaluate.export import merged_state_dict
+    from mrtpo.run.trained_run import load_checkpoint_weights
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [

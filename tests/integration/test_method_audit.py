@@ -6,8 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 from tests.conftest import ROOT
 
-from mrtpo import models
-from mrtpo.pipeline import train
+from mrtpo.core import models
+from mrtpo.lightning.pipeline import train
 
 MRTPO_PRESETS = sorted(p.stem for p in (ROOT / "configs" / "method").glob("mrtpo*.yaml"))
 

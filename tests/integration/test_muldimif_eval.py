@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.evaluation import read_jsonl, score_responses
+from mrtpo.core.evaluation import read_jsonl, score_responses
 from mrtpo.tasks.instructions import InstructionTask
 from mrtpo.tasks.instructions.muldimif import load_harness, strip_think
 

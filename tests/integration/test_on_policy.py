@@ -20,17 +20,18 @@ import torch
 from scipy.spatial.distance import jensenshannon
 from tests.integration.test_replay import BlockTask
 
-import mrtpo.models as models_mod
+import mrtpo.core.models as models_mod
 import mrtpo.step.update as update_mod
-from mrtpo.batch import ScoredBatch, rewards_tensor
-from mrtpo.forward import response_logits, response_logprobs
-from mrtpo.models import load_policy
-from mrtpo.pipeline import build, metrics_csv, prepare
-from mrtpo.replay import Replayer
+from mrtpo.core.batch import ScoredBatch, rewards_tensor
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.forward import response_logits, response_logprobs
+from mrtpo.core.models import load_policy
+from mrtpo.core.replay import Replayer
+from mrtpo.lightning.pipeline import build, metrics_csv, prepare
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.rollout.build import build_rollout, chat_ids
+from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
-from mrtpo.settings import ConfigError
+from mrtpo.run.settings import ConfigError
 from mrtpo.step import Relevance
 from mrtpo.tasks.synthetic.task import SyntheticTask
 
@@ -70,8 +71,8 @@ def test_engine_and_old_logprobs_are_the_tempered_distributions(tiny):
     want = _tempered_logp(model, roll)
     torch.testing.assert_close(roll.engine_logp, want, atol=1e-5, rtol=0)
 
-    from mrtpo.credit.methods import GDPO
-    from mrtpo.module import PolicyModule
+    from mrtpo.core.credit.methods import GDPO
+    from mrtpo.lightning.module import PolicyModule
 
     module = PolicyModule(model, tok, task, GDPO(), rl={"micro_batch_size": 5})
     old = module.step.passes.old(roll, Relevance(), 5)
@@ -148,7 +149,7 @@ def test_replay_jsd_is_between_tempered_distributions(tiny):
 
 
 def test_replay_logp_diff_compares_tempered_logprobs(tiny):
-    from mrtpo.credit.methods import RelevanceRequest
+    from mrtpo.core.credit.methods import RelevanceRequest
 
     model, tok = tiny
     task = BlockTask()
@@ -286,7 +287,7 @@ class OffsetEngine(HFEngine):
     offset = 0.1
 
     def generate(self, prompts, n, sampling, seed):
-        from mrtpo.forward import pad_left, pad_right
+        from mrtpo.core.forward import pad_left, pad_right
 
         gens = super().generate(prompts, n, sampling, seed)
         flat = [p for p in prompts for _ in range(n)]
@@ -412,7 +413,7 @@ def test_truncated_refusal_says_why(train_cfg):
 def test_eval_sampling_is_greedy_or_at_the_stated_temperature(tmp_path):
     from tests.conftest import compose_config
 
-    from mrtpo.eval_job import eval_sampling
+    from mrtpo.evaluate.job import eval_sampling
 
     cfg = compose_config("eval.yaml", [f"paths.output_dir={tmp_path}"])
     assert eval_sampling(cfg, 1).greedy
@@ -430,7 +431,7 @@ def test_the_gap_measurement_can_be_skipped_when_it_costs_a_forward(train_cfg, t
     pass (and so the gap); by default the gap is logged every step."""
     import csv
 
-    from mrtpo.pipeline import train
+    from mrtpo.lightning.pipeline import train
 
     cols = {}
     for flag in ("true", "false"):

@@ -11,12 +11,13 @@ import pytest
 import torch
 from tests.task_fixtures import make_public_data
 
-from mrtpo.credit import CreditInputs, generalized_jsd_chunked
-from mrtpo.forward import response_logits
-from mrtpo.loss import policy_loss
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.credit import CreditInputs, generalized_jsd_chunked
+from mrtpo.core.forward import response_logits
+from mrtpo.core.loss import policy_loss
+from mrtpo.lightning.pipeline import build, metrics_csv
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.rollout.build import build_rollout, chat_ids
+from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
 
 OPSD_SMALL = ("method=opsd", "task=synthetic", "rollout.sampling.temperature=1.0")
@@ -61,8 +62,8 @@ def test_two_training_steps(train_cfg, variant):
 
 
 def test_teacher_scores_equal_an_unpadded_forward(tiny):
-    from mrtpo.credit import OPSD
-    from mrtpo.credit.teacher import Teacher
+    from mrtpo.core.credit import OPSD
+    from mrtpo.core.credit.teacher import Teacher
     from mrtpo.tasks.synthetic.task import SyntheticTask
 
     model, tok = tiny
@@ -189,7 +190,7 @@ def test_opsd_on_text_to_sql_needs_reference_solutions(train_cfg, tmp_path):
 
 @pytest.mark.parametrize("variant", ["full", "sampled"])
 def test_under_lora_the_teacher_is_the_base_with_adapters_off(train_cfg, variant):
-    from mrtpo.lora import is_lora
+    from mrtpo.core.lora import is_lora
 
     cfg = train_cfg(*OPSD_SMALL, f"method.variant={variant}", "model.lora.r=4", "optim.lr=0.02")
     trainer, module, dm = build(cfg)
@@ -225,7 +226,7 @@ def test_under_lora_the_teacher_is_the_base_with_adapters_off(train_cfg, variant
 
 
 def _ctx(tok, task, roll):
-    from mrtpo.forward import pad_left
+    from mrtpo.core.forward import pad_left
 
     return pad_left(
         [chat_ids(tok, task.teacher_messages(e)) for e in roll.examples], tok.pad_token_id

@@ -19,10 +19,10 @@ import time
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.callbacks.console import duration
-from mrtpo.pipeline import build
+from mrtpo.lightning.callbacks.console import duration
+from mrtpo.lightning.pipeline import build
 
-PROGRESS = "callbacks.progress={_target_:mrtpo.callbacks.console.StepLine}"
+PROGRESS = "callbacks.progress={_target_:mrtpo.lightning.callbacks.console.StepLine}"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 

@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mrtpo import step_metrics
-from mrtpo.batch import ScoredBatch, rewards_tensor
+from mrtpo.core.batch import ScoredBatch, rewards_tensor
+from mrtpo.core.loss import engine_gap
+from mrtpo.core.models import load_policy
 from mrtpo.distributed import Ranks
-from mrtpo.loss import engine_gap
-from mrtpo.models import load_policy
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
-from mrtpo.settings import RLConfig
+from mrtpo.run.settings import RLConfig
 from mrtpo.step import Advantages, OldPolicy, StepRecord, TorchHost
+from mrtpo.step import metrics as step_metrics
 from mrtpo.step.update import Updater
 from mrtpo.tasks.synthetic.task import SyntheticTask
 

@@ -23,9 +23,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from tests.conftest import CONFIG_DIR, ROOT
 
-import mrtpo.evaluate_cli  # noqa: F401  (eval.yaml's resolvers, as src/eval.py registers them)
-from mrtpo.config import compose
-from mrtpo.settings import check_overrides, check_placement, resolve_batch, validate
+import mrtpo.evaluate.cli  # noqa: F401  (eval.yaml's resolvers, as src/eval.py registers them)
+from mrtpo.run.config import compose
+from mrtpo.run.settings import check_overrides, check_placement, resolve_batch, validate
 
 README = ROOT / "README.md"
 HYDRA = {"src/train.py": "train.yaml", "src/eval.py": "eval.yaml", "src/export.py": "export.yaml"}
@@ -97,7 +97,7 @@ def check_train(cfg) -> None:
     if cfg.get("stage", {}).get("name", "rl") == "rl":
         instantiate(cfg.method)
     if cfg.get("dry_run"):
-        from mrtpo.dryrun import check_all, plan_lines
+        from mrtpo.run.dryrun import check_all, plan_lines
 
         found = check_all(cfg)
         assert not [p for p in found.problems if p.startswith(("settings", "batch", "trainer"))]

@@ -13,7 +13,7 @@ import sys
 import pytest
 from tests.conftest import ROOT, compose_config
 
-from mrtpo.run_folder import LOCK_NAME, RunFolderLock
+from mrtpo.run.folder import LOCK_NAME, RunFolderLock
 
 TRAIN = str(ROOT / "src" / "train.py")
 
@@ -93,8 +93,8 @@ def test_only_refusals_lose_their_folder(tmp_path):
     traceback the error line points at (tests/integration/test_train_errors.py)."""
     from hydra.errors import InstantiationException
 
-    from mrtpo.run_folder import is_refusal
-    from mrtpo.settings import ConfigError
+    from mrtpo.run.folder import is_refusal
+    from mrtpo.run.settings import ConfigError
 
     assert is_refusal(ConfigError("trainer.max_steps=0 is not allowed"))
     assert is_refusal(FileNotFoundError("no such file"))

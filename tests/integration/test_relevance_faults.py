@@ -14,11 +14,11 @@ import pytest
 from tests.conftest import ROOT
 from tests.integration.test_relevance_viewer import _record
 
-from mrtpo.viewer import main
+from mrtpo.evaluate.viewer import main
 
 
 def _line(rec) -> str:
-    """One record as mrtpo.callbacks.samples.RelevanceDump writes it."""
+    """One record as mrtpo.lightning.callbacks.samples.RelevanceDump writes it."""
     return json.dumps(rec, ensure_ascii=False) + "\n"
 
 
@@ -117,7 +117,7 @@ def test_a_huge_file_at_one_step_is_streamed_and_capped(tmp_path):
     # the child's own high-water mark (VmHWM belongs to its address space: ru_maxrss would
     # carry the forking test process's, hundreds of MB inside a full test run)
     code = (
-        "import re, sys; from mrtpo.viewer import main; rc = main(sys.argv[1:]); "
+        "import re, sys; from mrtpo.evaluate.viewer import main; rc = main(sys.argv[1:]); "
         "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1); "
         "print('peak', hwm); sys.exit(rc)"
     )

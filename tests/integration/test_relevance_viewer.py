@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.viewer import Q_CMAP, Scales, colour, main, render_html
+from mrtpo.evaluate.viewer import Q_CMAP, Scales, colour, main, render_html
 
 REWARDS = ("format", "exec", "match")
 
 
 def _record(step: int, j: int) -> dict:
-    """A record as mrtpo.callbacks.samples.relevance_record writes it: 6 tokens, three
+    """A record as mrtpo.lightning.callbacks.samples.relevance_record writes it: 6 tokens, three
     rewards; ``format``'s q stays in [0.007, 0.016] while ``match``'s reaches 0.4."""
     tokens = ["SELECT", " *", " <b>&", "\n", "</script>", '"x"']
     q = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SHARED_DATA, compose_config
 
-from mrtpo.settings import ConfigError
+from mrtpo.run.settings import ConfigError
 
 TRAIN = str(ROOT / "src" / "train.py")
 
@@ -74,7 +74,7 @@ def test_a_new_run_into_a_used_folder_is_refused_and_changes_nothing(key, tmp_pa
 
 
 def test_a_new_run_into_an_empty_or_new_folder_is_accepted_as_before(tmp_path):
-    from mrtpo.run_folder import check_new_run_folder
+    from mrtpo.run.folder import check_new_run_folder
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -109,7 +109,7 @@ ASYNC = ["rollout.engine.own_copy=true", "rollout.schedule=async"]
 
 @pytest.mark.parametrize("value", ["100000", "abc", "1.5", "true", "-1"])
 def test_max_staleness_is_a_bounded_integer(value):
-    from mrtpo.settings import MAX_STALENESS, validate
+    from mrtpo.run.settings import MAX_STALENESS, validate
 
     cfg = compose_config("train.yaml", [*ASYNC, f"rollout.max_staleness={value}"])
     with pytest.raises(ConfigError, match=r"^rollout\.max_staleness=") as err:
@@ -118,7 +118,7 @@ def test_max_staleness_is_a_bounded_integer(value):
 
 
 def test_max_staleness_at_its_maximum_is_accepted():
-    from mrtpo.settings import MAX_STALENESS, validate
+    from mrtpo.run.settings import MAX_STALENESS, validate
 
     validate(compose_config("train.yaml", [*ASYNC, f"rollout.max_staleness={MAX_STALENESS}"]))
 
@@ -143,8 +143,8 @@ SERVER = ["rollout=vllm_server"]
     ],
 )
 def test_check_names_what_the_engine_refuses(overrides, says, monkeypatch, tmp_path):
-    from mrtpo.dryrun import check_all
-    from mrtpo.settings import validate
+    from mrtpo.run.dryrun import check_all
+    from mrtpo.run.settings import validate
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     cfg = compose_config("train.yaml", [*SERVER, *overrides, f"paths.output_dir={tmp_path}"])
@@ -155,7 +155,7 @@ def test_check_names_what_the_engine_refuses(overrides, says, monkeypatch, tmp_p
 
 
 def test_check_accepts_the_server_engines_defaults(monkeypatch, tmp_path):
-    from mrtpo.settings import validate
+    from mrtpo.run.settings import validate
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     validate(compose_config("train.yaml", [*SERVER, f"paths.output_dir={tmp_path}"]))
@@ -207,7 +207,7 @@ def test_a_resumed_metrics_csv_writes_nan_where_an_uninterrupted_run_does(tmp_pa
     fresh-sample gap is NaN there (``AbsentAsNaN``), and a resumed run left it empty."""
     import csv
 
-    from mrtpo.pipeline import train
+    from mrtpo.lightning.pipeline import train
 
     def run(out: Path, steps: int, *more: str) -> None:
         train(compose_config("train.yaml", [

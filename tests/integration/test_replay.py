@@ -8,12 +8,13 @@ import lightning as L
 import pytest
 import torch
 
-from mrtpo.batch import ScoredBatch, rewards_tensor
-from mrtpo.credit import js_distance
-from mrtpo.forward import response_logits, response_logprobs
-from mrtpo.replay import ALL, Replayer, mass_share
+from mrtpo.core.batch import ScoredBatch, rewards_tensor
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.credit import js_distance
+from mrtpo.core.forward import response_logits, response_logprobs
+from mrtpo.core.replay import ALL, Replayer, mass_share
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.rollout.build import build_rollout, chat_ids
+from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
 from mrtpo.tasks.base import Example, Score, Task
 from mrtpo.tasks.synthetic.task import SyntheticTask
@@ -171,7 +172,7 @@ def test_joint_replays_all_versus_none(tiny):
 
 
 def test_replay_inside_a_step_uses_the_sampling_parameters(train_cfg):
-    from mrtpo.pipeline import build
+    from mrtpo.lightning.pipeline import build
 
     class Snapshot(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, idx):
@@ -206,7 +207,7 @@ def test_forward_alignment_with_mixed_padding(tiny):
     a = chat_ids(tok, [{"role": "user", "content": "a much longer prompt here"}])
     b = chat_ids(tok, [{"role": "user", "content": "hi"}])
     ra, rb = [5, 6, 7, 8], [9, 10]
-    from mrtpo.forward import pad_left, pad_right
+    from mrtpo.core.forward import pad_left, pad_right
 
     p_ids, p_mask = pad_left([a, b], tok.pad_token_id)
     r_ids, r_mask = pad_right([ra, rb], tok.pad_token_id)
@@ -289,8 +290,8 @@ def test_fused_old_logprobs_match_the_plain_pass(tiny, dtype, layout):
     hidden state before them, a few of 2^-8 max|z| each; 4 such roundings give
     8 * 2^-8 * max|z| per token (about 0.1 nats here; seen: 2.4 * 2^-8 * max|z|). A row
     taken from the wrong tokens is off by nats."""
-    from mrtpo.credit.methods import MRTPO
-    from mrtpo.module import PolicyModule
+    from mrtpo.core.credit.methods import MRTPO
+    from mrtpo.lightning.module import PolicyModule
 
     tok = tiny[1]
     task = SyntheticTask(num_constraints=4)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, compose_config
 
-from mrtpo.pipeline import train
-from mrtpo.run_folder import NothingToTrain, ResumeRefused
-from mrtpo.settings import ConfigError
+from mrtpo.lightning.pipeline import train
+from mrtpo.run.folder import NothingToTrain, ResumeRefused
+from mrtpo.run.settings import ConfigError
 
 #: The run's settings (a resume repeats them); two steps, one checkpoint (last.ckpt) at the end.
 RUN = [

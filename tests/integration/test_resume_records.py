@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.pipeline import train
+from mrtpo.lightning.pipeline import train
 
 FILES = ("samples.jsonl", "relevance.jsonl")
 
@@ -82,7 +82,7 @@ def _record(step: int, text: str = "x") -> str:
 
 
 def test_dropping_keeps_earlier_records_and_a_torn_last_line_goes(tmp_path):
-    from mrtpo.callbacks.samples import drop_records_after
+    from mrtpo.lightning.callbacks.samples import drop_records_after
 
     path = tmp_path / "samples.jsonl"
     body = _record(1) + _record(2) + "not json, kept as it is\n" + _record(3) + _record(2, "late")
@@ -100,7 +100,7 @@ def test_dropping_keeps_earlier_records_and_a_torn_last_line_goes(tmp_path):
 
 
 def test_a_records_file_that_is_a_symlink_is_neither_read_nor_written(tmp_path):
-    from mrtpo.callbacks.samples import drop_records_after
+    from mrtpo.lightning.callbacks.samples import drop_records_after
 
     mine = tmp_path / "mine.jsonl"
     mine.write_text(_record(1) + _record(5), encoding="utf-8")

@@ -4,7 +4,7 @@
 A 1-process run resumed with ``trainer=ddp trainer.devices=2`` used to be accepted: each rank
 sampled the per-rank batch, so the global batch doubled (16 -> 32 responses) and the numbers
 left the run's. Each checkpoint's settings record now holds the world size and the global
-batch it makes (``mrtpo.settings.global_batch``); a resume whose world size makes another
+batch it makes (``mrtpo.run.settings.global_batch``); a resume whose world size makes another
 global batch is refused, naming the world size the run was trained with and the
 ``rl.global_*`` keys that keep its batch, and a resume that states them trains on.
 """
@@ -23,7 +23,7 @@ import torch
 from tests.conftest import ROOT, compose_config
 from tests.integration.test_ddp import _env
 
-from mrtpo.run_folder import ResumeRefused, check_resume_settings, settings_record
+from mrtpo.run.folder import ResumeRefused, check_resume_settings, settings_record
 
 RUN = [
     "rl.prompts_per_step=2",
@@ -128,7 +128,7 @@ def test_a_resume_that_states_the_global_batch_trains_on_two_processes(one_proce
         "trainer=ddp",
         "trainer.max_steps=3",
         *KEEP,
-        "+callbacks.batch_dump._target_=mrtpo.callbacks.debug.BatchDump",
+        "+callbacks.batch_dump._target_=mrtpo.lightning.callbacks.debug.BatchDump",
     )
     assert res.returncode == 0, res.stderr[-4000:]
     text = "".join(p.read_text() for p in run.glob("train*.log"))

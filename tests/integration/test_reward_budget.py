@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.faults import FaultTracker
-from mrtpo.pipeline import build, metrics_csv, prepare
-from mrtpo.scoring import score_batch
+from mrtpo.core.faults import FaultTracker
+from mrtpo.core.scoring import score_batch
+from mrtpo.lightning.pipeline import build, metrics_csv, prepare
 from mrtpo.tasks.custom import CustomTask
 
 HANG_GUARD_S = 600.0  # far beyond any budget below: reached only when the budget failed
@@ -185,7 +185,7 @@ def test_a_run_goes_on_past_a_reward_that_sleeps(tmp_path, train_cfg):
 def test_a_checker_budget_the_timer_cannot_take_is_refused_before_the_model(
     train_cfg, monkeypatch, value
 ):
-    from mrtpo import models
+    from mrtpo.core import models
 
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("model loaded"))
     cfg = train_cfg("task=ifeval", f"task.checker_timeout_s={value}", "data.val_prompts=0")

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.analysis.runs import rl_curves
-from mrtpo.pipeline import build, metrics_csv
-from mrtpo.scoring import clean_score
+from mrtpo.core.scoring import clean_score
+from mrtpo.evaluate.analysis.runs import rl_curves
+from mrtpo.lightning.pipeline import build, metrics_csv
 from mrtpo.tasks.base import RewardResult, Score, split_reward
 
 MODULE = "mrtpo_test_extra_rewards"
@@ -67,7 +67,7 @@ def test_extras_that_cannot_be_logged_are_left_out_not_the_reward(caplog):
         extras={"r": {"ok": 3, "text": "x", "a/b": 1.0, "inf": float("inf"), "none": None},
                 "other": {"x": 1.0}},
     )  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="mrtpo.scoring"):
+    with caplog.at_level(logging.WARNING, logger="mrtpo.core.scoring"):
         out = clean_score(score, ["r"], "t-extras")
     assert out.rewards == {"r": 1.0} and out.error is None
     assert out.extras == {"r": {"ok": 3.0}}
@@ -111,8 +111,8 @@ def test_custom_rewards_log_their_extras_per_step(user, train_cfg, tmp_path):
 def _rank(rank: int, init_file: str, queue) -> None:
     import torch.distributed as dist
 
-    from mrtpo import step_metrics
     from mrtpo.distributed import Ranks
+    from mrtpo.step import metrics as step_metrics
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:

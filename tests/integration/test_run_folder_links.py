@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SHARED_DATA, compose_config
 
-from mrtpo.pipeline import train
-from mrtpo.run_folder import LOCK_NAME, ResumeRefused, RunFolderLock
+from mrtpo.lightning.pipeline import train
+from mrtpo.run.folder import LOCK_NAME, ResumeRefused, RunFolderLock
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
 USER_TEXT = b"the user's own notes\n"
@@ -136,7 +136,7 @@ def test_a_link_planted_in_a_run_folder_is_never_written_through(
 def test_the_writers_themselves_refuse_a_link(tmp_path):
     """Past the check when a run starts, each writer opens without following a link: the
     metrics table, the appended history and logs, a replaced file, a folder made."""
-    from mrtpo.loggers import KeepingWriter
+    from mrtpo.run.loggers import KeepingWriter
     from mrtpo.safe_files import NoFollowFileHandler, UnsafePath, make_dirs, no_follow, write_atomic
 
     user = tmp_path / "notes.txt"
@@ -167,7 +167,7 @@ def test_the_writers_themselves_refuse_a_link(tmp_path):
 
 HOLD = (
     "import sys, time\n"
-    "from mrtpo.run_folder import RunFolderLock\n"
+    "from mrtpo.run.folder import RunFolderLock\n"
     "with RunFolderLock(sys.argv[1]):\n"
     "    print('held', flush=True)\n"
     "    time.sleep(600)\n"
@@ -177,7 +177,7 @@ HOLD = (
 def test_deleting_run_lock_does_not_let_a_second_run_in(tmp_path):
     """``rm run.lock`` under a running trainer let a resume in (two trainers, one folder):
     the lock is on the folder itself, so the second is refused, naming the first."""
-    from mrtpo.run_folder import RunFolderBusy
+    from mrtpo.run.folder import RunFolderBusy
 
     run = tmp_path / "run"
     run.mkdir()
@@ -211,7 +211,7 @@ def test_deleting_run_lock_does_not_let_a_second_run_in(tmp_path):
 
 TAKE = (
     "import sys\n"
-    "from mrtpo.run_folder import RunFolderLock\n"
+    "from mrtpo.run.folder import RunFolderLock\n"
     "try:\n"
     "    with RunFolderLock(sys.argv[1]):\n"
     "        print('taken')\n"

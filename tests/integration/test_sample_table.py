@@ -9,8 +9,8 @@ import json
 
 from rich.console import Console
 
-from mrtpo.callbacks.samples import sample_table
-from mrtpo.pipeline import build
+from mrtpo.lightning.callbacks.samples import sample_table
+from mrtpo.lightning.pipeline import build
 
 
 def _records(folder):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrtpo.pipeline import build, resume_checkpoint
+from mrtpo.lightning.pipeline import build, resume_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,7 +123,7 @@ def test_async_keeps_staleness_within_its_bound(train_cfg, tmp_path):
 
 def test_a_staler_batch_than_allowed_is_generated_again(train_cfg):
     trainer, module, dm = build(train_cfg(*COMMON, "rollout.schedule=one_step_off"))
-    from mrtpo.models import eos_token_ids
+    from mrtpo.core.models import eos_token_ids
 
     source = _source(trainer)
     source.bind(module.policy, module.tokenizer, eos_token_ids(module.tokenizer, module.policy))
@@ -156,7 +156,7 @@ def test_a_schedule_the_engine_cannot_run_is_refused(train_cfg, overrides, says)
 
 
 def test_the_in_process_vllm_engine_is_refused_before_anything_loads(train_cfg):
-    from mrtpo.settings import ConfigError, validate
+    from mrtpo.run.settings import ConfigError, validate
 
     cfg = train_cfg("rollout=vllm", "model=tiny_wide", "rollout.schedule=one_step_off")
     with pytest.raises(ConfigError, match="VLLMEngine samples from the trainer's own weights"):

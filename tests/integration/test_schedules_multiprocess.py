@@ -25,8 +25,8 @@ import torch
 from tests.conftest import ROOT
 from tests.integration.test_ddp import _env
 
-from mrtpo.models import eos_token_ids
-from mrtpo.pipeline import build
+from mrtpo.core.models import eos_token_ids
+from mrtpo.lightning.pipeline import build
 
 #: 2 prompts x 2 samples per rank on 2 ranks, stated globally so that a resume on one
 #: process keeps the run's batch (tests/integration/test_resume_world_size.py).

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from mrtpo.pipeline import build, metrics_csv
-from mrtpo.sft import IGNORE, SavePolicy, collate_sft, read_summary
+from mrtpo.lightning.pipeline import build, metrics_csv
+from mrtpo.lightning.sft import IGNORE, SavePolicy, collate_sft, read_summary
 
 
 def _fit(cfg):
@@ -114,7 +114,7 @@ def test_unknown_target_metric_lists_the_task_metrics(train_cfg, tmp_path):
 def test_teacher_share_trains_on_the_teacher_context(train_cfg, tmp_path):
     """A seeded share of examples reads the task's teacher context; the target stays the
     reference."""
-    from mrtpo.rollout.build import chat_ids
+    from mrtpo.core.chat import chat_ids
 
     cfg = _sft(train_cfg, tmp_path, "stage.sft.teacher_share=0.5")
     _, module, dm = build(cfg)

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import ROOT
 from tests.integration.test_ddp import _env
 
-from mrtpo import forward
+from mrtpo.core import forward
 
 
 def _first_step(path) -> dict[str, float]:
@@ -42,7 +42,7 @@ def test_shared_prompt_step_matches_plain_step(train_cfg, tmp_path, monkeypatch,
     """One step, shared against plain: the update's forwards (training mode) run the cache
     form, or the packed form under gradient checkpointing (HF drops the cache in checkpointed
     layers); the old-policy and reference passes (eval mode) the cache form; same numbers."""
-    from mrtpo.pipeline import train
+    from mrtpo.lightning.pipeline import train
 
     calls = []
     for name in ("_shared_prompt_logits", "_packed_prompt_logits"):
@@ -140,7 +140,7 @@ def _small_model(world: int, sharded: bool) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from mrtpo.sharding import shard_policy
+    from mrtpo.lightning.sharding import shard_policy
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -163,7 +163,7 @@ class _Scored(torch.nn.Module):
         self.model = model
 
     def forward(self, batch, mode):
-        from mrtpo.forward import response_logprobs
+        from mrtpo.core.forward import response_logprobs
 
         return response_logprobs(self.model, *batch, temperature=0.8, shared_prompt=mode)
 
@@ -173,7 +173,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str, wrap: str) -> N
     try:
         from tests.unit.test_shared_prompt_forward import _batch
 
-        from mrtpo.forward import prompt_groups
+        from mrtpo.core.forward import prompt_groups
 
         model = _small_model(world, sharded=wrap == "fsdp")
         cfg = model.config

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.signals import EXIT_GRACE_S, STEP_GRACE_S
+from mrtpo.run.signals import EXIT_GRACE_S, STEP_GRACE_S
 
 HANG = 600  # seconds: far longer than any of these runs takes when it works
 

@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 import torch
 
-from mrtpo.models import eos_token_ids
-from mrtpo.pipeline import build
+from mrtpo.core.models import eos_token_ids
+from mrtpo.lightning.pipeline import build
 from mrtpo.rollout.source import RolloutSource
 
 CAP = 1.5

@@ -53,7 +53,7 @@ import lightning as L
 import pytest
 import torch
 
-from mrtpo.pipeline import build
+from mrtpo.lightning.pipeline import build
 
 REFERENCE = Path(__file__).with_name("step_reference.json")
 VALUE_TOL = 2e-5

@@ -16,9 +16,9 @@ import lightning as L
 import pytest
 import torch
 
-from mrtpo.callbacks.console import RunSummary
-from mrtpo.credit.methods import RewardSet
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.core.credit.methods import RewardSet
+from mrtpo.lightning.callbacks.console import RunSummary
+from mrtpo.lightning.pipeline import build, metrics_csv
 
 
 class SeenByCallbacks(L.Callback):

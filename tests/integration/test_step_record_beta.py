@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from tests.integration.test_step_equivalence import _overrides
 
-from mrtpo.models import eos_token_ids
-from mrtpo.pipeline import build
+from mrtpo.core.models import eos_token_ids
+from mrtpo.lightning.pipeline import build
 from mrtpo.rollout.source import RolloutSource
 from mrtpo.step import TorchHost
 

@@ -19,8 +19,8 @@ from tests.integration.test_step_equivalence import (
     watch_updates,
 )
 
-from mrtpo.models import eos_token_ids
-from mrtpo.pipeline import build
+from mrtpo.core.models import eos_token_ids
+from mrtpo.lightning.pipeline import build
 from mrtpo.rollout.source import RolloutSource
 from mrtpo.step import TorchHost
 

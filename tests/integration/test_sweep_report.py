@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mrtpo.analysis.stats import FINAL_WINDOW, mean_ci
+from mrtpo.evaluate.analysis.stats import FINAL_WINDOW, mean_ci
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import pytest
 from tests.conftest import SHARED_DATA, compose_config
 from tests.task_fixtures import make_spider
 
-from mrtpo import tables
-from mrtpo.eval_job import run
+from mrtpo.evaluate import tables
+from mrtpo.evaluate.job import run
 
 SHORT = ["eval.limit=2", "rollout.sampling.max_new_tokens=8"]
 
@@ -46,16 +46,16 @@ def _table(tmp_path, family, folders, cache_dir, data_dir):
 
 def _count_policy_loads(monkeypatch) -> list[str]:
     """The model folders the real loader is asked for from now on (it still loads them)."""
-    import mrtpo.models
+    import mrtpo.core.models
 
     loads: list[str] = []
-    real = mrtpo.models.load_policy
+    real = mrtpo.core.models.load_policy
 
     def counted(name_or_path, *args, **kwargs):
         loads.append(str(name_or_path))
         return real(name_or_path, *args, **kwargs)
 
-    monkeypatch.setattr(mrtpo.models, "load_policy", counted)
+    monkeypatch.setattr(mrtpo.core.models, "load_policy", counted)
     return loads
 
 

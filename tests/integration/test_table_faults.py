@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests.task_fixtures import make_spider
 
-from mrtpo import tables
+from mrtpo.evaluate import tables
 
 
 def test_no_cell_scored_exits_non_zero_with_one_line(tmp_path, cache_dir, capsys):

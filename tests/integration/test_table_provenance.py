@@ -15,8 +15,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.task_fixtures import make_spider
 
-from mrtpo import tables
-from mrtpo.provenance import model_identity, trained_task
+from mrtpo.evaluate import tables
+from mrtpo.run.provenance import model_identity, trained_task
 
 SMALL = ["trainer.max_steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
          "rollout.sampling.max_new_tokens=4", "callbacks.progress=null"]  # fmt: skip

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from tests.task_fixtures import make_spider
 
-from mrtpo import tables
-from mrtpo.analysis.stats import FINAL_WINDOW, mean_ci
+from mrtpo.evaluate import tables
+from mrtpo.evaluate.analysis.stats import FINAL_WINDOW, mean_ci
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # four training jobs, then eight evaluations

@@ -38,7 +38,7 @@ def test_config_loads_the_fixture_and_drops_what_cannot_be_scored(train_cfg, dat
 def test_prompts_over_max_prompt_tokens_are_dropped_and_counted(train_cfg, data_dir, tiny, caplog):
     """Full schemas plus the paper's drop: ``wide_db``'s three prompts are far over 4,096
     tokens of the tiny tokenizer, the six others far under; the DataModule drops and logs 3."""
-    from mrtpo.data import PromptDataModule
+    from mrtpo.lightning.data import PromptDataModule
 
     _, tok = tiny
     cfg = train_cfg("task=text2sql", f"paths.data_dir={data_dir}")
@@ -54,7 +54,7 @@ def test_prompts_over_max_prompt_tokens_are_dropped_and_counted(train_cfg, data_
         assert {e.data["db_id"] for e in train if e.id in long} == {"wide_db"}
         assert len(long) == 3 and max(n for n in lengths if n <= 4096) < 2048
         dm = PromptDataModule(task, max_prompt_tokens=4096, tokenizer=tok)
-        with caplog.at_level(logging.WARNING, logger="mrtpo.data"):
+        with caplog.at_level(logging.WARNING, logger="mrtpo.lightning.data"):
             dm.setup("fit")
         assert {e.id for e in dm.train_examples} == {e.id for e in train} - long
         assert "dropped 3 of 9 train prompts longer than data.max_prompt_tokens=4096" in caplog.text
@@ -63,7 +63,7 @@ def test_prompts_over_max_prompt_tokens_are_dropped_and_counted(train_cfg, data_
 
 
 def test_one_training_step_on_the_fixture(train_cfg, data_dir):
-    from mrtpo.pipeline import build, metrics_csv
+    from mrtpo.lightning.pipeline import build, metrics_csv
 
     cfg = train_cfg(
         "task=text2sql", "method=mrtpo", f"paths.data_dir={data_dir}", "trainer.max_steps=1"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.evaluation import score_responses
+from mrtpo.core.evaluation import score_responses
 from mrtpo.tasks.text2sql import Text2SQLTask
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tests.conftest import ROOT
 
-from mrtpo.settings import ConfigError
-from mrtpo.threads import choose, configure
+from mrtpo.run.settings import ConfigError
+from mrtpo.run.threads import choose, configure
 
 
 @pytest.fixture

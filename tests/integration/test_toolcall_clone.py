@@ -12,7 +12,7 @@ import pytest
 from hydra.utils import instantiate
 from tests.task_fixtures import make_rlla
 
-from mrtpo.evaluation import read_jsonl, score_responses
+from mrtpo.core.evaluation import read_jsonl, score_responses
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_score_fixture_responses(train_cfg, data_dir, tmp_path):
 
 
 def test_one_training_step_on_the_fixture(train_cfg, data_dir):
-    from mrtpo.pipeline import build, metrics_csv
+    from mrtpo.lightning.pipeline import build, metrics_csv
 
     cfg = train_cfg(
         "task=toolcall", "method=mrtpo_saw", f"paths.data_dir={data_dir}", "trainer.max_steps=1"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.evaluation import read_jsonl, score_responses
+from mrtpo.core.evaluation import read_jsonl, score_responses
 from mrtpo.tasks.toolcall import ToolCallTask, bfcl, bfcl_compat
 
 needs_bfcl = pytest.mark.skipif(
@@ -118,7 +118,7 @@ def test_every_bfcl_case_through_the_official_checker(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_train_smoke_on_rlla(train_cfg, shared_data: Path) -> None:
     """``python src/train.py task=toolcall method=mrtpo model=tiny trainer.max_steps=2``."""
-    from mrtpo.pipeline import build, metrics_csv
+    from mrtpo.lightning.pipeline import build, metrics_csv
 
     cfg = train_cfg("task=toolcall", "method=mrtpo", "task.limits.train=32")
     trainer, module, dm = build(cfg)

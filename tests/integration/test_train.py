@@ -13,7 +13,7 @@ import torch
 from hydra.utils import instantiate
 from tests.conftest import CONFIG_DIR, ROOT, compose_config
 
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.lightning.pipeline import build, metrics_csv
 
 # task=custom needs a user's data file and reward functions: tests/integration/test_custom_task.py
 TASKS = sorted(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml") if p.stem != "custom")
@@ -141,9 +141,9 @@ def test_unknown_option_names_the_choices():
 
 
 def test_bad_rl_key_is_named():
-    from mrtpo.module import PolicyModule
-    from mrtpo.pipeline import prepare
-    from mrtpo.settings import ConfigError, check_overrides
+    from mrtpo.lightning.module import PolicyModule
+    from mrtpo.lightning.pipeline import prepare
+    from mrtpo.run.settings import ConfigError, check_overrides
 
     # on the command line, before Hydra starts: the valid keys are listed
     with pytest.raises(ConfigError, match=r"'rl' has no key 'clip'; valid keys: \[.*'clip_high'"):

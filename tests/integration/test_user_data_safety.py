@@ -18,9 +18,9 @@ import pytest
 import torch
 from tests.conftest import ROOT, SMALL_RUN, compose_config
 
-from mrtpo.models import load_policy
-from mrtpo.pipeline import train
-from mrtpo.run_folder import ResumeRefused
+from mrtpo.core.models import load_policy
+from mrtpo.lightning.pipeline import train
+from mrtpo.run.folder import ResumeRefused
 
 
 def tree_hash(folder: Path) -> dict[str, str]:
@@ -51,7 +51,7 @@ def test_train_and_eval_never_write_to_a_user_model_folder(train_cfg, user_model
     # The README's way to use a local model, keeping the default model=tiny.
     cfg = train_cfg(f"model.name_or_path={user_model}", f"paths.output_dir={tmp_path}/run")
     train(cfg)
-    from mrtpo.eval_job import run
+    from mrtpo.evaluate.job import run
 
     out = tmp_path / "eval"
     run(
@@ -176,7 +176,7 @@ def test_a_refused_resume_leaves_the_run_folder_unchanged(
 def test_a_failed_restore_puts_metrics_back(train_cfg, finished_run, monkeypatch):
     """Belt and braces: a failure inside Lightning's restore (after its CSV writer removed
     the old file) still leaves metrics.csv as it was."""
-    from mrtpo.module import PolicyModule
+    from mrtpo.lightning.module import PolicyModule
 
     def boom(self, checkpoint):
         raise RuntimeError("restore failed")

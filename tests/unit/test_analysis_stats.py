@@ -1,4 +1,4 @@
-"""mrtpo.analysis.stats on hand-computed inputs (scipy only as a second opinion)."""
+"""mrtpo.evaluate.analysis.stats on hand-computed inputs (scipy only as a second opinion)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import scipy.stats
 
-from mrtpo.analysis.stats import (
+from mrtpo.evaluate.analysis.stats import (
     Interval,
     auc,
     censored_steps,

@@ -4,14 +4,14 @@ importing a command-line module, and no import cycle among the replication harne
 Everything is read with ``ast`` (nothing is imported). Each check is also run on a small
 made-up package, so a check that stopped finding anything would fail too.
 
-Which modules are command-line modules: ``mrtpo.evaluate_cli``, ``src/eval.py``'s job (ending
-a bad value with one line); the evaluation is ``mrtpo.eval_job`` and the checkpoint's run
-``mrtpo.trained_run``, which export, tables and ``mrtpo.api`` use, and the resolvers eval's
-configs need are ``mrtpo.config``'s and ``mrtpo.cli``'s. ``mrtpo.cli`` is not one: it parses no
+Which modules are command-line modules: ``mrtpo.evaluate.cli``, ``src/eval.py``'s job (ending
+a bad value with one line); the evaluation is ``mrtpo.evaluate.job`` and the checkpoint's run
+``mrtpo.run.trained_run``, which export, tables and ``mrtpo.api`` use, and the resolvers eval's
+configs need are ``mrtpo.run.config``'s and ``mrtpo.run.cli``'s. ``mrtpo.run.cli`` is not one: it parses no
 command line and is no entry point; it holds what the entry points share (ending a job on a
 bad value, logging to the run's files, loading the configured model, the groups ``--help``
-lists), which the run-folder and pipeline code use too. Modules such as ``mrtpo.tables`` or
-``mrtpo.analysis.sweep`` hold a library and, at their end, the ``main(argv)`` of their
+lists), which the run-folder and pipeline code use too. Modules such as ``mrtpo.evaluate.tables`` or
+``mrtpo.evaluate.analysis.sweep`` hold a library and, at their end, the ``main(argv)`` of their
 ``src/*.py`` script; importing them for the library is fine.
 """
 
@@ -25,7 +25,7 @@ PACKAGE = ROOT / "src" / "mrtpo"
 
 MAX_LINES = 60
 #: Modules that only an entry point (``src/*.py``) may import.
-CLI_MODULES = ("mrtpo.evaluate_cli",)
+CLI_MODULES = ("mrtpo.evaluate.cli",)
 #: Files left out of the length check: none.
 LENGTH_EXEMPT: tuple[str, ...] = ()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mrtpo.callbacks.console import RunSummary, column_groups
+from mrtpo.lightning.callbacks.console import RunSummary, column_groups
 
 
 def _summary(first_step: int, k: int = 13) -> RunSummary:
@@ -44,7 +44,7 @@ def test_wide_table_is_split_not_truncated(tmp_path, capsys, monkeypatch):
 def test_header_offers_resume_only_when_the_run_saves_checkpoints():
     from tests.conftest import compose_config
 
-    from mrtpo.callbacks.console import header
+    from mrtpo.lightning.callbacks.console import header
 
     saving = header(compose_config("train.yaml", ["paths.output_dir=/runs/a"]))
     # the hint repeats what was given beyond the run's saved overrides, then +resume=<folder>

@@ -1,4 +1,4 @@
-"""CoRT (reconstructed, mrtpo.credit.cort): weights, GRPO at β = 0, schedule, replay pairs,
+"""CoRT (reconstructed, mrtpo.core.credit.cort): weights, GRPO at β = 0, schedule, replay pairs,
 the task check and the configs. Expected values are worked out by hand in the comments."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-from mrtpo.credit import GRPO, CoRT, CreditInputs, RelevanceRequest, cort_weights
-from mrtpo.credit.advantages import grpo_advantages
-from mrtpo.credit.methods import RewardSet
+from mrtpo.core.credit import GRPO, CoRT, CreditInputs, RelevanceRequest, cort_weights
+from mrtpo.core.credit.advantages import grpo_advantages
+from mrtpo.core.credit.methods import RewardSet
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs"
 NAN = float("nan")
@@ -237,7 +237,7 @@ def test_accepts_tasks_with_the_rubric_in_the_prompt(task: str) -> None:
 
 
 def test_start_up_fails_before_the_model_loads(tmp_path) -> None:
-    from mrtpo.pipeline import build
+    from mrtpo.lightning.pipeline import build
 
     cfg = compose_config(
         "train.yaml",
@@ -251,7 +251,7 @@ def test_start_up_fails_before_the_model_loads(tmp_path) -> None:
 def test_ifeval_preset_is_the_ifeval_setting_with_cort() -> None:
     cort = compose_config("train.yaml", ["experiment=ifeval_cort_qwen25_7b"])
     base = compose_config("train.yaml", ["experiment=ifeval_qwen25_7b"])
-    assert cort.method._target_ == "mrtpo.credit.cort.CoRT"
+    assert cort.method._target_ == "mrtpo.core.credit.cort.CoRT"
     a, b = (OmegaConf.to_container(c, resolve=False) for c in (cort, base))
     for key in ("method", "hydra"):  # hydra: the choice and override names
         a.pop(key), b.pop(key)
@@ -260,8 +260,8 @@ def test_ifeval_preset_is_the_ifeval_setting_with_cort() -> None:
 
 def test_relevance_dumps_use_cort_weights_not_mrtpo_weights():
     """The relevance dump asks the method for its weights: CoRT's come from the contrasts."""
-    from mrtpo.credit.cort import CoRT, cort_weights
-    from mrtpo.credit.relevance import relevance_weights
+    from mrtpo.core.credit.cort import CoRT, cort_weights
+    from mrtpo.core.credit.relevance import relevance_weights
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(4, 1, 6, generator=g)

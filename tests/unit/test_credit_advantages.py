@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     gdpo_advantages,
     group_advantages,
     grpo_advantages,

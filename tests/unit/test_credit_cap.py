@@ -16,15 +16,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     MRTPO,
     CreditInputs,
     gdpo_advantages,
     mrtpo_advantages,
     replay_mask,
 )
-from mrtpo.credit.methods import RewardSet
-from mrtpo.credit.relevance import CAPS
+from mrtpo.core.credit.methods import RewardSet
+from mrtpo.core.credit.relevance import CAPS
 
 NAN = float("nan")
 EPS = 1e-4

@@ -21,7 +21,7 @@ from mrtpo.step.diagnostics import (
     quantiles,
     share_stats,
 )
-from mrtpo.step_metrics import combine
+from mrtpo.step.metrics import combine
 from mrtpo.tasks.synthetic import SyntheticTask
 
 BIG = 2**24 + 7

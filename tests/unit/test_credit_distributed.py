@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     GDPOSAW,
     MRTPO,
     MRTPOSAW,
@@ -21,7 +21,7 @@ from mrtpo.credit import (
     replay_mask,
     saw_weights,
 )
-from mrtpo.credit.methods import RewardSet
+from mrtpo.core.credit.methods import RewardSet
 
 NAN = float("nan")
 SPLIT = 12  # rank 0 holds 3 groups of 4, rank 1 the other 5: unequal shares on purpose

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tests.conftest import compose_config
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     GDPO,
     GDPOSAW,
     GRPO,
@@ -26,7 +26,7 @@ from mrtpo.credit import (
     replay_mask,
     saw_weights,
 )
-from mrtpo.credit.methods import RewardSet
+from mrtpo.core.credit.methods import RewardSet
 
 METHOD_DIR = Path(__file__).resolve().parents[2] / "configs" / "method"
 NAN = float("nan")

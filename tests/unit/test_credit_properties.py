@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     gdpo_advantages,
     group_advantages,
     grpo_advantages,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.spatial.distance import jensenshannon
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     beta_schedule,
     gdpo_advantages,
     js_distance,
@@ -20,7 +20,7 @@ from mrtpo.credit import (
     relevance_weights,
     shuffle_weights,
 )
-from mrtpo.credit.advantages import group_advantages
+from mrtpo.core.credit.advantages import group_advantages
 
 NAN = float("nan")
 

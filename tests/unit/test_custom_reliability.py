@@ -16,8 +16,8 @@ import os
 import pytest
 from tests.unit.test_scoring import NUMERIC_CASES, NUMERIC_IDS
 
-from mrtpo.faults import FaultTracker
-from mrtpo.scoring import score_batch
+from mrtpo.core.faults import FaultTracker
+from mrtpo.core.scoring import score_batch
 from mrtpo.tasks.custom import CustomTask
 
 
@@ -117,16 +117,16 @@ def test_keyboard_interrupt_in_a_reward_stops_naming_the_function(tmp_path, capl
 
 
 def test_a_10_mb_block_is_cut_to_the_cap_with_a_note(tmp_path, caplog, monkeypatch):
-    import mrtpo.scoring
+    import mrtpo.core.scoring
 
-    monkeypatch.setattr(mrtpo.scoring, "_CAPPED", set())  # logged once per process otherwise
+    monkeypatch.setattr(mrtpo.core.scoring, "_CAPPED", set())  # logged once per process otherwise
     task = _task(
         _jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]),
         blocks={"ok": huge_block},
         max_block_chars=4096,
     )
     ex = task.examples("train")[0]
-    caplog.set_level(logging.WARNING, logger="mrtpo.scoring")
+    caplog.set_level(logging.WARNING, logger="mrtpo.core.scoring")
     (score,) = score_batch(task, [ex], ["x"], FaultTracker(3, 3))
     block = score.blocks["ok"]
     assert len(block) == 4096 and block.startswith("bbbb")

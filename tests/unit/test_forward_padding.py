@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from mrtpo.forward import pad_left, pad_right, response_logprobs
+from mrtpo.core.forward import pad_left, pad_right, response_logprobs
 
 
 def _logp_and_grads(model, batch):

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from mrtpo import forward
-from mrtpo.lora import LoraSettings, apply_lora
+from mrtpo.core import forward
+from mrtpo.core.lora import LoraSettings, apply_lora
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.hf import HFEngine
 

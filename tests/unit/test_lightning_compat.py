@@ -1,4 +1,4 @@
-"""The private Lightning API of ``mrtpo.lightning_compat`` exists in the installed version,
+"""The private Lightning API of ``mrtpo.lightning.compat`` exists in the installed version,
 which is the one the module was written for."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from mrtpo import lightning_compat
+from mrtpo.lightning import compat as lightning_compat
 
 
 def test_written_for_the_installed_lightning():
     major_minor = ".".join(L.__version__.split(".")[:2])
     assert major_minor == lightning_compat.WRITTEN_FOR, (
-        f"lightning {L.__version__} is installed; mrtpo.lightning_compat was written for "
+        f"lightning {L.__version__} is installed; mrtpo.lightning.compat was written for "
         f"{lightning_compat.WRITTEN_FOR}: check each of its functions against this version "
         "(the private names it uses), then update WRITTEN_FOR"
     )

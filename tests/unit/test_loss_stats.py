@@ -10,15 +10,15 @@ import lightning as L
 import pytest
 import torch
 
-from mrtpo.batch import ScoredBatch, rewards_tensor
-from mrtpo.credit.methods import GDPO
-from mrtpo.forward import response_logprobs
-from mrtpo.loss import engine_gap, policy_loss
-from mrtpo.module import PolicyModule, _Host
+from mrtpo.core.batch import ScoredBatch, rewards_tensor
+from mrtpo.core.credit.methods import GDPO
+from mrtpo.core.forward import response_logprobs
+from mrtpo.core.loss import engine_gap, policy_loss
+from mrtpo.lightning.module import PolicyModule, _Host
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
-from mrtpo.settings import ConfigError, RLConfig
+from mrtpo.run.settings import ConfigError, RLConfig
 from mrtpo.step import MINIBATCH_STREAM, Advantages, OldPolicy
 from mrtpo.tasks.synthetic.task import SyntheticTask
 

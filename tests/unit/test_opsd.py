@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tests.conftest import CONFIG_DIR
 
-from mrtpo.credit import (
+from mrtpo.core.credit import (
     OPSD,
     CreditInputs,
     TeacherScores,
@@ -22,7 +22,7 @@ from mrtpo.credit import (
     js_distance,
     sampled_token_scores,
 )
-from mrtpo.loss import aggregate
+from mrtpo.core.loss import aggregate
 from mrtpo.tasks.base import Example, Score, Task
 from mrtpo.tasks.synthetic.task import SyntheticTask
 from mrtpo.tasks.text2sql.omnisql import ReferenceSolutions, load_solutions, to_answer_format

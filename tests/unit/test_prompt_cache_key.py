@@ -16,7 +16,7 @@ def _bert(folder, **options):
 
 
 def test_same_vocabulary_different_options_get_different_keys(tmp_path):
-    from mrtpo.prompt_cache import tokenizer_key
+    from mrtpo.lightning.prompt_cache import tokenizer_key
 
     lower, cased = _bert(tmp_path, do_lower_case=True), _bert(tmp_path, do_lower_case=False)
     assert lower.get_vocab() == cased.get_vocab()
@@ -26,7 +26,7 @@ def test_same_vocabulary_different_options_get_different_keys(tmp_path):
 
 
 def test_the_key_does_not_depend_on_where_the_files_are(tmp_path):
-    from mrtpo.prompt_cache import tokenizer_key
+    from mrtpo.lightning.prompt_cache import tokenizer_key
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 from tests.unit.test_sweep_summary import write_metrics
 
-from mrtpo.analysis.sweep import find_runs, main, report, write_summary
+from mrtpo.evaluate.analysis.sweep import find_runs, main, report, write_summary
 
 
 def make_job(root, name, method, seed, values, *, max_steps=3, job=None, first=None):

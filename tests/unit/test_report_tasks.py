@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from mrtpo.analysis.stats import mean_ci
-from mrtpo.analysis.sweep import find_runs, main, metric_names, report
+from mrtpo.evaluate.analysis.stats import mean_ci
+from mrtpo.evaluate.analysis.sweep import find_runs, main, metric_names, report
 
 HEAD = ["step", "train/reward/format/mean", "train/reward/execution/mean",
         "train/reward/total/mean"]  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tests.conftest import compose_config
 
-from mrtpo import run_folder
+from mrtpo.run import folder as run_folder
 
 
 def test_only_the_current_runs_chosen_folders_are_kept(tmp_path):

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from mrtpo.batch import rewards_tensor
+from mrtpo.core.batch import rewards_tensor
+from mrtpo.core.faults import FaultTracker
+from mrtpo.core.scoring import UndeclaredReward, clean_score, score_batch
 from mrtpo.distributed import Ranks
-from mrtpo.faults import FaultTracker
-from mrtpo.scoring import UndeclaredReward, clean_score, score_batch
 from mrtpo.tasks.base import Example, Score, Task
 
 NAMES = ("a", "b")
@@ -93,7 +93,7 @@ def test_score_batch_falls_back_per_response_and_cleans():
 
 def test_a_step_without_any_usable_reward_warns_once(caplog):
     # set on the logger itself: an earlier test in the session may have quietened mrtpo.*
-    caplog.set_level(logging.WARNING, logger="mrtpo.faults")
+    caplog.set_level(logging.WARNING, logger="mrtpo.core.faults")
     faults = FaultTracker(3, 3)
     empty = [Score(rewards={"a": None, "b": None}) for _ in range(2)]
     with caplog.at_level(logging.WARNING):
@@ -152,23 +152,23 @@ def test_keyboard_interrupt_in_scoring_stops_with_a_message(caplog):
         def score(self, example, response):
             raise KeyboardInterrupt
 
-    caplog.set_level(logging.ERROR, logger="mrtpo.scoring")
+    caplog.set_level(logging.ERROR, logger="mrtpo.core.scoring")
     with pytest.raises(KeyboardInterrupt):
         score_batch(Interrupted([]), [_ex()], ["x"], FaultTracker(3, 3))
     assert any("KeyboardInterrupt while task scripted scored" in r.message for r in caplog.records)
 
 
 def test_a_huge_block_is_cut_with_a_note_in_its_text_and_the_log(caplog, monkeypatch):
-    import mrtpo.scoring
+    import mrtpo.core.scoring
 
-    monkeypatch.setattr(mrtpo.scoring, "_CAPPED", set())  # logged once per process otherwise
+    monkeypatch.setattr(mrtpo.core.scoring, "_CAPPED", set())  # logged once per process otherwise
 
     class Blocks(Scripted):
         max_block_chars = 1000
 
     huge = "z" * 10_000_000
     outputs = [Score(rewards={"a": 1.0, "b": 0.0}, blocks={"a": huge, "b": "short"})] * 2
-    caplog.set_level(logging.WARNING, logger="mrtpo.scoring")
+    caplog.set_level(logging.WARNING, logger="mrtpo.core.scoring")
     scores = score_batch(Blocks(outputs), [_ex(0), _ex(1)], ["r", "r"], FaultTracker(3, 3))
     for s in scores:
         assert len(s.blocks["a"]) == 1000 and s.blocks["b"] == "short"

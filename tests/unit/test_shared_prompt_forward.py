@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from mrtpo import forward
-from mrtpo.forward import pad_left, pad_right, prompt_groups, response_logprobs
-from mrtpo.lora import LoraSettings, apply_lora
+from mrtpo.core import forward
+from mrtpo.core.forward import pad_left, pad_right, prompt_groups, response_logprobs
+from mrtpo.core.lora import LoraSettings, apply_lora
 
 
 def _batch(vocab: int, pad: int, seed: int = 0):
@@ -90,7 +90,7 @@ def test_auto_shares_only_where_it_saves_enough(tiny, caplog):
     m = copy.deepcopy(model)
     m.gradient_checkpointing_enable()
     forward._said.clear()
-    with caplog.at_level(logging.INFO, logger="mrtpo.forward"):
+    with caplog.at_level(logging.INFO, logger="mrtpo.core.forward"):
         m.train()
         assert prompt_groups(m, long_ids, long_mask, t, "always") is None
         assert prompt_groups(m, long_ids, long_mask, t, "always") is None
@@ -102,7 +102,7 @@ def test_auto_shares_only_where_it_saves_enough(tiny, caplog):
 
 def test_teacher_states_match_with_shared_contexts(tiny):
     """The OPSD teacher runs a context repeated by several rows once (no grad)."""
-    from mrtpo.credit.teacher import Teacher
+    from mrtpo.core.credit.teacher import Teacher
 
     model, tok = tiny
     model = copy.deepcopy(model).float().eval()
@@ -163,7 +163,7 @@ def test_packed_form_is_used_only_where_it_saves(tiny, caplog):
     pad, t = tok.pad_token_id, 8
     long_ids, long_mask = pad_left([list(range(5, 1005))] * 8, pad)
     forward._said.clear()
-    with caplog.at_level(logging.INFO, logger="mrtpo.forward"):
+    with caplog.at_level(logging.INFO, logger="mrtpo.core.forward"):
         groups = prompt_groups(m, long_ids, long_mask, t, "auto", packable=True)
         assert groups is not None and groups.packed and groups.width == 1000
         assert groups.saved == 8 * 1008 - (1000 + 8 * 8)

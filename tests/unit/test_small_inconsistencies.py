@@ -9,9 +9,9 @@ import re
 from omegaconf import OmegaConf
 from tests.conftest import CONFIG_DIR, ROOT
 
-from mrtpo.analysis.sweep import bounds, curve_band
-from mrtpo.tables import parser as table_parser
-from mrtpo.viewer import main as relevance_main
+from mrtpo.evaluate.analysis.sweep import bounds, curve_band
+from mrtpo.evaluate.tables import parser as table_parser
+from mrtpo.evaluate.viewer import main as relevance_main
 
 
 def test_table_help_prints_a_percent_sign_once():
@@ -51,18 +51,18 @@ def test_relevance_on_a_short_run_names_the_dump_not_the_method(tmp_path, capsys
     """A 2-step MRTPO run: relevance_dump.every=10 writes at steps 1, 11, ..., and step 1
     replayed nothing; the message said the method does not replay."""
     run = tmp_path / "run"
-    _short_run(run, "mrtpo.credit.methods.MRTPO", 10, 0.0)
+    _short_run(run, "mrtpo.core.credit.methods.MRTPO", 10, 0.0)
     assert relevance_main([str(run)]) == 2
     out = capsys.readouterr().out
     assert "callbacks.relevance_dump.every=10 writes at steps 1, 11, 21" in out
     assert "this run logged 2 step(s)" in out and "no response was replayed" in out
     assert "That is not the method: set callbacks.relevance_dump.every=1" in out
     gdpo = tmp_path / "gdpo"
-    _short_run(gdpo, "mrtpo.credit.methods.GDPO", 10, 0.0)
+    _short_run(gdpo, "mrtpo.core.credit.methods.GDPO", 10, 0.0)
     assert relevance_main([str(gdpo)]) == 2
     assert "its method (GDPO) does not replay" in capsys.readouterr().out
     off = tmp_path / "off"
-    _short_run(off, "mrtpo.credit.methods.MRTPO", None, 0.5)
+    _short_run(off, "mrtpo.core.credit.methods.MRTPO", None, 0.5)
     assert relevance_main([str(off)]) == 2
     assert "callbacks.relevance_dump was off in this run" in capsys.readouterr().out
 

@@ -30,7 +30,7 @@ def test_replay_is_said_to_run_under_pi_old_not_the_sampling_weights():
     method = (ROOT / "docs" / "method.md").read_text()
     replay_item = re.search(r"2\. \*\*Replay\.\*\*(.*?)\n3\. ", method, re.S).group(1)
     assert "π_old" in replay_item and "step's start" in replay_item
-    for rel in ("docs/method.md", "src/mrtpo/replay.py", "src/mrtpo/step/step.py"):
+    for rel in ("docs/method.md", "src/mrtpo/core/replay.py", "src/mrtpo/step/step.py"):
         text = " ".join((ROOT / rel).read_text().split())
         assert "parameters that sampled" not in text, rel
         assert "(= sampling) parameters" not in text, rel

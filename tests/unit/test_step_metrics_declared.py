@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mrtpo.distributed import Ranks
-from mrtpo.step_metrics import DECLARED, Reduce, Stat, combine, declare, merge
+from mrtpo.step.metrics import DECLARED, Reduce, Stat, combine, declare, merge
 
 VALUES = ([1.0, 2.0, 4.0], [3.0, 5.0])  # rank 0's tokens, rank 1's
 

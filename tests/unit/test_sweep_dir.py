@@ -1,4 +1,4 @@
-"""A multirun's folder (``mrtpo.config.sweep_dir``, issue 50 review item 4): two sweeps in one
+"""A multirun's folder (``mrtpo.run.config.sweep_dir``, issue 50 review item 4): two sweeps in one
 process started in the same second over different keys get the folders their keys name; the
 first's name was kept for the base time and given to the second."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def test_same_second_sweeps_over_different_keys_get_their_own_folders(tmp_path):
-    from mrtpo.config import sweep_dir
+    from mrtpo.run.config import sweep_dir
 
     base = str(tmp_path / "multiruns" / "2026-01-01_00-00-00")
     assert sweep_dir(base, ["method=gdpo,mrtpo", "seed=1"]) == base + "_method"

@@ -12,7 +12,7 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from mrtpo.analysis.sweep import (
+from mrtpo.evaluate.analysis.sweep import (
     RunRecorder,
     baseline_of,
     experiment_overrides,

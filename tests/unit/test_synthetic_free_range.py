@@ -58,7 +58,7 @@ def test_references_meet_every_constraint_at_any_length():
 
 
 def test_the_long_toy_takes_a_range_from_the_command_line():
-    from mrtpo.config import compose
+    from mrtpo.run.config import compose
 
     cfg = compose("train.yaml", ["experiment=toy_long", "task.free_tokens=[40,80]"])
     task = instantiate(cfg.task)

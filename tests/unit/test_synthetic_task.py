@@ -7,7 +7,7 @@ import pytest
 import yaml
 from tests.conftest import CONFIG_DIR
 
-from mrtpo.models import build_tokenizer
+from mrtpo.core.models import build_tokenizer
 from mrtpo.tasks.synthetic import SyntheticTask
 from mrtpo.tasks.synthetic.task import (
     BASE_PROMPT,
@@ -296,7 +296,7 @@ def test_bad_free_part_or_mark_rate_is_refused_naming_the_key(kw, key):
 
 
 def test_long_presets_compose_a_free_part_that_fits_the_token_budget():
-    from mrtpo.config import compose
+    from mrtpo.run.config import compose
 
     for name in ("toy_long", "toy_long_sft", "toy_long_sft_noisy"):
         cfg = compose("train.yaml", [f"experiment={name}"])

@@ -515,8 +515,8 @@ def test_an_engine_removes_its_snapshots_at_close_and_a_killed_runs_at_start(tem
 def test_check_names_a_killed_runs_snapshots(temp_dir, tmp_path):
     from tests.conftest import compose_config
 
-    from mrtpo.dryrun import check_all
     from mrtpo.rollout import snapshots
+    from mrtpo.run.dryrun import check_all
 
     dead = _killed_run_folder(temp_dir, snapshots.OWN_ROOT)
     found = check_all(compose_config("train.yaml", ["rollout=vllm_server"]))

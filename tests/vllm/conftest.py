@@ -47,7 +47,7 @@ def vllm_module():
 def tiny32(cache_dir, vllm_module):
     """(path, model, tokenizer): the tiny model with head_dim 32, where the train configs
     with ``TINY_OVERRIDES`` build it (so training tests and the engine share one folder)."""
-    from mrtpo.models import TinyModelConfig, build_tiny_model, load_policy
+    from mrtpo.core.models import TinyModelConfig, build_tiny_model, load_policy
 
     path = build_tiny_model(cache_dir / "models" / "tiny-qwen2", TinyModelConfig(**TINY_SHAPE))
     model, tok = load_policy(str(path), tiny=None)
@@ -57,7 +57,7 @@ def tiny32(cache_dir, vllm_module):
 @pytest.fixture(scope="session")
 def engine(tiny32):
     """One started vLLM engine for the session (CPU defaults: device auto)."""
-    from mrtpo.models import eos_token_ids
+    from mrtpo.core.models import eos_token_ids
     from mrtpo.rollout.vllm import VLLMEngine
 
     path, model, tok = tiny32

@@ -164,7 +164,7 @@ def test_forcing_the_cuda_only_paths_fails_naming_the_key(tiny32, vllm_module):
 
 
 def test_a_model_the_cpu_kernels_cannot_run_fails_naming_the_setting(cache_dir, vllm_module):
-    from mrtpo.models import TinyModelConfig, build_tiny_model
+    from mrtpo.core.models import TinyModelConfig, build_tiny_model
 
     path = build_tiny_model(cache_dir / "models" / "tiny-head16", TinyModelConfig())
     with pytest.raises(VLLMUnavailableError, match=r"model.tiny.num_attention_heads=2"):

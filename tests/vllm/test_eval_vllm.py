@@ -12,7 +12,7 @@ import json
 from tests.conftest import compose_config
 from tests.vllm.conftest import TINY_OVERRIDES
 
-from mrtpo.eval_job import run
+from mrtpo.evaluate.job import run
 
 
 def _eval(tmp_path, cache_dir, rollout: str, engine=None, monkeypatch=None):

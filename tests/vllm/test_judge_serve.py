@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import compose_config
 from tests.vllm.conftest import TINY_OVERRIDES
 
-from mrtpo.eval_job import run
+from mrtpo.evaluate.job import run
 
 START_LIMIT_S = 1800  # a hang guard for a slow machine, not a speed claim
 

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.vllm.test_vllm_server import RUN_LIMIT_S, SERVER_CPU, _env, _train_cmd
 
-from mrtpo.models import eos_token_ids
+from mrtpo.core.models import eos_token_ids
 from mrtpo.rollout import snapshots
 from mrtpo.rollout.server_process import ServerProcess, free_port, group_members
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError, launch_command
@@ -54,7 +54,7 @@ def test_a_server_by_url_without_processed_logprobs_is_refused_at_start(tiny32, 
 
 KEEP_A_SERVER = """
 import sys, time
-from mrtpo.models import eos_token_ids, load_policy
+from mrtpo.core.models import eos_token_ids, load_policy
 from mrtpo.rollout.vllm_server import VLLMServerEngine
 model, tok = load_policy(sys.argv[1], tiny=None)
 eng = VLLMServerEngine(sys.argv[1], cpus=[int(sys.argv[2])], log_file=sys.argv[3])

@@ -18,8 +18,8 @@ import pytest
 from tests.conftest import ROOT, SHARED_DATA
 from tests.vllm.conftest import TINY_OVERRIDES
 
-from mrtpo.callbacks.rollout import RolloutCallback
-from mrtpo.pipeline import build, metrics_csv
+from mrtpo.lightning.callbacks.rollout import RolloutCallback
+from mrtpo.lightning.pipeline import build, metrics_csv
 
 GAP = "train/rollout/logp_gap/max"
 NOISE = 1e-4  # fp32 noise is ~1e-6 here; a stale engine is off by > 1e-3

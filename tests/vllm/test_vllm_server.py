@@ -26,8 +26,8 @@ from tests.conftest import ROOT
 from tests.vllm.conftest import TINY_SHAPE, hf_logprobs, perturbed_copy
 from tests.vllm.test_train_vllm import GAP, NOISE, fit_with_engine, gaps
 
-from mrtpo.models import TinyModelConfig, build_tiny_model, eos_token_ids, load_policy
-from mrtpo.pipeline import metrics_csv
+from mrtpo.core.models import TinyModelConfig, build_tiny_model, eos_token_ids, load_policy
+from mrtpo.lightning.pipeline import metrics_csv
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.server_client import write_snapshot
 from mrtpo.rollout.server_process import PROOF_PATH, group_members, proof
@@ -299,9 +299,9 @@ def test_a_server_gone_during_a_push_stops_the_run_and_keeps_the_checkpoint(
     train_cfg, server, tmp_path
 ):
     """Runs last: it kills the module's server."""
-    from mrtpo.callbacks.rollout import RolloutCallback
-    from mrtpo.pipeline import build
-    from mrtpo.run_folder import read_checkpoint
+    from mrtpo.lightning.callbacks.rollout import RolloutCallback
+    from mrtpo.lightning.pipeline import build
+    from mrtpo.run.folder import read_checkpoint
 
     cfg = train_cfg(
         "rollout=vllm_server",
@@ -411,7 +411,7 @@ def test_a_server_killed_mid_run_ends_the_run_with_one_line(tmp_path, cache_dir,
 
 KEEP_A_SERVER = """
 import sys, time
-from mrtpo.models import eos_token_ids, load_policy
+from mrtpo.core.models import eos_token_ids, load_policy
 from mrtpo.rollout.vllm_server import VLLMServerEngine
 model, tok = load_policy(sys.argv[1], tiny=None)
 eng = VLLMServerEngine(sys.argv[1], cpus=[int(sys.argv[2])], log_file=sys.argv[3],

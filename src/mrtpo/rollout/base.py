@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from mrtpo.sampling import SamplingConfig
+from mrtpo.core.sampling import SamplingConfig
 
 
 @dataclass

@@ -6,22 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from mrtpo.batch import RolloutBatch
-from mrtpo.forward import pad_left, pad_right
+from mrtpo.core.batch import RolloutBatch
+from mrtpo.core.chat import prompt_ids
+from mrtpo.core.forward import pad_left, pad_right
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.tasks.base import Example
-
-
-def chat_ids(tokenizer, messages) -> list[int]:
-    """Token ids of chat ``messages`` followed by the assistant-turn header."""
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids)
-
-
-def prompt_ids(tokenizer, example: Example) -> list[int]:
-    return chat_ids(tokenizer, example.messages)
 
 
 def build_rollout(

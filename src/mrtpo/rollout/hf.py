@@ -31,9 +31,9 @@ import logging
 
 import torch
 
+from mrtpo.core.faults import NonFiniteLogitsError
+from mrtpo.core.forward import shared_prompt_mode
 from mrtpo.distributed import Ranks
-from mrtpo.faults import NonFiniteLogitsError
-from mrtpo.forward import shared_prompt_mode
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -344,7 +344,7 @@ class HFEngine(RolloutEngine):
         random numbers either way. ``agree(want) -> bool`` (FSDP): the ranks' joint choice."""
         if n < 2 or self.share_prompt == "off":
             return ids, attn, None
-        from mrtpo.forward import prompt_groups, prompt_prefix_cache
+        from mrtpo.core.forward import prompt_groups, prompt_prefix_cache
 
         groups = prompt_groups(
             self.model, ids, attn, new_tokens, self.share_prompt, in_step=agree is not None

@@ -6,7 +6,7 @@ to what is left after ``stop_timeout_s``. It is stopped by ``ServerProcess.stop`
 engine's ``close``), at interpreter exit (``atexit``), and, when the trainer ends without
 running either (SIGKILL, ``os._exit``), by the kernel: the launcher asks for SIGTERM when its
 parent dies (``PR_SET_PDEATHSIG``, ``mrtpo.rollout.vllm_serve``). No signal handler is
-installed: the run's own SIGTERM/SIGINT handling (``mrtpo.faults``) unwinds the run, and
+installed: the run's own SIGTERM/SIGINT handling (``mrtpo.core.faults``) unwinds the run, and
 the server stops on the way out. Popen must be called from the thread that lives as long as
 the run (the main thread): the kernel's parent-death signal follows that thread.
 """

@@ -40,9 +40,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from mrtpo.batch import RolloutBatch
+from mrtpo.core.batch import RolloutBatch
+from mrtpo.core.chat import prompt_ids
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
-from mrtpo.rollout.build import assemble, build_rollout, prompt_ids
+from mrtpo.rollout.build import assemble, build_rollout
 from mrtpo.tasks.base import Example
 
 log = logging.getLogger(__name__)

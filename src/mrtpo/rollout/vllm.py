@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from mrtpo.core.sampling import vllm_sampling_fields
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.rollout.weight_sync import (
     SyncStats,
@@ -36,7 +37,6 @@ from mrtpo.rollout.weight_sync import (
     has_weight_transfer_api,
     reload_weights_params,
 )
-from mrtpo.sampling import vllm_sampling_fields
 
 log = logging.getLogger(__name__)
 

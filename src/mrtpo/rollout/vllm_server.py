@@ -41,6 +41,8 @@ from urllib.parse import urlsplit
 
 import torch
 
+from mrtpo.core.errors import CompactHydraException
+from mrtpo.core.sampling import vllm_sampling_fields
 from mrtpo.rollout import server_answers, snapshots
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 from mrtpo.rollout.server_answers import BadAnswer, as_object, field
@@ -60,8 +62,6 @@ from mrtpo.rollout.server_process import (
 from mrtpo.rollout.vllm import _model_config, prompt_seed
 from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
 from mrtpo.safe_files import make_dirs
-from mrtpo.sampling import vllm_sampling_fields
-from mrtpo.settings import CompactHydraException
 
 log = logging.getLogger(__name__)
 
@@ -851,7 +851,7 @@ class VLLMServerEngine(RolloutEngine):
     def sampling_params(
         self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
     ) -> dict[str, Any]:
-        """vLLM ``SamplingParams`` as JSON (``mrtpo.sampling.vllm_sampling_fields``, as the
+        """vLLM ``SamplingParams`` as JSON (``mrtpo.core.sampling.vllm_sampling_fields``, as the
         in-process engine's)."""
         return vllm_sampling_fields(
             sampling, n, [*self.eos_ids, *self.stop_token_ids], seed, logprobs

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from mrtpo.step_metrics import Reduce, Stat
+from mrtpo.step.metrics import Reduce, Stat
 from mrtpo.tasks.base import Task, token_segments
 
 PREFIX = "replay/"

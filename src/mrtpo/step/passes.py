@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from mrtpo.batch import RolloutBatch
+from mrtpo.core.batch import RolloutBatch
+from mrtpo.core.forward import response_logprobs
+from mrtpo.core.lora import is_lora
 from mrtpo.distributed import Ranks, dummy_batch
-from mrtpo.forward import response_logprobs
-from mrtpo.lora import is_lora
 
 log = logging.getLogger(__name__)
 

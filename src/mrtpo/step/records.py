@@ -1,4 +1,4 @@
-"""The frozen records one RL step passes from phase to phase (shapes as in ``mrtpo.batch``).
+"""The frozen records one RL step passes from phase to phase (shapes as in ``mrtpo.core.batch``).
 
 Each phase of ``mrtpo.step.RLStep`` takes the records before it and returns a new one; no
 record is changed after it is made. ``StepRecord`` joins them at the end of the step, for
@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from mrtpo.batch import RolloutBatch, ScoredBatch
+from mrtpo.core.batch import RolloutBatch, ScoredBatch
 from mrtpo.tasks.base import Score
 
 

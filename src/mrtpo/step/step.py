@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from mrtpo import step_metrics
-from mrtpo.batch import RolloutBatch, ScoredBatch, rewards_tensor
-from mrtpo.credit.methods import AdvantageMethod, CreditInputs, MethodServices, StepView
-from mrtpo.credit.relevance import relevance_weights
+from mrtpo.core.batch import RolloutBatch, ScoredBatch, rewards_tensor
+from mrtpo.core.credit.methods import AdvantageMethod, CreditInputs, MethodServices, StepView
+from mrtpo.core.credit.relevance import relevance_weights
+from mrtpo.core.faults import FaultTracker
+from mrtpo.core.loss import engine_gap
+from mrtpo.core.replay import Replayer
+from mrtpo.core.scoring import score_batch
 from mrtpo.distributed import Ranks, is_sharded
-from mrtpo.faults import FaultTracker
-from mrtpo.loss import engine_gap
-from mrtpo.replay import Replayer
-from mrtpo.scoring import score_batch
+from mrtpo.step import metrics as step_metrics
 from mrtpo.step.diagnostics import CreditDiagnostics
 from mrtpo.step.passes import LogprobPasses, Once
 from mrtpo.step.records import Advantages, OldPolicy, Relevance, StepRecord, StepResult

@@ -1,6 +1,6 @@
 """Phase 6 of the step: clipped-surrogate updates over mini-batches, through an ``UpdateHost``.
 
-The host is whatever owns the optimizer: ``mrtpo.module.PolicyModule`` under Lightning
+The host is whatever owns the optimizer: ``mrtpo.lightning.module.PolicyModule`` under Lightning
 (precision, strategy, step counting), or ``TorchHost`` for a plain loop. The updater only
 decides what to compute: which rows form each mini-batch, the loss of each micro-batch, and
 when the update must stop because a loss was not finite on some rank.
@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 import torch
 
-from mrtpo.batch import RolloutBatch, ScoredBatch
+from mrtpo.core.batch import RolloutBatch, ScoredBatch
+from mrtpo.core.forward import response_logits, response_logprobs
+from mrtpo.core.loss import EngineGap, policy_loss, token_logprobs
 from mrtpo.distributed import Ranks, dummy_batch
-from mrtpo.forward import response_logits, response_logprobs
-from mrtpo.loss import EngineGap, policy_loss, token_logprobs
 from mrtpo.step.records import Advantages, OldPolicy, Update
 
 

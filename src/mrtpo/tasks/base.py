@@ -275,7 +275,7 @@ class Task(ABC):
     #: coefficient of variation (ToolRL's correctness: -3..3).
     reward_ranges: ClassVar[Mapping[str, tuple[float, float]]] = {}
     #: Longest verifier block kept, in characters; a longer one is cut to this length with a
-    #: note saying so (``mrtpo.scoring``): replay tokenizes every block for every pair, and
+    #: note saying so (``mrtpo.core.scoring``): replay tokenizes every block for every pair, and
     #: a runaway block function must not cost gigabytes. None: no cap.
     max_block_chars: int | None = 16384
 

@@ -412,7 +412,7 @@ class CustomTask(Task):
                 continue
             value, measured, problem = split_reward(value)  # a value, or one with extras
             if measured is not None:
-                extras[r.name] = measured  # cleaned with the score (mrtpo.scoring)
+                extras[r.name] = measured  # cleaned with the score (mrtpo.core.scoring)
             if problem is None:
                 rewards[r.name], problem = _as_reward(value)
             else:

@@ -410,7 +410,7 @@ class SyntheticTask(Task):
         (none when absent); ``count``: ``[len(words)]``, standing for the end of the response
         (the EOS token), since where the response stops decides the count; ``mark``: also
         ``[len(words)]`` — the checker reads the final character, i.e. the last token before
-        the end (``mrtpo.analysis.relevance`` adds that token). Used to measure
+        the end (``mrtpo.evaluate.analysis.relevance`` adds that token). Used to measure
         whether replay relevance lands where the verifier looks (docs/replication.md).
         With a free part, indices still count every word of the response (the free part's
         and its markers' too), and only answer words are ever decisive; a response without

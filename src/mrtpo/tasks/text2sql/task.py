@@ -179,7 +179,7 @@ class Text2SQLTask(Task):
 
     def eval_examples(self, split: str, options: Mapping[str, Any]) -> Sequence[Example]:
         """``eval.categories``: database ids to keep. ``eval.limit`` is the evaluation job's
-        (``mrtpo.eval_job``), which counts the whole split before taking its first N."""
+        (``mrtpo.evaluate.job``), which counts the whole split before taking its first N."""
         examples = list(self.examples(split))
         options = options or {}
         categories = options.get("categories")

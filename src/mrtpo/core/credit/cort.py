@@ -1,0 +1,198 @@
+"""CoRT, reconstructed from its abstract (Zhang et al., arXiv 2607.25659; no code released).
+
+Relative to GRPO: the sampled response is scored a second time, under a matched prompt
+with the rubric (for instruction following: every constraint) removed, and each token's
+log-likelihood contrast ``d_t = log p(y_t | P_all) - log p(y_t | P_none)`` says how much that
+token depended on the rubric. The contrasts become bounded weights that average 1 over the
+response, and GRPO's signed response advantage ``A`` is spread with them: ``A_t = A w_t``.
+The per-response mean advantage stays GRPO's, and at β = 0 the output *is* GRPO's, bit for
+bit. The weights are phased in by a smoothstep ramp of β.
+
+What the abstract does not fix is chosen here and marked as a reconstruction decision in
+docs/method.md ("CoRT"):
+
+* ``u_t = min(|d_t|, contrast_clip) / contrast_clip`` in [0, 1]: the magnitude counts, so a
+  token the rubric made *less* likely (a forbidden word sampled anyway) also draws credit;
+* ``v_t = 1 + (max_weight - 1) u_t``, normalized over the response's tokens:
+  ``w~_t = v_t / mean(v)``, which lies in ``[1 / max_weight, max_weight]`` and averages 1;
+* ``w_t = (1 - β) + β w~_t`` with ``β = beta · smoothstep(step / beta_warmup_steps)``.
+
+Knobs: ``beta`` (the weights' final share, 1 = fully phased in), ``beta_warmup_steps``,
+``contrast_clip`` (nats), ``max_weight`` (the bound), ``eps`` and ``reward_weights`` (GRPO's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from mrtpo.core.credit.advantages import compute_dtype, grpo_advantages, replay_mask
+from mrtpo.core.credit.methods import (
+    CreditInputs,
+    CreditOutput,
+    MethodServices,
+    RelevanceRequest,
+    _adv_stats,
+    _broadcast,
+    _RewardWeighted,
+    checked_beta,
+)
+from mrtpo.core.credit.relevance import beta_schedule
+
+__all__ = ["CoRT", "cort_weights"]
+
+#: CoRT's replay: one criteria-free context per response, the sampled token's log-likelihood.
+JOINT_LOGP_DIFF = RelevanceRequest("joint", "logp_diff")
+
+
+def cort_weights(
+    d: Tensor,
+    mask: Tensor,
+    replayed: Tensor | None,
+    beta: float,
+    contrast_clip: float = 2.0,
+    max_weight: float = 4.0,
+) -> Tensor:
+    """Token weights ``[N, T]`` from log-likelihood contrasts ``d`` (``[N, 1, T]`` or ``[N, T]``).
+
+    On a replayed response's valid tokens: ``(1 - β) + β v_t / mean(v)`` with
+    ``v_t = 1 + (max_weight - 1) min(|d_t|, clip) / clip``. Each response's weights average 1
+    (up to rounding) and lie in ``[(1 - β) + β / max_weight, (1 - β) + β max_weight]``. The
+    weight is exactly 1 on pads, on responses that were not replayed, and everywhere at β = 0.
+    """
+    if d.dim() == 3:
+        if d.shape[1] != 1:
+            raise ValueError(f"CoRT contrasts must be [N, 1, T] (joint), got {tuple(d.shape)}")
+        d = d[:, 0, :]
+    if contrast_clip <= 0:
+        raise ValueError(f"method.contrast_clip must be > 0, got {contrast_clip}")
+    if max_weight < 1:
+        raise ValueError(f"method.max_weight must be >= 1, got {max_weight}")
+    dtype = compute_dtype(d)
+    dd = d.to(dtype)
+    valid = mask.to(device=dd.device, dtype=torch.bool)
+    zero = torch.zeros((), dtype=dtype, device=dd.device)
+    u = torch.where(valid, dd.abs().clamp(max=contrast_clip) / contrast_clip, zero)
+    v = torch.where(valid, 1.0 + (max_weight - 1.0) * u, zero)
+    n_tok = valid.sum(-1, keepdim=True)
+    vbar = v.sum(-1, keepdim=True) / n_tok.clamp(min=1).to(dtype)
+    # v >= 1 on valid tokens, so vbar >= 1 wherever a response has a token: no division by ~0
+    w = (1.0 - beta) + beta * (v / vbar.clamp(min=1.0))
+    ok = valid & (n_tok > 0)
+    if replayed is not None:
+        r = replayed.to(device=dd.device, dtype=torch.bool)
+        ok = ok & (r[:, 0] if r.dim() == 2 else r)[:, None]
+    return torch.where(ok, w, torch.ones_like(w))
+
+
+class CoRT(_RewardWeighted):
+    """CoRT: GRPO's response advantage spread over tokens by rubric-contrast weights."""
+
+    config_name = "cort"
+    relevance: ClassVar[RelevanceRequest | None] = JOINT_LOGP_DIFF
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        beta_warmup_steps: int = 30,
+        contrast_clip: float = 2.0,
+        max_weight: float = 4.0,
+        eps: float = 1e-4,
+        reward_weights: Mapping[str, float] | None = None,
+    ):
+        super().__init__(eps=eps, reward_weights=reward_weights)
+        self.beta_max, self.beta_warmup_steps = checked_beta(beta, beta_warmup_steps)
+        if not contrast_clip > 0:
+            raise ValueError(f"method.contrast_clip must be > 0 (nats), got {contrast_clip}")
+        if not max_weight >= 1:
+            raise ValueError(f"method.max_weight must be >= 1, got {max_weight}")
+        self.contrast_clip = float(contrast_clip)
+        self.max_weight = float(max_weight)
+
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        super().setup(task, services)
+        # CoRT rescores the response under the prompt it was sampled from (the rubric in it)
+        # and under the same prompt without the rubric. Information that arrives as
+        # per-response verifier blocks (an SQLite error) is not in the sampling prompt.
+        if not getattr(task, "info_in_prompt", False):
+            name = getattr(task, "name", type(task).__name__)
+            raise ValueError(
+                f"method=cort needs a task whose rubric is part of the prompt (it rescores each "
+                f"response under the sampling prompt and under that prompt without its "
+                f"criteria), but task={name} gives its information as per-response verifier "
+                f"blocks (info_in_prompt=False); use task=ifeval or task=synthetic with "
+                f"method=cort, or method=mrtpo / method=grpo with task={name}"
+            )
+
+    def beta(self, step: int) -> float:
+        """Share of the advantage that follows the weights at ``step`` (SmoothStep ramp)."""
+        return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
+
+    def replays(self, step: int) -> bool:
+        return self.beta(step) > 0
+
+    def schedule(self, step: int) -> dict[str, float]:
+        return {"beta": float(self.beta(step))}
+
+    def _c_vector(self, k: int, dtype: torch.dtype, device) -> Tensor:
+        if self._c is not None and len(self._c) == k:
+            return torch.tensor(self._c, dtype=dtype, device=device)
+        return torch.ones(k, dtype=dtype, device=device)
+
+    def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
+        """``[N, 1]``: responses whose GRPO advantage can be non-zero (their group's summed
+        reward varies) and that have a criteria-free context to compare with."""
+        r = torch.nan_to_num(rewards.to(compute_dtype(rewards)), nan=0.0)
+        total = (r * self._c_vector(r.shape[1], r.dtype, r.device)).sum(-1, keepdim=True)
+        info = has_block.to(torch.bool).any(-1, keepdim=True)
+        return replay_mask(total, group, info)
+
+    def token_weights(self, q, mask, replayed, step: int):
+        """CoRT's weights (one profile for the response), as ``[N, 1, T]``."""
+        w = cort_weights(q, mask, replayed, self.beta(step), self.contrast_clip, self.max_weight)
+        return w[:, None, :]
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        beta = self.beta(inputs.step)
+        c, stats = self._coefficients(inputs)
+        adv = grpo_advantages(inputs.rewards, inputs.group, c, self.eps)
+        n = inputs.rewards.shape[0]
+        q, replayed = inputs.q, inputs.replayed
+        if q is not None and (q.dim() != 3 or q.shape[:2] != (n, 1)):
+            raise ValueError(
+                f"cort expects log-likelihood contrasts q of shape [N={n}, 1, T], got "
+                f"{tuple(q.shape)}"
+            )
+        if q is None or beta == 0.0:
+            # GRPO's own path: nothing to reweight, so the output is GRPO's to the last bit.
+            tok = _broadcast(adv, inputs.mask)
+        else:
+            w = cort_weights(q, inputs.mask, replayed, beta, self.contrast_clip, self.max_weight)
+            valid = inputs.mask.to(device=adv.device, dtype=torch.bool)
+            zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+            tok = torch.where(valid, adv[:, None] * w.to(device=adv.device, dtype=adv.dtype), zero)
+            stats.update(self._weight_stats(q, w, valid, replayed))
+        stats.update(_adv_stats(tok, inputs.mask))
+        stats["beta"] = beta
+        done = 0.0 if replayed is None or q is None else float(replayed.to(torch.bool).sum())
+        stats["replayed_share"] = done / n if n else 0.0
+        return CreditOutput(tok, stats)
+
+    @staticmethod
+    def _weight_stats(q: Tensor, w: Tensor, valid: Tensor, replayed: Tensor | None):
+        sel = valid.to(q.device)
+        if replayed is not None:
+            sel = sel & replayed.to(device=q.device, dtype=torch.bool).reshape(-1, 1)
+        if not bool(sel.any()):
+            return {}
+        d = q[:, 0, :].to(torch.float32)[sel]
+        ws = w.to(torch.float32)[sel.to(w.device)]
+        return {
+            "contrast_mean": float(d.mean()),
+            "contrast_abs_mean": float(d.abs().mean()),
+            "weight_min": float(ws.min()),
+            "weight_max": float(ws.max()),
+        }

@@ -1,0 +1,536 @@
+"""The advantage-method interface: one signature from a scored batch to token advantages.
+
+Every method — GRPO, GDPO, SAW variants, MRTPO and its ablations — takes a ``CreditInputs``
+and returns token advantages ``[N, T]``. The trainer never branches on a method's name: it
+asks the method which relevance it needs (``relevance``) and which response–reward pairs
+to replay (``replay_pairs``), and hands over whatever replay produced.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from mrtpo.core.credit.advantages import (
+    compute_dtype,
+    gdpo_advantages,
+    global_row_index,
+    grpo_advantages,
+    replay_mask,
+    saw_weights,
+)
+from mrtpo.core.credit.relevance import (
+    beta_schedule,
+    check_cap,
+    mrtpo_advantages_from_weights,
+    relevance_weights,
+    shuffle_weights,
+)
+
+
+@dataclass
+class CreditInputs:
+    rewards: Tensor  # [N, K] float; NaN = reward does not apply to that response
+    group: Tensor  # [N] long; responses with the same id were sampled from the same prompt
+    mask: Tensor  # [N, T] bool; valid response tokens (EOS included when sampled)
+    step: int = 0  # training iteration (0-based), for schedules
+    q: Tensor | None = None  # [N, K, T] relevance (per_reward) or [N, 1, T] (joint); None if none
+    replayed: Tensor | None = None  # [N, K] / [N, 1] bool; pairs whose q was computed
+    process_group: Any = None  # torch.distributed group for global batch statistics
+    # randomness of the shuffle ablation: the same on every rank (each response's permutation
+    # is then keyed by its index in the global batch)
+    generator: torch.Generator | None = None
+    # what the method's own ``score_inputs`` hook computed for this batch (None without one)
+    extra: Any = None
+
+
+@dataclass(frozen=True)
+class RelevanceRequest:
+    """What a method needs from replay; the trainer hands it to the replayer without reading it.
+
+    ``contexts``: ``"per_reward"`` compares ``P_all`` with ``P_\\k`` for each reward (relevance
+    ``q [N, K, T]``); ``"joint"`` compares ``P_all`` with the context that has no verifier
+    information at all (``q [N, 1, T]``).
+    ``score``: ``"jsd"`` is the Jensen–Shannon distance (base 2, in [0, 1]) between the two
+    full next-token distributions at each position; ``"logp_diff"`` is the sampled token's
+    log-likelihood difference ``log p(y_t | P_all) - log p(y_t | other)`` (signed).
+    ``form``: how the other context leaves information out (``method.context``): ``"delete"``
+    builds it without the text (the paper's construction); ``"mask"`` keeps ``P_all``'s tokens
+    and positions and hides the information's tokens from attention.
+    """
+
+    contexts: str = "per_reward"
+    score: str = "jsd"
+    form: str = "delete"
+
+    CONTEXTS: ClassVar[tuple[str, ...]] = ("per_reward", "joint")
+    SCORES: ClassVar[tuple[str, ...]] = ("jsd", "logp_diff")
+    FORMS: ClassVar[tuple[str, ...]] = ("delete", "mask")
+
+    def __post_init__(self) -> None:
+        if self.contexts not in self.CONTEXTS:
+            raise ValueError(f"relevance contexts={self.contexts!r}; valid: {self.CONTEXTS}")
+        if self.score not in self.SCORES:
+            raise ValueError(f"relevance score={self.score!r}; valid: {self.SCORES}")
+        if self.form not in self.FORMS:
+            raise ValueError(f"method.context={self.form!r}: use one of {list(self.FORMS)}")
+
+    @property
+    def joint(self) -> bool:
+        return self.contexts == "joint"
+
+
+@dataclass(frozen=True)
+class TeacherRequest:
+    """A self-distillation method's use of a frozen teacher (the initial model, reading each
+    response after the task's teacher context). The method acts on it in its own hooks; the
+    start-up checks read only that the method has one (it needs a frozen copy).
+
+    ``sampled``: before the advantages, the teacher's log-prob of every sampled token (and the
+    student's, at the sampling parameters) arrive as ``CreditInputs.extra``.
+    ``full``: in every update micro-batch, a divergence between the student's logits and the
+    teacher's full next-token distributions joins the loss (``token_loss``).
+    """
+
+    sampled: bool = True
+    full: bool = False
+
+
+@dataclass
+class MethodServices:
+    """What the trainer lends a method once, when it is built (``AdvantageMethod.bind``)."""
+
+    task: Any
+    tokenizer: Any
+    #: ``() -> (model, adapters_off)``: the policy's weights as they are at build time (the
+    #: initial ones), frozen; under LoRA the policy itself, to be run with adapters off. A copy
+    #: is made on the first call only.
+    frozen_policy: Callable[[], tuple[torch.nn.Module, bool]]
+    token_budget: int = 16384  # rows x padded length per no-grad forward (replay's)
+    chunk: int = 256  # (row, position) pairs per float32 log-softmax (replay's jsd_chunk)
+    shared_prompt: str = "auto"  # rl.shared_prompt_forward, for no-grad forwards of their own
+
+
+@dataclass
+class StepView:
+    """This step's batch as a method's ``score_inputs`` hook sees it, before any update."""
+
+    rollout: Any  # mrtpo.core.batch.RolloutBatch
+    #: ``() -> [N, T]``: log-probs of the sampled tokens under the sampling parameters, at the
+    #: sampling temperature, no grad (computed once, shared with the trainer's own use)
+    student_logp: Callable[[], Tensor]
+    device: Any = None
+
+
+PER_REWARD_JSD = RelevanceRequest("per_reward", "jsd")
+JOINT_JSD = RelevanceRequest("joint", "jsd")
+
+
+@dataclass
+class CreditOutput:
+    advantages: Tensor  # [N, T] token advantages, 0 on pads
+    stats: dict[str, float] = field(default_factory=dict)  # logged under train/adv/...
+    #: [N, T] the credit relevance moves, R_t / (sigma + eps) before any cap (0 on pads); None
+    #: for a method without (the step's diagnostics read where its energy lands)
+    realloc: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """What a method reads of a task in ``setup``: a ``Task`` has these attributes too, so
+    either may be passed (tests and tools without a task pass this)."""
+
+    reward_names: tuple[str, ...]
+    rewards_vary_per_prompt: bool = False
+    #: reward name -> (lowest, highest) value; names left out range over [0, 1]
+    reward_ranges: Mapping[str, tuple[float, float]] | None = None
+    #: the verifier information is part of the prompt (``Task.info_in_prompt``)
+    info_in_prompt: bool = False
+
+
+class AdvantageMethod(ABC):
+    """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``.
+
+    One lifecycle hook, ``setup(task, services)``: it validates the method against the task
+    (called first before the model loads, without services, so a bad combination fails
+    cheaply) and, when the step is built, takes what its other hooks need from ``services``
+    (a frozen copy of the initial policy, the tokenizer).
+
+    Two optional hooks let a method bring its own signal without the step knowing it:
+    ``score_inputs`` (no-grad inputs scored once per step, before the advantages; they arrive
+    as ``CreditInputs.extra``) and ``token_loss`` (a term added to the surrogate in every
+    update micro-batch, over the policy's logits when ``wants_logits``). A method with a
+    schedule of its own reports it with ``schedule`` (logged as ``train/<key>``) and says
+    with ``replays`` whether this step needs replay.
+    """
+
+    #: What replay must compute for this method (None: no replay).
+    relevance: ClassVar[RelevanceRequest | None] = None
+    #: A frozen teacher this method distils from (None: none); checked at start-up only.
+    teacher: ClassVar[TeacherRequest | None] = None
+    #: ``token_loss`` needs the policy's logits ``[n, T, V]`` in every update micro-batch.
+    wants_logits: bool = False
+
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        """Validate against ``task`` (a ``Task`` or a ``RewardSet``) and raise a clear config
+        error naming the method and the task; with ``services``, also bind to the step.
+
+        Subclasses extend it (calling ``super().setup``) to refuse a task that lacks what
+        they need (e.g. reference responses) and to take what their hooks use.
+        """
+        self.reward_names = tuple(task.reward_names)
+        ranges = getattr(task, "reward_ranges", None)
+        self.reward_lower_bounds = _lower_bounds(self.reward_names, ranges)
+
+    def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
+        """bool ``[N, K]`` (or ``[N, 1]`` for joint): which pairs replay must score."""
+        raise NotImplementedError(f"{type(self).__name__} does not use relevance")
+
+    def replays(self, step: int) -> bool:
+        """Whether step ``step`` needs replay (default: whenever the method asks for
+        relevance; a method may skip steps where relevance cannot change its advantages)."""
+        return self.relevance is not None
+
+    def schedule(self, step: int) -> dict[str, float]:
+        """The method's own scheduled values at ``step`` (logged as ``train/<key>``)."""
+        return {}
+
+    def score_inputs(self, view: StepView) -> Any:
+        """Extra no-grad inputs for this step's advantages (``CreditInputs.extra``); None: none."""
+        return None
+
+    def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor | None:
+        """The per-token weights this method derives from replay's ``q`` (for the relevance
+        dumps and pictures); None for a method without them."""
+        return None
+
+    def token_loss(
+        self, logits: Tensor | None, batch, temperature: float, agg: str, denom: float, device=None
+    ) -> tuple[Tensor, dict[str, float]] | None:
+        """An extra loss term for one update micro-batch, added to the surrogate; None: none.
+
+        ``logits [n, T, V]`` carry gradient (None unless ``wants_logits``); ``batch`` is the
+        micro-batch (``RolloutBatch``); ``agg``/``denom`` aggregate as the surrogate does
+        (``loss.aggregate``). Returns (the term, per-token statistics logged under ``train/``).
+        """
+        return None
+
+    @abstractmethod
+    def __call__(self, inputs: CreditInputs) -> CreditOutput: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Concrete methods. Each is selected by ``method=<config_name>`` (configs/method/<name>.yaml).
+# --------------------------------------------------------------------------------------------
+
+
+def checked_beta(
+    beta: float, warmup_steps: int, below_one: bool = False, why: str = ""
+) -> tuple[float, int]:
+    """``method.beta`` in [0, 1] ([0, 1) with ``below_one``) and ``method.beta_warmup_steps``
+    >= 0, or a config error (``why`` says what the range comes from)."""
+    top = "1)" if below_one else "1]"
+    if not (0.0 <= beta < 1.0 if below_one else 0.0 <= beta <= 1.0):
+        raise ValueError(f"method.beta must be in [0, {top}{why}, got {beta}")
+    if warmup_steps < 0:
+        raise ValueError(f"method.beta_warmup_steps must be >= 0, got {warmup_steps}")
+    return float(beta), int(warmup_steps)
+
+
+def _lower_bounds(
+    reward_names: tuple[str, ...], reward_ranges: Mapping[str, tuple[float, float]] | None
+) -> tuple[float, ...]:
+    """Each reward's lowest value, in ``reward_names`` order (0 for names not listed)."""
+    ranges = dict(reward_ranges or {})
+    unknown = sorted(set(ranges) - set(reward_names))
+    if unknown:
+        raise ValueError(
+            f"the task's reward_ranges name unknown reward(s) {unknown}; its rewards are "
+            f"{list(reward_names)}"
+        )
+    out = []
+    for name in reward_names:
+        lo, hi = ranges.get(name, (0.0, 1.0))
+        if not float(lo) <= float(hi):
+            raise ValueError(f"reward_ranges[{name!r}] = ({lo}, {hi}): lowest above highest")
+        out.append(float(lo))
+    return tuple(out)
+
+
+def _broadcast(adv: Tensor, mask: Tensor) -> Tensor:
+    """Response advantages ``[N]`` -> token advantages ``[N, T]`` (0 on pads)."""
+    valid = mask.to(device=adv.device, dtype=torch.bool)
+    return torch.where(
+        valid, adv[:, None].expand(valid.shape), torch.zeros((), dtype=adv.dtype, device=adv.device)
+    )
+
+
+def _adv_stats(tok: Tensor, mask: Tensor) -> dict[str, float]:
+    vals = tok[mask.to(torch.bool)]
+    if vals.numel() == 0:
+        return {"mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
+    std = float(vals.std(unbiased=False)) if vals.numel() > 1 else 0.0
+    return {
+        "mean": float(vals.mean()),
+        "std": std,
+        "min": float(vals.min()),
+        "max": float(vals.max()),
+    }
+
+
+class _RewardWeighted(AdvantageMethod):
+    """Shared knobs: ``eps`` and ``reward_weights`` ({reward name: c_k}, missing names get 1)."""
+
+    config_name: ClassVar[str] = ""
+    #: Multiply the reward coefficients by SAW's batch weights (``*_saw`` methods).
+    saw: ClassVar[bool] = False
+
+    def __init__(self, eps: float = 1e-4, reward_weights: Mapping[str, float] | None = None):
+        if eps < 0:
+            raise ValueError(f"method.eps must be >= 0, got {eps}")
+        self.eps = float(eps)
+        self.reward_weights = dict(reward_weights.items()) if reward_weights else None
+        self.reward_names: tuple[str, ...] | None = None
+        #: Each reward's lowest value (set by setup; None: every reward starts at 0).
+        self.reward_lower_bounds: tuple[float, ...] | None = None
+        self._c: list[float] | None = None
+
+    def setup(self, task, services: MethodServices | None = None) -> None:
+        super().setup(task, services)
+        if self.saw and getattr(task, "rewards_vary_per_prompt", False):
+            uniform = self.config_name.removesuffix("_saw")
+            raise ValueError(
+                f"method={self.config_name} needs the same reward set for every prompt (SAW "
+                f"weights each reward by its spread over the batch), but this task gives each "
+                f"prompt its own constraints (rewards_vary_per_prompt=True); use "
+                + (f"method={uniform} or method=mrtpo" if uniform != "mrtpo" else "method=mrtpo")
+                + " instead"
+            )
+        if self.reward_weights:
+            unknown = sorted(set(self.reward_weights) - set(self.reward_names))
+            if unknown:
+                raise ValueError(
+                    f"method.reward_weights names unknown reward(s) {unknown}; this task's "
+                    f"rewards are {list(self.reward_names)}"
+                )
+            self._c = [float(self.reward_weights.get(n, 1.0)) for n in self.reward_names]
+
+    def _coefficients(self, inputs: CreditInputs) -> tuple[Tensor, dict[str, float]]:
+        """``c_k [K]``: configured weights, times SAW's batch weights for ``*_saw`` methods."""
+        rewards = inputs.rewards
+        k = rewards.shape[1]
+        dtype = compute_dtype(rewards)
+        if self.reward_weights and self._c is None:
+            raise RuntimeError("method.reward_weights is set but setup() was never called")
+        if self._c is not None and len(self._c) != k:
+            raise ValueError(f"setup() saw {len(self._c)} rewards but the batch has {k}")
+        c = torch.ones(k, dtype=dtype, device=rewards.device)
+        if self._c is not None:
+            c = torch.tensor(self._c, dtype=dtype, device=rewards.device)
+        stats: dict[str, float] = {}
+        if self.saw:
+            lower = self.reward_lower_bounds
+            if lower is not None and len(lower) != k:
+                raise ValueError(f"setup() saw {len(lower)} rewards but the batch has {k}")
+            sw = saw_weights(rewards, inputs.process_group, lower)
+            c = c * sw
+            names = self.reward_names or tuple(str(i) for i in range(k))
+            stats = {f"saw_weight/{n}": float(v) for n, v in zip(names, sw.tolist())}
+        return c, stats
+
+
+class GRPO(_RewardWeighted):
+    """GRPO: one scalar reward ``sum_k c_k r_k`` (NaN as 0), normalized within its group.
+
+    Relative to GDPO it skips the per-reward normalization and the batch normalization, so a
+    reward with a large spread drowns the others. No ablation knobs.
+    """
+
+    config_name = "grpo"
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        c, stats = self._coefficients(inputs)
+        adv = grpo_advantages(inputs.rewards, inputs.group, c, self.eps)
+        tok = _broadcast(adv, inputs.mask)
+        return CreditOutput(tok, {**stats, **_adv_stats(tok, inputs.mask)})
+
+
+class GDPO(_RewardWeighted):
+    """GDPO: normalize each reward in its group, sum with ``c_k``, normalize over the batch.
+
+    The reference point for every other method; one advantage per response. SAW reweighting
+    is ``method=gdpo_saw``.
+    """
+
+    config_name = "gdpo"
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        c, stats = self._coefficients(inputs)
+        adv = gdpo_advantages(inputs.rewards, inputs.group, c, self.eps, inputs.process_group)
+        tok = _broadcast(adv, inputs.mask)
+        return CreditOutput(tok, {**stats, **_adv_stats(tok, inputs.mask)})
+
+
+class GDPOSAW(GDPO):
+    """GDPO with SAW: each ``A_k`` is scaled by its reward's coefficient of variation weight.
+
+    The weights are recomputed on every (global) batch and treated as constants. Refused for
+    tasks whose reward set changes from prompt to prompt.
+    """
+
+    config_name = "gdpo_saw"
+    saw = True
+
+
+class MRTPO(_RewardWeighted):
+    """MRTPO: GDPO's response credit, each reward's share placed on the tokens relevant to it.
+
+    Relative to GDPO: self-replay scores every token's relevance to reward ``k`` (how much the
+    next-token distribution moves when ``k``'s verifier block is removed), and ``c_k A_k`` is
+    spread over the response with weights ``(1 - β) + β q_kt / mean q_k``, under a cap, with
+    GDPO's batch normalization. Before the cap binds, the per-response mean advantage is
+    GDPO's; β = 0 *is* GDPO.
+
+    Knobs: ``beta`` (0.5 in the paper), ``beta_warmup_steps`` (smooth ramp from 0), ``eps``,
+    ``reward_weights``, ``cap`` (the cap's form: ``batch``, ``token``, ``response``, ``none``;
+    docs/method.md). Ablations are separate methods: ``method=mrtpo_saw`` (SAW weights),
+    ``method=mrtpo_shuffle`` (weights permuted within each response),
+    ``method=mrtpo_joint`` (one all-blocks-vs-none relevance profile for the summed credit).
+    """
+
+    config_name = "mrtpo"
+    relevance: ClassVar[RelevanceRequest | None] = PER_REWARD_JSD
+    #: Permute each pair's weights over its valid tokens (the shuffle ablation).
+    shuffle: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        beta_warmup_steps: int = 0,
+        eps: float = 1e-4,
+        reward_weights: Mapping[str, float] | None = None,
+        cap: str = "batch",
+        context: str = "delete",
+    ):
+        super().__init__(eps=eps, reward_weights=reward_weights)
+        # method.context: P_\k deletes the information's text (delete) or hides its tokens
+        # from attention, every position kept (mask)
+        self.relevance = replace(type(self).relevance, form=str(context))
+        self.cap = check_cap(cap, "method.cap")
+        self.beta_max, self.beta_warmup_steps = checked_beta(
+            beta,
+            beta_warmup_steps,
+            below_one=True,
+            why=" (the paper's range: every token keeps at least 1 - beta of its credit, "
+            "so at beta = 1 a token with zero relevance would get none)",
+        )
+
+    def beta(self, step: int) -> float:
+        """Share of the advantage that follows relevance at ``step`` (the warm-up ramp)."""
+        return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
+
+    def replays(self, step: int) -> bool:
+        # at beta = 0 (a warm-up's first step) relevance cannot change the advantages
+        return self.beta(step) > 0
+
+    def schedule(self, step: int) -> dict[str, float]:
+        return {"beta": float(self.beta(step))}
+
+    def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor:
+        """``(1 - β) + β q / mean q`` per reward."""
+        return relevance_weights(q, mask, replayed, self.beta(step))
+
+    def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
+        pairs = replay_mask(rewards, group, has_block)
+        if self.relevance.joint:
+            return pairs.any(-1, keepdim=True)
+        return pairs
+
+    def __call__(self, inputs: CreditInputs) -> CreditOutput:
+        joint = self.relevance.joint
+        beta = self.beta(inputs.step)
+        c, stats = self._coefficients(inputs)
+        n, k = inputs.rewards.shape
+        q, replayed = inputs.q, inputs.replayed
+        w = None
+        if q is not None:
+            width = 1 if joint else k
+            if q.dim() != 3 or q.shape[:2] != (n, width):
+                raise ValueError(
+                    f"{self.config_name} expects relevance q of shape [N={n}, {width}, T], "
+                    f"got {tuple(q.shape)}"
+                )
+            w = relevance_weights(q, inputs.mask, replayed, beta)
+            if self.shuffle:
+                rows = global_row_index(n, inputs.process_group, inputs.rewards.device)
+                w = shuffle_weights(w, inputs.mask, replayed, inputs.generator, rows)
+        tok, cap_stats = mrtpo_advantages_from_weights(
+            inputs.rewards,
+            inputs.group,
+            w,
+            inputs.mask,
+            c,
+            self.eps,
+            inputs.process_group,
+            joint=joint,
+            return_stats=True,
+            cap=self.cap,
+        )
+        stats.update(_adv_stats(tok, inputs.mask))
+        stats["beta"] = beta
+        for key in ("cap_s", "cap_bound_share", "sign_flip_share", "credit_change"):
+            if key in cap_stats:
+                stats[key] = cap_stats[key]
+        stats["replayed_share"] = self._replayed_share(inputs, joint)
+        if q is not None and replayed is not None:
+            sel = inputs.mask.to(torch.bool)[:, None, :] & replayed.to(torch.bool)[:, :, None]
+            if bool(sel.any()):
+                stats["relevance_mean"] = float(q.to(torch.float32)[sel].mean())
+        return CreditOutput(tok, stats, cap_stats["realloc"])
+
+    @staticmethod
+    def _replayed_share(inputs: CreditInputs, joint: bool) -> float:
+        """Share of candidate pairs replayed: present (response, reward) pairs, or responses."""
+        if inputs.replayed is None or inputs.q is None:
+            return 0.0
+        done = float(inputs.replayed.to(torch.bool).sum())
+        total = inputs.rewards.shape[0] if joint else int((~torch.isnan(inputs.rewards)).sum())
+        return done / total if total else 0.0
+
+
+class MRTPOSAW(MRTPO):
+    """MRTPO with SAW: ``c_k`` includes SAW's batch weights before the token weighting.
+
+    Refused for tasks whose reward set changes from prompt to prompt.
+    """
+
+    config_name = "mrtpo_saw"
+    saw = True
+
+
+class MRTPOShuffle(MRTPO):
+    """Shuffle ablation: MRTPO's weights, randomly permuted within each response.
+
+    Keeps each response's multiset of weights (hence the cap and the per-response mean) but
+    destroys which token is relevant; randomness comes from ``CreditInputs.generator``.
+    """
+
+    config_name = "mrtpo_shuffle"
+    shuffle = True
+
+
+class MRTPOJoint(MRTPO):
+    """Joint ablation: one relevance profile (all blocks vs. none) for the summed credit.
+
+    Replay compares two contexts per response instead of one per reward; the weights from
+    ``q [N, 1, T]`` multiply GDPO's ``S(j)``. A response is replayed when any of its rewards
+    would be. Same cap and normalization as MRTPO.
+    """
+
+    config_name = "mrtpo_joint"
+    relevance: ClassVar[RelevanceRequest | None] = JOINT_JSD

@@ -1,0 +1,375 @@
+"""Loading policies, and the tiny offline model used by tests, CI and `make train`.
+
+Every model — the tiny one included — is loaded through the same ``from_pretrained`` path,
+so the code that trains a 7B model is the code the tests run. The tiny model is built once
+(random weights, a byte-level BPE tokenizer trained in-process, a Qwen-style chat
+template) and saved into the cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrtpo.core.lora import LoraSettings, apply_lora
+from mrtpo.tasks.synthetic.task import WORDS
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen-style template: the assistant turn ends with <|im_end|>, which is the EOS token.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Text the tokenizer's merges are learned from: the vocabulary of the built-in tasks, so the
+# tiny model sees words as few tokens. Any byte sequence still tokenizes (byte-level BPE).
+_CORPUS_WORDS = [
+    "the",
+    "a",
+    "an",
+    "and",
+    "or",
+    "of",
+    "to",
+    "in",
+    "on",
+    "for",
+    "with",
+    "is",
+    "are",
+    "was",
+    "be",
+    "as",
+    "by",
+    "it",
+    "this",
+    "that",
+    "at",
+    "from",
+    "you",
+    "your",
+    "write",
+    "answer",
+    "response",
+    "reply",
+    "question",
+    "sentence",
+    "word",
+    "words",
+    "first",
+    "last",
+    "must",
+    "not",
+    "include",
+    "end",
+    "start",
+    "begin",
+    "exactly",
+    "contain",
+    "containing",
+    "use",
+    "using",
+    "only",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    *WORDS,  # the synthetic task's vocabulary, in its order
+    "fast",
+    "slow",
+    "warm",
+    "cold",
+    "old",
+    "new",
+    "good",
+    "think",
+    "answer",
+    "tool_call",
+    "response",
+    "select",
+    "from",
+    "where",
+    "group",
+    "by",
+    "order",
+    "limit",
+    "join",
+    "count",
+    "sum",
+    "avg",
+    "max",
+    "min",
+    "distinct",
+    "as",
+    "on",
+    "inner",
+    "left",
+    "union",
+    "intersect",
+    "except",
+    "having",
+    "desc",
+    "asc",
+    "like",
+    "between",
+    "null",
+    "name",
+    "parameters",
+    "true",
+    "false",
+    "json",
+    "sql",
+    "table",
+    "column",
+    "value",
+    "values",
+    "id",
+    "user",
+    "assistant",
+    "system",
+]
+_CORPUS_LINES = [
+    "<think> reasoning </think> <answer> ```sql SELECT name FROM singer ; ``` </answer>",
+    '<tool_call> {"name": "search", "parameters": {"query": "weather"}} </tool_call>',
+    "<response> Here is the answer. </response>",
+    "Write a short reply. Start with the word apple. End with the word river.",
+]
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the tiny offline policy (a Qwen2 causal LM with random weights)."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 8192
+    # Std of the random initial weights. The 0.02 of large models leaves a model this narrow
+    # on a long plateau before attention learns to look things up; ~1/sqrt(hidden) does not.
+    initializer_range: float = 0.02
+    seed: int = 0
+    extra_corpus: list[str] = field(default_factory=list)
+
+    def fingerprint(self) -> str:
+        d = dict(self.__dict__)
+        d["extra_corpus"] = len(self.extra_corpus)
+        return json.dumps(d, sort_keys=True)
+
+
+def build_tokenizer(vocab_size: int = 1024, extra_corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer with a Qwen-style chat template, trained in-process."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [" ".join(_CORPUS_WORDS)] * 4 + _CORPUS_LINES + list(extra_corpus or [])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(path: str | Path, config: TinyModelConfig | None = None) -> Path:
+    """Build the tiny model and tokenizer into ``path`` (skipped if already built alike)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = config or TinyModelConfig()
+    path = Path(path)
+    stamp = path / "mrtpo_tiny.json"
+    if stamp.exists() and stamp.read_text() == cfg.fingerprint():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(cfg.vocab_size, cfg.extra_corpus)
+    torch.manual_seed(cfg.seed)
+    model_cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(model_cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # Write to a temporary folder and rename, so a crash never leaves a half-built model.
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "mrtpo_tiny.json").write_text(cfg.fingerprint())
+    for f in tmp.iterdir():
+        f.replace(path / f.name)
+    tmp.rmdir()
+    log.info("built tiny model at %s", path)
+    return path
+
+
+def _holds_model(path: Path) -> bool:
+    return (path / "config.json").is_file() or any(path.glob("*.safetensors"))
+
+
+def may_build_tiny(name_or_path: str | Path, build_root: str | Path | None) -> bool:
+    """Whether the tiny model may be (re)built into ``name_or_path``.
+
+    The tiny model is written only into the project's own cache (``build_root``, the
+    ``model.tiny.build_root`` key, by default under ``paths.cache_dir``), and never over a
+    model that the project did not build itself (a folder with weights but no
+    ``mrtpo_tiny.json`` stamp). Any other path is read as a model like any other: a user who
+    keeps ``model=tiny`` and sets ``model.name_or_path=/my/model`` loads their model, and
+    their folder stays byte for byte as it was.
+    """
+    path = Path(name_or_path)
+    ours = (path / "mrtpo_tiny.json").is_file()
+    if path.exists() and not ours and _holds_model(path):
+        log.info("model.tiny is ignored: %s already holds a model, which is loaded as it is", path)
+        return False
+    if build_root is not None:
+        root = Path(build_root).resolve()
+        inside = path.resolve() == root or root in path.resolve().parents
+        if not inside:
+            if path.exists() and _holds_model(path):
+                return False
+            raise FileNotFoundError(
+                f"model.name_or_path={name_or_path} holds no model, and the tiny model is only "
+                f"ever built under {root} (model.tiny.build_root, from paths.cache_dir). Point "
+                "model.name_or_path at a folder with config.json and weights, or leave it at "
+                "its default to build the tiny model."
+            )
+    elif path.exists() and not ours and any(path.iterdir()):
+        raise FileExistsError(
+            f"{path} is not empty and was not built as the tiny model; refusing to write into it"
+        )
+    return True
+
+
+#: model.dtype (and the sharding mixed-precision keys) -> torch dtype
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype={name!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_policy(
+    name_or_path: str,
+    dtype: str = "fp32",
+    gradient_checkpointing: bool = False,
+    tiny: dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+    lora: Mapping[str, Any] | None = None,
+):
+    """Load (model, tokenizer) by hub id or local path.
+
+    ``tiny`` (the ``model.tiny`` block) builds the tiny model into ``name_or_path`` first, but
+    only where that cannot destroy anything: see ``may_build_tiny``. A folder the user points
+    at is only ever read. ``lora`` (the ``model.lora`` block) with ``r > 0`` wraps the model
+    in PEFT LoRA adapters: only those train (see ``apply_lora``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if tiny is not None:
+        tiny = dict(tiny)
+        root = tiny.pop("build_root", None)
+        if may_build_tiny(name_or_path, root):
+            build_tiny_model(name_or_path, TinyModelConfig(**tiny))
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as exc:
+        raise OSError(
+            f"could not load model '{name_or_path}': {exc}\n"
+            "Without network, set model.name_or_path to a local folder holding the weights "
+            "(e.g. `model.name_or_path=/models/Qwen2.5-7B-Instruct`), or use model=tiny."
+        ) from exc
+    if tokenizer.eos_token_id is None and not eos_token_ids(tokenizer, model):
+        raise ValueError(
+            f"the tokenizer of {name_or_path} has no EOS token (and its generation_config names "
+            "none): responses could never end. Use a tokenizer with an eos_token (chat models "
+            "have one), or set it in the model folder's tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        # padding is masked everywhere; any token will do, the EOS is the usual choice
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(
+            eos_token_ids(tokenizer, model)[0]
+        )
+    tokenizer.padding_side = "left"
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    settings = LoraSettings.from_mapping(lora)
+    if settings.enabled:
+        if gradient_checkpointing:
+            # With frozen embeddings no checkpointed block input requires grad, and reentrant
+            # checkpointing would then give the adapters no gradient at all.
+            model.enable_input_require_grads()
+        model = apply_lora(model, settings)
+    model.train()  # from_pretrained returns eval mode
+    return model, tokenizer
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """Every token id that ends a response (tokenizer EOS and the generation config's)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(int(i) for i in extra)
+    return sorted(ids)

@@ -1,0 +1,547 @@
+"""Self-replay: score each sampled token by how much a verifier's information moves it.
+
+For every response–reward pair the method asks for, the sampled response is fed after two
+contexts that differ only in that reward's information (``P_all`` and ``P_\\k``, built by the
+task) and the next-token distributions are compared by Jensen–Shannon distance (method.md
+§§1–3). ``P_all`` is run once per response and shared by all its rewards.
+
+Cost and memory (docs/benchmarks.md measures both):
+
+* contexts are tokenized with the chat template once per distinct context (the G responses
+  of a prompt usually share theirs), the response ids are reused as sampled;
+* forwards are packed into micro-batches by a token budget, shortest contexts first;
+* the contexts of one response share a prefix (P0 and the blocks before ``Z_k``; for
+  in-prompt information, the text before item ``k``). A prefix runs
+  once and its key/value cache is reused by every context that continues it (when
+  ``rl.shared_prompt_forward`` allows and ``forward.worth_sharing`` says it pays): either the
+  part all of a response's contexts share, or P_all's whole context, each P_\\k reading it
+  up to where the two depart (whichever computes fewer tokens);
+* every distribution is the one the response was sampled from: logits divided by the
+  sampling temperature (``RolloutBatch.temperature``) before the log-softmax, so JSD is
+  between tempered distributions and ``logp_diff`` compares tempered log-probs;
+* the model returns hidden states, not logits; the LM head, log-softmax and JSD run in
+  float32 on chunks of at most ``jsd_chunk`` (row, position) pairs, so the float32 working
+  set is ``jsd_chunk x V`` whatever the response length, and ``[rows, T, V]`` logits are never
+  held. Architectures with a non-plain head fall back to logits (``forward.split_head``);
+* under ``trainer=fsdp`` every forward is a collective: each micro-batch is one call of the
+  root module (logits, no prefix sharing); with several ranks (FSDP or DDP) every rank runs
+  the busiest rank's number of forwards, padding with a discarded one-token batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mrtpo.core.batch import ScoredBatch
+from mrtpo.core.chat import chat_ids
+from mrtpo.core.credit import js_distance
+from mrtpo.core.credit.methods import RelevanceRequest
+from mrtpo.core.forward import (
+    packed_prompt_blocker,
+    pad_left,
+    prefix_layout,
+    response_hidden,
+    response_hidden_shared_prefix,
+    response_logits,
+    shared_prompt_mode,
+    split_head,
+    windowed,
+    worth_sharing,
+)
+from mrtpo.core.replay_noise import NoiseFloor
+from mrtpo.distributed import Ranks, dummy_batch, is_sharded
+from mrtpo.tasks.base import Contexts, Task
+
+log = logging.getLogger(__name__)
+
+ALL = "__all__"
+NONE = "__none__"
+
+
+@dataclass
+class _Job:
+    response: int  # row in the batch
+    key: str  # ALL, NONE or a reward name
+    ids: list[int]  # context token ids
+    hidden: tuple[int, ...] = ()  # context tokens hidden from attention (method.context=mask)
+
+
+#: Stands in for a message's content to find where the chat template writes it.
+_PROBE = "\ue000mrtpo-content\ue001"
+
+
+class _Masker:
+    """``method.context=mask``: which of ``P_all``'s tokens hold a task's spans of text
+    (``Contexts.spans``). The chat text is rendered once per distinct ``P_all``; a token is
+    hidden when its characters overlap a span (one straddling a span's edge is hidden too)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[str, tuple[str, list[tuple[int, int]]]] = {}
+
+    def _render(self, messages) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+    def _offsets(self, key: str, messages, ids: list[int]):
+        if key not in self.cache:
+            text = self._render(messages)
+            try:
+                enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            except NotImplementedError:
+                raise ValueError(
+                    "method.context=mask needs a fast tokenizer (character offsets of tokens); "
+                    "use method.context=delete"
+                ) from None
+            if list(enc["input_ids"]) != list(ids):
+                raise ValueError(
+                    "method.context=mask: the tokenizer splits the rendered chat text otherwise "
+                    "than apply_chat_template does, so the information's tokens cannot be "
+                    "found; use method.context=delete"
+                )
+            self.cache[key] = (text, [tuple(o) for o in enc["offset_mapping"]])
+        return self.cache[key]
+
+    def _start(self, messages, m: int, text: str) -> int:
+        """Where message ``m``'s content starts in the rendered ``text``."""
+        probe = [dict(x) for x in messages]
+        probe[m]["content"] = _PROBE
+        at = self._render(probe).find(_PROBE)
+        content = messages[m]["content"]
+        if at < 0 or text[at : at + len(content)] != content:
+            raise ValueError(
+                f"method.context=mask: the chat template does not write message {m}'s text as "
+                "it is, so the information's tokens cannot be found; use method.context=delete"
+            )
+        return at
+
+    def hidden(self, key: str, messages, ids: list[int], spans) -> tuple[int, ...]:
+        text, offsets = self._offsets(key, messages, ids)
+        starts = {m: self._start(messages, m, text) for m in {sp[0] for sp in spans}}
+        cut = [(starts[m] + a, starts[m] + b) for m, a, b in spans if b > a]
+        out = tuple(i for i, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in cut))
+        if out and out[-1] == len(ids) - 1:
+            raise ValueError(
+                "method.context=mask: the information reaches the context's last token, which "
+                "predicts the first response token; use method.context=delete"
+            )
+        return out
+
+
+@dataclass
+class ReplayResult:
+    q: Tensor  # [N, K, T] (per_reward) or [N, 1, T] (joint), 0 where not replayed
+    replayed: Tensor  # [N, K] / [N, 1] bool
+    forwards: int = 0  # context forwards run
+    tokens: int = 0  # tokens through those forwards
+    stats: dict[str, float] = field(default_factory=dict)
+    # log pi(y_t | P_all, y_<t) [N, T], valid on ``logp_rows`` [N] bool: the responses whose
+    # P_all is token-for-token their sampling prompt P0 (in-prompt information), where it
+    # equals the old-policy log-prob and can stand in for that forward. In 16-bit forwards only
+    # rows computed without a shared prefix qualify (a cached prefix moves bf16 log-probs by
+    # up to ~1e-2 nats against the plain pass; fp32 agrees to 1e-6).
+    logp: Tensor | None = None
+    logp_rows: Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
+
+
+def _low_precision(model, device: torch.device) -> bool:
+    """True when the forwards run in a 16-bit float type (the weights' own, or autocast's)."""
+    param = next(model.parameters())
+    if param.dtype in (torch.bfloat16, torch.float16):
+        return True
+    return torch.is_autocast_enabled(device.type)
+
+
+class Replayer:
+    """Runs the replays of one batch under pi_old, the trainer's weights at the step's
+    start (those that sampled it under sync; older weights may have, under
+    one_step_off/async)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        token_budget: int = 16384,
+        jsd_chunk: int = 256,
+        shared_prompt: str = "auto",
+        noise_floor: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.token_budget = token_budget  # max (rows x padded length) per forward
+        self.jsd_chunk = jsd_chunk  # (row, position) pairs per float32 head / log-softmax / JSD
+        # rl.shared_prompt_forward: run a response's common context prefix once when
+        # forward.worth_sharing says it pays (auto), whenever a layout shares (always), or never
+        self.shared_prompt = shared_prompt_mode(shared_prompt)
+        if self.shared_prompt is None:
+            raise ValueError(f"shared_prompt={shared_prompt!r}: use auto, off or always")
+        #: the shared-prefix layouts ``_shared_layout`` may choose from (tests pin one)
+        self.layouts: tuple[str, ...] = ("common", "branch")
+        #: replay.noise_floor: P_all of this many responses a step scored again the update's
+        #: way (``mrtpo.core.replay_noise``); None: off
+        self.noise = None
+        if noise_floor > 0:
+            pad = tokenizer.pad_token_id
+            self.noise = NoiseFloor(noise_floor, pad, jsd_chunk, self.shared_prompt)
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(
+        self, task: Task, batch: ScoredBatch, pairs: Tensor, mode: str, form: str = "delete"
+    ) -> dict[int, list[_Job]]:
+        """Context forwards per response: ``P_all`` first, then one per replayed reward
+        (``form="mask"``: ``P_all``'s tokens again, the reward's information hidden)."""
+        roll = batch.rollout
+        names = batch.reward_names
+        cache: dict[str, list[int]] = {}
+
+        def ids(messages) -> list[int]:
+            key = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str)
+            if key not in cache:
+                cache[key] = chat_ids(self.tokenizer, messages)
+            return cache[key]
+
+        jobs_by_resp: dict[int, list[_Job]] = {}
+        masker = _Masker(self.tokenizer) if form == "mask" else None
+        for j in pairs.any(-1).nonzero().flatten().tolist():
+            ctx: Contexts = task.contexts(roll.examples[j], batch.scores[j])
+            if mode == "joint":
+                wanted = [(NONE, ctx.none)]
+            else:
+                wanted = [
+                    (names[k], ctx.without[names[k]])
+                    for k in pairs[j].nonzero().flatten().tolist()
+                    if names[k] in ctx.without
+                ]
+            if not wanted:
+                continue
+            jobs = [_Job(j, ALL, ids(ctx.all))]
+            if masker is None:
+                jobs += [_Job(j, key, ids(m)) for key, m in wanted]
+            else:
+                key_all = json.dumps(ctx.all, sort_keys=True, ensure_ascii=False, default=str)
+                for key, _ in wanted:
+                    spans = _spans(task, ctx, key)
+                    hid = masker.hidden(key_all, ctx.all, jobs[0].ids, spans)
+                    jobs.append(_Job(j, key, jobs[0].ids, hid))
+            jobs_by_resp[j] = jobs
+        return jobs_by_resp
+
+    @torch.no_grad()
+    def run(self, model, task: Task, batch: ScoredBatch, pairs: Tensor, request) -> ReplayResult:
+        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint) — which pairs to replay.
+
+        ``request`` is the method's ``RelevanceRequest`` (a plain ``"per_reward"`` or
+        ``"joint"`` means JSD on those contexts).
+        """
+        if not isinstance(request, RelevanceRequest):
+            request = RelevanceRequest(contexts=str(request))
+        roll = batch.rollout
+        n, t = roll.response_ids.shape
+        device = next(model.parameters()).device
+        if request.form == "mask":
+            _check_maskable(model)
+        jobs_by_resp = self.plan(task, batch, pairs, request.contexts, request.form)
+        out = ReplayResult(
+            q=torch.zeros((n, pairs.shape[1], t), dtype=torch.float32, device=device),
+            replayed=torch.zeros_like(pairs, dtype=torch.bool),
+            logp=torch.zeros((n, t), dtype=torch.float32, device=device),
+            logp_rows=torch.zeros(n, dtype=torch.bool),
+        )
+        for j, jobs in jobs_by_resp.items():
+            p0 = roll.prompt_ids[j][roll.prompt_mask[j]].tolist()
+            out.logp_rows[j] = jobs[0].ids == p0
+        was_training = model.training
+        model.eval()
+        try:
+            self._run_chunks(model, batch, jobs_by_resp, request, out)
+        finally:
+            model.train(was_training)
+        out.q, out.logp = out.q.cpu(), out.logp.cpu()
+        out.metrics = self._metrics(batch, out, request)
+        if self.noise is not None:
+            out.metrics.update(self.noise.metrics())
+        return out
+
+    def _run_chunks(self, model, batch: ScoredBatch, jobs_by_resp, request, out: ReplayResult):
+        """The forwards and scores of every micro-batch, into ``out``.
+
+        Sharded (trainer=fsdp): the decoder and head cannot be called apart from the root
+        module, whose forward gathers their weights, and every rank must run as many forwards:
+        one root forward per micro-batch (the logits path, no prefix sharing), padded to the
+        busiest rank's count, agreed before the first. Under DDP forwards are local: the same
+        count is agreed after them (an out-of-memory retry stays local). A rank that replays
+        nothing still runs them.
+        """
+        roll, mode, names = batch.rollout, request.contexts, batch.reward_names
+        device = next(model.parameters()).device
+        ranks, sharded = Ranks(lambda: device), is_sharded(model)
+        split = split_head(model)  # None when sharded: the root's forward gathers
+        low_precision = _low_precision(model, device)
+        chunks = self._pack(jobs_by_resp, roll.response_mask)
+        idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0
+        calls = computed = shared = 0  # decoder calls: two for a micro-batch sharing its prefix
+        if self.noise is not None:
+            self.noise.reset()
+        for chunk in chunks:
+            states, head, cost, was_shared = self._forward(
+                model, split, chunk, roll.response_ids, roll.response_mask
+            )
+            if (was_shared or any(job.hidden for job in chunk)) and low_precision:
+                # the cached prefix (or a 4D mask) splits the attention sums differently from
+                # the plain pass: in bf16 the log-probs move by up to ~1e-2 nats, too far to
+                # stand in for pi_old, so these rows get their own plain forward
+                out.logp_rows[[job.response for job in chunk]] = False
+            shared, calls, computed = shared + was_shared, calls + 1 + was_shared, computed + cost
+            out.forwards += len(chunk)
+            out.tokens += sum(
+                len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
+            )
+            self._score(
+                chunk,
+                states,
+                head,
+                roll,
+                names,
+                mode,
+                out.q,
+                out.logp,
+                request.score,
+                roll.temperature,
+            )
+            if self.noise is not None and not sharded:  # sharded: a forward is a collective
+                calls += self.noise.add(model, chunk, states, head, roll, ALL)
+            for job in chunk:
+                if job.key != ALL:
+                    out.replayed[job.response, 0 if mode == "joint" else names.index(job.key)] = (
+                        True
+                    )
+        if ranks.world_size > 1 and not sharded:
+            idle = ranks.max(calls) - calls
+        for _ in range(idle):  # discarded: only keeps this rank in step
+            response_logits(model, *dummy_batch(self.tokenizer.pad_token_id))
+        out.stats = {"tokens_computed": float(computed), "shared_prefix_batches": float(shared)}
+
+    @staticmethod
+    def _metrics(batch: ScoredBatch, out: ReplayResult, request) -> dict[str, float]:
+        """What the trainer logs under train/replay/: the share of candidate pairs replayed
+        (present (response, reward) pairs, or responses for joint contexts), the work done,
+        and how concentrated each reward's relevance is."""
+        per_reward = request.contexts == "per_reward"
+        present = int((~batch.rewards.isnan()).sum()) if per_reward else out.q.shape[0]
+        metrics = {
+            "share": float(out.replayed.sum()) / max(present, 1),
+            "forwards": float(out.forwards),
+            "tokens": float(out.tokens),
+        }
+        if per_reward and request.score == "jsd":
+            shares = mass_share(out.q, batch.rollout.response_mask, out.replayed, 0.8)
+            for k, name in enumerate(batch.reward_names):
+                if not math.isnan(shares[k]):
+                    metrics[f"top80_token_share/{name}"] = shares[k]
+        return metrics
+
+    # -- packing ------------------------------------------------------------------------
+    def _pack(self, jobs_by_resp: dict[int, list[_Job]], mask: Tensor) -> list[list[_Job]]:
+        """Micro-batches of whole responses (P_all with its P_\\k) within the token budget.
+
+        A response whose own jobs exceed the budget gets a micro-batch of its own (split
+        further only by ``_forward``'s caller if memory demands: the budget is a target).
+        """
+        chunks: list[list[_Job]] = []
+        cur: list[_Job] = []
+        cur_width = 0
+        order = sorted(jobs_by_resp, key=lambda j: max(len(x.ids) for x in jobs_by_resp[j]))
+        for j in order:
+            jobs = jobs_by_resp[j]
+            t = int(mask[j].sum())
+            width = max(cur_width, max(len(x.ids) for x in jobs) + t)
+            if cur and (len(cur) + len(jobs)) * width > self.token_budget:
+                chunks.append(cur)
+                cur, width = [], max(len(x.ids) for x in jobs) + t
+            cur.extend(jobs)
+            cur_width = width
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _forward(self, model, split, chunk: list[_Job], response_ids: Tensor, response_mask):
+        """(states [rows, t, H or V], LM head or None, tokens computed, prefix shared?) for
+        one micro-batch."""
+        rows = torch.tensor([job.response for job in chunk])
+        resp_mask = response_mask[rows]
+        t = max(1, int(resp_mask.sum(-1).max()))
+        r_ids, r_mask = response_ids[rows, :t], resp_mask[:, :t]
+        pad = self.tokenizer.pad_token_id
+        masked = any(job.hidden for job in chunk)
+        ctx_ids, ctx_mask = pad_left([job.ids for job in chunk], pad)
+        hidden = _hidden_flags(chunk, [0] * len(chunk)) if masked else None
+        if split is None:
+            logits = response_logits(model, ctx_ids, ctx_mask, r_ids, r_mask, hidden=hidden)
+            return logits, None, ctx_ids.numel() + r_ids.numel(), False
+        decoder, head = split
+        plain_cost = len(chunk) * (max(len(job.ids) for job in chunk) + t)
+        if self.shared_prompt != "off" and not windowed(model):
+            shared = self._shared_layout(chunk, t)
+            if shared is not None and self._worth_sharing(plain_cost, shared[-1]):
+                prefixes, row_prefix, keep, suffixes, cost = shared
+                p_ids, p_mask = pad_left(prefixes, pad)
+                suffixes = [job.ids[int(k) :] for job, k in zip(chunk, keep)]
+                s_ids, s_mask = pad_left(suffixes, pad)
+                s_hidden = _hidden_flags(chunk, keep.tolist()) if masked else None
+                h = response_hidden_shared_prefix(
+                    decoder, p_ids, p_mask, row_prefix, keep, s_ids, s_mask, r_ids, r_mask,
+                    s_hidden,
+                )  # fmt: skip
+                return h, head, cost, True
+        h = response_hidden(decoder, ctx_ids, ctx_mask, r_ids, r_mask, hidden)
+        return h, head, plain_cost, False
+
+    def _worth_sharing(self, plain_cost: int, shared_cost: int) -> bool:
+        """Sharing runs two decoder calls instead of one: the project's one rule for that
+        (``forward.worth_sharing``), unless ``always``. A windowed cache would drop prefix
+        keys, so windowed models keep the plain path (checked by the caller)."""
+        return self.shared_prompt == "always" or worth_sharing(plain_cost - shared_cost, plain_cost)
+
+    def _shared_layout(self, chunk: list[_Job], t: int):
+        """The micro-batch's shared-prefix layout (``forward.prefix_layout``): a response's
+        contexts share a prefix, and its P_all context is the ``branch`` layout's base. A
+        hidden token (``method.context=mask``) reads as an id of its row's own, so that a
+        row shares no prefix past its first hidden token: the cached keys after it were
+        computed attending to it."""
+        ctxs = []
+        for i, job in enumerate(chunk):
+            hid = set(job.hidden)
+            ctxs.append([-1 - i if c in hid else x for c, x in enumerate(job.ids)])
+        base = {job.response: ctxs[i] for i, job in enumerate(chunk) if job.key == ALL}
+        is_base = [job.key == ALL for job in chunk]
+        return prefix_layout(ctxs, [job.response for job in chunk], t, self.layouts, base, is_base)
+
+    # -- scoring ------------------------------------------------------------------------
+    def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0) -> None:
+        """JSD of every P_\\k row against its response's P_all row, many rows at once, in
+        groups of at most ``jsd_chunk`` (row, position) pairs (few, large ops; the float32
+        working set stays ``jsd_chunk x V``). The P_all rows' log-probs of the sampled tokens
+        go to ``logp`` on the way."""
+        all_row = {job.response: i for i, job in enumerate(chunk) if job.key == ALL}
+        others = [i for i, job in enumerate(chunk) if job.key != ALL]
+        # responses stay whole within a group where they fit: their P_all row is shared
+        others.sort(key=lambda i: chunk[i].response)
+        per = max(1, self.jsd_chunk // 2)
+        for g in range(0, len(others), per):
+            self._score_rows(
+                chunk,
+                others[g : g + per],
+                all_row,
+                states,
+                head,
+                roll,
+                names,
+                mode,
+                q,
+                logp,
+                score,
+                tau,
+            )
+
+    def _score_rows(
+        self, chunk, others, all_row, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0
+    ):
+        mask = roll.response_mask
+        # P_\k rows first (a slice, no copy), then the P_all rows they are compared with
+        alls = sorted({all_row[chunk[i].response] for i in others})
+        order = others + alls
+        pos_of = {r: p for p, r in enumerate(order)}
+        dev = states.device
+        sel = torch.tensor(order, device=dev)
+        base = torch.tensor([pos_of[all_row[chunk[i].response]] for i in others], device=dev)
+        jj = torch.tensor([chunk[i].response for i in others], device=dev)
+        kk = torch.tensor(
+            [0 if mode == "joint" else names.index(chunk[i].key) for i in others], device=dev
+        )
+        lengths = mask[[chunk[i].response for i in others]].sum(-1).to(dev)  # [n_other]
+        n_other = len(others)
+        o_ids = roll.response_ids[[chunk[i].response for i in others]].to(dev)  # [n_other, T]
+        a_resp = [chunk[r].response for r in alls]
+        a_ids = roll.response_ids[a_resp].to(dev)  # [n_all, T]
+        a_len = mask[a_resp].sum(-1).to(dev)
+        a_j = torch.tensor(a_resp, device=dev)
+        t = int(lengths.max())
+        step = max(1, self.jsd_chunk // len(order))
+        zero = torch.zeros((), device=dev)
+        for s in range(0, t, step):
+            e = min(t, s + step)
+            x = states[sel, s:e]
+            if head is not None:
+                x = head(x)
+            x = x.float()
+            if tau != 1.0:  # the sampling distribution softmax(z / tau)
+                x = x / tau
+            lp = torch.log_softmax(x, dim=-1)  # [rows, c, V]
+            if score == "jsd":
+                d = js_distance(lp[base], lp[:n_other])  # [n_other, c]
+            else:  # logp_diff: the sampled token's log-likelihood, P_all minus the other context
+                y = o_ids[:, s:e, None]
+                d = (lp[base].gather(-1, y) - lp[:n_other].gather(-1, y)).squeeze(-1)
+            cols = torch.arange(s, e, device=dev)[None, :]
+            q[jj, kk, s:e] = torch.where(cols < lengths[:, None], d, zero)
+            lp_all = lp[n_other:].gather(-1, a_ids[:, s:e, None]).squeeze(-1)
+            logp[a_j, s:e] = torch.where(cols < a_len[:, None], lp_all, zero)
+
+
+def _hidden_flags(chunk: list[_Job], start: list[int]) -> Tensor:
+    """[rows, width] bool, left-padded as ``pad_left`` pads the contexts from ``start``
+    on: the hidden tokens of each row's context."""
+    flags = []
+    for job, s in zip(chunk, start):
+        hid = set(job.hidden)
+        flags.append([int(c in hid) for c in range(int(s), len(job.ids))])
+    return pad_left(flags, 0)[0].bool()
+
+
+def _spans(task: Task, ctx: Contexts, key: str):
+    """The spans of ``P_all`` that ``key``'s context leaves out (every item's for NONE)."""
+    spans = ctx.none_spans if key == NONE else ctx.spans.get(key)
+    if spans is None or (key == NONE and not spans and ctx.without):
+        what = "every item" if key == NONE else f"reward {key!r}"
+        raise ValueError(
+            f"method.context=mask: task {task.name!r} does not say where {what}'s information "
+            "sits in the prompt (Contexts.spans); use method.context=delete"
+        )
+    return spans
+
+
+def _check_maskable(model) -> None:
+    """Refuse ``method.context=mask`` where a 4D attention mask is not applied as given."""
+    reason = packed_prompt_blocker(model)
+    if reason is not None:
+        raise ValueError(
+            f"method.context=mask cannot run with this model ({reason}); use method.context=delete"
+        )
+
+
+def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:
+    """Per reward: mean share of a response's tokens that holds ``frac`` of its distance.
+
+    q [N, K, T], mask [N, T], replayed [N, K] -> K floats (NaN where nothing was replayed).
+    Small values mean the reward's relevance is concentrated on few tokens.
+    """
+    k = q.shape[1]
+    out = []
+    for r in range(k):
+        vals = []
+        for j in replayed[:, r].nonzero().flatten().tolist():
+            qj = q[j, r][mask[j]]
+            total = float(qj.sum())
+            if qj.numel() == 0 or total <= 0:
+                continue
+            c = qj.sort(descending=True).values.cumsum(0)
+            need = int((c < frac * total).sum()) + 1
+            vals.append(need / qj.numel())
+        out.append(sum(vals) / len(vals) if vals else float("nan"))
+    return out

@@ -1,0 +1,260 @@
+"""Reading what training runs wrote: Lightning's ``metrics.csv`` and the JSON-lines dumps."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import re
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+#: the project root of a source checkout (src/mrtpo/evaluate/analysis/runs.py -> <root>)
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def source_commit(root: Path = ROOT) -> str:
+    """Short hash of HEAD, with ``+dirty`` when ``configs/``, ``src/`` or ``scripts/`` (the
+    harnesses) have uncommitted changes, untracked files included: what a reader needs to
+    rerun the same code."""
+    try:
+
+        def git(*a: str) -> str:
+            return subprocess.run(
+                ["git", *a], cwd=root, capture_output=True, text=True, check=True, timeout=30
+            ).stdout.strip()
+
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "configs", "src", "scripts")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return head + ("+dirty" if dirty else "")
+
+
+def read_metrics(path: str | Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
+    """Rows of a Lightning metrics.csv, numbers only (empty cells dropped: Lightning writes one
+    row per logging call, so most cells of a row are empty).
+
+    A malformed file is read as far as it makes sense: a column with a cell that is no number
+    (text, a cell of megabytes) is left out whole, and a row with more cells than the header
+    (whose cells cannot be told apart) is left out; each is named in one line appended to
+    ``warnings``. A file the csv module cannot parse raises ``ValueError`` naming it."""
+    path = Path(path)
+    try:
+        with (
+            _field_limit(path.stat().st_size),
+            open(path, newline="", encoding="utf-8", errors="replace") as f,
+        ):
+            reader = csv.reader(f)
+            head = next(reader, [])
+            lines = [(reader.line_num, cells) for cells in reader]
+    except csv.Error as exc:
+        raise ValueError(f"{path}: not a CSV table ({exc})") from None
+    cut = _cut_last_line(path, head, lines)
+    rows, bad, long = _numbers(head, lines)
+    if warnings is not None:
+        warnings += (
+            [f"{path}: line {cut} is incomplete (a killed writer?); left out"] if cut else []
+        )
+        warnings += [f"{path}: column {_quoted(head[i])} holds a cell that is no number "
+                     f"(line {n}: {what}); the column is left out" for i, (n, what) in bad.items()]  # fmt: skip
+        if long:
+            more = f" (and {len(long) - 3} more rows)" if len(long) > 3 else ""
+            warnings.append(
+                f"{path}: line {long[0][0]} has {long[0][1]} cells for the header's {len(head)} "
+                f"columns{more}; {_n_rows(len(long))} left out"
+            )
+    return rows
+
+
+def _numbers(
+    head: list[str], lines: list[tuple[int, list[str]]]
+) -> tuple[list[dict[str, float]], dict[int, tuple[int, str]], list[tuple[int, int]]]:
+    """(rows of numbers, {bad column: (its first bad line, that cell described)}, [(line,
+    cells) of each row longer than ``head``]); the bad columns are already left out."""
+    rows: list[dict[str, float]] = []
+    bad: dict[int, tuple[int, str]] = {}
+    long: list[tuple[int, int]] = []
+    for n, cells in lines:
+        if len(cells) > len(head):
+            long.append((n, len(cells)))
+            continue
+        row = {}
+        for i, v in enumerate(cells):
+            if v == "" or i in bad:
+                continue
+            try:
+                row[head[i]] = float(v)
+            except ValueError:
+                bad[i] = (n, f"{len(v):,} characters" if len(v) > 40 else repr(v))
+        rows.append(row)
+    gone = {head[i] for i in bad} - {h for i, h in enumerate(head) if i not in bad}
+    return [{k: v for k, v in r.items() if k not in gone} for r in rows], bad, long
+
+
+def _cut_last_line(path: Path, head: list[str], lines: list[tuple[int, list[str]]]) -> int:
+    """Take the last line off ``lines`` when a killed writer cut it (no line end, a cell that
+    is no number), so that it costs its row and not a column; its line number, else 0."""
+    if not lines:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        ended = f.read(1) in (b"\n", b"\r")
+    n, cells = lines[-1]
+    if ended or all(_is_float(v) for v in cells[: len(head)] if v != ""):
+        return 0
+    lines.pop()
+    return n
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _quoted(name: str, most: int = 80) -> str:
+    """A column name on one line (``repr``), cut to about ``most`` characters."""
+    text = repr(name)
+    return text if len(text) <= most else f"{text[: most - 12]}...' ({len(name):,} characters)"
+
+
+def _n_rows(k: int) -> str:
+    return "the row is" if k == 1 else "these rows are"
+
+
+@contextlib.contextmanager
+def _field_limit(size: int):
+    """csv's cell size limit raised to ``size`` (a file's size bounds its cells) while a file
+    is read, then put back: a cell past the default 131,072 characters is an error there."""
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, min(size + 1, 2**31 - 1)))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
+#: A row of an RL step: every task logs the summed reward; ``train/success`` only a task with
+#: a success check (synthetic, a custom task with ``task.success``).
+STEP_KEYS = ("train/success", "train/reward/total/mean")
+
+
+def _step_rows(path: str | Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
+    rows = [r for r in read_metrics(path, warnings) if any(k in r for k in STEP_KEYS)]
+    rows.sort(key=lambda r: r["step"])
+    return rows
+
+
+def rl_curves(path: str | Path, warnings: list[str] | None = None) -> dict[str, list[float]]:
+    """Per-step series of an RL run: ``success`` (where the task logs it), each reward's
+    mean, by reward name, and each extra metric a reward reported, ``extra/<reward>/<name>``
+    (``train/extra/...``: those of a step that had none are NaN). What of the file is left
+    out (``read_metrics``) is named in ``warnings``."""
+    rows = _step_rows(path, warnings)
+    out: dict[str, list[float]] = {}
+    if any("train/success" in r for r in rows):
+        out["success"] = [r.get("train/success", math.nan) for r in rows]
+    for k in rows[0] if rows else {}:
+        m = re.fullmatch(r"train/reward/(.+)/mean", k)
+        if m and m.group(1) != "total":
+            out[m.group(1)] = [r.get(k, math.nan) for r in rows]
+    extras = dict.fromkeys(k for r in rows for k in r if k.startswith("train/extra/"))
+    for k in extras:
+        out[k.removeprefix("train/")] = [r.get(k, math.nan) for r in rows]
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent.
+
+    Lines end at ``\n`` only: the trainer writes text as it is (``ensure_ascii=False``), so a
+    prompt may hold U+2028 or U+0085, which ``str.splitlines`` would take for line ends. A
+    leading BOM is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8-sig")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+
+class UnsafeOutput(ValueError):
+    """An output path holds a link, folder, FIFO or device: nothing was written there."""
+
+
+def check_output(path: str | Path) -> None:
+    """Raise ``UnsafeOutput`` (naming it) when something other than a regular file stands at
+    ``path``: a link (which may point to a user's file), a folder, a FIFO, a device."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISLNK(st.st_mode):
+        what = f"a symbolic link (to {os.readlink(path)})"
+    else:
+        what = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+    raise UnsafeOutput(
+        f"refusing to write {path}: it is {what}; the project writes only files it makes "
+        "itself, never through a link. Move it away (what it points to is left as it is) and "
+        "run again, or write elsewhere (--out)"
+    )
+
+
+def write_file(path: str | Path, data: bytes | str) -> Path:
+    """Write ``path`` whole: a new file in the same folder, renamed over ``path``.
+
+    A reader never sees half a file. A link (or a folder, FIFO, device) at ``path`` is refused
+    with ``UnsafeOutput`` naming it, so a file a link points to is never written; were a link
+    put there after that check, the rename replaces the link itself, never its target. The
+    temporary file has a random name and is created exclusively, so it cannot be a planted
+    link either. A failed write removes it and raises an ``OSError`` naming ``path``."""
+    path = Path(path)
+    check_output(path)
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            mask = os.umask(0o022)  # reading the mask means setting it: put it straight back
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # what a plain open() would have given it
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    return path
+
+
+#: Per-step replay metrics of a run, by the name ``run_series`` gives them.
+REPLAY_KEYS = {
+    "train/replay/share": "replay/share",  # share of candidate (response, reward) pairs replayed
+    "train/time/replay_share": "time/replay_share",  # share of the step's time spent replaying
+}
+
+
+def run_series(path: str | Path, warnings: list[str] | None = None) -> dict[str, list[float]]:
+    """``rl_curves`` plus what replay cost and found, per step: ``replay/share``,
+    ``time/replay_share`` and ``replay/top80/<reward>`` (share of a response's tokens holding
+    80% of that reward's relevance). NaN where a step did not log it (GDPO never replays)."""
+    rows = _step_rows(path)
+    out = rl_curves(path, warnings)
+    keys = {k for r in rows for k in r}
+    for col, name in REPLAY_KEYS.items():
+        if col in keys:
+            out[name] = [r.get(col, math.nan) for r in rows]
+    for col in sorted(keys):
+        m = re.fullmatch(r"train/replay/top80_token_share/(.+)", col)
+        if m:
+            out[f"replay/top80/{m.group(1)}"] = [r.get(col, math.nan) for r in rows]
+    return out

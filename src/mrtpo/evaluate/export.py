@@ -1,0 +1,255 @@
+"""The trained policy as a Hugging Face folder: what vLLM, lm-eval, ``src/eval.py`` and the hub read.
+
+``save_policy`` writes ``save_pretrained`` weights (LoRA adapters merged into the base
+weights), the tokenizer, a ``generation_config.json`` holding the sampling settings the
+policy was trained with (``rollout.sampling``), and ``mrtpo_export.json`` (where it came
+from). Every RL run does this at its end (``mrtpo.lightning.callbacks.export.ExportPolicy``, into
+``<run>/policy/``); ``src/export.py`` does it for any checkpoint (``run``).
+
+The folder is written beside its target and renamed into place, so a crash never leaves a
+half-written export; an existing folder is replaced only when it is a previous export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.core.lora import is_lora
+from mrtpo.core.models import eos_token_ids, load_policy, resolve_dtype
+from mrtpo.rollout.base import SamplingConfig
+from mrtpo.rollout.hf import generation_config as sampling_generation_config
+from mrtpo.rollout.weight_sync import hf_name, merged_weights
+from mrtpo.run.trained_run import MARKER
+
+log = logging.getLogger(__name__)
+
+
+def merged_state_dict(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The policy's weights under the base model's checkpoint names, LoRA merged.
+
+    The merged tensors are new ones (``W + scale * B @ A``): the policy itself is not
+    touched, so its frozen base weights stay bit-identical (an in-place merge followed by
+    an unmerge would leave rounding residue in them).
+    """
+    peft = is_lora(model)
+    merged = merged_weights(model) if peft else {}
+    out: dict[str, torch.Tensor] = {}
+    # ``state``: the model's full state dict gathered from its shards (FSDP), read instead
+    for key, tensor in (model.state_dict() if state is None else state).items():
+        name = hf_name(key, peft)
+        if name is not None:
+            out[name] = (merged[key].materialize() if key in merged else tensor).detach()
+    return out
+
+
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (whose ``save_pretrained`` knows the
+    architecture's config and tied weights)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):
+    """A generation config that samples as training did: built whole from the training
+    sampling settings (``mrtpo.rollout.hf.generation_config``), so none of the checkpoint's
+    own defaults (a repetition penalty, top-k) come back with the exported model."""
+    s = SamplingConfig(**dict(sampling or {}))
+    eos = eos_token_ids(tokenizer, model)
+    gen = sampling_generation_config(s, eos, tokenizer.pad_token_id)
+    gen.eos_token_id = eos if len(eos) != 1 else eos[0]
+    return gen
+
+
+def save_model(target: torch.nn.Module, folder: str | Path, gen, state=None) -> None:
+    """``target.save_pretrained(folder)`` with ``gen`` standing in for the model's own
+    generation config, which ``save_pretrained`` validates strictly: a checkpoint's loose one
+    (``top_k`` without ``do_sample``, which loading only warns about) would fail the export at
+    the end of a run, although none of its fields are exported. The model's own is put back."""
+    own = getattr(target, "generation_config", None)
+    if own is not None:
+        target.generation_config = gen
+    try:
+        target.save_pretrained(folder, state_dict=state)
+    finally:
+        if own is not None:
+            target.generation_config = own
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def check_destination(out: str | Path, protected: Iterable[tuple[str, str | Path]]) -> Path:
+    """``out`` as a Path, or an error if writing there could destroy something.
+
+    ``protected`` is (what, folder) pairs: the user's model folder, the run's checkpoints.
+    A folder that exists must be empty or a previous export (it holds ``MARKER``).
+    """
+    out = Path(out)
+    for what, folder in protected:
+        if (
+            folder
+            and Path(folder).exists()
+            and (_inside(out, Path(folder)) or _inside(Path(folder), out))
+        ):
+            raise ValueError(
+                f"out={out} would write into (or over) {what} {folder}; choose another out="
+            )
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"out={out} is a file; choose a folder for out=")
+        if any(out.iterdir()) and not (out / MARKER).is_file():
+            raise ValueError(
+                f"out={out} is not empty and holds no previous export ({MARKER}); refusing to "
+                "write into it: choose a new or empty folder for out="
+            )
+    return out
+
+
+def save_policy(
+    model: torch.nn.Module,
+    tokenizer,
+    out: str | Path,
+    sampling: Mapping[str, Any] | None = None,
+    info: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
+    card: str | None = None,
+) -> Path:
+    """Write ``model`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``out``.
+
+    ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full
+    state dict of a sharded ``model`` (``mrtpo.lightning.sharding.full_state_dict``); ``card`` is the
+    folder's ``README.md`` (``mrtpo.evaluate.model_card``). Returns ``out``.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ValueError(f"{out} is not empty and is no previous export; refusing to replace it")
+    state = merged_state_dict(model, state)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    target = hf_model(model)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        gen = generation_config(model, tokenizer, sampling)
+        save_model(target, tmp, gen, state)
+        tokenizer.save_pretrained(tmp)
+        gen.save_pretrained(tmp)
+        record = {"lora_merged": is_lora(model), **dict(info or {})}
+        (tmp / MARKER).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        if card is not None:
+            (tmp / "README.md").write_text(card, encoding="utf-8")
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---- src/export.py -------------------------------------------------------------------------
+
+
+def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
+    """``rollout.sampling`` of the training run behind ``ckpt_path`` (None if unknown)."""
+    from mrtpo.run.trained_run import run_config_path
+
+    saved = run_config_path(ckpt_path)
+    if not saved.is_file():
+        return None
+    node = OmegaConf.select(OmegaConf.load(saved), "rollout.sampling", default=None)
+    if node is None:
+        return None
+    try:
+        return dict(OmegaConf.to_container(node, resolve=True))
+    except Exception as exc:  # an interpolation into a key this config lacks
+        log.warning("export: cannot read rollout.sampling from %s (%s)", saved, exc)
+        return None
+
+
+def _card(ckpt_file: Path, base_model: str, step: int | None) -> str:
+    """The model card of an export of ``ckpt_file`` (``mrtpo.evaluate.model_card``)."""
+    from mrtpo.evaluate.model_card import render
+    from mrtpo.run.trained_run import run_config_path
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except Exception:  # called without Hydra's runtime (a library caller)
+        overrides = []
+    run_dir = run_config_path(ckpt_file).parent.parent
+    return render(run_dir, base_model=base_model, step=step, checkpoint=ckpt_file,
+                  export_overrides=overrides)  # fmt: skip
+
+
+def run(cfg: DictConfig) -> Path:
+    """Export the policy of ``cfg.ckpt_path`` to ``cfg.out`` (see configs/export.yaml)."""
+    from mrtpo.run.trained_run import from_training_run, load_checkpoint_weights
+
+    ckpt = cfg.get("ckpt_path")
+    if not ckpt:
+        raise ValueError("ckpt_path= is required: the checkpoint to export (a .ckpt file)")
+    if not cfg.get("out"):
+        raise ValueError("out= is required: the folder to write the Hugging Face model to")
+    cfg, source = from_training_run(cfg, builds_task=False)  # the run's task: never built
+    ckpt_file = Path(str(ckpt)).resolve()
+    model_dir = Path(str(cfg.model.name_or_path))
+    out = check_destination(
+        str(cfg.out),
+        [
+            ("the model folder (model.name_or_path)", model_dir if model_dir.is_dir() else ""),
+            ("the checkpoint folder", ckpt_file.parent),
+        ],
+    )
+    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
+    step = load_checkpoint_weights(
+        policy, str(ckpt_file), source.get("model_source", ""), use="export one"
+    )
+    sampling = cfg.get("sampling")
+    sampling = (
+        dict(OmegaConf.to_container(sampling, resolve=True))
+        if sampling is not None
+        else _run_sampling(str(ckpt_file))
+    )
+    dtype = resolve_dtype(str(cfg.dtype)) if cfg.get("dtype") else None
+    info = {"checkpoint": str(ckpt_file), "step": step, **source}
+    card = _card(ckpt_file, str(cfg.model.name_or_path), step)
+    save_policy(policy, tokenizer, out, sampling=sampling, info=info, dtype=dtype, card=card)
+    print(
+        f"exported {ckpt_file} (step {step}) to {out} (model card: {out / 'README.md'})", flush=True
+    )
+    print(f"evaluate it with: python src/eval.py model.name_or_path={out}", flush=True)
+    return out
+
+
+__all__ = [
+    "MARKER",
+    "check_destination",
+    "generation_config",
+    "hf_model",
+    "merged_state_dict",
+    "run",
+    "save_model",
+    "save_policy",
+]

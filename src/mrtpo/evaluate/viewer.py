@@ -1,0 +1,794 @@
+"""A run's per-token relevance as an HTML page and a PNG (``python src/relevance.py <run>``).
+
+``relevance.jsonl`` (written by ``mrtpo.lightning.callbacks.samples.RelevanceDump``) holds, for a few
+responses every N steps, each replayed reward's relevance ``q`` of every response token and
+the token weight ``w`` the method derived from it. The page shows at most ``--max-steps``
+steps and ``--max-per-step`` responses a step (it says what it leaves out, and names each
+line it cannot draw): one block per response, two rows per reward (q, then w), each token
+shaded on one scale for the whole page, so that shades compare across tokens, rewards,
+responses and steps:
+
+* q (Jensen–Shannon distance, in [0, 1]) from 0 to the largest q on the page, sequential;
+* w around 1, the even share GDPO gives every token, on a log scale: below 1 (less credit
+  than even) and above 1 (more) in two hues.
+
+A legend gives both scales; hovering a token shows its reward, position, q and w; the step and
+reward filters hide the rest. Each response, and the page as a whole, gets the credit
+diagnostics the trainer logs (``mrtpo.step.diagnostics``): q / mean q quantiles per reward, the
+mean cosine between the rewards' q profiles, and, where the record holds them, the share of the
+reallocated credit's energy on each segment of the response its task declares. The PNG draws
+one response the same way, for a paper or a note.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import html
+import io
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mrtpo.evaluate.analysis.runs import UnsafeOutput, check_output, write_file
+
+FILE = "relevance.jsonl"
+#: a longer line is left out unread (a record of 8,192 tokens and 13 rewards takes ~3 MB)
+MAX_LINE = 16 << 20
+#: a longer prompt is cut on the page
+MAX_PROMPT = 20_000
+Q_CMAP, W_CMAP = "YlOrRd", "PRGn"
+#: the w scale spans at most 2^-W_OCTAVES .. 2^W_OCTAVES (larger weights get the end colour)
+W_OCTAVES = 4.0
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def find_file(source: str | Path) -> Path:
+    """``relevance.jsonl`` of a run folder, or the file itself; a clear error otherwise."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such run folder or file")
+    if (path / FILE).is_file():
+        return path / FILE
+    below = sorted(path.rglob(FILE))
+    if below:
+        listed = "\n  ".join(str(p.parent) for p in below[:10])
+        more = f"\n  ... and {len(below) - 10} more" if len(below) > 10 else ""
+        raise FileNotFoundError(
+            f"{path} holds no {FILE} itself, but {len(below)} run folder(s) below it do; give "
+            f"one of them:\n  {listed}{more}"
+        )
+    raise FileNotFoundError(f"{path} has no {FILE}: {why_no_records(path)}")
+
+
+def _replays(target: str) -> bool | None:
+    """Whether the method class ``target`` asks for replay (None: it cannot be imported)."""
+    try:
+        from hydra.utils import get_class
+
+        return getattr(get_class(target), "relevance", None) is not None
+    except Exception:
+        return None
+
+
+def why_no_records(run: Path) -> str:
+    """Why a run folder holds no relevance records, from the run's own config and metrics:
+    its method does not replay, the dump is off, the run ended before the dump's next step,
+    or no response was replayed at the steps it dumps (a reward that did not vary in any
+    group), with the key to change."""
+    from omegaconf import OmegaConf
+
+    from mrtpo.evaluate.analysis.runs import _step_rows
+
+    generic = (
+        "a run writes it when its method replays (MRTPO and its variants, CoRT) and "
+        "callbacks.relevance_dump is on (configs/callbacks/default.yaml)"
+    )
+    try:
+        cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+        target = str(OmegaConf.select(cfg, "method._target_"))
+        dump = OmegaConf.select(cfg, "callbacks.relevance_dump", default=None)
+        every = int(dump.get("every", 10)) if dump else 0
+        rows = _step_rows(run / "csv" / "metrics.csv") if (run / "csv").is_dir() else []
+    except Exception:  # not a run folder this version wrote: say what makes the file
+        return generic
+    if _replays(target) is False:
+        return f"its method ({target.rsplit('.', 1)[-1]}) does not replay: {generic}"
+    if not dump or every <= 0:
+        return "callbacks.relevance_dump was off in this run (set callbacks.relevance_dump.every=N)"
+    dumped = [r for r in rows if (int(r.get("train/iteration", r["step"] + 1)) - 1) % every == 0]
+    replayed = [r.get("train/adv/replayed_share", 0.0) or 0.0 for r in dumped]
+    steps = len(rows)
+    at = ", ".join(str(1 + i * every) for i in range(3)) + ", ..."
+    why = (
+        f"no response was replayed at those steps ({len(dumped)} of them: every reward was "
+        "the same across each group, which is common early on or with an untrained policy)"
+        if not any(v > 0 for v in replayed)
+        else "it had not written them when it stopped"
+    )
+    return (
+        f"callbacks.relevance_dump.every={every} writes at steps {at} the responses replayed "
+        f"there, and this run logged {steps} step(s): {why}. That is not the method: set "
+        "callbacks.relevance_dump.every=1 (a dump every step) or train longer"
+    )
+
+
+# A record whose every value is checked (``clean``) is what the rest of this module draws; a
+# line that is not one is left out, with a note naming its line. The file is read twice, a
+# line at a time, never whole: once to find each step's records (keeping only where they
+# start), then once more for the records the page shows.
+def _a(value: Any) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a finite float; None when it is no number (a bool is none either), or not
+    finite, or an int beyond any float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _rows(rows: Any, kind: str, n: int) -> dict[str, list[float]]:
+    """``q`` or ``w``: reward name -> one finite number per token."""
+    if not isinstance(rows, dict):
+        raise ValueError(f"'{kind}' is not an object of reward name -> numbers ({_a(rows)})")
+    out = {}
+    for name, values in rows.items():
+        if not isinstance(values, list) or len(values) != n:
+            raise ValueError(f"{kind}[{name!r}] does not have one number per token ({n})")
+        out[name] = [_finite(v) for v in values]
+        if None in out[name]:
+            raise ValueError(f"{kind}[{name!r}] holds a value that is not a finite number")
+    return out
+
+
+def _step(rec: dict) -> int:
+    step = rec.get("step", 0)
+    if isinstance(step, float) and step.is_integer():
+        return int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"'step' is not a whole number ({_a(step)})")
+    return step
+
+
+def _rewards(rec: dict) -> dict[str, float | None]:
+    """Each reward of the response: a number, or None where it did not apply (NaN too)."""
+    rewards = rec.get("rewards") or {}
+    if isinstance(rewards, dict):
+        out = {k: v if isinstance(v, float) else _finite(v) for k, v in rewards.items()}
+        if all(out[k] is not None or v is None for k, v in rewards.items()):
+            return out
+    raise ValueError("'rewards' is not an object of numbers (or null) by reward name")
+
+
+def clean(rec: Any) -> dict | None:
+    """The record as the page draws it, each value checked (a ValueError says what is
+    wrong); None for a record with no replayed reward, which has nothing to draw."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"not a JSON object ({_a(rec)})")
+    tokens = rec.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("'tokens' is not a list of strings")
+    if "w" not in rec:
+        raise ValueError("no 'w' (each reward's token weights)")
+    q, w = _rows(rec.get("q"), "q", len(tokens)), _rows(rec["w"], "w", len(tokens))
+    step, rewards, beta = _step(rec), _rewards(rec), rec.get("beta")
+    if beta is not None and _finite(beta) is None:
+        raise ValueError(f"'beta' is not a finite number ({_a(beta)})")
+    if not q:
+        return None
+    prompt = rec.get("prompt", "")
+    prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    if len(prompt) > MAX_PROMPT:
+        prompt = prompt[:MAX_PROMPT] + f" [... {len(prompt) - MAX_PROMPT} more characters]"
+    beta = None if beta is None else _finite(beta)
+    ident = str(rec.get("id", "?"))[:200]
+    out = {"step": step, "id": ident, "beta": beta, "prompt": prompt, "tokens": tokens,
+           "rewards": rewards, "q": q, "w": w}  # fmt: skip
+    out.update(_diagnostic_fields(rec, len(tokens)))
+    return out
+
+
+def _diagnostic_fields(rec: dict, n: int) -> dict:
+    """The optional ``realloc`` (one number per token) and ``segments`` (name -> token
+    indices) a newer trainer writes; a ValueError names what is wrong with them."""
+    out: dict[str, Any] = {}
+    if rec.get("realloc") is not None:
+        out["realloc"] = _rows({"realloc": rec["realloc"]}, "realloc", n)["realloc"]
+    segs = rec.get("segments")
+    if segs is not None:
+        ok = isinstance(segs, dict) and all(
+            isinstance(v, list)
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in v)
+            for v in segs.values()
+        )
+        if not ok:
+            raise ValueError(f"'segments' is not an object of name -> token indices below {n}")
+        out["segments"] = {str(k)[:100]: v for k, v in segs.items()}
+    return out
+
+
+def parse_line(raw: bytes, first: bool = False) -> dict | None:
+    """One line of the file as a checked record (``clean``); None for a blank line or a
+    record with nothing to draw; a ValueError says why the line cannot be drawn."""
+    if first and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
+        raise ValueError(f"not UTF-8 ({where})") from None
+    if not text.strip():
+        return None
+    try:
+        rec = json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # an int of more digits than Python converts
+        raise ValueError(f"not valid JSON ({exc})") from None
+    return clean(rec)
+
+
+def _lines(f) -> Iterator[tuple[int, int, bytes | None]]:
+    """(line number, byte offset, the line) for each line of the binary file ``f``, the line
+    None when longer than ``MAX_LINE`` (then skipped unread). Lines end at ``\\n`` only: the
+    trainer writes text as it is, so a prompt may hold U+2028 or U+0085, which
+    ``str.splitlines`` takes for line ends."""
+    n = offset = 0
+    while raw := f.readline(MAX_LINE + 1):
+        n, start = n + 1, offset
+        offset += len(raw)
+        if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(1 << 20)
+                offset += len(raw)
+            yield n, start, None
+        else:
+            yield n, start, raw
+
+
+@dataclass
+class Scan:
+    """One pass over the file: where each step's drawable records start, and each line
+    left out with why (naming the file and line)."""
+
+    offsets: dict[int, list[int]] = field(default_factory=dict)  # step -> byte offsets
+    problems: list[str] = field(default_factory=list)
+    lines: int = 0
+
+
+def scan(path: Path) -> Scan:
+    found = Scan()
+    with open(path, "rb") as f:
+        for n, offset, raw in _lines(f):
+            found.lines = n
+            try:
+                if raw is None:
+                    raise ValueError(f"longer than {MAX_LINE >> 20} MiB, left out unread")
+                rec = parse_line(raw, first=n == 1)
+            except ValueError as exc:
+                found.problems.append(f"{path.name} line {n}: {exc}")
+                continue
+            if rec is not None:
+                found.offsets.setdefault(rec["step"], []).append(offset)
+    return found
+
+
+def read_records(path: Path, offsets: Sequence[int]) -> list[dict]:
+    """The records starting at ``offsets`` (found by ``scan``), in file order."""
+    out = []
+    with open(path, "rb") as f:
+        for o in sorted(offsets):
+            f.seek(o)
+            with contextlib.suppress(ValueError):  # the file changed since it was scanned
+                rec = parse_line(f.readline(MAX_LINE + 1), first=o == 0)
+                if rec is not None:
+                    out.append(rec)
+    return out
+
+
+def load_records(
+    path: Path, steps: Sequence[int] | None = None, max_steps: int = 25, per_step: int = 8
+) -> tuple[list[dict], list[str], list[str]]:
+    """The records the page shows, the notes saying what it leaves out (steps, responses
+    past ``per_step``), and each line left out with why."""
+    found = scan(path)
+    if not found.offsets:
+        why = (f"{len(found.problems)} left out, the first: {found.problems[0]}"
+               if found.problems else "none with a replayed reward")  # fmt: skip
+        lines = f"{found.lines} line" + "s" * (found.lines != 1)
+        raise ValueError(f"{path}: no record to draw ({lines}, {why})")
+    keep, note = choose_steps(sorted(found.offsets), steps, max_steps)
+    capped = [s for s in sorted(keep) if len(found.offsets[s]) > per_step]
+    notes = [note] if note else []
+    if capped:
+        more = f"; {len(capped) - 1} more steps hold more than {per_step}" * (len(capped) > 1)
+        notes.append(f"at most {per_step} of the {len(found.offsets[capped[0]])} responses at "
+                     f"step {capped[0]} are shown (--max-per-step){more}")  # fmt: skip
+    wanted = [o for s in keep for o in found.offsets[s][:per_step]]
+    return read_records(path, wanted), notes, found.problems
+
+
+def choose_steps(
+    have: list[int], steps: Sequence[int] | None = None, max_steps: int = 25
+) -> tuple[set[int], str]:
+    """Of the file's steps ``have`` (sorted): ``steps`` (all when None, thinned to
+    ``max_steps`` evenly spaced steps including the first and last); and a note saying
+    what was left out ('' when nothing)."""
+    if steps:
+        missing = sorted(set(steps) - set(have))
+        if missing:
+            raise ValueError(f"--steps: no records at step(s) {missing}; the file has {have}")
+        keep = set(steps)
+    elif len(have) > max_steps >= 1:
+        idx = {round(i * (len(have) - 1) / max(1, max_steps - 1)) for i in range(max_steps)}
+        keep = {have[i] for i in idx}
+    else:
+        keep = set(have)
+    note = ""
+    if len(keep) < len(have):
+        note = (
+            f"{len(keep)} of the file's {len(have)} steps are shown (--steps or --max-steps "
+            "choose others)"
+        )
+    return keep, note
+
+
+# ---- one scale for the whole page --------------------------------------------------------------
+@dataclass(frozen=True)
+class Scales:
+    q_max: float  # q is shaded from 0 to q_max
+    w_octaves: float  # w from 2^-w_octaves to 2^w_octaves, 1 in the middle
+
+    @classmethod
+    def of(cls, records: list[dict]) -> Scales:
+        qs = [v for r in records for row in r["q"].values() for v in row]
+        ws = [v for r in records for row in r.get("w", {}).values() for v in row]
+        q_max = max([*qs, 0.0]) or 1.0
+        spread = max([abs(math.log2(max(v, 2**-W_OCTAVES))) for v in ws] + [0.0])
+        return cls(q_max=q_max, w_octaves=min(W_OCTAVES, max(0.25, spread)))
+
+    def q_pos(self, v: float) -> float:
+        return min(1.0, max(0.0, v / self.q_max))
+
+    def w_pos(self, v: float) -> float:
+        octave = math.log2(max(v, 2**-self.w_octaves))
+        return min(1.0, max(0.0, 0.5 + 0.5 * octave / self.w_octaves))
+
+
+_LUTS: dict[str, list[str]] = {}
+
+
+def colour(cmap: str, pos: float) -> str:
+    """The colour at ``pos`` in [0, 1] of a matplotlib colormap, as #rrggbb."""
+    if cmap not in _LUTS:
+        import matplotlib
+
+        m = matplotlib.colormaps[cmap]
+        _LUTS[cmap] = [matplotlib.colors.to_hex(m(i / 255)) for i in range(256)]
+    return _LUTS[cmap][round(pos * 255)]
+
+
+def ink(background: str) -> str:
+    """Black or white text, whichever reads on ``background``."""
+    r, g, b = (int(background[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "#fff"
+
+
+def visible(token: str) -> str:
+    """A token as drawn: line breaks and tabs as signs, an empty token as a dot."""
+    return token.replace("\n", "\u21b5").replace("\t", "\u2192").replace("\r", "") or "\u00b7"
+
+
+# ---- credit diagnostics (as the trainer logs them under train/replay/) ------------------------
+def _quantile(values: list[float], p: float) -> float:
+    """The ``p`` quantile of ``values`` (linear between the two nearest ranks)."""
+    v = sorted(values)
+    x = p * (len(v) - 1)
+    lo = math.floor(x)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+
+def q_ratios(rec: dict) -> dict[str, list[float]]:
+    """Each reward's ``q_t / mean_t q`` over the record's tokens (none where the mean is ~0)."""
+    out = {}
+    for name, row in rec["q"].items():
+        mean = sum(row) / len(row) if row else 0.0
+        if mean > 1e-8:
+            out[name] = [v / mean for v in row]
+    return out
+
+
+def profile_cosine(rec: dict) -> float | None:
+    """The mean pairwise cosine between the record's rewards' q profiles (None: fewer than two
+    with any relevance)."""
+    rows = [r for r in rec["q"].values() if any(v > 0 for v in r)]
+    norms = [math.sqrt(sum(v * v for v in r)) for r in rows]
+    pairs = [
+        sum(a * b for a, b in zip(rows[i], rows[j])) / (norms[i] * norms[j])
+        for i in range(len(rows))
+        for j in range(i + 1, len(rows))
+    ]
+    return sum(pairs) / len(pairs) if pairs else None
+
+
+def energy(rec: dict) -> dict[str, float]:
+    """The reallocated credit's energy (sum of squares) on each segment and ``other``; {}
+    for a record without ``realloc`` or ``segments``."""
+    realloc, segs = rec.get("realloc"), rec.get("segments")
+    if realloc is None or segs is None:
+        return {}
+    out, seen = {}, set()
+    for name, idx in segs.items():
+        mine = [i for i in idx if i not in seen]
+        out[name] = sum(realloc[i] ** 2 for i in mine)
+        seen.update(mine)
+    out["other"] = sum(v * v for i, v in enumerate(realloc) if i not in seen)
+    return out
+
+
+def diagnostics(records: list[dict]) -> dict[str, Any]:
+    """Over ``records``: q / mean q quantiles (p50, p99, max) per reward, the mean profile
+    cosine, and each segment's share of the summed energy (empty parts left out)."""
+    ratios: dict[str, list[float]] = {}
+    cosines, energies = [], {}
+    for rec in records:
+        for name, vals in q_ratios(rec).items():
+            ratios.setdefault(name, []).extend(vals)
+        c = profile_cosine(rec)
+        if c is not None:
+            cosines.append(c)
+        for name, e in energy(rec).items():
+            energies[name] = energies.get(name, 0.0) + e
+    total = sum(energies.values())
+    return {
+        "q_ratio": {
+            n: (_quantile(v, 0.5), _quantile(v, 0.99), max(v)) for n, v in ratios.items() if v
+        },
+        "cosine": sum(cosines) / len(cosines) if cosines else None,
+        "energy": {n: e / total for n, e in energies.items()} if total > 0 else {},
+    }
+
+
+def _diag_text(d: dict[str, Any]) -> str:
+    """One line of ``diagnostics`` for the page (empty when there is nothing)."""
+    parts = []
+    if d["q_ratio"]:
+        qs = "; ".join(f"{n} {a:.3g} · {b:.3g} · {c:.3g}" for n, (a, b, c) in d["q_ratio"].items())
+        parts.append(f"q/q̄ (p50 · p99 · max): {qs}")
+    if d["cosine"] is not None:
+        parts.append(f"profile cosine {d['cosine']:.3f}")
+    if d["energy"]:
+        parts.append(
+            "reallocated energy: " + " · ".join(f"{n} {v:.0%}" for n, v in d["energy"].items())
+        )
+    return " | ".join(parts)
+
+
+# ---- the page ---------------------------------------------------------------------------------
+def _row(rec: dict, name: str, kind: str, scales: Scales) -> str:
+    values = rec[kind].get(name)
+    if values is None:
+        return ""
+    cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
+    cells = []
+    for tok, v in zip(rec["tokens"], values):
+        bg = colour(cmap, pos(v))
+        cells.append(
+            f'<span class="t" style="background:{bg};color:{ink(bg)}">'
+            f"{html.escape(visible(tok))}</span>"
+        )
+    return (
+        f'<div class="row" data-kind="{kind}"><span class="kind">{kind}</span>'
+        f'<span class="toks">{"".join(cells)}</span></div>'
+    )
+
+
+def _record(rec: dict, scales: Scales) -> str:
+    step = int(rec.get("step", 0))
+    pairs = []
+    for name in rec["q"]:
+        r = rec.get("rewards", {}).get(name)
+        shown = "none" if r is None else f"{r:g}"
+        data = (
+            f'data-reward="{html.escape(name)}" data-q="{html.escape(json.dumps(rec["q"][name]))}"'
+            f' data-w="{html.escape(json.dumps(rec.get("w", {}).get(name, [])))}"'
+        )
+        pairs.append(
+            f'<div class="pair" {data}><div class="lab">{html.escape(name)} '
+            f'<span class="r">reward {shown}</span></div>'
+            f"{_row(rec, name, 'q', scales)}{_row(rec, name, 'w', scales)}</div>"
+        )
+    beta = rec.get("beta")
+    tokens = html.escape(json.dumps(rec["tokens"], ensure_ascii=False))
+    head = f"step {step} · prompt {html.escape(str(rec.get('id', '?')))}"
+    if isinstance(beta, (int, float)):
+        head += f" · β = {beta:g}"
+    diag = _diag_text(diagnostics([rec]))
+    diag = f'<p class="diag">{html.escape(diag)}</p>' if diag else ""
+    return (
+        f'<section class="rec" data-step="{step}" data-tokens="{tokens}"><h2>{head}</h2>{diag}'
+        f"<details><summary>prompt</summary><pre>{html.escape(str(rec.get('prompt', '')))}</pre>"
+        f"</details>{''.join(pairs)}</section>"
+    )
+
+
+def _legend(scales: Scales) -> str:
+    def bar(cmap: str, ticks: list[tuple[float, str]], label: str, kind: str) -> str:
+        stops = ",".join(colour(cmap, i / 10) for i in range(11))
+        marks = "".join(f'<span style="left:{p * 100:.1f}%">{t}</span>' for p, t in ticks)
+        return (
+            f'<div class="legend" id="legend-{kind}"><b>{label}</b>'
+            f'<div class="bar" style="background:linear-gradient(to right,{stops})"></div>'
+            f'<div class="ticks">{marks}</div></div>'
+        )
+
+    q_ticks = [(i / 4, f"{scales.q_max * i / 4:.3g}") for i in range(5)]
+    o = scales.w_octaves
+    w_ticks = [(scales.w_pos(2.0**e), f"{2.0**e:.3g}") for e in (-o, -o / 2, 0.0, o / 2, o)]
+    return bar(
+        Q_CMAP, q_ticks, "q: relevance (Jensen–Shannon distance), 0 to the page's largest", "q"
+    ) + bar(W_CMAP, w_ticks, "w: token weight (1 = GDPO's even share; log scale)", "w")
+
+
+def _controls(records: list[dict]) -> str:
+    steps = sorted({int(r.get("step", 0)) for r in records})
+    names = list(dict.fromkeys(n for r in records for n in r["q"]))
+    options = "".join(f'<option value="{s}">{s}</option>' for s in steps)
+    boxes = "".join(
+        f'<label><input type="checkbox" class="reward" value="{html.escape(n)}" checked> '
+        f"{html.escape(n)}</label>"
+        for n in names
+    )
+    return (
+        '<div id="controls"><label>step <select id="step"><option value="">all</option>'
+        f"{options}</select></label> <span>rewards {boxes}</span> <span>rows "
+        '<label><input type="checkbox" class="kind" value="q" checked> q</label>'
+        '<label><input type="checkbox" class="kind" value="w" checked> w</label></span>'
+        ' <span id="count"></span></div>'
+    )
+
+
+SCRIPT = """
+const tip = document.getElementById('tip');
+document.addEventListener('mouseover', (e) => {
+  const t = e.target.closest('.t');
+  if (!t) { tip.hidden = true; return; }
+  const pair = t.closest('.pair');
+  const i = Array.prototype.indexOf.call(t.parentNode.children, t);
+  const q = JSON.parse(pair.dataset.q), w = JSON.parse(pair.dataset.w);
+  const tokens = JSON.parse(t.closest('.rec').dataset.tokens);
+  tip.textContent = pair.dataset.reward + ', token ' + i + ': ' + JSON.stringify(tokens[i]) +
+    '\\nq = ' + q[i].toFixed(5) + (i < w.length ? '\\nw = ' + w[i].toFixed(4) : '');
+  const box = t.getBoundingClientRect();
+  tip.style.left = (window.scrollX + box.left) + 'px';
+  tip.style.top = (window.scrollY + box.bottom + 4) + 'px';
+  tip.hidden = false;
+});
+function apply() {
+  const step = document.getElementById('step').value;
+  const rewards = new Set([...document.querySelectorAll('input.reward:checked')].map(b => b.value));
+  const kinds = new Set([...document.querySelectorAll('input.kind:checked')].map(b => b.value));
+  let shown = 0, all = 0;
+  for (const rec of document.querySelectorAll('section.rec')) {
+    all += 1;
+    let any = false;
+    for (const pair of rec.querySelectorAll('.pair')) {
+      const on = rewards.has(pair.dataset.reward);
+      pair.hidden = !on;
+      any = any || on;
+    }
+    for (const row of rec.querySelectorAll('.row')) row.hidden = !kinds.has(row.dataset.kind);
+    rec.hidden = !any || (step !== '' && rec.dataset.step !== step);
+    if (!rec.hidden) shown += 1;
+  }
+  document.getElementById('count').textContent = shown + ' of ' + all + ' responses';
+}
+for (const el of document.querySelectorAll('#controls select, #controls input')) {
+  el.addEventListener('change', apply);
+}
+apply();
+"""
+
+STYLE = """
+body{font-family:sans-serif;margin:0 1.5em 2em}
+header{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd;z-index:1}
+h1{font-size:1.2em;margin:.3em 0} h2{font-size:1em;margin:1.2em 0 .3em}
+.legends{display:flex;gap:3em;flex-wrap:wrap;margin:.4em 0}
+.legend{width:26em;font-size:.8em} .bar{height:.9em;border:1px solid #999}
+.ticks{position:relative;height:1.2em} .ticks span{position:absolute;transform:translateX(-50%)}
+#controls{font-size:.9em} #controls label{margin-right:.6em} #count{color:#555}
+.pair{margin:.4em 0 .8em} .lab{font-size:.85em;color:#333} .r{color:#777}
+.row{display:flex;align-items:flex-start} .kind{width:1.5em;color:#777;font-size:.8em}
+.toks{display:flex;flex-wrap:wrap} .t{font-family:monospace;white-space:pre;padding:1px 2px;
+margin:0 1px 1px 0;cursor:default}
+#tip{position:absolute;background:#222;color:#fff;font:12px monospace;white-space:pre;
+padding:4px 6px;border-radius:3px;pointer-events:none;z-index:2}
+pre{white-space:pre-wrap;font-size:.85em;background:#f6f6f6;padding:.5em}
+.note{color:#a33;font-size:.85em} .diag{color:#444;font-size:.8em;margin:.1em 0}
+"""
+
+
+def render_html(records: list[dict], title: str, notes: Sequence[str] = ()) -> str:
+    """The page for ``records`` (all on one scale), with ``notes`` (what was left out)."""
+    scales = Scales.of(records)
+    note = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
+    summary = _diag_text(diagnostics(records))
+    if summary:
+        note += f'<p class="diag" id="summary">all shown responses: {html.escape(summary)}</p>'
+    body = "".join(_record(r, scales) for r in records)
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>Relevance: {html.escape(title)}</title>"
+        '<link rel="icon" href="data:,"><style>' + STYLE + "</style></head><body><header>"
+        f"<h1>Per-token relevance: {html.escape(title)}</h1>"
+        f'<div class="legends">{_legend(scales)}</div>{_controls(records)}{note}</header>'
+        f'<main>{body}</main><div id="tip" role="tooltip" hidden></div>'
+        "<script>" + SCRIPT + "</script></body></html>\n"
+    )
+
+
+# ---- the picture ------------------------------------------------------------------------------
+def pick(records: list[dict]) -> dict:
+    """The response the PNG draws: the most rewards replayed, met and unmet ones among them,
+    then the latest step."""
+
+    def key(r):
+        vals = [v for v in r.get("rewards", {}).values() if isinstance(v, (int, float))]
+        mixed = 0 < sum(1 for v in vals if v > 0) < len(vals)
+        return (len(r["q"]), mixed, int(r.get("step", 0)))
+
+    return max(records, key=key)
+
+
+def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: int = 240) -> None:
+    """One response: a q row and a w row per reward, ``width`` tokens a line (at most
+    ``limit`` tokens), shaded on the page's scales, with both colour bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    toks = [visible(t) for t in rec["tokens"][:limit]]
+    rows = [(n, k) for n in rec["q"] for k in ("q", "w") if rec[k].get(n) is not None]
+    lines = max(1, math.ceil(len(toks) / width))
+    height = len(rows) + 1  # a blank row between lines of tokens
+    size = (min(width, len(toks)) * 0.62 + 2.6, lines * height * 0.3 + 2)
+    fig, (ax, q_bar, w_bar) = plt.subplots(
+        3, 1, figsize=size, gridspec_kw={"height_ratios": [lines * height, 0.35, 0.35]}
+    )
+    for line in range(lines):
+        for r, (name, kind) in enumerate(rows):
+            y = line * height + r
+            cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
+            values = rec[kind][name]
+            for c in range(width):
+                t = line * width + c
+                if t >= len(toks):
+                    break
+                bg = colour(cmap, pos(values[t]))
+                ax.add_patch(plt.Rectangle((c, y), 1, 1, facecolor=bg, edgecolor="white", lw=0.5))
+                ax.text(c + 0.5, y + 0.5, toks[t], ha="center", va="center", fontsize=6,
+                        color=ink(bg), family="monospace", parse_math=False)  # fmt: skip
+            ax.text(-0.2, y + 0.5, f"{name} {kind}", ha="right", va="center", fontsize=7,
+                    parse_math=False)  # fmt: skip
+    ax.set_xlim(0, min(width, len(toks)))
+    ax.set_ylim(lines * height - 1, 0)
+    ax.axis("off")
+    cut = f" (first {limit} of {len(rec['tokens'])} tokens)" if len(rec["tokens"]) > limit else ""
+    ax.set_title(f"step {rec.get('step', 0)}, prompt {rec.get('id', '?')}{cut}", fontsize=9,
+                 parse_math=False)  # fmt: skip
+    _colourbars(fig, q_bar, w_bar, scales)
+    fig.subplots_adjust(hspace=0.9)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, buf.getvalue())
+
+
+def _colourbars(fig, q_axes, w_axes, scales: Scales) -> None:
+    """The page's two scales as colour bars, each on its own axes."""
+    import matplotlib
+
+    q = matplotlib.cm.ScalarMappable(
+        norm=matplotlib.colors.Normalize(0, scales.q_max), cmap=matplotlib.colormaps[Q_CMAP]
+    )
+    o = scales.w_octaves
+    w = matplotlib.cm.ScalarMappable(
+        norm=matplotlib.colors.LogNorm(2.0**-o, 2.0**o), cmap=matplotlib.colormaps[W_CMAP]
+    )
+    fig.colorbar(q, cax=q_axes, orientation="horizontal", label="q (relevance)")
+    bar = fig.colorbar(
+        w, cax=w_axes, orientation="horizontal", label="w (token weight; 1 = an even share)"
+    )
+    bar.set_ticks([2.0**e for e in (-o, -o / 2, 0.0, o / 2, o)])
+    bar.ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    bar.ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+# ---- the command ------------------------------------------------------------------------------
+def parse_steps(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError as exc:
+        raise ValueError(f"--steps takes step numbers separated by commas, got {text!r}") from exc
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python src/relevance.py",
+        description="Render a run's relevance.jsonl (each reward's per-token relevance q and "
+        "weight w) as an HTML page (one colour scale, legend, hover values, step and reward "
+        "filters) and a PNG of one response.",
+    )
+    p.add_argument("run", help="a run folder (or its relevance.jsonl)")
+    p.add_argument("--out", type=Path, help="folder for relevance.html and relevance.png "
+                   "(default: the folder holding relevance.jsonl)")  # fmt: skip
+    p.add_argument("--steps", help="only these steps, e.g. 1,51,101")
+    p.add_argument("--max-steps", type=int, default=25,
+                   help="without --steps, at most this many evenly spaced steps (default 25)")  # fmt: skip
+    p.add_argument("--max-per-step", type=int, default=8,
+                   help="at most this many responses of a step, its first ones (default 8; "
+                   "the trainer writes callbacks.relevance_dump.num = 4 a step)")  # fmt: skip
+    return p
+
+
+def _notes(notes: list[str], problems: list[str], limit: int) -> list[str]:
+    """``notes`` and the first ``limit`` lines left out, then how many more."""
+    more = [f"... and {len(problems) - limit} more lines left out"] * (len(problems) > limit)
+    return [*notes, *problems[:limit], *more]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    for flag, value in (("--max-steps", a.max_steps), ("--max-per-step", a.max_per_step)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    try:
+        path = find_file(a.run)
+        records, notes, problems = load_records(
+            path, parse_steps(a.steps), a.max_steps, a.max_per_step
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    for n in _notes(notes, problems, 20):
+        print(f"note: {n}")
+    out = a.out or path.parent
+    page, png = out / "relevance.html", out / "relevance.png"
+    title = path.parent.name if path.name == FILE else path.name
+    try:
+        for target in (page, png):
+            check_output(target)  # both refused before either is written
+        out.mkdir(parents=True, exist_ok=True)
+        write_file(page, render_html(records, title, _notes(notes, problems, 5)))
+        render_png(pick(records), Scales.of(records), png)
+    except UnsafeOutput as exc:
+        print(f"error: {exc}")
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write {exc.filename}: {exc.strerror}; give --out <a writable "
+              "folder>")  # fmt: skip
+        return 2
+    print(f"wrote {page} ({len(records)} responses) and {png}")
+    return 0

@@ -1,0 +1,90 @@
+"""Resume in place: a resumed run continues its run folder's ``metrics.csv``, without duplicates.
+
+A run killed after its last checkpoint has logged steps that the resumed run computes again.
+The run's CSV logger (``mrtpo.run.loggers.RunCSVLogger``) keeps the old file untouched until the
+resumed run saves its first rows; this callback tells it, once the checkpoint is restored,
+the step the run restarts from. The first save then replaces the file, in one atomic rename,
+by its rows of earlier steps followed by the new rows: every step appears once, and the
+history is on disk at every instant (a resume killed while it starts loses nothing).
+
+It also records the run's settings in every checkpoint (``mrtpo.run.folder.settings_record``),
+so that a later ``+resume`` can refuse settings that would change the run, and the names of the
+metrics logged so far, so that a resumed step writes NaN where the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+
+from mrtpo.run.folder import SETTINGS_KEY
+from mrtpo.run.loggers import KeepingWriter, RunCSVLogger
+
+log = logging.getLogger(__name__)
+
+#: Where a checkpoint keeps the metric names the run has logged so far: a resumed run writes
+#: NaN for those a step does not log, as the uninterrupted run does (``AbsentAsNaN``).
+LOGGED_KEY = "mrtpo_logged_metrics"
+
+
+def _logged(pl_module):
+    """The module's ``AbsentAsNaN`` record of the metrics logged so far, if it has one."""
+    return getattr(getattr(pl_module, "step", None), "absent_as_nan", None)
+
+
+class ResumeMetrics(L.Callback):
+    """Starts a resumed run's ``metrics.csv`` at the restored step; records the settings.
+
+    ``settings``: the run's settings record, saved into each checkpoint (None: nothing saved).
+    """
+
+    def __init__(
+        self,
+        loggers: list | None = None,
+        resuming: bool = False,
+        settings: str | None = None,
+    ) -> None:
+        self.resuming = resuming
+        self.settings = settings
+        self.kept = self.dropped = 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self.settings is not None:
+            checkpoint[SETTINGS_KEY] = self.settings
+        logged = _logged(pl_module)
+        if logged is not None:
+            checkpoint[LOGGED_KEY] = sorted(logged.seen)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        logged = _logged(pl_module)
+        if logged is not None:
+            logged.seen |= set(checkpoint.get(LOGGED_KEY) or ())
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        # The first step the resumed run logs: the restored global step (an RL step counts
+        # one optimizer step, skipped steps included; see PolicyModule).
+        start = int(trainer.global_step) if trainer.ckpt_path is not None else 0
+        for lg in trainer.loggers:
+            writer = lg.experiment if isinstance(lg, RunCSVLogger) else None
+            if not isinstance(writer, KeepingWriter) or writer.start_step is not None:
+                continue
+            writer.start_step = start
+            writer.save()  # rows logged before training started, if any
+            log.info(
+                "resume: %s continues at step %d; its rows of earlier steps are kept and "
+                "those of steps >= %d (logged after the checkpoint) are replaced as the "
+                "steps run again",
+                Path(writer.metrics_file_path),
+                start,
+                start,
+            )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for lg in trainer.loggers:
+            writer = lg.experiment if isinstance(lg, RunCSVLogger) else None
+            if isinstance(writer, KeepingWriter):
+                self.kept, self.dropped = writer.kept, writer.dropped

@@ -1,0 +1,278 @@
+"""DataModule: streams a task's prompts, B per training step, reproducibly and resumably.
+
+The training stream is an endless sequence of seeded permutations of the train split, read
+as a sequence of prompt *positions*. Step ``i`` consumes ``B x world_size`` consecutive
+positions; rank ``r`` takes the ``r``-th slice of ``B``, so every rank gets its own whole
+prompts (all G samples of a prompt are then drawn on one rank) and a 2-rank run with B=2
+sees the prompts of a 1-rank run with B=4. What a step reads depends only on (seed, position),
+so a run resumed from a checkpoint taken after step ``n`` continues at the position where the
+uninterrupted run would be, also when the number of ranks changes between the two.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from mrtpo.core.batch import PromptBatch
+from mrtpo.tasks.base import Example, Task
+
+log = logging.getLogger(__name__)
+
+
+def shard_of(trainer) -> tuple[int, int]:
+    """(global rank, world size) of ``trainer``; (0, 1) outside a trainer."""
+    if trainer is None:
+        return 0, 1
+    return int(trainer.global_rank), int(trainer.world_size)
+
+
+class PromptStream(IterableDataset):
+    """Endless batches of ``batch_size`` examples for one rank, starting at batch ``start``.
+
+    Batch ``i`` covers the stream positions ``first + (i - start) * batch_size * world_size
+    + rank * batch_size + [0, batch_size)``, where ``first`` (default ``start * batch_size *
+    world_size``) is the first position not yet consumed when the stream (re)starts.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        batch_size: int,
+        seed: int,
+        start: int = 0,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        first_position: int | None = None,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size} processes")
+        self.examples, self.batch_size, self.seed, self.start = examples, batch_size, seed, start
+        self.rank, self.world_size = rank, world_size
+        self.first_position = (
+            start * batch_size * world_size if first_position is None else first_position
+        )
+
+    def positions(self, i: int) -> range:
+        """Stream positions of batch ``i`` on this rank."""
+        lo = (
+            self.first_position
+            + (i - self.start) * self.batch_size * self.world_size
+            + self.rank * self.batch_size
+        )
+        return range(lo, lo + self.batch_size)
+
+    def batch_at(self, i: int) -> PromptBatch:
+        n = len(self.examples)
+        items = []
+        for pos in self.positions(i):
+            epoch, off = divmod(pos, n)
+            perm = self._perm(epoch)
+            items.append(self.examples[int(perm[off])])
+        return PromptBatch(examples=items, index=i)
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        cache = getattr(self, "_cache", None)
+        if cache is None or cache[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._cache = (epoch, torch.randperm(len(self.examples), generator=g))
+        return self._cache[1]
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        i = self.start
+        while True:
+            yield self.batch_at(i)
+            i += 1
+
+
+class EvalPrompts(torch.utils.data.Dataset):
+    def __init__(self, examples: Sequence[Example], batch_size: int):
+        self.examples, self.batch_size = examples, batch_size
+
+    def __len__(self) -> int:
+        return (len(self.examples) + self.batch_size - 1) // self.batch_size
+
+    def __getitem__(self, i: int) -> PromptBatch:
+        return PromptBatch(
+            examples=list(self.examples[i * self.batch_size : (i + 1) * self.batch_size]), index=i
+        )
+
+
+def _identity(x):
+    return x[0] if isinstance(x, list) and len(x) == 1 else x
+
+
+class PromptDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        task: Task,
+        prompts_per_step: int = 4,
+        seed: int = 0,
+        max_prompt_tokens: int | None = 4096,
+        val_prompts: int = 0,
+        val_batch_size: int = 8,
+        tokenizer=None,
+        cache_dir=None,
+    ) -> None:
+        super().__init__()
+        self.task = task
+        # prompt token counts kept between jobs (mrtpo.lightning.prompt_cache); None: not kept
+        self.cache_dir = cache_dir
+        self.tokenized = 0  # prompts this module tokenized (the others came from the cache)
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+        self.max_prompt_tokens = max_prompt_tokens
+        self.val_prompts = val_prompts
+        self.val_batch_size = val_batch_size
+        self.tokenizer = tokenizer
+        self.start_batch = 0  # set by load_state_dict on resume
+        self.start_position: int | None = None  # first unread stream position on resume
+        self.train_examples: list[Example] | None = None
+        self.val_examples: list[Example] = []
+
+    # -- data ---------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_examples is not None:
+            return
+        train = list(self.task.examples("train"))
+        n_loaded = len(train)
+        train = self._filter_length(train, "train")
+        if not train:
+            raise ValueError(self._empty_message("train", n_loaded))
+        self.train_examples = train
+        if self.val_prompts > 0:
+            val = list(self.task.examples("val"))
+            n_val = len(val)
+            val = self._filter_length(val, "val")
+            if not val:
+                raise ValueError(self._empty_message("val", n_val) + "; or set data.val_prompts=0")
+            self.val_examples = val[: self.val_prompts]
+        log.info("data: %d train prompts, %d val prompts", len(train), len(self.val_examples))
+
+    def _empty_message(self, split: str, n_loaded: int) -> str:
+        """Why a split ended up empty: the task's loader, or the prompt-length filter."""
+        if n_loaded == 0:
+            return (
+                f"task '{self.task.name}': the {split} split is empty: the task loaded no "
+                f"examples (its data files, or its own filters, e.g. references that fail to "
+                f"execute, removed them all); check the task.* data paths and options"
+            )
+        return (
+            f"task '{self.task.name}': the {split} split is empty after filtering: the task "
+            f"loaded {n_loaded} examples and the prompt-length filter removed all {n_loaded} "
+            f"(longer than data.max_prompt_tokens={self.max_prompt_tokens} tokens); raise "
+            "data.max_prompt_tokens"
+        )
+
+    def _filter_length(self, examples: list[Example], split: str) -> list[Example]:
+        if self.tokenizer is None or not self.max_prompt_tokens:
+            return examples
+        lengths = self.prompt_lengths(examples, what=f"{split} prompts")
+        kept = [e for e, n in zip(examples, lengths, strict=True) if n <= self.max_prompt_tokens]
+        if len(kept) < len(examples):
+            log.warning(
+                "data: dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d",
+                len(examples) - len(kept),
+                len(examples),
+                split,
+                self.max_prompt_tokens,
+            )
+        return kept
+
+    def prompt_lengths(
+        self, examples: list[Example], chunk: int = 1024, what: str = "prompts"
+    ) -> list[int]:
+        """Token counts of the sampling prompts, tokenized in batches (thousands of long
+        text-to-SQL schemas would take minutes one by one), with progress; counts of an
+        earlier job with the same prompts and tokenizer come from the cache."""
+        from mrtpo.lightning.prompt_cache import cached_lengths
+
+        def count(messages: list) -> list[int]:
+            texts = [
+                self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                for m in messages
+            ]
+            return [
+                len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            ]
+
+        lengths, done = cached_lengths(
+            [e.messages for e in examples], count, self.tokenizer, self.cache_dir, what, chunk
+        )
+        self.tokenized += done
+        return lengths
+
+    def prompt_length(self, example: Example) -> int:
+        return self.prompt_lengths([example])[0]
+
+    def train_stream(self) -> PromptStream:
+        """This rank's stream (its own ``prompts_per_step`` prompts of every step)."""
+        rank, world = shard_of(self.trainer)
+        return PromptStream(
+            self.train_examples,
+            self.prompts_per_step,
+            self.seed,
+            self.start_batch,
+            rank=rank,
+            world_size=world,
+            first_position=self.start_position,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        # An IterableDataset: Lightning adds no DistributedSampler; the stream shards itself.
+        return DataLoader(self.train_stream(), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_examples:
+            return []
+        return DataLoader(
+            EvalPrompts(self.val_examples, self.val_batch_size), batch_size=None, num_workers=0
+        )
+
+    # -- resume ---------------------------------------------------------------------------
+    def next_position(self, done: int) -> int:
+        """First stream position not consumed after ``done`` steps (all ranks together)."""
+        _, world = shard_of(self.trainer)
+        first = (
+            self.start_batch * self.prompts_per_step * world
+            if self.start_position is None
+            else self.start_position
+        )
+        return first + (done - self.start_batch) * self.prompts_per_step * world
+
+    def state_dict(self) -> dict:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        done = int(getattr(module, "iteration", 0)) if module is not None else 0
+        _, world = shard_of(self.trainer)
+        return {
+            "next_batch": done,
+            "next_position": self.next_position(done),
+            "seed": self.seed,
+            "world_size": world,
+            "prompts_per_step": self.prompts_per_step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            log.warning(
+                "resuming with seed=%s, but the checkpoint used %s", self.seed, state["seed"]
+            )
+        self.start_batch = int(state.get("next_batch", 0))
+        self.start_position = state.get("next_position")
+        _, world = shard_of(self.trainer)
+        old = (state.get("world_size", world), state.get("prompts_per_step", self.prompts_per_step))
+        if old != (world, self.prompts_per_step):
+            log.warning(
+                "resuming with %d process(es) x rl.prompts_per_step=%d prompts per step; the "
+                "checkpoint was written by %d x %d. The data stream continues at prompt %s.",
+                world,
+                self.prompts_per_step,
+                old[0],
+                old[1],
+                self.start_position,
+            )

@@ -1,0 +1,201 @@
+"""Sharded training (``trainer=fsdp``): FSDP2 ``fully_shard`` per decoder layer, then the root.
+
+Lightning's ``ModelParallelStrategy`` sets up the processes and the device mesh and leaves the
+wrapping to ``LightningModule.configure_model``; ``PolicyModule.configure_model`` calls
+``shard_policy`` here. Three things differ from plain Lightning:
+
+* ``FSDP2Strategy`` shards over every process by default. ``ModelParallelStrategy`` on its
+  own gives ``tensor_parallel_size = devices`` and ``data_parallel_size = num_nodes``; on one
+  node its data-parallel mesh then has one member, nothing is sharded and every rank reads
+  the same prompts.
+* The mixed-precision policy is chosen from the device: bf16 compute with float32 gradient
+  reduction on CUDA (``param_dtype: auto``), float32 elsewhere (CPU has no fast bf16 path
+  and the tests compare against float32 DDP). Master weights, gradients and AdamW moments
+  stay float32 shards (``master_dtype: fp32``): 16 bytes per parameter divided by the world.
+* Each sharded forward is a collective, so every rank must run the same number of them; the
+  loops that run the policy agree on their count (``mrtpo.distributed.Ranks.max``) and pad
+  with a discarded minimal batch (``dummy_batch``). See docs/scaling.md.
+
+Which modules become FSDP units is a per-architecture rule (``LAYER_RULES``): a model type
+without one is refused before training, naming ``trainer=fsdp`` and the supported types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from mrtpo.core.models import DTYPES as _DTYPES
+from mrtpo.distributed import dummy_batch, is_sharded  # noqa: F401  (re-exported)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+# model_type -> the modules that become their own FSDP unit (the transformer blocks): each is
+# all-gathered just before it runs and freed after, so one layer's full weights are resident
+# at a time. Embeddings, final norm and LM head stay in the root unit.
+LAYER_RULES: dict[str, Callable[[torch.nn.Module], list[torch.nn.Module]]] = {
+    "qwen2": _decoder_layers,
+    "qwen3": _decoder_layers,
+    "llama": _decoder_layers,
+    "mistral": _decoder_layers,
+}
+
+
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the wrapping rules name its modules)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def model_type(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(hf_model(model), "config", None), "model_type", None)
+
+
+def check_shardable(model: torch.nn.Module) -> None:
+    """Refuse an architecture that has no wrapping rule (before anything is sharded)."""
+    kind = model_type(model)
+    if kind not in LAYER_RULES:
+        raise ValueError(
+            f"trainer=fsdp has no layer-wrapping rule for model_type={kind!r} (the model at "
+            f"model.name_or_path); supported model_types: {sorted(LAYER_RULES)}. Use "
+            "trainer=ddp (or trainer=gpu), or add a rule to mrtpo.lightning.sharding.LAYER_RULES"
+        )
+
+
+def resolve_dtype(name: str | None, key: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"{key}={name!r} is not a dtype; use one of {sorted(_DTYPES)} or null")
+    return _DTYPES[name]
+
+
+def shard_policy(
+    model: torch.nn.Module,
+    mesh: Any,
+    mp_policy: Any = None,
+    master_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer of ``model`` by its architecture's rule, then the
+    root; in place. ``master_dtype`` casts each unit's parameters before it is sharded (a
+    bf16 checkpoint then trains on float32 master shards, one full layer cast at a time)."""
+    from torch.distributed.fsdp import fully_shard
+
+    check_shardable(model)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    layers = LAYER_RULES[model_type(model)](hf_model(model))
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    # fully_shard replaces a unit's parameters: list the root unit's before the layers go
+    rest = [p for p in model.parameters() if id(p) not in in_layers]
+    for layer in layers:
+        if master_dtype is not None:
+            layer.to(master_dtype)
+        fully_shard(layer, **kwargs)
+    if master_dtype is not None:
+        # what is left for the root unit: embeddings, final norm, head
+        for p in rest:
+            if p.is_floating_point() and p.dtype != master_dtype:
+                p.data = p.data.to(master_dtype)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` for pure FSDP2: every process is one data-parallel shard.
+
+    Args (``trainer.strategy.*``):
+        param_dtype: the dtype forwards and backwards compute in; ``auto`` is bf16 on CUDA
+            and float32 elsewhere, null keeps the parameters' dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in (float32: no precision is
+            lost summing over ranks).
+        master_dtype: the dtype of the sharded parameters the optimizer updates (and so of
+            the gradients and AdamW moments); null keeps the dtype the model was loaded in.
+        reshard_after_forward: free each layer's gathered weights after its forward (ZeRO-3;
+            false keeps them until backward, ZeRO-2-like: faster, more memory).
+        save_distributed_checkpoint: false writes one full checkpoint on rank 0 (resumable
+            on any number of ranks, readable by ``src/export.py``).
+    """
+
+    def __init__(
+        self,
+        param_dtype: str | None = "auto",
+        reduce_dtype: str | None = "fp32",
+        master_dtype: str | None = "fp32",
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        if param_dtype != "auto":
+            resolve_dtype(param_dtype, "trainer.strategy.param_dtype")
+        self.param_dtype = param_dtype
+        self.reduce_dtype = resolve_dtype(reduce_dtype, "trainer.strategy.reduce_dtype")
+        self.master_dtype = resolve_dtype(master_dtype, "trainer.strategy.master_dtype")
+        self.reshard_after_forward = bool(reshard_after_forward)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto" and self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+            self._data_parallel_size = self.num_processes * self.num_nodes
+        super().setup_environment()
+
+    def compute_dtype(self) -> torch.dtype | None:
+        if self.param_dtype == "auto":
+            return torch.bfloat16 if self.root_device.type == "cuda" else None
+        return resolve_dtype(self.param_dtype, "trainer.strategy.param_dtype")
+
+    def mp_policy(self):
+        """FSDP2's ``MixedPrecisionPolicy``, or None (compute in the parameters' dtype)."""
+        param = self.compute_dtype()
+        if param is None and self.reduce_dtype is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=self.reduce_dtype)
+
+
+def shard_module_policies(module) -> None:
+    """``PolicyModule.configure_model``'s body: shard the policy (and a frozen reference
+    copy) when the trainer's strategy is a ``ModelParallelStrategy``; a no-op otherwise."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if not isinstance(strategy, ModelParallelStrategy) or is_sharded(module.policy):
+        return
+    mesh = strategy.device_mesh
+    if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            "trainer=fsdp shards over data-parallel ranks only; set "
+            "trainer.strategy.tensor_parallel_size=1 (or leave both sizes at auto)"
+        )
+    dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+    if isinstance(strategy, FSDP2Strategy):
+        mp, master, reshard = (
+            strategy.mp_policy(),
+            strategy.master_dtype,
+            strategy.reshard_after_forward,
+        )
+    else:
+        mp, master, reshard = None, None, True
+    check_shardable(module.policy)
+    shard_policy(module.policy, dp, mp, master, reshard)
+    ref = getattr(module, "ref_policy", None)
+    if ref is not None:
+        shard_policy(ref, dp, mp, master, reshard)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of a sharded ``model``, on rank 0's CPU (empty on the
+    other ranks). A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

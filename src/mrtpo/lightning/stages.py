@@ -1,0 +1,146 @@
+"""Stages: what a run does with its policy (``stage=rl``, ``stage=sft``, or one of your own).
+
+A stage is instantiated from ``cfg.stage`` (``_target_``) and turns the pieces every run has
+— policy, tokenizer, task, prompt stream — into the LightningModule, the DataModule and the
+callbacks of that kind of training. ``mrtpo.lightning.pipeline`` never asks which stage it holds.
+
+A new stage is a subclass of ``Stage`` plus ``configs/stage/<name>.yaml`` with its
+``_target_``; ``tests/integration/test_extension.py`` adds one from a test file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.lightning.callbacks.rollout import RolloutCallback
+from mrtpo.lightning.data import PromptDataModule
+from mrtpo.lightning.module import PolicyModule
+from mrtpo.lightning.sft import SFTModule
+from mrtpo.rollout.base import SamplingConfig
+from mrtpo.run.settings import SFTConfig, check_renamed, section
+from mrtpo.tasks.base import Task
+
+
+class Stage(ABC):
+    """Base class: ``build`` returns (module, datamodule, extra callbacks)."""
+
+    name: str = "stage"
+
+    def __init__(self, name: str | None = None) -> None:
+        if name:
+            self.name = name
+
+    def check(self, cfg: DictConfig, task: Task) -> None:  # noqa: B027  (optional hook)
+        """Refuse a config this stage cannot run, before the model loads."""
+
+    @abstractmethod
+    def build(
+        self, cfg: DictConfig, policy, tokenizer, task: Task, prompts: PromptDataModule
+    ) -> tuple[L.LightningModule, L.LightningDataModule, list[L.Callback]]: ...
+
+
+def _container(node) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+
+class RLStage(Stage):
+    """Multi-reward RL: ``PolicyModule`` plus the rollout callback that feeds it.
+
+    ``optimizer`` (``params -> Optimizer``) and ``scheduler`` (``optimizer -> LRScheduler``)
+    come from ``_partial_`` nodes of configs/stage/rl.yaml; None: AdamW and the linear
+    warm-up of the ``optim`` settings."""
+
+    name = "rl"
+
+    def __init__(
+        self, name: str | None = None, optimizer: Any = None, scheduler: Any = None
+    ) -> None:
+        super().__init__(name)
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def check(self, cfg: DictConfig, task: Task) -> None:
+        from hydra.utils import instantiate
+
+        # Checked before the model loads, so a bad method.* or rollout.sampling.* value
+        # fails at once, naming the key.
+        SamplingConfig(**_container(cfg.rollout.sampling)).check_for_training()
+        self._method = instantiate(cfg.method)
+        self._method.setup(task)  # validation only: the step binds it with its services
+        strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "")
+        if strategy.endswith("FSDP2Strategy"):
+            # Combinations whose sharded forwards are not yet in lockstep, or whose adapter
+            # merges would meet sharded tensors: refused rather than left to hang or crash.
+            if getattr(self._method, "teacher", None) is not None:
+                raise ValueError(
+                    f"method={getattr(self._method, 'config_name', '?')} needs a frozen teacher, "
+                    "whose forwards are not sharded in lockstep yet: use trainer=ddp (or "
+                    "trainer=gpu), or another method with trainer=fsdp"
+                )
+            if int(OmegaConf.select(cfg, "model.lora.r", default=0) or 0) > 0:
+                raise ValueError(
+                    "model.lora.r > 0 with trainer=fsdp is not supported yet (adapter merges "
+                    "for export and vLLM sync would meet sharded tensors): LoRA trains a 7B "
+                    "model on one GPU, so use trainer=gpu or trainer=ddp"
+                )
+
+    def build(self, cfg, policy, tokenizer, task, prompts):
+        from hydra.utils import instantiate
+
+        method = getattr(self, "_method", None) or instantiate(cfg.method)
+        rl = section(cfg, "rl")
+        module = PolicyModule(
+            policy,
+            tokenizer,
+            task,
+            method,
+            rl=rl,
+            optim=section(cfg, "optim"),
+            replay=section(cfg, "replay"),
+            seed=cfg.seed,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+        )
+        engine = instantiate(cfg.rollout.engine, **_shared_prompt_arg(cfg.rollout.engine, rl))
+        rollout = RolloutCallback(
+            engine,
+            sampling=_container(cfg.rollout.sampling),
+            group_size=rl.group_size,
+            val_max_new_tokens=cfg.rollout.get("val_max_new_tokens"),
+            schedule=cfg.rollout.get("schedule", "sync"),
+            max_staleness=cfg.rollout.get("max_staleness", 1),
+        )
+        return module, prompts, [rollout]
+
+
+def _shared_prompt_arg(node, rl) -> dict[str, Any]:
+    """``share_prompt=rl.shared_prompt_forward`` for an engine that takes it (the HF engine's
+    shared prefill), so one switch rules every shared-prompt forward."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    if "share_prompt" in node:
+        check_renamed("rollout.engine.share_prompt")
+    params = inspect.signature(get_class(str(node._target_))).parameters
+    return {"share_prompt": rl.shared_prompt_forward} if "share_prompt" in params else {}
+
+
+class SFTStage(Stage):
+    """Supervised warm start on the task's references (``mrtpo.lightning.sft``)."""
+
+    name = "sft"
+
+    def __init__(self, name: str | None = None, sft: Mapping | None = None) -> None:
+        super().__init__(name)
+
+        self.sft = SFTConfig.from_mapping(dict(sft or {}))
+
+    def build(self, cfg, policy, tokenizer, task, prompts):
+        module = SFTModule(policy, tokenizer, task, **dataclasses.asdict(self.sft))
+        return module, module.datamodule(prompts), module.callbacks()

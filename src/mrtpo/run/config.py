@@ -1,0 +1,223 @@
+"""Composing the project's Hydra config outside the entry points, and the resolvers it uses.
+
+``compose`` is the one way library code and tests build a config: the same ``configs/``
+folder, the same defaults list, the same resolvers as ``src/train.py``. Importing this module
+registers the resolvers (the entry points import it before ``@hydra.main`` runs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from mrtpo.run.settings import register_schemas
+
+#: ``configs/`` of a source checkout (src/mrtpo/run/config.py -> <root>/configs).
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+
+# Run folders already claimed by this process: a resolver may be evaluated more than once
+# for the same run, and must give the same folder each time.
+_CLAIMED: dict[str, str] = {}
+# The folders above a claimed one that this process created for it (logs/, logs/train/, ...):
+# a run refused before it trained removes them again when they are empty
+# (``mrtpo.run.folder.discard_refused_folder``).
+_MADE_PARENTS: dict[str, list[str]] = {}
+
+#: The project's root: the folder holding configs/ (paths.root_dir's default).
+PROJECT_ROOT = CONFIG_DIR.parent
+
+
+def unique_dir(base: str) -> str:
+    """Create ``base`` exclusively and return it; on a collision use ``base-1``, ``base-2``...
+
+    Two runs started in the same second with default paths would otherwise share one folder
+    (their metrics interleaved, their checkpoints mixed). Worker processes that Lightning
+    launches for DDP are given the folder explicitly and never come here.
+    """
+    if base in _CLAIMED:
+        return _CLAIMED[base]
+    path = Path(base)
+    missing = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 0
+    while True:
+        try:
+            candidate.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.name}-{n}")
+    _CLAIMED[base] = str(candidate)
+    _MADE_PARENTS[str(candidate)] = [str(p) for p in missing]
+    return str(candidate)
+
+
+def made_here(folder: str | Path) -> list[Path] | None:
+    """For a run folder this process created (``unique_dir``): the folders it created for it,
+    the run folder first, then its parents from the innermost; None for any other folder."""
+    key = str(folder)
+    if key not in _MADE_PARENTS:
+        key = next((k for k in _MADE_PARENTS if Path(k).resolve() == Path(folder).resolve()), "")
+    if not key:
+        return None
+    return [Path(key), *map(Path, _MADE_PARENTS[key])]
+
+
+def run_dir(resume, base: str) -> str:
+    """``hydra.run.dir``: the resumed run's own folder, or a new, unique one."""
+    return str(resume) if resume else unique_dir(base)
+
+
+def hydra_subdir(resume) -> str | None:
+    """``hydra.output_subdir``: ``.hydra`` for a new run; None (nothing written) for a resume.
+
+    A resume must not change its run folder before it has been validated, and Hydra would
+    otherwise overwrite the original ``overrides.yaml`` with the resuming command line.
+    ``mrtpo.run.folder.record_resume`` saves the resume's config once it is accepted.
+    """
+    return None if resume else ".hydra"
+
+
+def job_log(resume, output_dir: str, job_name: str, pending_dir: str | None = None) -> str:
+    """Hydra's job log file: in the run folder, except for a resume not yet validated. That
+    one logs to ``pending_dir`` (``<paths.log_dir>/<job>/resume-logs/``) until
+    ``record_resume`` accepts the resume and moves what was logged into the run's own log (a
+    refused resume's log stays there). Without ``pending_dir`` (an older hydra config): beside
+    the resumed folder's parent."""
+    if not resume:
+        return str(Path(output_dir) / f"{job_name}.log")
+    folder = Path(str(resume)).resolve()
+    pending = Path(pending_dir) if pending_dir else folder.parent.parent / "resume-logs"
+    pending.mkdir(parents=True, exist_ok=True)
+    return str(pending / f"{folder.name}.{os.getpid()}.log")
+
+
+def flat_dirname(name: str) -> str:
+    """A sweep job's folder name from its overrides: one folder, not a nest of them for a
+    path-valued override (``model.name_or_path=/a/b``), at most 200 characters."""
+    return str(name).replace("/", "_").replace(os.sep, "_")[:200]
+
+
+# A multirun's folder, by its base (``.../multiruns/<time>``): the last one the launcher
+# resolved from a sweep's own overrides, for its jobs (whose overrides sweep nothing).
+_SWEEP_DIRS: dict[str, str] = {}
+
+
+def swept_keys(overrides) -> list[str]:
+    """The keys a multirun sweeps over (``method=gdpo,mrtpo``, ``seed=range(1,4)``), in order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, keys = OverridesParser.create(), []
+    for text in overrides or []:
+        try:
+            parsed = parser.parse_overrides([str(text)])[0]
+        except Exception:  # not Hydra's grammar: not a sweep Hydra would run
+            continue
+        if parsed.is_sweep_override() and parsed.key_or_group not in keys:
+            keys.append(parsed.key_or_group)
+    return keys
+
+
+def sweep_dir(base, overrides) -> str:
+    """``hydra.sweep.dir``: ``base`` (``.../multiruns/<time>``) followed by the swept keys
+    (``..._method-seed``), so a sweep's folder says what it holds; one folder name of at most
+    100 more characters. A job's own overrides sweep nothing: it gets the folder its sweep
+    was given last (sweeps in one process run one after another). Like Hydra's ``${now:...}``
+    folder, two sweeps over the same keys in the same second share one folder."""
+    key, keys = str(base), swept_keys(overrides)
+    if not keys:
+        return _SWEEP_DIRS.get(key, key)
+    name = re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(keys))[:100]
+    _SWEEP_DIRS[key] = f"{key}_{name}"
+    return _SWEEP_DIRS[key]
+
+
+# src/eval.py's .hydra subfolders, by eval.output: one answer per folder however often resolved.
+_EVAL_SUBDIRS: dict[str, str] = {}
+
+
+def eval_hydra_subdir(output) -> str:
+    """``hydra.output_subdir`` of eval: ``.hydra``, unless ``eval.output`` already holds a
+    ``.hydra/`` (e.g. eval.output=<training run>): then ``.hydra/eval-<time>``, so a training
+    run's saved config is never overwritten. The same answer each time it is resolved."""
+    if not output or not (Path(str(output)) / ".hydra").exists():
+        return ".hydra"
+    key = str(output)
+    if key not in _EVAL_SUBDIRS:
+        _EVAL_SUBDIRS[key] = f".hydra/eval-{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+    return _EVAL_SUBDIRS[key]
+
+
+def run_config_path(ckpt_path: str | Path) -> Path:
+    """``<run>/.hydra/config.yaml`` for ``<run>/checkpoints/<name>.ckpt``."""
+    ckpt = Path(ckpt_path)
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run / ".hydra" / "config.yaml"
+
+
+def eval_task_name(choice: str, ckpt_path, overrides) -> str:
+    """The task an evaluation scores, for its folder name (eval.yaml's ``run_name``): the
+    training run's (its ``.hydra/hydra.yaml`` or ``job.json``) when ``ckpt_path`` is given
+    without ``task=``."""
+    given = any(str(o).lstrip("+").startswith("task=") for o in (overrides or []))
+    if not ckpt_path or given:
+        return choice
+    run = run_config_path(str(ckpt_path)).parent.parent
+    try:
+        saved = OmegaConf.load(run / ".hydra" / "hydra.yaml")
+        return str(saved.hydra.runtime.choices.task)
+    except Exception:  # no saved Hydra config: the job's record, else the choice
+        import json
+
+        try:
+            return str(json.loads((run / "job.json").read_text())["task"] or choice)
+        except Exception:
+            return choice
+
+
+def register_resolvers() -> None:
+    for name, fn in (
+        ("mrtpo.unique_dir", unique_dir),
+        ("mrtpo.run_dir", run_dir),
+        ("mrtpo.hydra_subdir", hydra_subdir),
+        ("mrtpo.job_log", job_log),
+        ("mrtpo.flat_dirname", flat_dirname),
+        ("mrtpo.sweep_dir", sweep_dir),
+        ("mrtpo.project_root", lambda: str(PROJECT_ROOT)),
+        ("mrtpo.eval_hydra_subdir", eval_hydra_subdir),
+        ("mrtpo.eval_task_name", eval_task_name),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()
+
+
+def _register_schemas() -> None:
+    register_schemas()
+
+
+_register_schemas()
+
+
+def compose(config_name: str = "train.yaml", overrides: Sequence[str] = (), config_dir=None):
+    """The real config, composed as the entry points compose it (with the ``hydra`` node).
+
+    Also makes it the current ``HydraConfig``, so ``${hydra:...}`` interpolations resolve.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name, overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+    return cfg

@@ -1,0 +1,215 @@
+"""Every key of a composed training config is read by something, or the run is refused.
+
+Hydra's ``+key=value`` adds any key, and its own hint for a misspelt group is ``+metod=gdpo``:
+that run trained MRTPO and exited 0, and ``+learning_rate=1e-5`` was ignored the same way.
+``check_keys`` refuses such a config before anything loads, naming the key and the nearest
+real one. What counts as read:
+
+* a top-level key of ``TOP_LEVEL`` (each with what reads it);
+* the keys of the typed sections (``rl``, ``optim``, ``replay``, ``data``, ``stage.sft``:
+  ``mrtpo.run.settings`` refuses the others);
+* in a node with a ``_target_`` (a task, a method, the trainer, a callback, a logger, the
+  stage and the nodes inside it), the arguments its class or function takes; a class that
+  takes ``**kwargs`` takes any key;
+* the keys of ``FIXED`` nodes (``model``: ``mrtpo.core.models.load_policy``'s arguments,
+  ``rollout``, ``rollout.sampling``);
+* anything under ``paths`` (its keys are read by interpolation) and ``hydra``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from mrtpo.run.settings import SCHEMAS, ConfigError
+
+#: The top-level keys of a training config, and what reads each.
+TOP_LEVEL: dict[str, str] = {
+    "job_name": "the log folder (logs/<job_name>/runs)",
+    "run_name": "the run folder's name",
+    "seed": "every random generator",
+    "ckpt_path": "the checkpoint a new run starts from",
+    "print_config": "the config tree printed at the start",
+    "warm_start": "the runs done first (mrtpo.lightning.pipeline.run_warm_starts)",
+    "threads": "torch's CPU threads (mrtpo.run.threads)",
+    "paths": "where data, logs and caches live",
+    "model": "the policy (mrtpo.core.models.load_policy)",
+    "task": "the prompts and rewards",
+    "method": "how rewards become token advantages",
+    "rollout": "the generation engine and sampling",
+    "trainer": "the Lightning trainer",
+    "logger": "the metrics sinks",
+    "callbacks": "the callbacks",
+    "stage": "RL or SFT",
+    "rl": "the RL step's settings",
+    "optim": "the optimizer's settings",
+    "replay": "self-replay's batching",
+    "data": "the prompt stream",
+    "hydra": "Hydra itself",
+    # keys a command adds with +key=value, or a preset declares
+    "resume": "+resume=<run folder>: continue a run in its folder",
+    "allow_cpu": "+allow_cpu=true: a model of 1B parameters or more on the CPU trainer",
+    "dry_run": "dry_run=true (src/train.py --check): check the run and say what it would do",
+    "paper_data": "a paper preset's data files (mrtpo.run.paper_data)",
+}
+
+#: Config groups (``configs/<group>/``): ``+metod=gdpo`` is most likely ``method=gdpo``.
+GROUPS = ("task", "method", "model", "rollout", "trainer", "logger", "callbacks", "stage",
+          "experiment", "debug", "paths")  # fmt: skip
+
+#: Words people type for a setting that has another name here.
+SYNONYMS: dict[str, str] = {
+    "learning_rate": "optim.lr",
+    "lr": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "warmup_steps": "optim.warmup_steps",
+    "max_steps": "trainer.max_steps",
+    "steps": "trainer.max_steps",
+    "num_steps": "trainer.max_steps",
+    "devices": "trainer.devices",
+    "gpus": "trainer.devices",
+    "precision": "trainer.precision",
+    "batch_size": "rl.global_prompts_per_step",
+    "prompts_per_step": "rl.prompts_per_step",
+    "num_generations": "rl.group_size",
+    "group_size": "rl.group_size",
+    "n_samples": "rl.group_size",
+    "kl_coef": "rl.kl_coef",
+    "beta": "method.beta",
+    "epochs": "rl.ppo_epochs",
+    "temperature": "rollout.sampling.temperature",
+    "max_new_tokens": "rollout.sampling.max_new_tokens",
+    "max_tokens": "rollout.sampling.max_new_tokens",
+    "model_name": "model.name_or_path",
+    "model_path": "model.name_or_path",
+    "data_path": "task.data.path",
+    "data_dir": "paths.data_dir",
+    "output_dir": "paths.output_dir",
+    "log_dir": "paths.log_dir",
+    "num_threads": "threads",
+}
+
+#: Hydra's own keys in a node with a ``_target_``.
+HYDRA_KEYS = frozenset({"_target_", "_convert_", "_partial_", "_recursive_", "_args_"})
+
+
+def _fields(cls_path: str, name: str) -> Callable[[], tuple[str, ...] | None]:
+    def read() -> tuple[str, ...] | None:
+        import importlib
+
+        module = importlib.import_module(cls_path)
+        params = inspect.signature(getattr(module, name)).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None  # it takes any key (a wrapper): nothing to refuse
+        return tuple(p.name for p in params)
+
+    return read
+
+
+#: Nodes without a ``_target_`` whose keys the code reads by name.
+FIXED: dict[str, Callable[[], tuple[str, ...] | None]] = {
+    "model": _fields("mrtpo.core.models", "load_policy"),
+    "rollout": lambda: ("engine", "sampling", "val_max_new_tokens", "schedule", "max_staleness"),
+    "rollout.sampling": _fields("mrtpo.rollout.base", "SamplingConfig"),
+}
+
+
+def _takes(target: str) -> tuple[str, ...] | None:
+    """The keyword arguments ``target`` takes; None when it takes any (``**kwargs``) or
+    cannot be imported or inspected here (its instantiation then says why)."""
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(target)
+        sig = inspect.signature(obj)
+    except Exception:
+        return None
+    params = list(sig.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+
+
+def nearest(key: str, candidates: list[str]) -> str | None:
+    """The candidate closest to ``key`` (a synonym first, then by spelling), or None."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in SYNONYMS and SYNONYMS[leaf] != key:
+        return SYNONYMS[leaf]
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if match:
+        return match[0]
+    match = difflib.get_close_matches(leaf, [c.rsplit(".", 1)[-1] for c in candidates], 1, 0.75)
+    return next((c for c in candidates if match and c.rsplit(".", 1)[-1] == match[0]), None)
+
+
+def unread_keys(tree: Mapping[str, Any]) -> Iterator[tuple[str, list[str]]]:
+    """(dotted key, the keys that would be read in its place) for each key nothing reads."""
+    for key in tree:
+        if key not in TOP_LEVEL:
+            yield str(key), [*TOP_LEVEL, *GROUPS]
+    for name, read in FIXED.items():
+        node = _select(tree, name)
+        known = read() if isinstance(node, Mapping) else None
+        if known is not None:
+            for key in node:
+                if key not in known:
+                    yield f"{name}.{key}", [f"{name}.{k}" for k in known]
+    for name in TOP_LEVEL:
+        if name in ("hydra", "paths") or name in SCHEMAS:
+            continue
+        yield from _unread_in_targets(tree.get(name), name)
+
+
+def _select(tree: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _unread_in_targets(node: Any, where: str) -> Iterator[tuple[str, list[str]]]:
+    """Keys of every ``_target_`` node at or below ``node`` that its target does not take."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _unread_in_targets(item, f"{where}[{i}]")
+        return
+    if not isinstance(node, Mapping):
+        return
+    target = node.get("_target_")
+    takes = _takes(str(target)) if isinstance(target, str) else None
+    for key, value in node.items():
+        key = str(key)
+        if takes is not None and key not in HYDRA_KEYS and key not in takes:
+            yield f"{where}.{key}", [f"{where}.{k}" for k in takes]
+        elif where != "stage" or key != "sft":  # stage.sft: a typed section
+            yield from _unread_in_targets(value, f"{where}.{key}")
+
+
+def _refusal(key: str, candidates: list[str], tree: Mapping[str, Any]) -> str:
+    value = _select(tree, key) if "[" not in key else None
+    shown = f"{key}={value}" if isinstance(value, (str, int, float, bool)) else key
+    near = nearest(key, candidates)
+    if near in GROUPS and "." not in key:  # +metod=gdpo: a group's option was meant
+        hint = f"; did you mean {near}={value} (a config group: configs/{near}/)?"
+    elif near:
+        hint = f"; did you mean {near}?"
+    else:
+        hint = "; `python src/train.py --help` lists every group and key"
+    return (
+        f"+{shown}: nothing reads the key {key!r}, so the run would ignore it{hint} "
+        "(the run was refused before anything loaded)"
+    )
+
+
+def check_keys(cfg) -> None:
+    """Refuse a training config holding a key nothing reads, naming it and the nearest real
+    one (``ConfigError``)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig) or "task" not in cfg or "trainer" not in cfg:
+        return  # a library caller's partial config: only whole training configs are checked
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    for key, candidates in unread_keys(tree):
+        raise ConfigError(_refusal(key, candidates, tree))

@@ -1,0 +1,264 @@
+"""Checking that every configured logger can be built, before anything heavy is loaded.
+
+Lightning's loggers test for their package only when they are constructed, which in a run
+happens after the policy has been loaded (minutes for a real model) and the run folder has
+been created: a missing ``tensorboard`` or ``wandb`` then costs that time and leaves an
+empty folder behind. ``check_loggers`` makes the same test on the config alone and says
+which extra of this project installs what is missing.
+
+``RunCSVLogger`` is Lightning's CSV logger made safe for resuming in place: ``metrics.csv`` is
+never deleted or truncated, only replaced atomically, so a run's history is on disk at every
+instant (``build_loggers`` uses it for ``lightning.pytorch.loggers.CSVLogger``). It never
+writes through a link planted in the run folder (``mrtpo.safe_files``).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import importlib.util
+import io
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.safe_files import check_folders, no_follow, refuse_unsafe, write_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Needs:
+    """What a logger class needs: one of ``modules`` importable (with ``requirement``'s
+    version), and the extra of this project (or the pip requirement) that installs it."""
+
+    modules: tuple[str, ...]
+    requirement: str  # pip requirement of the package installed by the hint
+    extra: str | None  # this project's optional-dependency group, when it has one
+
+
+# Keyed by the class name, so that ``lightning.pytorch.loggers.X`` and
+# ``pytorch_lightning.loggers.X`` are treated alike. Versions are Lightning's own minimums.
+_NEEDS: dict[str, _Needs] = {
+    "TensorBoardLogger": _Needs(("tensorboard", "tensorboardX"), "tensorboard", "tensorboard"),
+    "WandbLogger": _Needs(("wandb",), "wandb>=0.12.10", "wandb"),
+    "MLFlowLogger": _Needs(("mlflow",), "mlflow>=1.0.0", None),
+    "CometLogger": _Needs(("comet_ml",), "comet-ml>=3.44.4", None),
+    "NeptuneLogger": _Needs(("neptune",), "neptune>=1.0", None),
+}
+
+
+class LoggerPackageMissing(ImportError):
+    """A configured logger cannot be built because its package is not installed."""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package, or a broken module spec
+        return False
+
+
+def _version_ok(module: str, requirement: str) -> bool:
+    """True unless the installed distribution is known to be too old for ``requirement``."""
+    from packaging.requirements import Requirement
+
+    req = Requirement(requirement)
+    if module != req.name.replace("-", "_") or not req.specifier:
+        return True
+    try:
+        version = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        return True  # importable without metadata (a source tree on the path): trust it
+    return req.specifier.contains(version, prereleases=True)
+
+
+def _problem(key: str, target: str) -> str | None:
+    """Why the logger ``key`` (class ``target``) cannot be built; None when it can."""
+    module_name, _, cls = target.rpartition(".")
+    needs = _NEEDS.get(cls)
+    if needs is None:
+        # A logger this table does not know: at least its own module must be importable.
+        if module_name and not _importable(module_name):
+            return (
+                f"logger.{key}: its _target_ {target} cannot be imported (no module "
+                f"{module_name!r}); install the package that provides it, or drop this logger"
+            )
+        return None
+    found = [m for m in needs.modules if _importable(m)]
+    if found and any(_version_ok(m, needs.requirement) for m in found):
+        return None
+    what = " or ".join(f"`{m}`" for m in needs.modules)
+    state = "is too old" if found else "is not installed"
+    how = (
+        f"pip install -e .[{needs.extra}]  (or pip install '{needs.requirement}')"
+        if needs.extra
+        else f"pip install '{needs.requirement}'"
+    )
+    return (
+        f"logger.{key} ({cls}) needs the {what} package ({needs.requirement}), which {state}: {how}"
+    )
+
+
+def _nodes(logger_cfg) -> list[tuple[str, Mapping]]:
+    if logger_cfg is None or logger_cfg is False:
+        return []
+    if isinstance(logger_cfg, DictConfig):
+        logger_cfg = OmegaConf.to_container(logger_cfg, resolve=False)
+    if not isinstance(logger_cfg, Mapping):
+        raise TypeError(
+            f"logger must be a mapping of name -> logger config, got {type(logger_cfg).__name__}"
+        )
+    if "_target_" in logger_cfg:  # a single logger node rather than a group of them
+        return [("_", logger_cfg)]
+    return [(str(k), v) for k, v in logger_cfg.items() if v]
+
+
+def check_loggers(logger_cfg) -> None:
+    """Raise ``LoggerPackageMissing`` if any logger of the composed ``logger`` node cannot be
+    built because a package is missing; the message names each such logger and the install
+    command. Reads the config only: no logger is constructed, nothing is written."""
+    problems = []
+    for key, node in _nodes(logger_cfg):
+        target = node.get("_target_") if isinstance(node, Mapping) else None
+        if not target:
+            continue
+        problem = _problem(key, str(target))
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise LoggerPackageMissing(
+            "cannot start: "
+            + "; ".join(problems)
+            + ". Or choose another logger (logger=csv needs nothing extra)."
+        )
+
+
+# ---- a CSV logger that never loses the history of a run ------------------------------------
+
+
+def _step_of(row: dict[str, str]) -> int | None:
+    try:
+        return int(float(row.get("step", "")))
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """Header and rows of ``path``; a last line cut short by a kill (no newline) is left out."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log.warning("%s: its last line is incomplete (a killed writer?); left out", path)
+        data = data[:cut]
+    reader = csv.DictReader(io.StringIO(data.decode("utf-8"), newline=""))
+    rows = list(reader)
+    return list(reader.fieldnames or []), rows
+
+
+def _write_csv_atomic(path: Path, fields: list[str], rows: list[dict[str, Any]]) -> None:
+    """``rows`` into ``path`` through a fsynced temporary file beside it and one rename, so
+    that at every instant ``path`` holds either the old or the new table."""
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(path, text.getvalue())
+
+
+class KeepingWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` is never removed or
+    truncated in place.
+
+    Lightning's writer deletes the file when it is created and rewrites it in place when a
+    new column appears; a process killed in between loses every earlier row. Here the file
+    stays as it was until the first rows of this run are saved; then one atomic rename
+    replaces it by its rows of steps before ``start_step`` (the step a resumed run restarts
+    from; 0 for a new run) followed by the new rows. Later saves append, or, when a column
+    is new, rewrite the whole table atomically.
+    """
+
+    def __init__(self, log_dir: str, start_step: int | None = 0) -> None:
+        super().__init__(log_dir)
+        #: rows of steps at or after this are dropped from the old file; None: not known yet
+        #: (a resume before its checkpoint is restored), so nothing is written until set
+        self.start_step = start_step
+        self._merged = False
+        self.kept = self.dropped = 0
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's version deletes metrics.csv
+        return
+
+    def save(self) -> None:
+        if not self.metrics or self.start_step is None:
+            return
+        path = Path(self.metrics_file_path)
+        if "://" in str(self.metrics_file_path) and not str(path).startswith("file://"):
+            return super().save()  # a remote store: Lightning's writer
+        new_keys = self._record_new_keys()
+        if not self._merged or new_keys or not path.is_file():
+            refuse_unsafe(path)  # a link planted here: never read nor written through
+            old_fields, old = _read_rows(path) if path.is_file() else ([], [])
+            if not self._merged:
+                keep = [r for r in old if (s := _step_of(r)) is not None and s < self.start_step]
+                self.kept, self.dropped = len(keep), len(old) - len(keep)
+                old = keep
+            self.metrics_keys = sorted(set(self.metrics_keys) | set(old_fields))
+            _write_csv_atomic(path, self.metrics_keys, old + self.metrics)
+            self._merged = True
+        else:
+            with open(path, "a", newline="", encoding="utf-8", opener=no_follow) as f:
+                csv.DictWriter(f, fieldnames=self.metrics_keys).writerows(self.metrics)
+                f.flush()
+                os.fsync(f.fileno())
+        self.metrics = []
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` writing through ``KeepingWriter`` (see above).
+
+    ``resuming``: the run continues from a checkpoint; the step it restarts from is given
+    later (``mrtpo.lightning.callbacks.resume.ResumeMetrics``), and until then the old file is kept.
+    """
+
+    def __init__(self, *args: Any, resuming: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resuming = resuming
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> KeepingWriter:
+        if self._experiment is None:
+            save_dir, log_dir = Path(self.save_dir or "."), Path(self.log_dir)
+            if "://" not in str(self.save_dir) and log_dir.is_relative_to(save_dir):
+                check_folders(log_dir, save_dir)  # csv/ planted as a link to a user's folder
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = KeepingWriter(self.log_dir, None if self.resuming else 0)
+        return self._experiment
+
+
+_LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "pytorch_lightning.loggers.CSVLogger")
+
+
+def build_loggers(logger_cfg, resuming: bool) -> list:
+    """The configured loggers; Lightning's own ``CSVLogger`` is built as ``RunCSVLogger``."""
+    from hydra.utils import instantiate
+
+    loggers = []
+    for node in (logger_cfg or {}).values():
+        if not node:
+            continue
+        if str(node.get("_target_", "")) in _LIGHTNING_CSV:
+            target = f"{__name__}.RunCSVLogger"
+            loggers.append(instantiate(node, _target_=target, resuming=resuming))
+        else:
+            loggers.append(instantiate(node))
+    return loggers

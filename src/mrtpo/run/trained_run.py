@@ -1,0 +1,314 @@
+"""The training run behind a checkpoint, for evaluating or exporting it.
+
+With ``ckpt_path=<run>/checkpoints/<x>.ckpt`` the model (and with it the tokenizer) and the
+task come from that training run's saved config, ``<run>/.hydra/config.yaml``: the checkpoint
+is scored as it was trained. A group chosen on the command line (``model=...``, ``task=...``)
+replaces the run's; a single key (``model.name_or_path=...``, ``task.num_val=...``) changes
+only that key of the run's group.
+
+A run folder may come from someone else, and its config may name code: a custom task's
+reward modules, a task class. Evaluating it imports that code only when the command line
+names the code itself (``task.rewards=...``, ``task=...``) or says
+``eval.trust_run_code=true``; otherwise the job stops naming the keys and the flag
+(``run_code``).
+
+Used by the evaluation job (``mrtpo.evaluate.job``), the export (``mrtpo.evaluate.export``) and the tables
+(``mrtpo.evaluate.tables``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mrtpo.run.config import run_config_path
+
+log = logging.getLogger(__name__)
+
+#: Config groups taken from the training run of ``ckpt_path`` unless given on the command line.
+RUN_GROUPS = ("model", "task")
+
+
+def _command_line() -> list[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # composed without Hydra's runtime (a library caller)
+        return []
+
+
+def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
+    """(whether ``group=...`` itself was chosen, the dotted ``group.x.y`` keys given)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    chosen, keys = False, []
+    for ov in OverridesParser.create().parse_overrides(overrides):
+        key = ov.key_or_group
+        if key == group:
+            chosen = True
+        elif key.startswith(group + "."):
+            keys.append(key)
+    return chosen, keys
+
+
+def from_training_run(
+    cfg: DictConfig, overrides: list[str] | None = None, builds_task: bool = True
+) -> tuple[DictConfig, dict[str, Any]]:
+    """``cfg`` with ``model`` and ``task`` taken from the training run of ``cfg.ckpt_path``.
+
+    The run's groups are resolved as the run resolved them (its own paths); command-line
+    overrides of a whole group win, and overridden keys are applied on top of the run's group.
+    Returns the config and a record of where each group came from. ``overrides``: the
+    command line of a caller that composed ``cfg`` itself (default: Hydra's).
+    ``builds_task``: the caller will build the task, so code that the run's task config
+    names is refused unless trusted (``check_run_code``); export, which never builds it,
+    passes False.
+    """
+    ckpt = cfg.get("ckpt_path")
+    if not ckpt:
+        return cfg, {}
+    if not Path(str(ckpt)).is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt}: no such checkpoint file")
+    saved = run_config_path(str(ckpt))
+    if not saved.is_file():
+        log.warning(
+            "ckpt_path=%s: no training config at %s; using model= and task= of this command "
+            "(%s, %s)",
+            ckpt,
+            saved,
+            cfg.model.get("name_or_path"),
+            cfg.task.get("_target_"),
+        )
+        return cfg, {"run_config": None}
+    train_cfg = OmegaConf.load(saved)
+    overrides = _command_line() if overrides is None else list(overrides)
+    info: dict[str, Any] = {"run_config": str(saved)}
+    for group in RUN_GROUPS:
+        chosen, keys = _given(overrides, group)
+        if chosen or group not in train_cfg:
+            info[f"{group}_source"] = "command line"
+            continue
+        try:
+            node = OmegaConf.to_container(train_cfg[group], resolve=True)
+        except Exception as exc:  # e.g. an interpolation into a key eval lacks
+            raise ValueError(
+                f"ckpt_path={ckpt}: cannot read {group} from {saved} ({exc}); pass {group}=... "
+                "on the command line"
+            ) from exc
+        node = OmegaConf.create(node)
+        if group == "task":
+            if builds_task:
+                check_run_code(cfg, node, keys, saved)
+            info["dropped"] = _drop_smoke_limits(node, keys)
+        for key in keys:  # e.g. model.name_or_path=/local/copy of the run's model
+            sub = key[len(group) + 1 :]
+            value = OmegaConf.select(cfg, key, default=None)
+            OmegaConf.update(node, sub, value, force_add=True)
+        with open_dict(cfg):
+            cfg[group] = node
+        info[f"{group}_source"] = f"training run ({saved})" + (
+            f" with {', '.join(keys)}" if keys else ""
+        )
+        log.info("eval: %s from the training run %s", group, saved.parent.parent)
+    return cfg, info
+
+
+# ---- code named by a run folder's config ------------------------------------------------------
+
+#: Keys of a task config that name code (import strings, folders put on the import path, a
+#: folder of checker modules), with the evaluation split that imports it (None: every split).
+#: A task's ``_target_`` is code too: only the project's own task classes are taken as given.
+CODE_KEYS: dict[str, str | None] = {
+    "rewards": None,
+    "blocks": None,
+    "success": None,
+    "import_dirs": None,
+    "muldimif.checker_dir": "muldimif",
+}
+
+
+def _own_task_configs(cfg: DictConfig) -> dict[str, dict]:
+    """configs/task/*.yaml by ``_target_``, resolved with this command's ``paths``."""
+    from mrtpo.run.config import CONFIG_DIR
+
+    out: dict[str, dict] = {}
+    for path in sorted((CONFIG_DIR / "task").glob("*.yaml")):
+        try:
+            both = OmegaConf.create({"paths": cfg.get("paths") or {}, "task": OmegaConf.load(path)})
+            node = OmegaConf.to_container(both.task, resolve=True)
+        except Exception:  # a key this command cannot resolve: compared unresolved, differs
+            node = OmegaConf.to_container(OmegaConf.load(path))
+        if isinstance(node, dict) and node.get("_target_"):
+            out.setdefault(str(node["_target_"]), node)
+    return out
+
+
+def _targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every ``_target_`` in ``node`` as (dotted key, value)."""
+    found = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{path}.{k}" if path else str(k)
+            found += [(key, v)] if k == "_target_" else _targets(v, key)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _targets(v, f"{path}.{i}" if path else str(i))
+    return found
+
+
+def _dig(node: Any, key: str) -> Any:
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def run_code(task: DictConfig, given: list[str], cfg: DictConfig) -> list[str]:
+    """``task.<key>=<value>`` for each piece of code the run's ``task`` config names that the
+    command line does not name itself (``given``: its ``task.x`` keys)."""
+    node = OmegaConf.to_container(task, resolve=True)
+    own = _own_task_configs(cfg)
+    mine = own.get(str(node.get("_target_")), {})
+    split = OmegaConf.select(cfg, "eval.split", default=None)
+    found = [(k, v) for k, v in _targets(node) if not (k == "_target_" and v in own)]
+    for key, only_on in CODE_KEYS.items():
+        value = _dig(node, key)
+        if value in (None, [], {}, False) or (only_on is not None and split != only_on):
+            continue
+        if key == "success" and (not isinstance(value, str) or not any(c in value for c in ".:")):
+            continue  # "all" or a reward's name: no import
+        if value != _dig(mine, key):
+            found.append((key, value))
+
+    def named_here(key: str) -> bool:
+        full = f"task.{key}"
+        return any(full == g or full.startswith(g + ".") for g in given)
+
+    return [f"task.{k}={v!r}" for k, v in found if not named_here(k)]
+
+
+def check_run_code(cfg: DictConfig, task: DictConfig, given: list[str], saved: Path) -> None:
+    """Refuse to build a task whose code the run folder's config names, unless the user
+    trusts that folder (``eval.trust_run_code=true``); one line naming the keys."""
+    trust = OmegaConf.select(cfg, "eval.trust_run_code", default=False)
+    if not isinstance(trust, bool):
+        raise ValueError(f"eval.trust_run_code={trust!r} is not allowed: true or false")
+    code = run_code(task, given, cfg)
+    if not code:
+        return
+    listing = "; ".join(code)[:600]
+    if trust:
+        log.warning("eval: importing the code that %s names (eval.trust_run_code=true): %s",
+                    saved, listing)  # fmt: skip
+        return
+    keys = "=..., +".join(dict.fromkeys(c.split("=", 1)[0] for c in code))
+    raise ValueError(
+        f"ckpt_path={cfg.ckpt_path}: its training run's config {saved} names code that "
+        f"evaluating it would import and run: {listing}. Nothing of it was imported. If you "
+        "trust that run folder, add eval.trust_run_code=true; or name the code yourself on "
+        f"the command line (+{keys}=..., or task=<name>)"
+    )
+
+
+#: Task keys that shrink a training run's data (smoke runs, tests): an evaluation of its
+#: checkpoint scores the whole split unless the command line sets them again.
+SMOKE_LIMITS = ("max_examples", "data.max_examples")
+
+
+def _drop_smoke_limits(task: DictConfig, given: list[str]) -> list[str]:
+    """Null the run's ``task.max_examples``-style limits (not the ones given here); say so."""
+    dropped = []
+    for key in SMOKE_LIMITS:
+        value = OmegaConf.select(task, key, default=None)
+        if value is None or f"task.{key}" in given:
+            continue
+        OmegaConf.update(task, key, None)
+        dropped.append(f"task.{key}={value}")
+        log.warning(
+            "eval: the training run's task.%s=%s (a training limit) is not applied: the whole "
+            "split is scored; pass task.%s=%s to keep it (eval.limit=N: the first N)",
+            key, value, key, value,
+        )  # fmt: skip
+    return dropped
+
+
+def load_checkpoint_weights(
+    policy, ckpt_path: str, model_source: str = "", use: str = "evaluate one"
+) -> int | None:
+    """Put the policy weights of a training checkpoint into ``policy``; return its step.
+
+    A checkpoint of another model (other shapes or parameter names) fails naming the first
+    differences and where the model config came from, not with torch's size mismatch. A
+    damaged or refused checkpoint is a one-line ValueError naming it and the other
+    checkpoints of its folder, offered for ``use`` (``"export one"`` for src/export.py).
+    """
+    from mrtpo.core.lora import checkpoint_keys
+    from mrtpo.run.checkpointing import CheckpointError, load_checkpoint
+
+    try:
+        ckpt = load_checkpoint(ckpt_path, map_location="cpu", mmap=True)
+    except CheckpointError as exc:
+        raise ValueError(exc.advice(use)) from exc
+    state = ckpt.get("state_dict") or {}
+    weights = {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
+    ours = policy.state_dict()
+    shapes = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(ours[k].shape)}"
+        for k, v in weights.items()
+        if k in ours and tuple(v.shape) != tuple(ours[k].shape)
+    ]
+    unexpected = [k for k in weights if k not in ours]
+    # a LoRA run's checkpoint holds its adapters only: the base is model.name_or_path
+    missing = [k for k in checkpoint_keys(policy) if k not in weights and "lm_head" not in k]
+    if not weights or shapes or unexpected or missing:
+        detail = "; ".join(
+            [f"shapes differ: {shapes[:2]}"] * bool(shapes)
+            + [f"{len(unexpected)} unexpected parameters (e.g. {unexpected[:2]})"]
+            * bool(unexpected)
+            + [f"{len(missing)} missing (e.g. {missing[:2]})"] * bool(missing)
+            + ["it holds no policy weights"] * (not weights)
+        )
+        raise ValueError(
+            f"ckpt_path={ckpt_path} holds a different model than the one loaded "
+            f"(model from {model_source or 'the command line'}): {detail}. Drop model= from "
+            "the command line to use the training run's model, or pick the matching model="
+        )
+    policy.load_state_dict(weights, strict=False)
+    return ckpt.get("global_step")
+
+
+#: The file an export writes last: its presence marks a finished export (and its step).
+MARKER = "mrtpo_export.json"
+
+
+def exported_step(out: Path) -> int | None:
+    """The training step of the export in ``out`` (None: none there, or unreadable)."""
+    try:
+        step = json.loads((out / MARKER).read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def pending_export(cfg: Any, step: int) -> Path | None:
+    """Where a run that finished training at ``step`` still owes its end-of-run export (the
+    process was stopped while exporting), or None: no RL export is configured, its folder
+    already holds this step's export, or it holds something else (which the export refuses
+    to replace)."""
+    node = OmegaConf.select(cfg, "callbacks.export", default=None)
+    if not node or OmegaConf.select(cfg, "stage.name", default="rl") != "rl":
+        return None
+    if not str(node.get("_target_", "")).endswith("ExportPolicy"):
+        return None
+    out = Path(str(node.dirpath))
+    if os.path.lexists(out) and not stat.S_ISDIR(os.lstat(out).st_mode):
+        return None
+    if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
+        return None
+    return None if exported_step(out) == step else out
