@@ -1,4 +1,5 @@
-"""The code's shape (issue 38): no function in ``src/mrtpo`` over 60 lines, no library module
+"""The code's shape (issues 38 and 48): no function in ``src/mrtpo`` or ``scripts/`` over 60
+lines, no file in ``src/mrtpo`` over 700 lines (the SQL sandbox aside), no library module
 importing a command-line module, and no import cycle among the replication harness's modules.
 
 Everything is read with ``ast`` (nothing is imported). Each check is also run on a small
@@ -20,10 +21,38 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "mrtpo"
 
 MAX_LINES = 60
+#: The longest a module of ``src/mrtpo`` may be, and the one file allowed past it: the SQL
+#: sandbox, whose guards read best in one place.
+MAX_FILE_LINES = 700
+FILE_LENGTH_EXEMPT = ("src/mrtpo/tasks/text2sql/executor.py",)
+#: Files being brought under the limits now (issue 48): while one of them is still over, the
+#: test is marked xfail with the list of those over; any other file over fails it. Empty this
+#: when the splits have landed.
+PENDING = (
+    "scripts/benchmarks/against_trl.py",
+    "scripts/benchmarks/gpu.py",
+    "scripts/benchmarks/gpu_vllm.py",
+    "scripts/benchmarks/kernel.py",
+    "scripts/benchmarks/render.py",
+    "scripts/benchmarks/rollout.py",
+    "scripts/benchmarks/schedules.py",
+    "scripts/benchmarks/steps.py",
+    "scripts/replicate.py",
+    "scripts/replication/harness.py",
+    "scripts/replication/jobs.py",
+    "scripts/replication/long_report.py",
+    "src/mrtpo/evaluate/analysis/sweep.py",
+    "src/mrtpo/evaluate/viewer.py",
+    "src/mrtpo/rollout/vllm_server.py",
+    "src/mrtpo/run/folder.py",
+    "src/mrtpo/run/settings.py",
+)
 #: Modules that only an entry point (``src/*.py``) may import.
 CLI_MODULES = ("mrtpo.evaluate.cli",)
 #: Files left out of the length check: none.
@@ -60,6 +89,25 @@ def long_functions(files: dict[str, Path], limit: int = MAX_LINES) -> list[str]:
         where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         walk(ast.parse(path.read_text(encoding="utf-8")), "", where)
     return sorted(found)
+
+
+def long_files(paths: list[Path], limit: int = MAX_FILE_LINES) -> list[str]:
+    """``file (n lines)`` for each file longer than ``limit`` lines."""
+    found = []
+    for path in paths:
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            found.append(f"{where} ({n} lines)")
+    return sorted(found)
+
+
+def _check(found: list[str], fix: str) -> None:
+    """Fail on ``found``, or mark the test xfail (naming them) when all are ``PENDING``."""
+    late = [f for f in found if f.split(":")[0].split(" ")[0] not in PENDING]
+    assert not late, fix + "\n" + "\n".join(late)
+    if found:
+        pytest.xfail("still over (being split): " + "; ".join(found))
 
 
 def imports(name: str, path: Path) -> set[str]:
@@ -125,6 +173,20 @@ def test_no_function_in_the_package_is_over_60_lines():
     assert not found, f"split these into helpers of <= {MAX_LINES} lines:\n" + "\n".join(found)
 
 
+def test_no_function_in_the_scripts_is_over_60_lines():
+    """The harnesses and their entry points (``scripts/**.py``) keep the package's limit."""
+    files = {str(p): p for p in sorted((ROOT / "scripts").rglob("*.py"))}
+    assert {"bench.py", "gpu_check.py", "replicate.py"} <= {p.name for p in files.values()}
+    _check(long_functions(files), f"split these into helpers of <= {MAX_LINES} lines:")
+
+
+def test_no_file_in_the_package_is_over_700_lines():
+    paths = sorted((ROOT / "src" / "mrtpo").rglob("*.py"))
+    assert all((ROOT / e) in paths for e in FILE_LENGTH_EXEMPT)  # a moved one is renamed here
+    found = long_files([p for p in paths if str(p.relative_to(ROOT)) not in FILE_LENGTH_EXEMPT])
+    _check(found, f"split these along their seams (<= {MAX_FILE_LINES} lines):")
+
+
 def test_no_module_of_the_package_imports_a_command_line_module():
     modules = _modules(ROOT / "src", "mrtpo")
     assert set(CLI_MODULES) <= set(modules)  # a renamed one must be renamed here too
@@ -175,3 +237,10 @@ def test_the_checks_find_a_long_function_a_cli_import_and_a_cycle(tmp_path):
     assert cycles(files) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     del files["pkg.c"]
     assert cycles(files) == []
+
+
+def test_the_file_check_finds_a_long_file(tmp_path):
+    fits, long = tmp_path / "fits.py", tmp_path / "long.py"
+    fits.write_text("x = 1\n" * 700)
+    long.write_text("x = 1\n" * 701)
+    assert long_files([fits, long]) == [f"{long} (701 lines)"]
