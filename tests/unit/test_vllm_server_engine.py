@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.rollout.server_client import RequestFailed, ServerClient, write_snapshot
+from mrtpo.rollout.server_client import RequestFailed, ServerClient
 from mrtpo.rollout.server_process import (
     ServerProcess,
     free_port,
     group_members,
     is_loopback,
 )
+from mrtpo.rollout.server_push import write_snapshot
 from mrtpo.rollout.vllm_serve import CPUS_ENV, parse_cpus, pin_cpus
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from mrtpo.safe_files import UnsafePath

@@ -29,8 +29,8 @@ from tests.vllm.test_train_vllm import GAP, NOISE, fit_with_engine, gaps
 from mrtpo.core.models import TinyModelConfig, build_tiny_model, eos_token_ids, load_policy
 from mrtpo.lightning.pipeline import metrics_csv
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.rollout.server_client import write_snapshot
 from mrtpo.rollout.server_process import PROOF_PATH, group_members, proof
+from mrtpo.rollout.server_push import write_snapshot
 from mrtpo.rollout.vllm_serve import guard_every_route
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 
@@ -301,7 +301,7 @@ def test_a_server_gone_during_a_push_stops_the_run_and_keeps_the_checkpoint(
     """Runs last: it kills the module's server."""
     from mrtpo.lightning.callbacks.rollout import RolloutCallback
     from mrtpo.lightning.pipeline import build
-    from mrtpo.run.folder import read_checkpoint
+    from mrtpo.run.resume import read_checkpoint
 
     cfg = train_cfg(
         "rollout=vllm_server",

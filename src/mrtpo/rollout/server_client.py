@@ -17,17 +17,9 @@ that the server's ``mrtpo_file`` backend reads (``mrtpo.rollout.vllm_file_transf
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
-
-import torch
-
-from mrtpo.safe_files import refuse_unsafe
 
 
 class RequestFailed(Exception):
@@ -93,40 +85,3 @@ class ServerClient:
 
     def post(self, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         return self.request("POST", path, {} if body is None else body, timeout_s)
-
-
-def _own_storage(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """CPU, contiguous tensors, a copy where two share memory (safetensors refuses those:
-    a tied ``lm_head.weight`` is ``embed_tokens.weight``)."""
-    seen: set[int] = set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        yield name, t
-
-
-def write_snapshot(folder: Path, index: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """One bucket of a push as ``folder/bucket-<index>.safetensors``; returns the file name.
-
-    The file is written beside its final name and renamed into place (a link there is
-    refused, never written through). ``folder`` is the engine's own (``mkdtemp``: only this
-    user can add names to it), and the file lives until the next push, so it is not fsynced:
-    the server reads it at once (measured on a 119 MB model: a push took 0.5-0.7 s, against
-    0.9-1.5 s with an fsynced write of the serialized bytes)."""
-    from safetensors.torch import save_file
-
-    name = f"bucket-{index:05d}.safetensors"
-    path = folder / name
-    refuse_unsafe(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        save_file(dict(_own_storage(dict(tensors))), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return name

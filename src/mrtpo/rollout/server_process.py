@@ -25,6 +25,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,9 @@ from urllib.parse import urlsplit
 
 from mrtpo.rollout.server_client import RequestFailed
 from mrtpo.safe_files import open_fd
+
+LAUNCHER = "mrtpo.rollout.vllm_serve"
+BACKEND = "mrtpo_file"  # mrtpo.rollout.vllm_file_transfer.BACKEND (that module imports vLLM)
 
 #: the one route a started server answers without its key: it proves that it holds the key
 PROOF_PATH = "/mrtpo/proof"
@@ -259,3 +263,98 @@ class ServerProcess:
                     return
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+
+
+def launch_command(url_host: str, port: int, model: str, args: Sequence[str]) -> list[str]:
+    """The command that starts a server for ``rollout=vllm_server`` (also for docs/scaling.md:
+    the same arguments start one on another node)."""
+    return [
+        sys.executable,
+        "-m",
+        LAUNCHER,
+        "--model",
+        model,
+        "--host",
+        url_host,
+        "--port",
+        str(port),
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--weight-transfer-config",
+        json.dumps({"backend": BACKEND}),
+        *args,
+    ]
+
+
+#: ``vllm serve`` arguments the launcher sets, and what sets each instead (None: the run
+#: needs the launcher's value). vLLM's parser reads ``_`` as ``-``, takes ``--name=value`` and
+#: unique abbreviations, and ``--name.field`` sets one field of a JSON argument.
+_ONE_API = "nothing: remove it (the run serves one HTTP API process, the one that checks the key)"
+OWNED_ARGS: dict[str, str | None] = {
+    "--host": "rollout.engine.host",
+    "--port": "rollout.engine.port",
+    "--uds": "rollout.engine.host and rollout.engine.port",
+    "--api-key": "rollout.engine.api_key_env (the environment variable that holds the key)",
+    "--config": "one server_args entry per argument (a config file can set any of these)",
+    "--model": "model.name_or_path",
+    "--dtype": "rollout.engine.dtype",
+    "--seed": "rollout.engine.seed",
+    "--tensor-parallel-size": "rollout.engine.tensor_parallel_size",
+    "-tp": "rollout.engine.tensor_parallel_size",
+    "--max-model-len": "rollout.engine.max_model_len",
+    "--kv-cache-memory-bytes": "rollout.engine.kv_cache_gb",
+    "--enable-prefix-caching": "rollout.engine.enable_prefix_caching",
+    "--no-enable-prefix-caching": "rollout.engine.enable_prefix_caching",
+    "--weight-transfer-config": None,
+    "--logprobs-mode": None,
+    "--enable-scale-out": None,
+    "--no-enable-scale-out": None,
+    # more API processes (or none, or gRPC) than the one the launcher guards with the key
+    "--api-server-count": _ONE_API,
+    "-asc": _ONE_API,
+    "--headless": _ONE_API,
+    "--grpc": _ONE_API,
+}
+
+
+def _owner(arg: str) -> str | None:
+    """The launcher's argument that ``arg`` would set, if any."""
+    if not arg.startswith("-"):
+        return None
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+        hits = [
+            o for o in OWNED_ARGS if o.startswith("--") and len(name) > 2 and o.startswith(name)
+        ]
+    else:  # -tp 2, -tp2, -t 2 (argparse also matches single-dash prefixes)
+        hits = [
+            o
+            for o in OWNED_ARGS
+            if not o.startswith("--") and (name.startswith(o) or o.startswith(name))
+        ]
+    return (hits or [None])[0]
+
+
+def owned_argument(args: Sequence[str]) -> str | None:
+    """One line refusing the first of ``args`` that the launcher owns (None: all are free)."""
+    for arg in args:
+        owner = _owner(arg)
+        if owner is None:
+            continue
+        fixed = OWNED_ARGS[owner]
+        shown = arg.split("=", 1)[0] + ("=..." if "=" in arg else "")  # never echo a key
+        instead = (
+            fixed
+            if fixed == _ONE_API
+            else f"set {fixed} instead"
+            if fixed
+            else f"remove it (the run needs the launcher's {owner}: {BACKEND} weight transfer, "
+            "processed_logprobs, --enable-scale-out)"
+        )
+        return (
+            f"rollout.engine.server_args holds {shown!r}, which sets {owner}, an argument the "
+            f"launcher owns (where the server listens and who may call it): {instead}"
+        )
+    return None

@@ -21,206 +21,68 @@ Every request has a timeout. A failed one ends the run with one line saying what
 the server the run started died (and how), the server cannot be reached, it did not answer
 in time, or it refused (its message). A server the run started is stopped by ``close``, at
 interpreter exit, and when the trainer dies (``mrtpo.rollout.server_process``).
+
+The engine is spread over the rollout wing along its seams: ``server_process`` starts and
+stops the process (its command, the arguments the launcher owns, the key proof's HMAC),
+``server_client`` sends the HTTP requests, ``server_checks`` proves and checks the server
+and words its failures, ``server_answers`` checks what it returns, ``server_push`` pushes
+the weights. This module holds the engine's settings, its life and generation.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
-import shutil
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
-from mrtpo.core.errors import CompactHydraException
 from mrtpo.core.sampling import vllm_sampling_fields
 from mrtpo.rollout import server_answers, snapshots
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
-from mrtpo.rollout.server_answers import BadAnswer, as_object, field
-from mrtpo.rollout.server_client import RequestFailed, ServerClient, write_snapshot
+from mrtpo.rollout.server_checks import ServerChecks, VLLMServerError, _policy_config
+from mrtpo.rollout.server_client import RequestFailed, ServerClient
 from mrtpo.rollout.server_process import (
+    BACKEND,
+    LAUNCHER,
+    OWNED_ARGS,
     ServerProcess,
-    ask_proof,
     free_port,
     is_loopback,
+    launch_command,
     new_key,
-    new_nonce,
+    owned_argument,
     port_in_use,
-    proves,
     resolve,
     url_host,
 )
+from mrtpo.rollout.server_push import WeightPushes, _from_rank0, _ranks, _text
 from mrtpo.rollout.vllm import _model_config, prompt_seed
-from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
-from mrtpo.safe_files import make_dirs
+from mrtpo.rollout.weight_sync import SyncStats
+
+#: names other modules and the docs import from here
+__all__ = [
+    "BACKEND",
+    "LAUNCHER",
+    "OWNED_ARGS",
+    "VLLMServerEngine",
+    "VLLMServerError",
+    "launch_command",
+    "owned_argument",
+]
 
 log = logging.getLogger(__name__)
 
-LAUNCHER = "mrtpo.rollout.vllm_serve"
-BACKEND = "mrtpo_file"  # mrtpo.rollout.vllm_file_transfer.BACKEND (that module imports vLLM)
 DEVICES = ("auto", "cpu", "cuda")
-#: what must agree between the policy's config and the served model's config.json
-ARCH_KEYS = (
-    "architectures",
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-)
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PROBE = [{"role": "user", "content": "Write three words about rivers, then stop."}]
-PROBE_TOP = 5  # top log-probs per token in the log-prob probe (vLLM allows 20 by default)
 
 
-class VLLMServerError(CompactHydraException, RuntimeError):
-    """The vLLM server died, cannot be reached, did not answer in time, refused a request,
-    or cannot serve this run. Its message is one line (Hydra prints it alone)."""
-
-
-def launch_command(url_host: str, port: int, model: str, args: Sequence[str]) -> list[str]:
-    """The command that starts a server for ``rollout=vllm_server`` (also for docs/scaling.md:
-    the same arguments start one on another node)."""
-    return [
-        sys.executable,
-        "-m",
-        LAUNCHER,
-        "--model",
-        model,
-        "--host",
-        url_host,
-        "--port",
-        str(port),
-        "--enable-scale-out",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--weight-transfer-config",
-        json.dumps({"backend": BACKEND}),
-        *args,
-    ]
-
-
-#: ``vllm serve`` arguments the launcher sets, and what sets each instead (None: the run
-#: needs the launcher's value). vLLM's parser reads ``_`` as ``-``, takes ``--name=value`` and
-#: unique abbreviations, and ``--name.field`` sets one field of a JSON argument.
-_ONE_API = "nothing: remove it (the run serves one HTTP API process, the one that checks the key)"
-OWNED_ARGS: dict[str, str | None] = {
-    "--host": "rollout.engine.host",
-    "--port": "rollout.engine.port",
-    "--uds": "rollout.engine.host and rollout.engine.port",
-    "--api-key": "rollout.engine.api_key_env (the environment variable that holds the key)",
-    "--config": "one server_args entry per argument (a config file can set any of these)",
-    "--model": "model.name_or_path",
-    "--dtype": "rollout.engine.dtype",
-    "--seed": "rollout.engine.seed",
-    "--tensor-parallel-size": "rollout.engine.tensor_parallel_size",
-    "-tp": "rollout.engine.tensor_parallel_size",
-    "--max-model-len": "rollout.engine.max_model_len",
-    "--kv-cache-memory-bytes": "rollout.engine.kv_cache_gb",
-    "--enable-prefix-caching": "rollout.engine.enable_prefix_caching",
-    "--no-enable-prefix-caching": "rollout.engine.enable_prefix_caching",
-    "--weight-transfer-config": None,
-    "--logprobs-mode": None,
-    "--enable-scale-out": None,
-    "--no-enable-scale-out": None,
-    # more API processes (or none, or gRPC) than the one the launcher guards with the key
-    "--api-server-count": _ONE_API,
-    "-asc": _ONE_API,
-    "--headless": _ONE_API,
-    "--grpc": _ONE_API,
-}
-
-
-def _owner(arg: str) -> str | None:
-    """The launcher's argument that ``arg`` would set, if any."""
-    if not arg.startswith("-"):
-        return None
-    name = arg.split("=", 1)[0]
-    if name.startswith("--"):
-        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
-        hits = [
-            o for o in OWNED_ARGS if o.startswith("--") and len(name) > 2 and o.startswith(name)
-        ]
-    else:  # -tp 2, -tp2, -t 2 (argparse also matches single-dash prefixes)
-        hits = [
-            o
-            for o in OWNED_ARGS
-            if not o.startswith("--") and (name.startswith(o) or o.startswith(name))
-        ]
-    return (hits or [None])[0]
-
-
-def owned_argument(args: Sequence[str]) -> str | None:
-    """One line refusing the first of ``args`` that the launcher owns (None: all are free)."""
-    for arg in args:
-        owner = _owner(arg)
-        if owner is None:
-            continue
-        fixed = OWNED_ARGS[owner]
-        shown = arg.split("=", 1)[0] + ("=..." if "=" in arg else "")  # never echo a key
-        instead = (
-            fixed
-            if fixed == _ONE_API
-            else f"set {fixed} instead"
-            if fixed
-            else f"remove it (the run needs the launcher's {owner}: {BACKEND} weight transfer, "
-            "processed_logprobs, --enable-scale-out)"
-        )
-        return (
-            f"rollout.engine.server_args holds {shown!r}, which sets {owner}, an argument the "
-            f"launcher owns (where the server listens and who may call it): {instead}"
-        )
-    return None
-
-
-def _policy_config(model: torch.nn.Module) -> dict[str, Any]:
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    cfg = getattr(base, "config", None)
-    return cfg.to_dict() if cfg is not None and hasattr(cfg, "to_dict") else {}
-
-
-def _architecture(cfg: dict[str, Any]) -> str:
-    arch = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    return (
-        f"{'/'.join(map(str, arch))}, hidden {cfg.get('hidden_size')}, "
-        f"{cfg.get('num_hidden_layers')} layers, vocab {cfg.get('vocab_size')}"
-    )
-
-
-def _ranks() -> tuple[int, int]:
-    """(rank, world size) of the training processes; (0, 1) without torch.distributed."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _from_rank0(value: Any) -> Any:
-    """``value`` as rank 0 has it, on every rank (a collective)."""
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _text(error: BaseException | None) -> str | None:
-    return None if error is None else f"{error}"
-
-
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
     """Generation by a vLLM server behind the ``RolloutEngine`` protocol.
 
     Args:
@@ -546,297 +408,6 @@ class VLLMServerEngine(RolloutEngine):
         log.info("vLLM server started: pid %s", self.process.pid)
         shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
         self.url = f"http://{url_host(shown)}:{port}"
-
-    def _wait_healthy(self, client: ServerClient) -> None:
-        """Wait for the key proof (``_prove``), then for ``/health`` (with the key)."""
-        deadline = time.monotonic() + float(self.start_timeout_s)
-        last = ""
-        while time.monotonic() < deadline:
-            if self.process is not None and not self.process.alive():
-                raise VLLMServerError(
-                    f"the vLLM server for {self.model} {self.process.how_it_ended()} while "
-                    f"starting ({self.process.log_tail()}); its log: {self.process.log_path}"
-                )
-            try:
-                client.url = self.url = self._prove(client.url)
-                client.get("/health", timeout_s=10)
-                return
-            except RequestFailed as exc:
-                last = exc.detail
-            time.sleep(1.0)
-        where = f"; its log: {self.process.log_path}" if self.process is not None else ""
-        raise VLLMServerError(
-            f"the vLLM server at {client.url} did not answer /health within "
-            f"{self.start_timeout_s:g} s (rollout.engine.start_timeout_s; last: {last}){where}"
-        )
-
-    def _prove(self, url: str) -> str:
-        """The server at ``url`` must prove that it holds the run's key before it gets any
-        request or the key: it answers a fresh nonce with ``proof(key, nonce, address)`` (an
-        HMAC) on the one route that needs no key (``mrtpo.rollout.vllm_serve``), ``address``
-        being where this connection reached it. A process that bound the port first sees the
-        nonce alone and cannot answer it; one that relays it to the real server gets a proof
-        for another address. Any answer but the proof stops the run; no answer yet (not
-        listening, busy starting) is asked again. Returns the URL to use from now on: over
-        http, the proven numeric address (a name resolved again may lead elsewhere)."""
-        if self._key is None:
-            log.warning("no API key in %s: the run cannot check that %s is the server meant "
-                        "(and anyone who reaches it can call its RL routes)", self.api_key_env,
-                        url)  # fmt: skip
-            return url
-        nonce = new_nonce()
-        try:
-            answer, address = ask_proof(url, nonce)
-        except RequestFailed as exc:
-            if exc.kind != "refused":
-                raise
-            answer, address = f"HTTP {exc.status}: {exc.detail}", ""
-        if proves(answer, self._key, nonce, address):
-            return self._proven_url(url, address)
-        seen = " ".join(str(answer).split())[:120]
-        if self.process is None:
-            raise VLLMServerError(
-                f"the server at {url} did not prove that it holds the key in {self.api_key_env} "
-                f"for the address the run reached ({address or 'none'}; it answered {seen!r}; "
-                f"the key was not sent): start it with `python -m {LAUNCHER}` of this version "
-                "and that key, reach it directly (no relay or port mapping), and check "
-                "rollout.engine.url"
-            )
-        raise VLLMServerError(
-            f"the process answering at {url} is not the vLLM server the run started: it could "
-            f"not prove that it holds the run's key (it answered {seen!r}; nothing else and no "
-            f"key was sent). Another process holds port {urlsplit(url).port}: stop it, or set "
-            "rollout.engine.port to a free port"
-        )
-
-    def _proven_url(self, url: str, address: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme != "http":
-            return url  # https: the certificate names the host
-        if not is_loopback(address.rsplit(":", 1)[0].strip("[]")):
-            log.warning("the run sends the key in %s to %s over plain http, in clear text "
-                        "for anyone on the network path: serve https (vLLM's --ssl-keyfile and "
-                        "--ssl-certfile) or use an SSH tunnel that keeps the address and port "
-                        "(ssh -L 127.0.0.1:P:127.0.0.1:P, the server on 127.0.0.1:P there, "
-                        "rollout.engine.url=http://127.0.0.1:P); a tunnel that maps the port "
-                        "fails the key proof", self.api_key_env, url)  # fmt: skip
-        return f"http://{address}{parts.path.rstrip('/')}"
-
-    # -- what the server must be -------------------------------------------------------------
-
-    def _check_server(self, client: ServerClient) -> None:
-        """Refuse a server that lacks the routes or backend this run needs, or that serves
-        another model; read its dtype and log-prob mode."""
-        what = "the start-up check"
-        info = self._call(lambda: as_object(client.get("/server_info?config_format=json")),
-                          what=what)  # fmt: skip
-        vcfg = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
-        wcfg = vcfg.get("weight_transfer_config")
-        backend = wcfg.get("backend") if isinstance(wcfg, dict) else None
-        if backend != BACKEND:
-            raise VLLMServerError(
-                f"the vLLM server at {client.url} has weight transfer backend {backend!r}, not "
-                f"{BACKEND!r}: start it with `python -m {LAUNCHER} ... --weight-transfer-config "
-                f'\'{{"backend": "{BACKEND}"}}\'` and MRTPO_WEIGHT_ROOT=<weight folder> '
-                "(docs/scaling.md)"
-            )
-        mcfg = vcfg.get("model_config") if isinstance(vcfg.get("model_config"), dict) else {}
-        self.logprobs_mode = mcfg.get("logprobs_mode")
-        self._push_dtype = _TORCH_DTYPES.get(str(mcfg.get("dtype", "")).removeprefix("torch."))
-        self.served = self._call(lambda: server_answers.served_model(client.get("/v1/models")),
-                                 what=what)  # fmt: skip
-        self._check_architecture(client.url)
-        self._check_tokenizer(client)
-        self._probe_generate(client)
-
-    def _check_architecture(self, url: str) -> None:
-        if self._policy is None:
-            return
-        mine, theirs = _policy_config(self._policy), _model_config(self.served)
-        if not theirs:
-            log.info(
-                "cannot read %s/config.json here: the first weight push checks it", self.served
-            )
-            return
-        diff = [k for k in ARCH_KEYS if k in mine and k in theirs and mine[k] != theirs[k]]
-        if diff:
-            raise VLLMServerError(
-                f"the vLLM server at {url} serves {self.served} ({_architecture(theirs)}) but the "
-                f"policy is {self.model} ({_architecture(mine)}; {', '.join(diff)} differ): "
-                "start the server with --model <the policy's folder>"
-            )
-
-    def _check_tokenizer(self, client: ServerClient) -> None:
-        tok = self._tokenizer
-        if tok is None:
-            return
-        try:
-            text = tok.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
-        except Exception:
-            text = _PROBE[0]["content"]
-        mine = list(tok(text, add_special_tokens=False)["input_ids"])
-        body = {"prompt": text, "add_special_tokens": False}
-        theirs = self._call(lambda: field(client.post("/tokenize", body), "tokens", list),
-                            what="the tokenizer check")  # fmt: skip
-        if mine != theirs:
-            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine))
-            raise VLLMServerError(
-                f"the vLLM server at {client.url} serves {self.served}, whose tokenizer does "
-                f"not match the policy's ({self.model}): the probe text {text[:60]!r} gives "
-                f"{len(theirs)} tokens there and {len(mine)} here, first different at token "
-                f"{at}. Start the server with --model <the policy's folder>"
-            )
-
-    def _probe_generate(self, client: ServerClient) -> None:
-        """Refuse a server without the token-in/token-out route, or whose log-probs are not
-        those of the distribution it samples (the loss needs log softmax(z / T)). One token
-        is sampled at temperature 1 and at 0.5 from the same prompt: tempered log-probs
-        double every gap between two tokens' log-probs at 0.5, the model's own keep it."""
-        tops = [self._probe_top(client, t) for t in (1.0, 0.5)]
-        common = set(tops[0]) & set(tops[1])
-        if not common:  # tempering keeps the tokens' order: the same prompt shares its top
-            raise self._bad_answer("the log-prob probe", BadAnswer(
-                f"no top token in common at temperature 1 ({sorted(tops[0])[:PROBE_TOP]}) and "
-                f"0.5 ({sorted(tops[1])[:PROBE_TOP]}) for the same seeded prompt"))  # fmt: skip
-        gaps = [max(top[t] for t in common) - min(top[t] for t in common) for top in tops]
-        if gaps[0] > 1e-3:  # else the tokens are too close to tell: trust the server's word
-            tempered, seen = gaps[1] / gaps[0] > 1.5, f"{gaps[1] / gaps[0]:.2f} x"
-        else:
-            tempered, seen = self.logprobs_mode == "processed_logprobs", "too close to tell"
-        if not tempered:
-            raise VLLMServerError(
-                f"the vLLM server at {client.url} reports the model's own log-probs, not those "
-                f"of the distribution it samples (logprobs mode {self.logprobs_mode!r}; the "
-                f"gaps between its top log-probs at temperature 0.5 are {seen} those at "
-                "temperature 1, where they would be 2 x): start it with --logprobs-mode "
-                "processed_logprobs"
-            )
-
-    def _probe_top(self, client: ServerClient, temperature: float) -> dict[int, float]:
-        """The top log-probs of one token sampled at ``temperature`` (a seeded request)."""
-        params = {"n": 1, "max_tokens": 1, "temperature": temperature, "seed": self.seed,
-                  "logprobs": PROBE_TOP, "detokenize": False}  # fmt: skip
-        body = {"token_ids": [0], "sampling_params": params}
-        try:
-            answer = client.post("/inference/v1/generate", body)
-        except RequestFailed as exc:
-            if exc.status in (403, 404):
-                raise VLLMServerError(
-                    f"the vLLM server at {client.url} does not offer /inference/v1/generate "
-                    f"(HTTP {exc.status}): start it with --enable-scale-out"
-                ) from None
-            raise self._failure("the start-up check", exc) from None
-        return self._call(lambda: server_answers.top_logprobs(answer, PROBE_TOP),
-                          what="the log-prob probe")  # fmt: skip
-
-    # -- failures ----------------------------------------------------------------------------
-
-    def _call(self, fn, *args: Any, what: str) -> Any:
-        """``fn(*args)``: a request and what reads its answer; a failure is one line."""
-        try:
-            return fn(*args)
-        except RequestFailed as exc:
-            raise self._failure(what, exc) from None
-        except BadAnswer as exc:
-            raise self._bad_answer(what, exc) from None
-
-    def _bad_answer(self, what: str, exc: BadAnswer) -> VLLMServerError:
-        return VLLMServerError(
-            f"the vLLM server at {self.url} sent an answer the run cannot use during {what}: "
-            f"{exc.detail}"
-        )
-
-    def _failure(self, what: str, exc: RequestFailed) -> VLLMServerError:
-        """One line: what happened to the server during ``what``."""
-        proc = self.process
-        if proc is not None and exc.kind != "refused" and proc.proc is not None:
-            with contextlib.suppress(Exception):
-                proc.proc.wait(timeout=5)  # a killed server may still be exiting
-        if proc is not None and not proc.alive():
-            message = (
-                f"the vLLM server the run started (pid {proc.pid}, {self.url}) "
-                f"{proc.how_it_ended()} during {what}; its log: {proc.log_path}"
-            )
-            proc.stop()  # what is left of its process group
-            return VLLMServerError(message)
-        if exc.kind == "refused":
-            return VLLMServerError(
-                f"the vLLM server at {self.url} refused {what} (HTTP {exc.status}: {exc.detail})"
-            )
-        if exc.kind == "timeout":
-            return VLLMServerError(
-                f"the vLLM server at {self.url} did not answer {what} within "
-                f"{self.request_timeout_s:g} s (rollout.engine.request_timeout_s): {exc.detail}"
-            )
-        return VLLMServerError(
-            f"the vLLM server at {self.url} cannot be reached during {what} ({exc.detail}): it "
-            "is not running, or the network to it is down"
-        )
-
-    # -- weights -----------------------------------------------------------------------------
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push ``model``'s weights (LoRA merged, FSDP shards gathered) as one new version.
-
-        Every training process walks the weights in the same buckets (gathering shards is a
-        collective); rank 0 writes and pushes them, then tells the others how it went, so no
-        rank samples before the server holds the new version."""
-        client = self.start()
-        rank, world = _ranks()
-        t0 = time.perf_counter()
-        version = self.weight_version + 1
-        files: list[str] = []
-        count = nbytes = 0
-        error: Exception | None = None
-        with exported_weights(model) as pairs:
-            for i, group in enumerate(buckets(pairs, self.sync_bucket_bytes)):
-                tensors = gathered(group, self._push_dtype)
-                count += len(tensors)
-                nbytes += sum(t.numel() * t.element_size() for _, t in tensors)
-                if rank == 0 and error is None:
-                    try:
-                        files.append(self._write(version, i, tensors))
-                    except Exception as exc:  # keep gathering with the other ranks
-                        error = exc
-                del tensors
-        if rank == 0 and error is None:
-            try:
-                self._post_push(client, files, version)
-            except Exception as exc:
-                error = exc
-        if world > 1:
-            message = _from_rank0(_text(error))
-            if error is None and message is not None:
-                raise VLLMServerError(f"rank 0's weight push failed: {message}")
-        if error is not None:
-            raise error
-        if self._pushes is not None:
-            shutil.rmtree(self._pushes / f"v{self.weight_version:06d}", ignore_errors=True)
-        self.weight_version = version
-        self.last_sync = SyncStats(BACKEND, count, nbytes, time.perf_counter() - t0)
-
-    def _write(self, version: int, index: int, tensors: list[tuple[str, torch.Tensor]]) -> str:
-        """One snapshot file of push ``version``; its name relative to the server's folder."""
-        assert self._pushes is not None and self._root is not None
-        folder = self._pushes / f"v{version:06d}"
-        make_dirs(folder, self._pushes)
-        name = write_snapshot(folder, index, tensors)
-        return str((folder / name).relative_to(self._root))
-
-    def _post_push(self, client: ServerClient, files: list[str], version: int) -> None:
-        """The RL routes of one push. A refused push is closed on the server (a second
-        ``/finish_weight_update``), so that the server can take the next one."""
-        what = f"the weight push of version {version}"
-        try:
-            client.post("/start_weight_update")
-            client.post("/update_weights", {"update_info": {"files": files}})
-            client.post("/finish_weight_update", {"weight_version": str(version)})
-            client.post("/reset_prefix_cache")
-        except RequestFailed as exc:
-            if exc.kind == "refused":
-                with contextlib.suppress(RequestFailed):
-                    client.post("/finish_weight_update", timeout_s=60)
-            raise self._failure(what, exc) from None
 
     # -- generation --------------------------------------------------------------------------
 
