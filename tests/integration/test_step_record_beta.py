@@ -39,3 +39,25 @@ def test_the_record_holds_beta_and_the_methods_token_weights(train_cfg):
         mask, replayed = record.rollout.response_mask, record.replayed
         want = method.token_weights(record.q, mask, replayed, it - 1)
         assert torch.equal(record.token_weights, want)
+
+
+def test_each_step_makes_its_token_weights_once(train_cfg, monkeypatch):
+    """The record holds the weights the advantages used, not a second computation of them:
+    one call of the weight function per replayed step (two before: the method's, then the
+    step's own for the record), and for CoRT its weights are the record's."""
+    import mrtpo.core.credit.cort as cort
+    import mrtpo.core.credit.methods as methods
+
+    calls = []
+    for mod, name in ((methods, "relevance_weights"), (cort, "cort_weights")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, **k: calls.append(1) or _f(*a, **k))
+    for method in ("mrtpo", "cort"):
+        calls.clear()
+        records = _records(train_cfg, method)
+        assert len(calls) == len(records), method
+        for record, it, m in records:
+            mask, replayed = record.rollout.response_mask, record.replayed
+            assert torch.equal(
+                record.token_weights, m.token_weights(record.q, mask, replayed, it - 1)
+            )

@@ -57,6 +57,8 @@ class Advantages:
     stats: dict[str, float] = field(default_factory=dict)
     #: [N, T] the reallocated credit before any cap (``CreditOutput.realloc``); None: none
     realloc: Tensor | None = None
+    #: the method's per-token weights from ``q`` (``CreditOutput.weights``); None: none
+    weights: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,8 @@ class StepRecord:
     stats: dict[str, float] = field(default_factory=dict)
     realloc: Tensor | None = None  # [N, T] the reallocated credit before any cap
     beta: float = 0.0  # the method's scheduled beta at this step (0 for a method without one)
-    #: [N, K, T] (or [N, 1, T]) the method's per-token weights from ``q``
-    #: (``AdvantageMethod.token_weights``; 1 on every token for a method without its own);
-    #: None when nothing was replayed
+    #: [N, K, T] (or [N, 1, T]) the method's per-token weights from ``q``, as its advantages
+    #: used them (1 on every token for a method without its own); None: nothing replayed
     token_weights: Tensor | None = None
 
     @property

@@ -147,12 +147,13 @@ class RLStep:
         if upd is None:
             return self.skip(host, "loss", scored, adv.advantages)
         self.iteration += 1
-        weights = self.token_weights(rel, rollout.response_mask)
-        beta = float(self.method.schedule(self.iteration - 1).get("beta", 0.0))
+        schedule = self.method.schedule(self.iteration - 1)
+        weights = self.token_weights(rel, adv, rollout.response_mask)
+        beta = float(schedule.get("beta", 0.0))
         record = StepRecord.of(scored, rel, old, adv, upd, beta=beta, token_weights=weights)
         times["step"] = time.perf_counter() - t_step + rollout_s
         gap = upd.rollout_metrics or old.rollout_metrics
-        return self.result(record, upd.metrics, {**gap, **lag}, rel.metrics, times)
+        return self.result(record, upd.metrics, {**gap, **lag}, rel.metrics, times, schedule)
 
     def score(self, rollout: RolloutBatch) -> ScoredBatch:
         """2. Every response's rewards (NaN: does not apply) and verifier blocks."""
@@ -230,13 +231,15 @@ class RLStep:
             "rollout/staleness/max": float(lag.max()),
         }
 
-    def token_weights(self, rel: Relevance, mask: torch.Tensor) -> torch.Tensor | None:
-        """The method's per-token weights from this step's relevance (for the record's readers:
+    @staticmethod
+    def token_weights(rel: Relevance, adv: Advantages, mask: torch.Tensor):
+        """The per-token weights the method's advantages used (for the record's readers:
         relevance dumps, pictures); 1 on every token for a method without its own."""
         if rel.q is None:
             return None
-        w = self.method.token_weights(rel.q, mask, rel.replayed, self.iteration - 1)
-        return w if w is not None else relevance_weights(rel.q, mask, rel.replayed, 0.0)
+        if adv.weights is not None:
+            return adv.weights
+        return relevance_weights(rel.q, mask, rel.replayed, 0.0)
 
     def advantages(self, scored: ScoredBatch, rel: Relevance, old: OldPolicy) -> Advantages:
         """5. Token advantages [N, T] and the method's statistics. Group ids are local to this
@@ -263,7 +266,8 @@ class RLStep:
             )
         )
         realloc = None if out.realloc is None else out.realloc.cpu()
-        return Advantages(out.advantages.cpu(), dict(out.stats), realloc)
+        weights = None if out.weights is None else out.weights.cpu()
+        return Advantages(out.advantages.cpu(), dict(out.stats), realloc, weights)
 
     def _replay(self, scored: ScoredBatch, pairs: torch.Tensor):
         """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
@@ -325,9 +329,8 @@ class RLStep:
         }
         return StepResult(metrics, skipped=what)
 
-    def result(self, record: StepRecord, upd, rollout, replay_metrics, times) -> StepResult:
+    def result(self, record: StepRecord, upd, rollout, replay_metrics, times, schedule):
         """The step's metrics over the global batch (every rank gets the same values)."""
-        schedule = self.method.schedule(self.iteration - 1)
         stats = step_metrics.assemble(
             record,
             upd,

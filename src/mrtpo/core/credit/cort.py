@@ -36,11 +36,11 @@ from mrtpo.core.credit.methods import (
     MethodServices,
     RelevanceRequest,
     _adv_stats,
+    _BetaRamp,
     _broadcast,
     _RewardWeighted,
     checked_beta,
 )
-from mrtpo.core.credit.relevance import beta_schedule
 
 __all__ = ["CoRT", "cort_weights"]
 
@@ -88,7 +88,7 @@ def cort_weights(
     return torch.where(ok, w, torch.ones_like(w))
 
 
-class CoRT(_RewardWeighted):
+class CoRT(_BetaRamp, _RewardWeighted):
     """CoRT: GRPO's response advantage spread over tokens by rubric-contrast weights."""
 
     config_name = "cort"
@@ -127,16 +127,6 @@ class CoRT(_RewardWeighted):
                 f"method=cort, or method=mrtpo / method=grpo with task={name}"
             )
 
-    def beta(self, step: int) -> float:
-        """Share of the advantage that follows the weights at ``step`` (SmoothStep ramp)."""
-        return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
-
-    def replays(self, step: int) -> bool:
-        return self.beta(step) > 0
-
-    def schedule(self, step: int) -> dict[str, float]:
-        return {"beta": float(self.beta(step))}
-
     def _c_vector(self, k: int, dtype: torch.dtype, device) -> Tensor:
         if self._c is not None and len(self._c) == k:
             return torch.tensor(self._c, dtype=dtype, device=device)
@@ -166,11 +156,13 @@ class CoRT(_RewardWeighted):
                 f"cort expects log-likelihood contrasts q of shape [N={n}, 1, T], got "
                 f"{tuple(q.shape)}"
             )
+        weights = None
         if q is None or beta == 0.0:
             # GRPO's own path: nothing to reweight, so the output is GRPO's to the last bit.
             tok = _broadcast(adv, inputs.mask)
         else:
-            w = cort_weights(q, inputs.mask, replayed, beta, self.contrast_clip, self.max_weight)
+            weights = self.token_weights(q, inputs.mask, replayed, inputs.step)
+            w = weights[:, 0, :]
             valid = inputs.mask.to(device=adv.device, dtype=torch.bool)
             zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
             tok = torch.where(valid, adv[:, None] * w.to(device=adv.device, dtype=adv.dtype), zero)
@@ -179,7 +171,7 @@ class CoRT(_RewardWeighted):
         stats["beta"] = beta
         done = 0.0 if replayed is None or q is None else float(replayed.to(torch.bool).sum())
         stats["replayed_share"] = done / n if n else 0.0
-        return CreditOutput(tok, stats)
+        return CreditOutput(tok, stats, weights=weights)
 
     @staticmethod
     def _weight_stats(q: Tensor, w: Tensor, valid: Tensor, replayed: Tensor | None):

@@ -138,6 +138,9 @@ class CreditOutput:
     #: [N, T] the credit relevance moves, R_t / (sigma + eps) before any cap (0 on pads); None
     #: for a method without (the step's diagnostics read where its energy lands)
     realloc: Tensor | None = None
+    #: [N, K|1, T] the per-token weights the method derived from ``q`` (``token_weights``,
+    #: before any shuffle); the step records these rather than computing them again
+    weights: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,25 @@ def checked_beta(
     if warmup_steps < 0:
         raise ValueError(f"method.beta_warmup_steps must be >= 0, got {warmup_steps}")
     return float(beta), int(warmup_steps)
+
+
+class _BetaRamp:
+    """A method whose token weights take a share ``beta`` of the credit, ramped in over
+    ``beta_warmup_steps``; at beta = 0 (a warm-up's first step) relevance cannot change the
+    advantages, so that step does not replay."""
+
+    beta_max: float
+    beta_warmup_steps: int
+
+    def beta(self, step: int) -> float:
+        """Share of the advantage that follows the token weights at ``step``."""
+        return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
+
+    def replays(self, step: int) -> bool:
+        return self.beta(step) > 0
+
+    def schedule(self, step: int) -> dict[str, float]:
+        return {"beta": float(self.beta(step))}
 
 
 def _lower_bounds(
@@ -387,7 +409,7 @@ class GDPOSAW(GDPO):
     saw = True
 
 
-class MRTPO(_RewardWeighted):
+class MRTPO(_BetaRamp, _RewardWeighted):
     """MRTPO: GDPO's response credit, each reward's share placed on the tokens relevant to it.
 
     Relative to GDPO: self-replay scores every token's relevance to reward ``k`` (how much the
@@ -430,17 +452,6 @@ class MRTPO(_RewardWeighted):
             "so at beta = 1 a token with zero relevance would get none)",
         )
 
-    def beta(self, step: int) -> float:
-        """Share of the advantage that follows relevance at ``step`` (the warm-up ramp)."""
-        return beta_schedule(self.beta_max, step, self.beta_warmup_steps)
-
-    def replays(self, step: int) -> bool:
-        # at beta = 0 (a warm-up's first step) relevance cannot change the advantages
-        return self.beta(step) > 0
-
-    def schedule(self, step: int) -> dict[str, float]:
-        return {"beta": float(self.beta(step))}
-
     def token_weights(self, q: Tensor, mask: Tensor, replayed: Tensor, step: int) -> Tensor:
         """``(1 - β) + β q / mean q`` per reward."""
         return relevance_weights(q, mask, replayed, self.beta(step))
@@ -465,14 +476,15 @@ class MRTPO(_RewardWeighted):
                     f"{self.config_name} expects relevance q of shape [N={n}, {width}, T], "
                     f"got {tuple(q.shape)}"
                 )
-            w = relevance_weights(q, inputs.mask, replayed, beta)
-            if self.shuffle:
-                rows = global_row_index(n, inputs.process_group, inputs.rewards.device)
-                w = shuffle_weights(w, inputs.mask, replayed, inputs.generator, rows)
+            w = self.token_weights(q, inputs.mask, replayed, inputs.step)
+        used = w
+        if w is not None and self.shuffle:
+            rows = global_row_index(n, inputs.process_group, inputs.rewards.device)
+            used = shuffle_weights(w, inputs.mask, replayed, inputs.generator, rows)
         tok, cap_stats = mrtpo_advantages_from_weights(
             inputs.rewards,
             inputs.group,
-            w,
+            used,
             inputs.mask,
             c,
             self.eps,
@@ -491,7 +503,7 @@ class MRTPO(_RewardWeighted):
             sel = inputs.mask.to(torch.bool)[:, None, :] & replayed.to(torch.bool)[:, :, None]
             if bool(sel.any()):
                 stats["relevance_mean"] = float(q.to(torch.float32)[sel].mean())
-        return CreditOutput(tok, stats, cap_stats["realloc"])
+        return CreditOutput(tok, stats, cap_stats["realloc"], weights=w)
 
     @staticmethod
     def _replayed_share(inputs: CreditInputs, joint: bool) -> float:
