@@ -270,7 +270,9 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
                 self._push_dtype = (
                     getattr(torch, shared[2].removeprefix("torch.")) if shared[2] else None
                 )
-                self.client = ServerClient(self.url, self._key, self.request_timeout_s)
+                self.client = ServerClient(
+                    self.url, self._key, self.request_timeout_s, self.max_concurrency
+                )
         assert self.client is not None
         return self.client
 
@@ -282,7 +284,7 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
             if self.url is None:
                 self._launch()  # with a key of its own
             assert self.url is not None
-            client = ServerClient(self.url, self._key, self.request_timeout_s)
+            client = ServerClient(self.url, self._key, self.request_timeout_s, self.max_concurrency)
             self._wait_healthy(client)
             self._check_server(client)
         except BaseException:
@@ -294,7 +296,9 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
 
     def close(self) -> None:
         """Stop a server the run started and remove this engine's weight snapshots."""
-        self.client = None
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
         process, self.process = self.process, None
         if process is not None:
             process.stop()
