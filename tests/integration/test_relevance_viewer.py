@@ -19,12 +19,13 @@ import select
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from tests.conftest import ROOT
 
-from mrtpo.evaluate.viewer import Q_CMAP, Scales, colour, main, render_html
+from mrtpo.evaluate.viewer import Q_CMAP, Scales, clean, colour, main, render_html
 
 REWARDS = ("format", "exec", "match")
 
@@ -85,6 +86,34 @@ def test_one_scale_for_every_row_and_token_text_escaped():
     assert scale.w_pos(1.0) == pytest.approx(0.5)
     # a token is text, never markup: '</script>' cannot end the page's script
     assert page.count("</script>") == 1 and "&lt;/script&gt;" in page and "<b>&" not in page
+
+
+def test_every_text_from_the_file_stays_text_on_the_page():
+    """The page is a template with autoescaping on: a prompt, prompt id, reward name, note or
+    title holding markup is shown as that text, in text and in attributes alike, and the
+    page's only elements are its own."""
+    evil = '<img src=x onerror="alert(1)"> & \'</script>'
+    rec = _record(1, 0)
+    rec.update(prompt=evil, id=evil, rewards={evil: 1.0}, q={evil: rec["q"]["match"]},
+               w={evil: rec["w"]["match"]})  # fmt: skip
+    page = render_html([clean(rec)], evil, [evil])
+    texts, attrs, tags = [], [], []
+
+    class Read(HTMLParser):
+        def handle_starttag(self, tag, a):
+            tags.append(tag)
+            attrs.extend(v for _, v in a)
+
+        def handle_data(self, data):
+            texts.append(data)
+
+    Read(convert_charrefs=True).feed(page)
+    assert "img" not in tags and tags.count("script") == 1
+    text = "".join(texts)
+    # the title, heading, reward filter, note, both diagnostics lines (they name the reward),
+    # response head, prompt and reward label
+    assert text.count(evil) == 9, text
+    assert attrs.count(evil) == 2  # the pair's data-reward and the filter's value
 
 
 def test_command_writes_page_and_png_and_leaves_the_run_as_it_was(run, capsys):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import html
 import io
 import json
 import math
@@ -32,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import jinja2
 
 from mrtpo.evaluate.analysis.runs import UnsafeOutput, check_output, write_file
 
@@ -479,166 +480,66 @@ def _diag_text(d: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-# ---- the page ---------------------------------------------------------------------------------
-def _row(rec: dict, name: str, kind: str, scales: Scales) -> str:
-    values = rec[kind].get(name)
-    if values is None:
-        return ""
+# ---- the page (templates/relevance.html.j2) ------------------------------------------------------
+_PAGE = jinja2.Environment(
+    loader=jinja2.PackageLoader("mrtpo.evaluate", "templates"),
+    autoescape=True,  # model text is text: a token or prompt holding <script> stays text
+    trim_blocks=True,
+    lstrip_blocks=True,
+    undefined=jinja2.StrictUndefined,
+)
+
+
+def _cells(rec: dict, name: str, kind: str, scales: Scales) -> list[tuple[str, str, str]]:
+    """(background, ink, text) of each token of one reward's q or w row."""
     cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
-    cells = []
-    for tok, v in zip(rec["tokens"], values):
-        bg = colour(cmap, pos(v))
-        cells.append(
-            f'<span class="t" style="background:{bg};color:{ink(bg)}">'
-            f"{html.escape(visible(tok))}</span>"
-        )
-    return (
-        f'<div class="row" data-kind="{kind}"><span class="kind">{kind}</span>'
-        f'<span class="toks">{"".join(cells)}</span></div>'
-    )
+    bgs = [colour(cmap, pos(v)) for v in rec[kind][name]]
+    return [(bg, ink(bg), visible(tok)) for bg, tok in zip(bgs, rec["tokens"])]
 
 
-def _record(rec: dict, scales: Scales) -> str:
-    step = int(rec.get("step", 0))
-    pairs = []
-    for name in rec["q"]:
-        r = rec.get("rewards", {}).get(name)
-        shown = "none" if r is None else f"{r:g}"
-        data = (
-            f'data-reward="{html.escape(name)}" data-q="{html.escape(json.dumps(rec["q"][name]))}"'
-            f' data-w="{html.escape(json.dumps(rec.get("w", {}).get(name, [])))}"'
-        )
-        pairs.append(
-            f'<div class="pair" {data}><div class="lab">{html.escape(name)} '
-            f'<span class="r">reward {shown}</span></div>'
-            f"{_row(rec, name, 'q', scales)}{_row(rec, name, 'w', scales)}</div>"
-        )
-    beta = rec.get("beta")
-    tokens = html.escape(json.dumps(rec["tokens"], ensure_ascii=False))
-    head = f"step {step} · prompt {html.escape(str(rec.get('id', '?')))}"
+def _record(rec: dict, scales: Scales) -> dict[str, Any]:
+    """What the page shows of one response: head, diagnostics, prompt, a q and a w row per
+    reward (with the values behind each row for the hover box)."""
+    step, beta, rewards = int(rec.get("step", 0)), rec.get("beta"), rec.get("rewards", {})
+    head = f"step {step} · prompt {rec.get('id', '?')}"
     if isinstance(beta, (int, float)):
         head += f" · β = {beta:g}"
-    diag = _diag_text(diagnostics([rec]))
-    diag = f'<p class="diag">{html.escape(diag)}</p>' if diag else ""
-    return (
-        f'<section class="rec" data-step="{step}" data-tokens="{tokens}"><h2>{head}</h2>{diag}'
-        f"<details><summary>prompt</summary><pre>{html.escape(str(rec.get('prompt', '')))}</pre>"
-        f"</details>{''.join(pairs)}</section>"
-    )
+    pairs = [
+        {"name": n, "reward": "none" if rewards.get(n) is None else f"{rewards[n]:g}",
+         "q": json.dumps(rec["q"][n]), "w": json.dumps(rec.get("w", {}).get(n, [])),
+         "rows": [(k, _cells(rec, n, k, scales)) for k in ("q", "w") if rec[k].get(n) is not None]}
+        for n in rec["q"]
+    ]  # fmt: skip
+    return {"step": step, "head": head, "diag": _diag_text(diagnostics([rec])),
+            "tokens": json.dumps(rec["tokens"], ensure_ascii=False),
+            "prompt": str(rec.get("prompt", "")), "pairs": pairs}  # fmt: skip
 
 
-def _legend(scales: Scales) -> str:
-    def bar(cmap: str, ticks: list[tuple[float, str]], label: str, kind: str) -> str:
-        stops = ",".join(colour(cmap, i / 10) for i in range(11))
-        marks = "".join(f'<span style="left:{p * 100:.1f}%">{t}</span>' for p, t in ticks)
-        return (
-            f'<div class="legend" id="legend-{kind}"><b>{label}</b>'
-            f'<div class="bar" style="background:linear-gradient(to right,{stops})"></div>'
-            f'<div class="ticks">{marks}</div></div>'
-        )
-
-    q_ticks = [(i / 4, f"{scales.q_max * i / 4:.3g}") for i in range(5)]
+def _legends(scales: Scales) -> list[dict[str, Any]]:
+    """The q and w colour bars: gradient stops and (position in %, label) ticks."""
     o = scales.w_octaves
+    q_ticks = [(i / 4, f"{scales.q_max * i / 4:.3g}") for i in range(5)]
     w_ticks = [(scales.w_pos(2.0**e), f"{2.0**e:.3g}") for e in (-o, -o / 2, 0.0, o / 2, o)]
-    return bar(
-        Q_CMAP, q_ticks, "q: relevance (Jensen–Shannon distance), 0 to the page's largest", "q"
-    ) + bar(W_CMAP, w_ticks, "w: token weight (1 = GDPO's even share; log scale)", "w")
-
-
-def _controls(records: list[dict]) -> str:
-    steps = sorted({int(r.get("step", 0)) for r in records})
-    names = list(dict.fromkeys(n for r in records for n in r["q"]))
-    options = "".join(f'<option value="{s}">{s}</option>' for s in steps)
-    boxes = "".join(
-        f'<label><input type="checkbox" class="reward" value="{html.escape(n)}" checked> '
-        f"{html.escape(n)}</label>"
-        for n in names
-    )
-    return (
-        '<div id="controls"><label>step <select id="step"><option value="">all</option>'
-        f"{options}</select></label> <span>rewards {boxes}</span> <span>rows "
-        '<label><input type="checkbox" class="kind" value="q" checked> q</label>'
-        '<label><input type="checkbox" class="kind" value="w" checked> w</label></span>'
-        ' <span id="count"></span></div>'
-    )
-
-
-SCRIPT = """
-const tip = document.getElementById('tip');
-document.addEventListener('mouseover', (e) => {
-  const t = e.target.closest('.t');
-  if (!t) { tip.hidden = true; return; }
-  const pair = t.closest('.pair');
-  const i = Array.prototype.indexOf.call(t.parentNode.children, t);
-  const q = JSON.parse(pair.dataset.q), w = JSON.parse(pair.dataset.w);
-  const tokens = JSON.parse(t.closest('.rec').dataset.tokens);
-  tip.textContent = pair.dataset.reward + ', token ' + i + ': ' + JSON.stringify(tokens[i]) +
-    '\\nq = ' + q[i].toFixed(5) + (i < w.length ? '\\nw = ' + w[i].toFixed(4) : '');
-  const box = t.getBoundingClientRect();
-  tip.style.left = (window.scrollX + box.left) + 'px';
-  tip.style.top = (window.scrollY + box.bottom + 4) + 'px';
-  tip.hidden = false;
-});
-function apply() {
-  const step = document.getElementById('step').value;
-  const rewards = new Set([...document.querySelectorAll('input.reward:checked')].map(b => b.value));
-  const kinds = new Set([...document.querySelectorAll('input.kind:checked')].map(b => b.value));
-  let shown = 0, all = 0;
-  for (const rec of document.querySelectorAll('section.rec')) {
-    all += 1;
-    let any = false;
-    for (const pair of rec.querySelectorAll('.pair')) {
-      const on = rewards.has(pair.dataset.reward);
-      pair.hidden = !on;
-      any = any || on;
-    }
-    for (const row of rec.querySelectorAll('.row')) row.hidden = !kinds.has(row.dataset.kind);
-    rec.hidden = !any || (step !== '' && rec.dataset.step !== step);
-    if (!rec.hidden) shown += 1;
-  }
-  document.getElementById('count').textContent = shown + ' of ' + all + ' responses';
-}
-for (const el of document.querySelectorAll('#controls select, #controls input')) {
-  el.addEventListener('change', apply);
-}
-apply();
-"""
-
-STYLE = """
-body{font-family:sans-serif;margin:0 1.5em 2em}
-header{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd;z-index:1}
-h1{font-size:1.2em;margin:.3em 0} h2{font-size:1em;margin:1.2em 0 .3em}
-.legends{display:flex;gap:3em;flex-wrap:wrap;margin:.4em 0}
-.legend{width:26em;font-size:.8em} .bar{height:.9em;border:1px solid #999}
-.ticks{position:relative;height:1.2em} .ticks span{position:absolute;transform:translateX(-50%)}
-#controls{font-size:.9em} #controls label{margin-right:.6em} #count{color:#555}
-.pair{margin:.4em 0 .8em} .lab{font-size:.85em;color:#333} .r{color:#777}
-.row{display:flex;align-items:flex-start} .kind{width:1.5em;color:#777;font-size:.8em}
-.toks{display:flex;flex-wrap:wrap} .t{font-family:monospace;white-space:pre;padding:1px 2px;
-margin:0 1px 1px 0;cursor:default}
-#tip{position:absolute;background:#222;color:#fff;font:12px monospace;white-space:pre;
-padding:4px 6px;border-radius:3px;pointer-events:none;z-index:2}
-pre{white-space:pre-wrap;font-size:.85em;background:#f6f6f6;padding:.5em}
-.note{color:#a33;font-size:.85em} .diag{color:#444;font-size:.8em;margin:.1em 0}
-"""
+    bars = [("q", Q_CMAP, q_ticks, "q: relevance (Jensen–Shannon distance), 0 to the page's largest"),
+            ("w", W_CMAP, w_ticks, "w: token weight (1 = GDPO's even share; log scale)")]  # fmt: skip
+    return [
+        {"kind": kind, "label": label, "stops": ",".join(colour(cmap, i / 10) for i in range(11)),
+         "ticks": [(f"{p * 100:.1f}", text) for p, text in ticks]}
+        for kind, cmap, ticks, label in bars
+    ]  # fmt: skip
 
 
 def render_html(records: list[dict], title: str, notes: Sequence[str] = ()) -> str:
     """The page for ``records`` (all on one scale), with ``notes`` (what was left out)."""
     scales = Scales.of(records)
-    note = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
-    summary = _diag_text(diagnostics(records))
-    if summary:
-        note += f'<p class="diag" id="summary">all shown responses: {html.escape(summary)}</p>'
-    body = "".join(_record(r, scales) for r in records)
-    return (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>Relevance: {html.escape(title)}</title>"
-        '<link rel="icon" href="data:,"><style>' + STYLE + "</style></head><body><header>"
-        f"<h1>Per-token relevance: {html.escape(title)}</h1>"
-        f'<div class="legends">{_legend(scales)}</div>{_controls(records)}{note}</header>'
-        f'<main>{body}</main><div id="tip" role="tooltip" hidden></div>'
-        "<script>" + SCRIPT + "</script></body></html>\n"
+    return _PAGE.get_template("relevance.html.j2").render(
+        title=title,
+        legends=_legends(scales),
+        steps=sorted({int(r.get("step", 0)) for r in records}),
+        rewards=list(dict.fromkeys(n for r in records for n in r["q"])),
+        notes=list(notes),
+        summary=_diag_text(diagnostics(records)),
+        records=[_record(r, scales) for r in records],
     )
 
 
