@@ -1,4 +1,4 @@
-"""Compare training runs over seeds (the code is mrtpo.evaluate.analysis.sweep).
+"""Compare training runs over seeds (the code is mrtpo.evaluate.analysis.report).
 
 python src/report.py logs/train/multiruns/<time>
 python src/report.py 'logs/train/multiruns/*' --baseline method=gdpo --out reports/
@@ -6,7 +6,7 @@ python src/report.py 'logs/train/multiruns/*' --baseline method=gdpo --out repor
 
 import sys
 
-from mrtpo.evaluate.analysis.sweep import main
+from mrtpo.evaluate.analysis.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

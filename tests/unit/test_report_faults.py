@@ -14,7 +14,9 @@ import pytest
 from omegaconf import OmegaConf
 from tests.unit.test_sweep_summary import write_metrics
 
-from mrtpo.evaluate.analysis.sweep import find_runs, main, report, write_summary
+from mrtpo.evaluate.analysis.jobs import find_runs
+from mrtpo.evaluate.analysis.report import main, report
+from mrtpo.evaluate.analysis.summary import write_summary
 
 
 def make_job(root, name, method, seed, values, *, max_steps=3, job=None, first=None):

@@ -17,8 +17,9 @@ import re
 from tests.unit.test_report_faults import DONE, make_job
 
 from mrtpo.api import RunResult
+from mrtpo.evaluate.analysis.jobs import find_runs
+from mrtpo.evaluate.analysis.report import main, report
 from mrtpo.evaluate.analysis.runs import read_metrics
-from mrtpo.evaluate.analysis.sweep import find_runs, main, report
 
 HUGE = 200_000  # characters: past csv's default field limit of 131,072
 
@@ -146,7 +147,7 @@ def test_a_last_line_cut_by_a_kill_costs_that_row_not_the_column(tmp_path):
 def test_an_override_with_a_newline_stays_on_the_evaluation_report_line(tmp_path):
     import json
 
-    from mrtpo.evaluate.analysis.sweep import write_summary
+    from mrtpo.evaluate.analysis.summary import write_summary
 
     root = tmp_path / "evals"
     for i in (0, 1):

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from mrtpo.evaluate.analysis.jobs import find_runs, metric_names
+from mrtpo.evaluate.analysis.report import main, report
 from mrtpo.evaluate.analysis.stats import mean_ci
-from mrtpo.evaluate.analysis.sweep import find_runs, main, metric_names, report
 
 HEAD = ["step", "train/reward/format/mean", "train/reward/execution/mean",
         "train/reward/total/mean"]  # fmt: skip

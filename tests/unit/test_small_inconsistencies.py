@@ -9,7 +9,7 @@ import re
 from omegaconf import OmegaConf
 from tests.conftest import CONFIG_DIR, ROOT
 
-from mrtpo.evaluate.analysis.sweep import bounds, curve_band
+from mrtpo.evaluate.analysis.report import bounds, curve_band
 from mrtpo.evaluate.tables import parser as table_parser
 from mrtpo.evaluate.viewer import main as relevance_main
 

@@ -12,18 +12,16 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from mrtpo.evaluate.analysis.sweep import (
-    RunRecorder,
-    baseline_of,
+from mrtpo.evaluate.analysis.jobs import (
     experiment_overrides,
     final_best,
     find_runs,
     group_runs,
     labels,
-    main,
-    report,
-    write_summary,
 )
+from mrtpo.evaluate.analysis.recorder import RunRecorder
+from mrtpo.evaluate.analysis.report import baseline_of, main, report
+from mrtpo.evaluate.analysis.summary import write_summary
 
 HEAD = ["epoch", "step", "train/success", "train/reward/first/mean", "train/reward/total/mean",
         "val/loss"]  # fmt: skip

@@ -137,7 +137,7 @@ def _quoted(path: Path) -> str:
 
 def _source(folder: Path) -> Source:
     """How to evaluate ``folder`` (a training run or a policy folder), and its method/seed."""
-    from mrtpo.evaluate.analysis.sweep import load_run
+    from mrtpo.evaluate.analysis.jobs import load_run
 
     ckpt = folder / "checkpoints" / "last.ckpt"
     has_run = (folder / ".hydra" / "config.yaml").is_file()
@@ -160,7 +160,7 @@ def _source(folder: Path) -> Source:
 
 def sources_of(folders: list[str]) -> list[Source]:
     """Each given folder; a sweep folder stands for the runs in it."""
-    from mrtpo.evaluate.analysis.sweep import find_runs
+    from mrtpo.evaluate.analysis.jobs import find_runs
 
     out: list[Source] = []
     for f in folders:
@@ -287,8 +287,9 @@ def _groups(table: Table) -> dict[tuple[str, ...], list[int]]:
 
 def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Markdown head and rows, and the CSV records (one per method and benchmark)."""
+    from mrtpo.evaluate.analysis.jobs import labels
     from mrtpo.evaluate.analysis.stats import mean_ci
-    from mrtpo.evaluate.analysis.sweep import fmt_ci, labels
+    from mrtpo.evaluate.analysis.summary import fmt_ci
 
     groups = _groups(table)
     names, _ = labels(list(groups))
@@ -357,7 +358,7 @@ def not_scored(table: Table) -> list[str]:
 
 def write(table: Table, out: Path) -> tuple[Path, Path]:
     """``table.md`` and ``table.csv`` under ``out``."""
-    from mrtpo.evaluate.analysis.sweep import markdown_table
+    from mrtpo.evaluate.analysis.summary import markdown_table
 
     head, md_rows, recs = rows(table)
     lines = [

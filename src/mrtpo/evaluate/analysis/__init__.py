@@ -2,8 +2,10 @@
 
     stats        t quantiles and intervals, paired differences, learning-curve summaries, trend in K
     runs         reading metrics.csv and the JSON-lines dumps of a run folder
-    sweep        per-job records (a Hydra callback), a multirun's summary.csv/.md, and
-                 src/report.py's tables
+    jobs         a sweep's run folders read back (job.json, .hydra/) and grouped by overrides
+    recorder     per-job records and the multirun's summary (a Hydra callback)
+    summary      a sweep's summary.csv/.md, and the formatting the reports share
+    report       src/report.py: groups compared over seeds, paired differences, curves
 
 ``stats`` and ``runs`` import nothing heavy, so any comparison of runs can use them. The
 harnesses built on them live outside the library, beside the scripts that run them:
