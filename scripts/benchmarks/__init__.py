@@ -9,7 +9,8 @@ training imports them. Tests reach them through pytest's ``pythonpath``.
 * ``steps`` — MRTPO against GDPO on one fixed rollout (sections 1 and 4);
 * ``kernel`` — the JSD kernel's speed and peak memory, one process per configuration;
 * ``against_trl`` — our GDPO step against TRL's ``GRPOTrainer`` (section 3);
-* ``render`` — ``docs/benchmarks.md`` from the sections' JSON;
+* ``render`` — ``docs/benchmarks.md`` from the sections' JSON: the page, its targets and
+  proposals; ``render_sections`` the numbered sections, ``render_fmt`` the number formats;
 * ``gpu`` — the GPU check of the trainer itself (``scripts/gpu_check.py``; runs without
   Hydra), with ``gpu_vllm`` as its vLLM stage.
 """

