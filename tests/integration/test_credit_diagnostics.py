@@ -81,7 +81,7 @@ def test_noise_floor_is_opt_in(train_cfg):
 
 
 def test_a_resume_may_turn_the_noise_floor_on_or_off():
-    from mrtpo.run.folder import may_change
+    from mrtpo.run.resume import may_change
 
     # a diagnostic only: it changes what is logged, not what the run computes
     assert may_change("replay.noise_floor") and not may_change("method.cap")

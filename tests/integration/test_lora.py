@@ -16,7 +16,7 @@ from mrtpo.core.lora import LoraSettings, apply_lora, is_lora
 from mrtpo.core.models import load_policy
 from mrtpo.lightning.pipeline import build
 from mrtpo.run.checkpointing import load_checkpoint
-from mrtpo.run.folder import validate_resume
+from mrtpo.run.resume import validate_resume
 
 LORA = ["model.lora.r=4", "optim.lr=0.02", "optim.weight_decay=0.0"]
 
@@ -148,7 +148,7 @@ def test_a_full_finetune_checkpoint_is_refused_by_a_lora_run(train_cfg, tmp_path
     ckpt_path = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = load_checkpoint(ckpt_path, weights_only=True)
     _, lora_module, _ = build(train_cfg("trainer.max_steps=1", *LORA))
-    from mrtpo.run.folder import ResumeRefused
+    from mrtpo.run.resume import ResumeRefused
 
     with pytest.raises(ResumeRefused, match=r"model"):
         validate_resume(ckpt, lora_module, ckpt_path)

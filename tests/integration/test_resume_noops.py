@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import ROOT, compose_config
 
 from mrtpo.lightning.pipeline import train
-from mrtpo.run.folder import NothingToTrain, ResumeRefused
+from mrtpo.run.resume import NothingToTrain, ResumeRefused
 from mrtpo.run.settings import ConfigError
 
 #: The run's settings (a resume repeats them); two steps, one checkpoint (last.ckpt) at the end.

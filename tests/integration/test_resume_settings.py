@@ -3,7 +3,7 @@
 Issue 25 item 15: a resume accepted other settings silently (``rl.group_size`` 3 -> 4,
 ``method.beta`` 0.25 -> 0.5) or with a warning only (``seed``, ``rl.prompts_per_step``).
 Each checkpoint now records the run's settings; a ``+resume`` may change only the keys of
-``mrtpo.run.folder.RESUME_MAY_CHANGE`` and is refused, before anything is written, otherwise.
+``mrtpo.run.resume.RESUME_MAY_CHANGE`` and is refused, before anything is written, otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mrtpo.lightning.pipeline import train
-from mrtpo.run.folder import ResumeRefused
+from mrtpo.run.resume import ResumeRefused
 
 RUN = (
     "callbacks.model_checkpoint.every_n_train_steps=1",
@@ -66,7 +66,7 @@ def test_a_resume_that_changes_the_run_is_refused_before_anything_is_written(tra
 
 
 def test_the_list_of_what_a_resume_may_change():
-    from mrtpo.run.folder import RESUME_MAY_CHANGE, may_change
+    from mrtpo.run.resume import RESUME_MAY_CHANGE, may_change
 
     assert may_change("trainer.max_steps") and may_change("paths.data_dir")
     assert may_change("replay.token_budget") and may_change("callbacks.progress.min_interval_s")

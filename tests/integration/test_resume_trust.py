@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SMALL_RUN
 
-from mrtpo.run.folder import resume_overrides
+from mrtpo.run.resume import resume_overrides
 from mrtpo.run.settings import ConfigError
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check

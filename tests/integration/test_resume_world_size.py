@@ -23,7 +23,7 @@ import torch
 from tests.conftest import ROOT, compose_config
 from tests.integration.test_ddp import _env
 
-from mrtpo.run.folder import ResumeRefused, check_resume_settings, settings_record
+from mrtpo.run.resume import ResumeRefused, check_resume_settings, settings_record
 
 RUN = [
     "rl.prompts_per_step=2",

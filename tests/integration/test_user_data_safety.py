@@ -20,7 +20,7 @@ from tests.conftest import ROOT, SMALL_RUN, compose_config
 
 from mrtpo.core.models import load_policy
 from mrtpo.lightning.pipeline import train
-from mrtpo.run.folder import ResumeRefused
+from mrtpo.run.resume import ResumeRefused
 
 
 def tree_hash(folder: Path) -> dict[str, str]:

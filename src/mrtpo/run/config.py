@@ -78,7 +78,7 @@ def hydra_subdir(resume) -> str | None:
 
     A resume must not change its run folder before it has been validated, and Hydra would
     otherwise overwrite the original ``overrides.yaml`` with the resuming command line.
-    ``mrtpo.run.folder.record_resume`` saves the resume's config once it is accepted.
+    ``mrtpo.run.resume.record_resume`` saves the resume's config once it is accepted.
     """
     return None if resume else ".hydra"
 

@@ -180,7 +180,7 @@ class SignalStop:
             return "the run has no folder to resume"
         ckpt_dir = self.ckpt_dir or self.folder / "checkpoints"
         if (Path(ckpt_dir) / "last.ckpt").is_file():
-            from mrtpo.run.folder import resume_command
+            from mrtpo.run.resume import resume_command
 
             return f"resume with {resume_command(self.folder)}"
         return f"{self.folder} holds no checkpoint yet: start the run again"

@@ -7,7 +7,7 @@ the step the run restarts from. The first save then replaces the file, in one at
 by its rows of earlier steps followed by the new rows: every step appears once, and the
 history is on disk at every instant (a resume killed while it starts loses nothing).
 
-It also records the run's settings in every checkpoint (``mrtpo.run.folder.settings_record``),
+It also records the run's settings in every checkpoint (``mrtpo.run.resume.settings_record``),
 so that a later ``+resume`` can refuse settings that would change the run, and the names of the
 metrics logged so far, so that a resumed step writes NaN where the uninterrupted run did.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import lightning as L
 
-from mrtpo.run.folder import SETTINGS_KEY
 from mrtpo.run.loggers import KeepingWriter, RunCSVLogger
+from mrtpo.run.resume import SETTINGS_KEY
 
 log = logging.getLogger(__name__)
 
