@@ -6,6 +6,9 @@ python src/eval.py task=text2sql eval.split=spider_dev eval.responses=preds.json
 import hydra
 from omegaconf import DictConfig
 
+import mrtpo.run.cli  # (registers what --help says of each group)
+import mrtpo.run.config  # noqa: F401  (registers the resolvers the configs use)
+
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
 def main(cfg: DictConfig) -> None:
