@@ -34,6 +34,7 @@ from typing import Any
 
 import jinja2
 
+from mrtpo.evaluate.analysis.jobs import kind_of
 from mrtpo.evaluate.analysis.runs import UnsafeOutput, check_output, write_file
 
 FILE = "relevance.jsonl"
@@ -123,11 +124,6 @@ def why_no_records(run: Path) -> str:
 # line that is not one is left out, with a note naming its line. The file is read twice, a
 # line at a time, never whole: once to find each step's records (keeping only where they
 # start), then once more for the records the page shows.
-def _a(value: Any) -> str:
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
 def _finite(v: Any) -> float | None:
     """``v`` as a finite float; None when it is no number (a bool is none either), or not
     finite, or an int beyond any float."""
@@ -143,7 +139,7 @@ def _finite(v: Any) -> float | None:
 def _rows(rows: Any, kind: str, n: int) -> dict[str, list[float]]:
     """``q`` or ``w``: reward name -> one finite number per token."""
     if not isinstance(rows, dict):
-        raise ValueError(f"'{kind}' is not an object of reward name -> numbers ({_a(rows)})")
+        raise ValueError(f"'{kind}' is not an object of reward name -> numbers ({kind_of(rows)})")
     out = {}
     for name, values in rows.items():
         if not isinstance(values, list) or len(values) != n:
@@ -159,7 +155,7 @@ def _step(rec: dict) -> int:
     if isinstance(step, float) and step.is_integer():
         return int(step)
     if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"'step' is not a whole number ({_a(step)})")
+        raise ValueError(f"'step' is not a whole number ({kind_of(step)})")
     return step
 
 
@@ -177,7 +173,7 @@ def clean(rec: Any) -> dict | None:
     """The record as the page draws it, each value checked (a ValueError says what is
     wrong); None for a record with no replayed reward, which has nothing to draw."""
     if not isinstance(rec, dict):
-        raise ValueError(f"not a JSON object ({_a(rec)})")
+        raise ValueError(f"not a JSON object ({kind_of(rec)})")
     tokens = rec.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ValueError("'tokens' is not a list of strings")
@@ -186,7 +182,7 @@ def clean(rec: Any) -> dict | None:
     q, w = _rows(rec.get("q"), "q", len(tokens)), _rows(rec["w"], "w", len(tokens))
     step, rewards, beta = _step(rec), _rewards(rec), rec.get("beta")
     if beta is not None and _finite(beta) is None:
-        raise ValueError(f"'beta' is not a finite number ({_a(beta)})")
+        raise ValueError(f"'beta' is not a finite number ({kind_of(beta)})")
     if not q:
         return None
     prompt = rec.get("prompt", "")

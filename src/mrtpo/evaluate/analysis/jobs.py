@@ -233,7 +233,7 @@ JOB_KEYS = (
 )  # fmt: skip
 
 
-def _a(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """``an int``, ``a list``: what a JSON value is, for a message."""
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
@@ -253,7 +253,7 @@ def read_job(folder: Path) -> tuple[dict[str, Any], list[str]]:
     except (OSError, ValueError, RecursionError) as exc:  # a folder, not UTF-8, too deep
         return {}, [f"{path}: cannot be read ({type(exc).__name__}: {exc}); ignored"[:400]]
     if not isinstance(info, dict):
-        return {}, [f"{path}: not a JSON object ({_a(info)}); ignored"]
+        return {}, [f"{path}: not a JSON object ({kind_of(info)}); ignored"]
     kept: dict[str, Any] = {}
     warnings = []
     for key, ok, what in JOB_KEYS:
@@ -261,7 +261,7 @@ def read_job(folder: Path) -> tuple[dict[str, Any], list[str]]:
         if value is None or ok(value):
             kept[key] = value
         else:
-            warnings.append(f'{path}: "{key}" is not {what} ({_a(value)}); ignored')
+            warnings.append(f'{path}: "{key}" is not {what} ({kind_of(value)}); ignored')
     return kept, warnings
 
 

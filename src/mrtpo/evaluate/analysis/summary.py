@@ -179,20 +179,25 @@ def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
                      "overrides": names[r.group], "split": scored.get("split", ""),
                      "examples": scored.get("examples", ""),
                      **{k: m.get(k, "") for k in metrics}})  # fmt: skip
-    csv_path, md_path = _write_summary_csv(root, head, rows), root / "summary.md"
     md_rows = [[row["job"], row["overrides"], row["split"], row["status"], row["examples"],
                 *[fmt(row[k]) if row[k] != "" else "–" for k in metrics]] for row in rows]  # fmt: skip
+    table = markdown_table(["job", "overrides", "split", "status", "examples", *metrics], md_rows)
+    return _write_summary_csv(root, head, rows), _write_md(root, "Evaluation sweep", runs, common,
+                                                           table)  # fmt: skip
+
+
+def _write_md(root: Path, title: str, runs: Sequence[Run], common: list[str], table: str,
+              intro: Sequence[str] = (), end: Sequence[str] = ()) -> Path:  # fmt: skip
+    """``<root>/summary.md``: the title, the sweep's command, ``intro``, the overrides every job
+    shares, the table, a line per failed job, then ``end``."""
     cmd = sweep_command(root)
-    lines = [f"# Evaluation sweep: {one_line(root.name)}", ""]
-    lines += [f"`{one_line(cmd)}`", ""] if cmd else []
-    if common:
-        lines.append(f"Every job: `{one_line(' '.join(common))}`.")
-    head_md = ["job", "overrides", "split", "status", "examples", *metrics]
-    lines += ["", markdown_table(head_md, md_rows), ""]
-    lines += [f"- job {r.job_num} failed: `{(r.error or '?')[:300]}`" for r in runs
-              if r.status == "failed"]  # fmt: skip
-    write_file(md_path, "\n".join(lines) + "\n")
-    return csv_path, md_path
+    lines = [f"# {title}: {one_line(root.name)}", "", *([f"`{one_line(cmd)}`", ""] if cmd else [])]
+    lines += [*intro, *([f"Every job: `{one_line(' '.join(common))}`."] if common else [])]
+    lines += ["", table, ""]
+    lines += [f"- job {'' if r.job_num is None else r.job_num} failed: `{(r.error or '?')[:300]}`"
+              for r in runs if r.status == "failed"]  # fmt: skip
+    write_file(root / "summary.md", "\n".join([*lines, *end]) + "\n")
+    return root / "summary.md"
 
 
 def _write_summary_csv(root: Path, head: list[str], rows: list[dict]) -> Path:
@@ -214,8 +219,6 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     if not any(r.curves for r in runs) and any(eval_metrics(r.path) for r in runs):
         return write_eval_summary(root.resolve(), runs)
     head, rows = summary_rows(runs, root.resolve())
-    csv_path, md_path = _write_summary_csv(root, head, rows), root / "summary.md"
-
     metrics = metric_names(runs)
     names, common = labels([r.group for r in runs])
     md_head = ["job", "overrides", SEED, "status", "steps", "wall (s)"]
@@ -227,23 +230,11 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
         for m in metrics:
             cells.append(f"{fmt(row[f'{m}/final'])} / {fmt(row[f'{m}/best'])}")
         md_rows.append(cells)
-    cmd = sweep_command(root)
-    lines = [f"# Sweep summary: {one_line(root.name)}", ""]
-    if cmd:
-        lines += [f"`{one_line(cmd)}`", ""]
-    lines += [
-        f"{plural(len(runs), 'job')}. final: mean of the last {FINAL_WINDOW} steps; best: highest "
-        f"{SMOOTH}-step moving average.",
-    ]
-    if common:
-        lines.append(f"Every job: `{one_line(' '.join(common))}`.")
-    lines += ["", markdown_table(md_head, md_rows), ""]
-    for r, row in zip(runs, rows, strict=True):
-        if r.status == "failed":
-            lines.append(f"- job {row['job']} failed: `{(r.error or '?')[:300]}`")
-    lines += [f"- warning: {one_line(w)}" for r in runs for w in r.warnings]
-    if any(r.status == "failed" or r.warnings for r in runs):
-        lines.append("")
-    lines.append(f"Compare over seeds: `python src/report.py {root}`")
-    write_file(md_path, "\n".join(lines) + "\n")
-    return csv_path, md_path
+    intro = [f"{plural(len(runs), 'job')}. final: mean of the last {FINAL_WINDOW} steps; best: "
+             f"highest {SMOOTH}-step moving average."]  # fmt: skip
+    end = [f"- warning: {one_line(w)}" for r in runs for w in r.warnings]
+    end += [""] * any(r.status == "failed" or r.warnings for r in runs)
+    end.append(f"Compare over seeds: `python src/report.py {root}`")
+    table = markdown_table(md_head, md_rows)
+    return _write_summary_csv(root, head, rows), _write_md(root, "Sweep summary", runs, common,
+                                                           table, intro, end)  # fmt: skip
