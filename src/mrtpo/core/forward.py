@@ -45,25 +45,22 @@ def shared_prompt_mode(value: Any) -> str | None:
 
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """[n, P] ids and bool mask from variable-length token lists, padded on the left."""
-    width = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = True
-    return ids, mask
+    return _padded(seqs, pad_id, left=True, width=max((len(s) for s in seqs), default=0))
 
 
 def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """[n, T] ids and bool mask, padded on the right (T >= 1)."""
-    width = max(1, max((len(s) for s in seqs), default=0))
+    return _padded(seqs, pad_id, left=False, width=max(1, max((len(s) for s in seqs), default=0)))
+
+
+def _padded(seqs: list[list[int]], pad_id: int, left: bool, width: int) -> tuple[Tensor, Tensor]:
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = True
+            cols = slice(width - len(s), width) if left else slice(0, len(s))
+            ids[i, cols] = torch.tensor(s, dtype=torch.long)
+            mask[i, cols] = True
     return ids, mask
 
 

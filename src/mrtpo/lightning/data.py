@@ -103,10 +103,6 @@ class EvalPrompts(torch.utils.data.Dataset):
         )
 
 
-def _identity(x):
-    return x[0] if isinstance(x, list) and len(x) == 1 else x
-
-
 class PromptDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -206,9 +202,6 @@ class PromptDataModule(L.LightningDataModule):
         )
         self.tokenized += done
         return lengths
-
-    def prompt_length(self, example: Example) -> int:
-        return self.prompt_lengths([example])[0]
 
     def train_stream(self) -> PromptStream:
         """This rank's stream (its own ``prompts_per_step`` prompts of every step)."""

@@ -53,6 +53,14 @@ def default_optimizer(optim: OptimConfig) -> Callable:
     )
 
 
+def _on_step(name: str, cast: Callable = lambda v: v) -> property:
+    """A property that reads and sets ``self.step.<name>``."""
+    return property(
+        lambda self: getattr(self.step, name),
+        lambda self, value: setattr(self.step, name, cast(value)),
+    )
+
+
 class PolicyModule(L.LightningModule):
     def __init__(
         self,
@@ -114,38 +122,10 @@ class PolicyModule(L.LightningModule):
         method.setup(task, self.step.method_services())
 
     # ---- the step's parts and state, as callbacks and tests read (and swap) them -----------
-    @property
-    def task(self) -> Task:
-        return self.step.task
-
-    @task.setter
-    def task(self, task: Task) -> None:
-        self.step.task = task
-
-    @property
-    def method(self) -> AdvantageMethod:
-        return self.step.method
-
-    @method.setter
-    def method(self, method: AdvantageMethod) -> None:
-        self.step.method = method
-
-    @property
-    def replayer(self) -> Replayer:
-        return self.step.replayer
-
-    @replayer.setter
-    def replayer(self, replayer: Replayer) -> None:
-        self.step.replayer = replayer
-
-    @property
-    def iteration(self) -> int:
-        """Completed RL steps (one per prompt batch, skipped ones included)."""
-        return self.step.iteration
-
-    @iteration.setter
-    def iteration(self, value: int) -> None:
-        self.step.iteration = int(value)
+    task = _on_step("task")
+    method = _on_step("method")
+    replayer = _on_step("replayer")
+    iteration = _on_step("iteration", int)  # completed RL steps, skipped ones included
 
     @property
     def ranks(self) -> Ranks:

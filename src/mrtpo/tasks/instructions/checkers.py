@@ -217,20 +217,26 @@ def seeded_random(seed: Any) -> Iterator[None]:
         random.setstate(state)
 
 
-@functools.cache
-def ifeval_registry(nltk_dir: str) -> Registry:
-    """IFEval's 25 instructions (lm-eval's port of the official checkers)."""
+def _load_checkers(nltk_dir: str, module: str, package: str, source: str):
+    """The checker library's registry module, imported with NLTK downloads blocked, and the
+    NLTK data it asked to download; ``source`` says where the checkers come from."""
     prepare_nltk_data(nltk_dir)
     try:
         _seed_langdetect()
         with _downloads_blocked() as attempted:
-            mod = _import_without_package_init(
-                "lm_eval.tasks.ifeval.instructions_registry", "lm_eval.tasks"
-            )
+            mod = _import_without_package_init(module, package)
     except ImportError as exc:
-        raise CheckerUnavailable(
-            f"the IFEval checkers come from lm-eval ({INSTALL_HINT}): {exc}"
-        ) from exc
+        raise CheckerUnavailable(f"{source}: {exc}") from exc
+    return mod, attempted
+
+
+@functools.cache
+def ifeval_registry(nltk_dir: str) -> Registry:
+    """IFEval's 25 instructions (lm-eval's port of the official checkers)."""
+    mod, attempted = _load_checkers(
+        nltk_dir, "lm_eval.tasks.ifeval.instructions_registry", "lm_eval.tasks",
+        f"the IFEval checkers come from lm-eval ({INSTALL_HINT})",
+    )  # fmt: skip
     if attempted:
         raise CheckerUnavailable(
             f"the IFEval checkers asked NLTK to download {attempted}; nothing is downloaded "
@@ -247,18 +253,11 @@ def ifeval_registry(nltk_dir: str) -> Registry:
 @functools.cache
 def ifbench_registry(nltk_dir: str) -> Registry:
     """IFBench's 58 out-of-distribution instructions (if-verifiable's port)."""
-    prepare_nltk_data(nltk_dir)
-    try:
-        _seed_langdetect()
-        with _downloads_blocked() as attempted:
-            mod = _import_without_package_init(
-                "if_verifiable.ifbench.instructions_registry", "if_verifiable"
-            )
-    except ImportError as exc:
-        raise CheckerUnavailable(
-            "the IFBench checkers come from the 'if-verifiable' package "
-            f"({INSTALL_HINT}, or pip install if-verifiable): {exc}"
-        ) from exc
+    mod, attempted = _load_checkers(
+        nltk_dir, "if_verifiable.ifbench.instructions_registry", "if_verifiable",
+        f"the IFBench checkers come from the 'if-verifiable' package ({INSTALL_HINT}, or "
+        "pip install if-verifiable)",
+    )  # fmt: skip
     missing = [name for name in attempted if name not in ("punkt",)]
     if missing:
         log.info(
