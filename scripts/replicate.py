@@ -10,6 +10,8 @@
     make replicate ARGS=--long           # the long toy: a free part of 0 and 60 words at K=2
     make replicate ARGS="--long --full"  # K = 4 at 0, 20, 60 words, K = 2, 4, 8 at 60, 8 seeds (replication_long.md)
     make replicate ARGS="--long --warm-from logs/replicate_long/<run>"  # RL only, its warm starts
+    make replicate ARGS="--long --credit --warm-from <run>"   # issue 49: cap x context at K=8, P5
+    python scripts/replicate.py --long --credit --dry-run     # ... its plan and minutes, no run
 
 The harness is the package beside this file, ``scripts/replication``; this file only reads
 the command line.
@@ -18,6 +20,7 @@ the command line.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -49,7 +52,12 @@ def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOption
         full=a.full, workers=a.workers, threads=a.threads, logdir=a.logdir, docs=a.docs,
         report_only=a.report_only, override=a.override, sft_override=a.sft_override,
         sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed, warm_from=a.warm_from,
+        credit=a.credit, dry_run=a.dry_run,
     )  # fmt: skip
+    if a.credit:
+        from replication.credit import SEEDS
+
+        opts.seeds = SEEDS
     if a.cells:
         opts.cells = [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     for key in ("seeds", "steps", "threshold"):
@@ -60,7 +68,28 @@ def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOption
     return opts
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
+def _long_arguments(p: argparse.ArgumentParser) -> None:
+    """The long toy's options (``--long`` and what only it reads)."""
+    p.add_argument(
+        "--long", action="store_true",
+        help="the long toy: a free part before the answer, a rare `mark` (replication_long.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cells", type=str, default=None,
+        help="--long: comma-separated K:free cells, e.g. 4:0,4:60 (default: the mode's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warm-from", type=Path, default=None,
+        help="--long: reuse the warm starts of an earlier --long run folder (same SFT options)",
+    )  # fmt: skip
+    p.add_argument(
+        "--credit", action="store_true",
+        help="--long: issue 49's experiment, cap x context at K = 8 and P5 at the new defaults",
+    )  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="--long --credit: print the plan only")
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--full", action="store_true",
@@ -79,18 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
         "<method>@one_step_off (the rollout schedule), with ';' between specs when one has "
         "several overrides (default: the mode's)",
     )  # fmt: skip
-    p.add_argument(
-        "--long", action="store_true",
-        help="the long toy: a free part before the answer, a rare `mark` (replication_long.md)",
-    )  # fmt: skip
-    p.add_argument(
-        "--cells", type=str, default=None,
-        help="--long: comma-separated K:free cells, e.g. 4:0,4:60 (default: the mode's)",
-    )  # fmt: skip
-    p.add_argument(
-        "--warm-from", type=Path, default=None,
-        help="--long: reuse the warm starts of an earlier --long run folder (same SFT options)",
-    )  # fmt: skip
+    _long_arguments(p)
     p.add_argument("--no-determinism", action="store_true", help="skip the rerun check")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     p.add_argument(
@@ -111,6 +129,22 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
     p.add_argument(
         "--sft-override", action="append", default=[], help="extra override for both SFT passes"
     )
+    return p
+
+
+def _check_long(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse a long-toy option given without ``--long`` (and ``--dry-run`` without
+    ``--credit``)."""
+    if a.cells and not a.long:
+        p.error("--cells is a --long option")
+    if a.warm_from is not None and not a.long:
+        p.error("--warm-from is a --long option")
+    if (a.credit and not a.long) or (a.dry_run and not a.credit):
+        p.error("--credit is a --long option, and --dry-run a --credit one")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
+    p = _parser()
     a = p.parse_args(argv)
     given = None
     if a.methods is not None:
@@ -126,10 +160,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
         p.error(f"unknown method(s) {unknown}; see configs/method/")
     if a.report_only and a.logdir is None:
         p.error("--report-only needs --logdir")
-    if a.cells and not a.long:
-        p.error("--cells is a --long option")
-    if a.warm_from is not None and not a.long:
-        p.error("--warm-from is a --long option")
+    _check_long(p, a)
     if a.long:
         try:
             return long_options(a, given)
@@ -148,6 +179,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
+    if isinstance(opts, LongOptions) and opts.report_only and not opts.credit:
+        run = Path(opts.logdir) / "run.json"
+        opts.credit = run.exists() and bool(json.loads(run.read_text()).get("credit"))
+    if isinstance(opts, LongOptions) and opts.credit:
+        from replication.credit_report import main as replicate_credit
+
+        return replicate_credit(opts)
     if isinstance(opts, LongOptions):
         from replication.long_report import main as replicate_long
 

@@ -26,6 +26,7 @@ Jobs, statistics and claim rules are the toy replication's (``replication.jobs``
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,14 @@ Cell = tuple[int, int]  # (K, free part length in filler words, or TOY)
 #: The "free part" of a toy-format cell: the toy replication's prompt and response, without
 #: the free-part sentence and markers. Such a cell is only a step of a warm-start chain.
 TOY = -1
+
+#: The "free part" of a drawn-length cell: each prompt's free part has its own length, drawn
+#: from ``DRAWN_RANGE`` (``task.free_tokens=[lo,hi]``), so when to close it cannot be counted.
+DRAWN = -2
+DRAWN_RANGE = (30, 90)
+#: Steps of a drawn-length cell's clean pass (from the same K's 60-word clean policy): a fixed
+#: number, since that policy already meets the success target on its first check.
+DRAWN_STEPS = 300
 
 #: The free part's lengths (filler words; each adds 6 marker tokens around it).
 FREE = (0, 20, 60)
@@ -71,14 +80,18 @@ ANSWER_TOKENS, MARKER_TOKENS = 12, 6
 
 
 def token_budget(free: int) -> int:
+    free = DRAWN_RANGE[1] if free == DRAWN else free
     return ANSWER_TOKENS + MARKER_TOKENS + free + free // 2
 
 
 def start_of(cell: Cell) -> Cell | None:
     """The cell whose clean policy this cell's clean pass starts from (None: random weights):
     a longer free part from the same K's free part 0; K ≥ 8 at free part 0 from the same K's
-    toy-format policy, which starts from half K's (down to K = 4, from random weights)."""
+    toy-format policy, which starts from half K's (down to K = 4, from random weights); a
+    drawn-length cell from the same K's longest fixed free part."""
     k, free = cell
+    if free == DRAWN:
+        return (k, LONG_FREE)
     if free > 0:
         return (k, 0)
     if k < 8:
@@ -88,6 +101,8 @@ def start_of(cell: Cell) -> Cell | None:
 
 def cell_name(cell: Cell) -> str:
     k, free = cell
+    if free == DRAWN:
+        return f"k{k}_d{DRAWN_RANGE[0]}-{DRAWN_RANGE[1]}"
     return f"k{k}_toy" if free == TOY else f"k{k}_f{free}"
 
 
@@ -122,6 +137,9 @@ class LongOptions:
     commit: str | None = None
     #: an earlier long-toy run folder whose warm starts this run reuses instead of making its own
     warm_from: Path | None = None
+    #: issue 49's credit experiment (``replication.credit``) instead of the cells' runs
+    credit: bool = False
+    dry_run: bool = False  # the credit experiment's plan only
 
 
 #: The options that decide what a warm start is: a reused one must have been made with these.
@@ -142,7 +160,8 @@ def _common(cell: Cell, out: Path, logdir: Path) -> list[str]:
         []
         if free == TOY
         else [  # a toy-format cell keeps toy_sft's own
-            f"task.free_tokens={free}",
+            "task.free_tokens="
+            + (f"[{DRAWN_RANGE[0]},{DRAWN_RANGE[1]}]" if free == DRAWN else str(free)),
             f"rollout.sampling.max_new_tokens={token_budget(free)}",
         ]
     )
@@ -153,6 +172,21 @@ def _common(cell: Cell, out: Path, logdir: Path) -> list[str]:
         f"paths.log_dir={logdir}",
         "++trainer.enable_progress_bar=false",
     ]
+
+
+#: Overrides that never change a job's step limit (its folders, seed and starting weights).
+_NO_STEPS = ("paths.", "seed=", "stage.sft.save_dir=", "model.name_or_path=")
+
+
+def max_steps(overrides: list[str]) -> int:
+    """The step limit of a job's composed config; jobs that differ only in ``_NO_STEPS``
+    share one composition (a plan of 150 jobs composes about a dozen configs)."""
+    return _max_steps(tuple(o for o in overrides if not o.startswith(_NO_STEPS)))
+
+
+@functools.cache
+def _max_steps(overrides: tuple[str, ...]) -> int:
+    return int(compose("train.yaml", list(overrides)).trainer.max_steps)
 
 
 def sft_key(cell: Cell, phase: str) -> str:
@@ -176,10 +210,12 @@ def sft_job(cell: Cell, phase: str, opts: LongOptions) -> Job:
         ov += [f"model.name_or_path={src}", "model.tiny=null"]
     if toy and cell[0] > 4:
         ov.append(f"trainer.max_steps={TOY_READER_STEPS}")
+    if cell[1] == DRAWN and phase == SFT_PHASES[0]:
+        ov += [f"trainer.max_steps={DRAWN_STEPS}", f"stage.sft.min_steps={DRAWN_STEPS}"]
     if opts.sft_max_steps is not None:
         ov.append(f"trainer.max_steps={opts.sft_max_steps}")
     ov += opts.sft_override
-    steps = int(compose("train.yaml", ov).trainer.max_steps)
+    steps = max_steps(ov)
     after = () if start is None else (sft_key(start, SFT_PHASES[0]),)
     return Job(sft_key(cell, phase), ov, out, steps, after)
 
@@ -195,7 +231,7 @@ def rl_job(cell: Cell, method: str, seed: int, opts: LongOptions) -> Job:
     if opts.steps is not None:
         ov.append(f"trainer.max_steps={opts.steps}")
     ov += opts.override
-    steps = int(compose("train.yaml", ov).trainer.max_steps)
+    steps = max_steps(ov)
     return Job(f"{cell_name(cell)}/{method}/s{seed}", ov, out, steps,
                (sft_key(cell, SFT_PHASES[-1]),))  # fmt: skip
 
