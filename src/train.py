@@ -16,7 +16,8 @@ import mrtpo.run.config  # (registers the resolvers the configs use)
 def main(cfg: DictConfig) -> float | None:
     from mrtpo.lightning.pipeline import train
     from mrtpo.run.cli import in_sweep, run_job
-    from mrtpo.run.folder import NothingToTrain, discard_refused_folder, is_refusal
+    from mrtpo.run.folder import discard_refused_folder, is_refusal
+    from mrtpo.run.resume import NothingToTrain
 
     if cfg.get("dry_run"):  # --check: every check, then what the run would do; no training
         from mrtpo.run.dryrun import dry_run
@@ -53,8 +54,9 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
-    from mrtpo.run.folder import resume_overrides
-    from mrtpo.run.settings import ConfigError, check_overrides
+    from mrtpo.run.overrides import check_overrides
+    from mrtpo.run.resume import resume_overrides
+    from mrtpo.run.settings import ConfigError
     from mrtpo.run.signals import run_and_exit
 
     mrtpo.run.cli.COMMAND_LINE = True  # a refusal as Hydra starts: one line, exit status 2

@@ -261,9 +261,9 @@ def _precheck(overrides: list[str], args: Config) -> None:
     before it makes a run folder; the error names the ``Config`` field that set the key."""
     from hydra.errors import ConfigCompositionException
 
+    from mrtpo.run.checks import validate
     from mrtpo.run.config import compose
     from mrtpo.run.config_keys import check_keys
-    from mrtpo.run.settings import validate
 
     try:
         cfg = compose("train.yaml", overrides)

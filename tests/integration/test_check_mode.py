@@ -16,7 +16,8 @@ from tests.conftest import ROOT, compose_config
 from tests.integration.test_presets import HIR_ROWS, IFEVAL_ROWS
 
 from mrtpo.run.dryrun import check_all, dry_run, plan_lines
-from mrtpo.run.settings import ConfigError, visible_gpus
+from mrtpo.run.placement import visible_gpus
+from mrtpo.run.settings import ConfigError
 
 TRAIN = str(ROOT / "src" / "train.py")
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

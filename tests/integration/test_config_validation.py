@@ -209,14 +209,15 @@ def test_fsdp_refuses_what_it_cannot_shard_yet_before_the_model_loads(
 
 @pytest.mark.parametrize("key", ["replay.share_prefix", "rollout.engine.share_prompt"])
 def test_a_replaced_prefix_sharing_key_names_the_one_to_use(train_cfg, key):
-    from mrtpo.run.settings import ConfigError, check_overrides
+    from mrtpo.run.overrides import check_overrides
+    from mrtpo.run.settings import ConfigError
 
     for arg in (f"{key}=false", f"+{key}=false"):  # refused before Hydra composes anything
         with pytest.raises(ConfigError, match=rf"{key} was replaced by rl\.shared_prompt_forward"):
             check_overrides([arg])
-    if key.startswith("rollout."):  # a config that holds it anyway is refused when built
+    if key.startswith("rollout."):  # a config setting it, not by interpolation: refused too
         with pytest.raises(ConfigError, match=r"was replaced by rl\.shared_prompt_forward"):
-            build(train_cfg(f"+{key}=false"))
+            build(train_cfg(f"{key}=false"))
 
 
 def test_the_hf_engine_takes_the_one_prefix_sharing_switch(train_cfg):

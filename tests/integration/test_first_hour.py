@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 from tests.conftest import ROOT, SMALL_RUN
 
-from mrtpo.evaluate.analysis.sweep import main as report_main
+from mrtpo.evaluate.analysis.report import main as report_main
 from mrtpo.lightning.data import PromptDataModule
-from mrtpo.run.settings import ConfigError, check_overrides
+from mrtpo.run.overrides import check_overrides
+from mrtpo.run.settings import ConfigError
 from mrtpo.tasks.synthetic import SyntheticTask
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
@@ -105,7 +106,7 @@ def test_a_resume_that_changes_another_key_is_refused_naming_the_runs_value(runs
     assert _tree(run) == before
     # a key the run left at its default, named with the run's value; a repeated value is
     # accepted; a config group (trainer=ddp) is left to the checkpoint's key-by-key check
-    from mrtpo.run.folder import resume_overrides
+    from mrtpo.run.resume import resume_overrides
 
     with pytest.raises(ConfigError, match="has seed=0"):
         resume_overrides([f"+resume={run}", "seed=3"])

@@ -23,13 +23,9 @@ from tests.conftest import CONFIG_DIR, compose_config
 from tests.task_fixtures import make_public_data, rlla_rows
 
 from mrtpo.lightning.pipeline import build, metrics_csv, prepare
-from mrtpo.run.settings import (
-    ConfigError,
-    check_placement,
-    model_parameters,
-    resolve_batch,
-    section,
-)
+from mrtpo.run.batch import resolve_batch
+from mrtpo.run.placement import check_placement, model_parameters
+from mrtpo.run.settings import ConfigError, section
 
 TOY = ("demo", "toy_")
 PRESETS = sorted(

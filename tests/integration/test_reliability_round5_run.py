@@ -109,7 +109,8 @@ ASYNC = ["rollout.engine.own_copy=true", "rollout.schedule=async"]
 
 @pytest.mark.parametrize("value", ["100000", "abc", "1.5", "true", "-1"])
 def test_max_staleness_is_a_bounded_integer(value):
-    from mrtpo.run.settings import MAX_STALENESS, validate
+    from mrtpo.rollout.source import MAX_STALENESS
+    from mrtpo.run.checks import validate
 
     cfg = compose_config("train.yaml", [*ASYNC, f"rollout.max_staleness={value}"])
     with pytest.raises(ConfigError, match=r"^rollout\.max_staleness=") as err:
@@ -118,7 +119,8 @@ def test_max_staleness_is_a_bounded_integer(value):
 
 
 def test_max_staleness_at_its_maximum_is_accepted():
-    from mrtpo.run.settings import MAX_STALENESS, validate
+    from mrtpo.rollout.source import MAX_STALENESS
+    from mrtpo.run.checks import validate
 
     validate(compose_config("train.yaml", [*ASYNC, f"rollout.max_staleness={MAX_STALENESS}"]))
 
@@ -143,8 +145,8 @@ SERVER = ["rollout=vllm_server"]
     ],
 )
 def test_check_names_what_the_engine_refuses(overrides, says, monkeypatch, tmp_path):
+    from mrtpo.run.checks import validate
     from mrtpo.run.dryrun import check_all
-    from mrtpo.run.settings import validate
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     cfg = compose_config("train.yaml", [*SERVER, *overrides, f"paths.output_dir={tmp_path}"])
@@ -155,7 +157,7 @@ def test_check_names_what_the_engine_refuses(overrides, says, monkeypatch, tmp_p
 
 
 def test_check_accepts_the_server_engines_defaults(monkeypatch, tmp_path):
-    from mrtpo.run.settings import validate
+    from mrtpo.run.checks import validate
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     validate(compose_config("train.yaml", [*SERVER, f"paths.output_dir={tmp_path}"]))

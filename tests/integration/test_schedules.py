@@ -156,7 +156,8 @@ def test_a_schedule_the_engine_cannot_run_is_refused(train_cfg, overrides, says)
 
 
 def test_the_in_process_vllm_engine_is_refused_before_anything_loads(train_cfg):
-    from mrtpo.run.settings import ConfigError, validate
+    from mrtpo.run.checks import validate
+    from mrtpo.run.settings import ConfigError
 
     cfg = train_cfg("rollout=vllm", "model=tiny_wide", "rollout.schedule=one_step_off")
     with pytest.raises(ConfigError, match="VLLMEngine samples from the trainer's own weights"):

@@ -13,8 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 from tests.conftest import CONFIG_DIR, ROOT, compose_config
 
+from mrtpo.run.checks import validate
 from mrtpo.run.config_keys import check_keys, unread_keys
-from mrtpo.run.settings import ConfigError, validate
+from mrtpo.run.settings import ConfigError
 
 #: Every option of every group, and every preset: none may hold a key nothing reads.
 OPTIONS = [f"experiment={p.stem}" for p in sorted((CONFIG_DIR / "experiment").glob("*.yaml"))] + [

@@ -145,7 +145,7 @@ def run(
     from hydra.utils import instantiate
 
     from mrtpo.core.evaluation import check_outputs
-    from mrtpo.run.settings import check_seed
+    from mrtpo.run.checks import check_seed
 
     check_seed(cfg)  # seed=abc is named, not an int() error
     ev = cfg.eval

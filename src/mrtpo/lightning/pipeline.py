@@ -9,25 +9,25 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mrtpo import live
+from mrtpo.run.batch import resolve_batch
+from mrtpo.run.checks import validate
 from mrtpo.run.cli import load_model
 from mrtpo.run.config import compose
 from mrtpo.run.config_keys import check_keys
-from mrtpo.run.folder import (
+from mrtpo.run.folder import drop_pending_log, park_refused_log, record_invocation, run_folder_of
+from mrtpo.run.lock import RunFolderLock
+from mrtpo.run.placement import check_placement
+from mrtpo.run.resume import (
     NothingToTrain,
-    RunFolderLock,
     check_resume_settings,
     check_steps_left,
-    drop_pending_log,
-    park_refused_log,
     read_checkpoint,
-    record_invocation,
     record_resume,
     resume_checkpoint,
-    run_folder_of,
     settings_record,
     validate_resume,
 )
-from mrtpo.run.settings import check_placement, resolve_batch, section, validate
+from mrtpo.run.settings import section
 from mrtpo.run.signals import STOP, RunInterrupted
 
 log = logging.getLogger(__name__)

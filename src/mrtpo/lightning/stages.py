@@ -23,7 +23,7 @@ from mrtpo.lightning.data import PromptDataModule
 from mrtpo.lightning.module import PolicyModule
 from mrtpo.lightning.sft import SFTModule
 from mrtpo.rollout.base import SamplingConfig
-from mrtpo.run.settings import SFTConfig, check_renamed, section
+from mrtpo.run.settings import SFTConfig, section
 from mrtpo.tasks.base import Task
 
 
@@ -106,7 +106,8 @@ class RLStage(Stage):
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
-        engine = instantiate(cfg.rollout.engine, **_shared_prompt_arg(cfg.rollout.engine, rl))
+        # an engine's settings reach it by interpolation in its config (configs/rollout/hf.yaml)
+        engine = instantiate(cfg.rollout.engine)
         rollout = RolloutCallback(
             engine,
             sampling=_container(cfg.rollout.sampling),
@@ -116,19 +117,6 @@ class RLStage(Stage):
             max_staleness=cfg.rollout.get("max_staleness", 1),
         )
         return module, prompts, [rollout]
-
-
-def _shared_prompt_arg(node, rl) -> dict[str, Any]:
-    """``share_prompt=rl.shared_prompt_forward`` for an engine that takes it (the HF engine's
-    shared prefill), so one switch rules every shared-prompt forward."""
-    import inspect
-
-    from hydra.utils import get_class
-
-    if "share_prompt" in node:
-        check_renamed("rollout.engine.share_prompt")
-    params = inspect.signature(get_class(str(node._target_))).parameters
-    return {"share_prompt": rl.shared_prompt_forward} if "share_prompt" in params else {}
 
 
 class SFTStage(Stage):

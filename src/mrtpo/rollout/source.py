@@ -54,13 +54,48 @@ SCHEDULES = ("sync", "one_step_off", "async")
 Lookahead = Callable[[int], tuple[Sequence[Example], int]]
 
 
-def check_schedule(schedule: str, max_staleness: int) -> None:
+#: The most weight versions an ``async`` sample may lag behind (``rollout.max_staleness``):
+#: async keeps that many batches generated ahead, each from weights older than the last.
+#: Past a few versions the stale-sample correction has little left to correct with.
+MAX_STALENESS = 16
+
+
+def check_schedule(
+    schedule: str, max_staleness: Any, engine: Any = None, apart: bool | None = None
+) -> None:
+    """The one rule of ``rollout.schedule``, ``rollout.max_staleness`` and the engine they
+    need, raising ValueError naming the key: the run checks it on the config before anything
+    loads (``engine`` a class, ``apart`` from its settings) and ``RolloutSource`` on the bound
+    engine. A schedule that generates while the trainer updates needs an engine that holds
+    its own weights (``generates_apart``) and reports the sampling log-probs the loss
+    corrects with (``reports_logprobs``)."""
+    whole = isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
+    if not (whole and max_staleness <= MAX_STALENESS):
+        raise ValueError(
+            f"rollout.max_staleness={max_staleness!r} is not allowed: an integer from 1 to "
+            f"{MAX_STALENESS} (how many weight versions a sample may lag behind the trainer; "
+            "async keeps that many batches generated ahead)"
+        )
     if schedule not in SCHEDULES:
         raise ValueError(f"rollout.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
-    if schedule == "async" and int(max_staleness) < 1:
+    if schedule == "async" and max_staleness < 1:
         raise ValueError(
             f"rollout.max_staleness={max_staleness}: async needs 1 or more (the number of "
             "weight versions a sample may lag behind the trainer); use schedule=sync for 0"
+        )
+    if schedule == "sync" or engine is None:
+        return
+    name = engine.__name__ if isinstance(engine, type) else type(engine).__name__
+    if not (getattr(engine, "generates_apart", False) if apart is None else apart):
+        raise ValueError(
+            f"rollout.schedule={schedule} generates while the trainer updates, and {name} "
+            "samples from the trainer's own weights or process: use rollout=vllm_server, or "
+            "rollout=hf with rollout.engine.own_copy=true, or rollout.schedule=sync"
+        )
+    if not getattr(engine, "reports_logprobs", True):
+        raise ValueError(
+            f"rollout.schedule={schedule} corrects the loss with the engine's sampling "
+            f"log-probs, which {name} does not report; use rollout.schedule=sync"
         )
 
 
@@ -113,19 +148,7 @@ class RolloutSource:
     def bind(self, policy, tokenizer, eos_ids: list[int]) -> None:
         self.tokenizer, self.eos_ids = tokenizer, list(eos_ids)
         self.engine.bind(policy, tokenizer, self.eos_ids)
-        if self.depth and not getattr(self.engine, "generates_apart", False):
-            raise ValueError(
-                f"rollout.schedule={self.schedule} generates while the trainer updates, and "
-                f"{type(self.engine).__name__} samples from the trainer's own weights; use "
-                "rollout=vllm_server, or rollout=hf with rollout.engine.own_copy=true, or "
-                "rollout.schedule=sync"
-            )
-        if self.depth and not self.engine.reports_logprobs:
-            raise ValueError(
-                f"rollout.schedule={self.schedule} corrects the loss with the engine's sampling "
-                f"log-probs, which {type(self.engine).__name__} does not report; use "
-                "rollout.schedule=sync"
-            )
+        check_schedule(self.schedule, self.max_staleness, self.engine)
 
     @staticmethod
     def seed(run_seed: int, iteration: int, rank: int, salt: int = 0) -> int:

@@ -12,7 +12,8 @@ real one. What counts as read:
   stage and the nodes inside it), the arguments its class or function takes; a class that
   takes ``**kwargs`` takes any key;
 * the keys of ``FIXED`` nodes (``model``: ``mrtpo.core.models.load_policy``'s arguments,
-  ``rollout``, ``rollout.sampling``);
+  ``rollout.sampling``: ``SamplingConfig``'s fields, ``rollout``: what the rollout stage
+  reads, the one list written here);
 * anything under ``paths`` (its keys are read by interpolation) and ``hydra``.
 """
 
@@ -23,7 +24,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from mrtpo.run.settings import SCHEMAS, ConfigError
+from mrtpo.run.settings import SCHEMAS, ConfigError, setting_words
 
 #: The top-level keys of a training config, and what reads each.
 TOP_LEVEL: dict[str, str] = {
@@ -59,26 +60,16 @@ TOP_LEVEL: dict[str, str] = {
 GROUPS = ("task", "method", "model", "rollout", "trainer", "logger", "callbacks", "stage",
           "experiment", "debug", "paths")  # fmt: skip
 
-#: Words people type for a setting that has another name here.
-SYNONYMS: dict[str, str] = {
-    "learning_rate": "optim.lr",
-    "lr": "optim.lr",
-    "weight_decay": "optim.weight_decay",
-    "warmup_steps": "optim.warmup_steps",
+#: Words people type for a key of an untyped group that has another name here; a typed
+#: setting's words are declared on its field (``mrtpo.run.settings.setting(words=...)``).
+OTHER_WORDS: dict[str, str] = {
     "max_steps": "trainer.max_steps",
     "steps": "trainer.max_steps",
     "num_steps": "trainer.max_steps",
     "devices": "trainer.devices",
     "gpus": "trainer.devices",
     "precision": "trainer.precision",
-    "batch_size": "rl.global_prompts_per_step",
-    "prompts_per_step": "rl.prompts_per_step",
-    "num_generations": "rl.group_size",
-    "group_size": "rl.group_size",
-    "n_samples": "rl.group_size",
-    "kl_coef": "rl.kl_coef",
     "beta": "method.beta",
-    "epochs": "rl.ppo_epochs",
     "temperature": "rollout.sampling.temperature",
     "max_new_tokens": "rollout.sampling.max_new_tokens",
     "max_tokens": "rollout.sampling.max_new_tokens",
@@ -90,6 +81,12 @@ SYNONYMS: dict[str, str] = {
     "log_dir": "paths.log_dir",
     "num_threads": "threads",
 }
+
+
+def synonyms() -> dict[str, str]:
+    """Every word people type for a key, and the key: the typed settings' own, then the rest."""
+    return {**setting_words(), **OTHER_WORDS}
+
 
 #: Hydra's own keys in a node with a ``_target_``.
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_partial_", "_recursive_", "_args_"})
@@ -134,9 +131,9 @@ def _takes(target: str) -> tuple[str, ...] | None:
 
 def nearest(key: str, candidates: list[str]) -> str | None:
     """The candidate closest to ``key`` (a synonym first, then by spelling), or None."""
-    leaf = key.rsplit(".", 1)[-1]
-    if leaf in SYNONYMS and SYNONYMS[leaf] != key:
-        return SYNONYMS[leaf]
+    leaf, words = key.rsplit(".", 1)[-1], synonyms()
+    if leaf in words and words[leaf] != key:
+        return words[leaf]
     match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if match:
         return match[0]

@@ -128,8 +128,8 @@ def _mandatory(cfg: DictConfig) -> None:
 
 
 def _on_gpu(cfg: DictConfig) -> bool:
-    from mrtpo.run.settings import _on_gpu as on_gpu
-    from mrtpo.run.settings import visible_gpus
+    from mrtpo.run.placement import _on_gpu as on_gpu
+    from mrtpo.run.placement import visible_gpus
 
     trainer = OmegaConf.select(cfg, "trainer")
     return trainer is not None and on_gpu(trainer, visible_gpus())
@@ -138,7 +138,7 @@ def _on_gpu(cfg: DictConfig) -> bool:
 def _asked_gpus(cfg: DictConfig, found: Findings) -> int:
     """The GPUs per node ``trainer.devices`` asks for (a count or list; -1/auto: those here,
     or ``ASSUMED_GPUS`` with a note when there are none)."""
-    from mrtpo.run.settings import visible_gpus
+    from mrtpo.run.placement import visible_gpus
 
     value = OmegaConf.select(cfg, "trainer.devices", default="auto")
     here = visible_gpus()
@@ -158,7 +158,8 @@ def _asked_gpus(cfg: DictConfig, found: Findings) -> int:
 def check_placement_and_batch(cfg: DictConfig, found: Findings) -> None:
     """The trainer as on a machine with the GPUs it asks for, and the batch over its ranks;
     this machine's lack of them is a note, not a problem."""
-    from mrtpo.run.settings import check_placement, resolve_batch, visible_gpus
+    from mrtpo.run.batch import resolve_batch
+    from mrtpo.run.placement import check_placement, visible_gpus
 
     on_gpu = _on_gpu(cfg) or str(OmegaConf.select(cfg, "trainer.accelerator")) in ("gpu", "cuda")
     asked = _asked_gpus(cfg, found) if on_gpu else 0
@@ -267,10 +268,10 @@ def leftover_snapshots(cfg: DictConfig) -> list[str]:
 
 def check_all(cfg: DictConfig) -> Findings:
     """Every check, each whatever the others found."""
+    from mrtpo.run.checks import validate
     from mrtpo.run.config_keys import check_keys
     from mrtpo.run.loggers import check_loggers
     from mrtpo.run.paper_data import problems as paper_problems
-    from mrtpo.run.settings import validate
 
     found = Findings()
     _attempt(found, "settings", lambda: (check_keys(cfg), validate(cfg)))
@@ -355,7 +356,8 @@ def memory_lines(cfg: DictConfig, ranks: int, on_gpu: bool) -> list[str]:
     """Memory per GPU (per process on the CPU trainer) by docs/scaling.md's arithmetic:
     training state, vLLM's share, one micro-batch's activations, the KL reference and the
     CUDA context. Labelled as arithmetic: nothing is measured."""
-    from mrtpo.run.settings import _parameter_count, model_parameters, section, visible_gpus
+    from mrtpo.run.placement import _parameter_count, model_parameters, visible_gpus
+    from mrtpo.run.settings import section
 
     sizes = model_sizes(cfg)
     n = (_parameter_count(sizes) if sizes else None) or model_parameters(cfg.model)
@@ -411,7 +413,8 @@ def _activations(cfg: DictConfig, sizes: dict[str, Any], data) -> tuple[float, s
 
 def plan_lines(cfg: DictConfig, found: Findings) -> list[str]:
     """What the run would do: its trainer and ranks, steps, the batch, tokens and memory."""
-    from mrtpo.run.settings import RLConfig, _preset, section
+    from mrtpo.run.placement import _preset
+    from mrtpo.run.settings import RLConfig, section
 
     choices = _choices(cfg)
     lines = [f"{_preset(cfg)}task={choices.get('task')} method={choices.get('method')} "

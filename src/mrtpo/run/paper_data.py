@@ -107,7 +107,7 @@ def problems(cfg) -> list[str]:
 def check_paper_data(cfg) -> None:
     """Refuse (``ConfigError``) a preset whose paper data is missing or in another layout,
     naming the key, the path and what the file must be."""
-    from mrtpo.run.settings import _preset
+    from mrtpo.run.placement import _preset
 
     found = problems(cfg)
     if found:

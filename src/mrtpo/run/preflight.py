@@ -20,7 +20,8 @@ import logging
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mrtpo.run.settings import ConfigError, warmup_note
+from mrtpo.run.checks import warmup_note
+from mrtpo.run.settings import ConfigError
 
 #: How to set a mandatory key (``???`` in its config) left without a value, and what it is.
 _MISSING_HINTS = {

@@ -51,7 +51,7 @@ def choose(cfg) -> tuple[int | None, str]:
     accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="cpu"))
     if accelerator not in ("cpu", "auto") or _has_gpu(accelerator):
         return None, "threads=auto: the model runs on a GPU, torch's own choice"
-    from mrtpo.run.settings import model_parameters
+    from mrtpo.run.placement import model_parameters
 
     n = model_parameters(OmegaConf.select(cfg, "model"))
     if n is not None and n < SMALL_MODEL:
