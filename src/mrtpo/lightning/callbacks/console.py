@@ -85,7 +85,7 @@ def header(cfg) -> str:
         why = "null" if saver is None else "saves weights only"
         hint = f"(no resumable checkpoint: callbacks.model_checkpoint {why})"
     else:
-        from mrtpo.run.folder import resume_command
+        from mrtpo.run.resume import resume_command
 
         hint = f"(continue it: {resume_command(out)})"
     return (
@@ -142,7 +142,8 @@ class StepLine(L.Callback):
         self._t_start = 0.0
         self._t_last = -math.inf
         self._step0 = 0
-        self._live: _LiveBar | None = None
+        self._live = None  # rich's Progress while a live bar runs
+        self._handlers: list[tuple[logging.StreamHandler, object]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t_start = time.perf_counter()
@@ -150,7 +151,8 @@ class StepLine(L.Callback):
         terminal = sys.stdout.isatty() if self.bar == "auto" else bool(self.bar)
         if terminal and trainer.is_global_zero and trainer.max_steps > 0:
             stage = "sft" if _sft_target(trainer) is not None else "rl"
-            self._live = _LiveBar(stage, self._step0, int(trainer.max_steps))
+            self._live = _live_bar(stage, self._step0, int(trainer.max_steps))
+            self._handlers = _through(sys.stdout, sys.stderr)
 
     def line(self, trainer, step: int, now: float) -> dict[str, str]:
         """The step's line in parts: ``head`` (step N/M), ``info`` (rewards or loss, SFT's
@@ -185,7 +187,8 @@ class StepLine(L.Callback):
         step = int(trainer.global_step)
         parts = self.line(trainer, step, now)
         if self._live is not None:
-            self._live.update(step, parts["rate"], parts["eta"], parts["info"])
+            fields = {k: parts[k] for k in ("rate", "eta", "info")}
+            self._live.update(self._live.task_ids[0], completed=step, **fields)
         last = trainer.max_steps > 0 and step >= trainer.max_steps
         if now - self._t_last < self.min_interval_s and not last:
             return
@@ -193,15 +196,15 @@ class StepLine(L.Callback):
         text = "  ".join(
             p for p in (parts["head"], parts["info"], parts["rate"], parts["eta"]) if p
         )
-        if self._live is not None:
-            self._live.print(text)
-        else:
-            print(text, flush=True)
+        print(text, flush=True)  # with a live bar, rich's stdout puts it above the bar
 
     def _stop(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+        for handler, stream in self._handlers:
+            handler.setStream(stream)
+        self._handlers = []
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._stop()  # before the summary table prints
@@ -213,42 +216,25 @@ class StepLine(L.Callback):
         self._stop()
 
 
-class _LiveBar:
-    """rich's live progress bar at the bottom of a terminal; lines printed while it runs go
-    above it, those of the console's log handlers too."""
+def _live_bar(stage: str, start: int, total: int):
+    """rich's live progress bar at the bottom of a terminal, started; what is printed to
+    stdout or stderr while it runs goes above it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    def __init__(self, stage: str, start: int, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]}"),
-            TextColumn("{task.fields[eta]}"),
-            TextColumn("{task.fields[info]}"),
-            console=Console(file=sys.stdout),
-            redirect_stdout=True,
-            redirect_stderr=True,
-            refresh_per_second=4,
-        )
-        self.task = self.progress.add_task(
-            stage, total=total, completed=start, rate="", eta="", info=""
-        )
-        self.progress.start()
-        self.handlers = _through(sys.stdout, sys.stderr)
-
-    def update(self, step: int, rate: str, eta: str, info: str) -> None:
-        self.progress.update(self.task, completed=step, rate=rate, eta=eta, info=info)
-
-    def print(self, text: str) -> None:
-        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
-
-    def stop(self) -> None:
-        self.progress.stop()
-        for handler, stream in self.handlers:
-            handler.setStream(stream)
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *(TextColumn(f"{{task.fields[{k}]}}") for k in ("rate", "eta", "info")),
+        console=Console(file=sys.stdout),
+        redirect_stdout=True,
+        redirect_stderr=True,
+        refresh_per_second=4,
+    )
+    bar.add_task(stage, total=total, completed=start, rate="", eta="", info="")
+    bar.start()
+    return bar
 
 
 def _through(out, err) -> list[tuple[logging.StreamHandler, object]]:
