@@ -31,10 +31,8 @@ temporary folder: the test suite runs it, so this file cannot rot unnoticed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
-import importlib.util
 import json
 import os
 import platform
@@ -43,257 +41,39 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import QWEN25_05B, ROOT, child_pythonpath, muted_libraries
-from mrtpo.rollout.base import Generation, RolloutEngine
-
-STAGES = ("environment", "model", "steps", "numerics", "jsd_memory", "generation", "vllm")
-REPORT_NAME = "gpu_report.json"
-SUMMARY_NAME = "gpu_report.md"
-
-TOY_SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
+from benchmarks.gpu_setup import (  # NEEDS: what each stage needs (tests patch it here)
+    DRY,
+    FULL,
+    NEEDS,
+    REPORT_NAME,
+    STAGES,
+    SUMMARY_NAME,
+    Report,
+    Sizes,
+    Skipped,
+    _free,
+    _importable,
+    _sync,
+    _version,
+    require,
+)
+from benchmarks.gpu_trainer import (
+    FixedEngine,
+    _normal_token_range,
+    _rl_config,
+    _text_of,
+    build_model,
+    build_tokenizer,
+    build_trainer,
+    gpu_method,
+    long_context_task,
 )
 
-
-@dataclasses.dataclass
-class Sizes:
-    """Everything a run's size depends on (``FULL`` on the GPU, ``DRY`` for --dry-run)."""
-
-    device: str
-    dtype: str  # the policy's dtype ("bf16" or "fp32")
-    shape: dict[str, int]
-    prompts: int  # B
-    group: int  # G
-    rewards: int  # K
-    prompt_tokens: tuple[int, int]  # shortest, longest sampling prompt (tokens)
-    block_tokens: int  # each verifier block appended for replay
-    response_tokens: int
-    share: float  # replayed share of (prompt, reward) cells
-    rounds: int  # measured rounds of MRTPO / GDPO (plus one warm-up round)
-    micro_batch: int
-    jsd_vocab: int
-    jsd_lengths: tuple[int, ...]
-    jsd_chunk: int
-    jsd_one_process: bool  # every JSD configuration in one worker (dry run: plumbing only)
-    gen_prompts: int
-    gen_samples: int
-    gen_prompt_tokens: int
-    gen_new_tokens: int
-    vllm_timeout_s: int
-
-
-FULL = Sizes(
-    device="cuda",
-    dtype="bf16",
-    shape=QWEN25_05B,
-    prompts=8,
-    group=4,
-    rewards=4,
-    prompt_tokens=(1024, 2048),
-    block_tokens=48,
-    response_tokens=320,
-    share=0.15,
-    rounds=4,
-    micro_batch=4,
-    jsd_vocab=151936,
-    jsd_lengths=(1024, 4096),
-    jsd_chunk=256,
-    jsd_one_process=False,
-    gen_prompts=32,
-    gen_samples=8,
-    gen_prompt_tokens=256,
-    gen_new_tokens=256,
-    vllm_timeout_s=300,
-)
-DRY = Sizes(
-    device="cpu",
-    dtype="fp32",
-    shape=TOY_SHAPE,
-    prompts=2,
-    group=2,
-    rewards=4,
-    prompt_tokens=(48, 96),
-    block_tokens=8,
-    response_tokens=8,
-    share=0.25,
-    rounds=1,
-    micro_batch=2,
-    jsd_vocab=512,
-    jsd_lengths=(16, 32),
-    jsd_chunk=8,
-    jsd_one_process=True,
-    gen_prompts=2,
-    gen_samples=2,
-    gen_prompt_tokens=16,
-    gen_new_tokens=4,
-    vllm_timeout_s=60,
-)
-
-
-def log(msg: str) -> None:
-    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class Skipped(Exception):
-    """A stage that cannot run here (a missing feature or package): recorded, not failed."""
-
-
-class Report:
-    """The JSON report, rewritten atomically after every stage."""
-
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {
-            "schema": 2,
-            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "status": "running",
-            **meta,
-            "stages": {},
-        }
-        self.write()
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        """Records ``ok``/``skipped``/``failed``, seconds, and the error of one stage; an
-        exception inside it is recorded and swallowed."""
-        log(f">> {name}")
-        t0 = time.perf_counter()
-        rec: dict[str, Any] = {"status": "failed", "seconds": None}
-        self.data["stages"][name] = rec
-        try:
-            yield rec
-            rec["status"] = "ok"
-        except Skipped as exc:
-            rec["status"], rec["reason"] = "skipped", str(exc)
-        except Exception as exc:  # a failed stage is recorded, the run goes on
-            rec["error"] = f"{type(exc).__name__}: {exc}"
-            rec["traceback"] = traceback.format_exc()[-4000:]
-            log(f"!! {name} failed: {rec['error']}")
-        finally:
-            rec["seconds"] = round(time.perf_counter() - t0, 2)
-            log(f"<< {name} ({rec['seconds']} s, {rec['status']})")
-            self.write()
-
-    def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=_jsonable) + "\n")
-        tmp.replace(self.path)
-
-
-def _jsonable(x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return str(x)
-
-
-# ---- features --------------------------------------------------------------------------
-def _has(path: str) -> bool:
-    """True when dotted attribute ``path`` (``torch.cuda.reset_peak_memory_stats``) exists."""
-    mod, *attrs = path.split(".")
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError:
-        return False
-    for a in attrs:
-        if not hasattr(obj, a):
-            return False
-        obj = getattr(obj, a)
-    return True
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # ValueError: present in sys.modules as None
-        return False
-
-
-def _bf16_ok(sizes: Sizes) -> bool:
-    import torch
-
-    if sizes.dtype != "bf16":
-        return True
-    return sizes.device != "cuda" or torch.cuda.is_bf16_supported()
-
-
-def _dynamic_cache_reorder() -> bool:
-    try:
-        from transformers import DynamicCache
-    except ImportError:
-        return False
-    return hasattr(DynamicCache, "reorder_cache")
-
-
-# What each stage needs beyond the packages themselves: (feature, check). The trainer was
-# written against torch >= 2.13; these are the pieces it actually calls that older releases
-# could lack, so an old torch skips a stage by name instead of failing the run.
-NEEDS: dict[str, list[tuple[str, Callable[[Sizes], bool]]]] = {
-    "model": [("bf16 on this device (torch.cuda.is_bf16_supported)", _bf16_ok)],
-    "steps": [
-        ("torch.OutOfMemoryError (replay's retry)", lambda s: _has("torch.OutOfMemoryError")),
-        ("lightning.pytorch.Trainer", lambda s: _has("lightning.pytorch.Trainer")),
-        ("bf16 on this device (torch.cuda.is_bf16_supported)", _bf16_ok),
-    ],
-    "numerics": [
-        (
-            "transformers.DynamicCache.reorder_cache (shared-prefix replay)",
-            lambda s: _dynamic_cache_reorder(),
-        ),
-    ],
-    "jsd_memory": [
-        (
-            "torch.cuda.reset_peak_memory_stats",
-            lambda s: s.device != "cuda" or _has("torch.cuda.reset_peak_memory_stats"),
-        )
-    ],
-    "generation": [],
-}
-
-
-def require(stage: str, sizes: Sizes) -> None:
-    missing = [name for name, ok in NEEDS.get(stage, []) if not ok(sizes)]
-    if missing:
-        raise Skipped("needs " + "; ".join(missing))
-
-
-def _sync(sizes: Sizes) -> None:
-    import torch
-
-    if sizes.device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free(sizes: Sizes) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if sizes.device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _version(name: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:
-        return None
+__all__ = ["NEEDS", "REPORT_NAME", "STAGES", "SUMMARY_NAME", "gpu_method", "run"]
 
 
 # ---- 1. environment ---------------------------------------------------------------------
@@ -373,37 +153,6 @@ def _git_commit() -> str | None:
         return None
 
 
-# ---- 2. model --------------------------------------------------------------------------
-def build_model(sizes: Sizes, tokenizer):
-    """A random Qwen2 of ``sizes.shape`` on the device, in the policy dtype."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from mrtpo.core.models import resolve_dtype
-
-    torch.manual_seed(0)
-    # the tokenizer's ids must all be rows of the embedding (the real vocabulary is larger)
-    shape = {**sizes.shape, "vocab_size": max(sizes.shape["vocab_size"], len(tokenizer))}
-    cfg = Qwen2Config(
-        **shape,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.device(sizes.device):
-        model = Qwen2ForCausalLM(cfg)
-    model.to(resolve_dtype(sizes.dtype))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
-
-
-def build_tokenizer():
-    from mrtpo.core.models import build_tokenizer as project_tokenizer
-
-    return project_tokenizer(1024)
-
-
 def stage_model(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -424,146 +173,6 @@ def stage_model(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
         if sizes.device == "cuda"
         else None,
     }
-
-
-# ---- the long-context task and a fixed rollout engine -------------------------------------
-# Words for filler text: the synthetic task's vocabulary (one list in the project).
-from mrtpo.tasks.synthetic.task import WORDS  # noqa: E402
-
-
-def _text_of(tok, n_tokens: int, rng: random.Random) -> str:
-    """Words until the text is at least ``n_tokens`` tokens long."""
-    words: list[str] = []
-    while True:
-        words += [rng.choice(WORDS) for _ in range(max(8, (n_tokens - len(words)) // 2))]
-        text = " ".join(words)
-        if len(tok(text, add_special_tokens=False)["input_ids"]) >= n_tokens:
-            return text
-
-
-def long_context_task(sizes: Sizes, tok):
-    """A text-to-SQL-shaped task: a long schema-like prompt of 1-2k tokens, one verifier
-    block per reward appended for replay (so contexts share a long prefix), K rewards. The
-    reward values are replaced by ``controlled_task``; the blocks are what replay reads."""
-    from mrtpo.tasks.base import Example, Score, Task
-
-    rng = random.Random(0)
-    lo, hi = sizes.prompt_tokens
-    names = tuple(f"r{k}" for k in range(sizes.rewards))
-    examples = [
-        Example(
-            id=f"long-{i}",
-            messages=[
-                {
-                    "role": "user",
-                    "content": "Schema:\n" + _text_of(tok, rng.randint(lo, hi), rng),
-                }
-            ],
-        )
-        for i in range(sizes.prompts * 4)
-    ]
-    blocks = {k: f"Verifier {k}: " + _text_of(tok, sizes.block_tokens, rng) for k in names}
-
-    class LongContext(Task):
-        name = "long_context"
-        reward_names = names
-
-        def examples(self, split):
-            return examples
-
-        def score(self, example, response):
-            return Score(rewards=dict.fromkeys(names, 0.0), blocks=dict(blocks))
-
-    return LongContext()
-
-
-class FixedEngine(RolloutEngine):
-    """An engine of the documented protocol, returning the same seeded random response tokens
-    for a prompt every time: generation is not what stage 3 measures, and a random model's
-    sampled lengths would make the steps differ."""
-
-    def __init__(self, response_tokens: int, low: int, high: int) -> None:
-        self.response_tokens, self.low, self.high = response_tokens, low, high
-
-    def generate(self, prompts, n, sampling, seed):
-        out = []
-        for p in prompts:
-            rng = random.Random(len(p) * 7919 + sum(p[:16]))
-            for _ in range(n):
-                ids = [rng.randrange(self.low, self.high) for _ in range(self.response_tokens)]
-                out.append(Generation(token_ids=ids, finished=False))
-        return out
-
-    def sync_weights(self, model) -> None:
-        pass
-
-
-def _rl_config(sizes: Sizes) -> dict[str, Any]:
-    n = sizes.prompts * sizes.group
-    return {
-        "prompts_per_step": sizes.prompts,
-        "group_size": sizes.group,
-        "ppo_epochs": 1,
-        "mini_batch_size": n,
-        "micro_batch_size": sizes.micro_batch,
-    }
-
-
-def _normal_token_range(tok) -> tuple[int, int]:
-    special = set(tok.all_special_ids)
-    low = max(special) + 1 if special and max(special) < 64 else 0
-    return low, len(tok)
-
-
-def gpu_method(name: str):
-    """MRTPO or GDPO from its class's defaults with the β schedule off, as the bench builds it
-    (``benchmarks.common.build_method``): this machine has no Hydra to compose
-    ``configs/method/<name>.yaml``; a test checks that both give the same method."""
-    from benchmarks.common import schedule_off
-    from mrtpo.core.credit.methods import GDPO, MRTPO
-
-    return schedule_off({"mrtpo": MRTPO, "gdpo": GDPO}[name]())
-
-
-def build_trainer(sizes: Sizes, state: dict[str, Any], max_steps: int, root: Path):
-    """(trainer, module, datamodule) built by hand, as ``pipeline.build`` would from a config."""
-    import lightning as L
-
-    from mrtpo.lightning.callbacks.rollout import RolloutCallback
-    from mrtpo.lightning.data import PromptDataModule
-    from mrtpo.lightning.module import PolicyModule
-
-    tok, model = state["tok"], state["model"]
-    task = long_context_task(sizes, tok)
-    module = PolicyModule(model, tok, task, gpu_method("mrtpo"), rl=_rl_config(sizes), seed=0)
-    dm = PromptDataModule(
-        task,
-        prompts_per_step=sizes.prompts,
-        seed=0,
-        max_prompt_tokens=sizes.prompt_tokens[1] + 64,
-        tokenizer=tok,
-    )
-    low, high = _normal_token_range(tok)
-    engine = FixedEngine(sizes.response_tokens, low, high)
-    rollout = RolloutCallback(
-        engine, sampling={"max_new_tokens": sizes.response_tokens}, group_size=sizes.group
-    )
-    trainer = L.Trainer(
-        accelerator="gpu" if sizes.device == "cuda" else "cpu",
-        devices=1,
-        precision="bf16-true" if sizes.dtype == "bf16" else "32-true",
-        max_steps=max_steps,
-        max_epochs=-1,
-        logger=False,
-        callbacks=[rollout],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=str(root),
-    )
-    return trainer, module, dm, task
 
 
 # ---- 3. steps --------------------------------------------------------------------------
@@ -939,6 +548,15 @@ def _fmt(x, nd: int = 3) -> str:
 
 def summary_markdown(data: dict[str, Any]) -> str:
     """A short Markdown summary of the report (every number from the JSON)."""
+    lines = _summary_head(data)
+    for key, note in SUMMARY_NOTES:
+        if data.get(key):
+            lines += [note(data[key]), ""]
+    return "\n".join(lines)
+
+
+def _summary_head(data: dict[str, Any]) -> list[str]:
+    """The title, the machine and the table of stages."""
     env = data.get("environment") or {}
     pk = env.get("packages") or {}
     lines = [
@@ -962,52 +580,57 @@ def summary_markdown(data: dict[str, Any]) -> str:
         note = rec.get("reason") or rec.get("error") or ""
         lines.append(f"| {name} | {rec['status']} | {rec['seconds']} | {note[:160]} |")
     lines.append("")
-    st = data.get("steps")
-    if st:
-        h = st["headline"]
-        c = st["case"]
-        lines += [
-            f"**Steps** (B={c['B']}, G={c['G']}, K={c['K']}, prompts ~{c['mean_prompt_tokens']} "
-            f"tokens, {c['response_tokens']} response tokens, replayed share "
-            f"{_fmt(h['share'])}): MRTPO/GDPO training time **×{_fmt(h['ratio_train_median_paired'])}** "
-            f"(median of paired rounds; with the fixed rollout's generation ×"
-            f"{_fmt(h['ratio_step_median_paired'])}); replay {_fmt(h['replay_s'])} s against a "
-            f"no-grad forward floor of {_fmt(h['floor_s'])} s (×{_fmt(h['replay_over_floor'])}); "
-            f"tokens/s MRTPO {_fmt(h['tokens_per_s_mrtpo'], 0)}, GDPO "
-            f"{_fmt(h['tokens_per_s_gdpo'], 0)}; peak memory MRTPO {_fmt(h['peak_gib_mrtpo'])} "
-            f"GiB, GDPO {_fmt(h['peak_gib_gdpo'])} GiB.",
-            "",
-        ]
-    nu = data.get("numerics")
-    if nu:
-        a, b = nu["bf16_vs_fp32"], nu["shared_vs_plain_bf16"]
-        lines += [
-            f"**Replay numerics** ({nu['pairs']} pairs): q in bf16 against "
-            f"float32 max |Δ| {_fmt(a.get('max_abs'))}, mean |Δ| {_fmt(a.get('mean_abs'))} "
-            f"(mean q {_fmt(a.get('mean_q'))}), Spearman {_fmt(a.get('spearman'), 4)}; "
-            f"shared-prefix against plain max |Δ| {_fmt(b.get('max_abs'))} in bf16 "
-            f"(float32: {_fmt(nu['shared_vs_plain_fp32'].get('max_abs'))}); "
-            f"{_fmt(nu.get('shared_prefix_batches'))} batch(es) took the shared path.",
-            "",
-        ]
-    jm = data.get("jsd_memory")
-    if jm:
-        parts = [
-            f"{impl} {' → '.join(f'{p} MiB' for p in d['peak_mib'])} (T {' → '.join(map(str, d['T']))})"
-            for impl, d in jm["flat"].items()
-        ]
-        lines += [
-            f"**JSD peak memory** at V={jm['V']} ({jm['dtype']}): " + "; ".join(parts) + ".",
-            "",
-        ]
-    ge = data.get("generation")
-    if ge:
-        lines += [
-            f"**HF generation**: {ge['tokens_per_s']} tokens/s at batch {ge['batch']} "
-            f"({ge['mean_prompt_tokens']}-token prompts, {ge['max_new_tokens']} new tokens).",
-            "",
-        ]
-    vl = data.get("vllm")
-    if vl:
-        lines += [f"**vLLM**: {vl.get('status')}.", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _steps_note(st: dict[str, Any]) -> str:
+    h = st["headline"]
+    c = st["case"]
+    return (
+        f"**Steps** (B={c['B']}, G={c['G']}, K={c['K']}, prompts ~{c['mean_prompt_tokens']} "
+        f"tokens, {c['response_tokens']} response tokens, replayed share "
+        f"{_fmt(h['share'])}): MRTPO/GDPO training time **×{_fmt(h['ratio_train_median_paired'])}** "
+        f"(median of paired rounds; with the fixed rollout's generation ×"
+        f"{_fmt(h['ratio_step_median_paired'])}); replay {_fmt(h['replay_s'])} s against a "
+        f"no-grad forward floor of {_fmt(h['floor_s'])} s (×{_fmt(h['replay_over_floor'])}); "
+        f"tokens/s MRTPO {_fmt(h['tokens_per_s_mrtpo'], 0)}, GDPO "
+        f"{_fmt(h['tokens_per_s_gdpo'], 0)}; peak memory MRTPO {_fmt(h['peak_gib_mrtpo'])} "
+        f"GiB, GDPO {_fmt(h['peak_gib_gdpo'])} GiB."
+    )
+
+
+def _numerics_note(nu: dict[str, Any]) -> str:
+    a, b = nu["bf16_vs_fp32"], nu["shared_vs_plain_bf16"]
+    return (
+        f"**Replay numerics** ({nu['pairs']} pairs): q in bf16 against "
+        f"float32 max |Δ| {_fmt(a.get('max_abs'))}, mean |Δ| {_fmt(a.get('mean_abs'))} "
+        f"(mean q {_fmt(a.get('mean_q'))}), Spearman {_fmt(a.get('spearman'), 4)}; "
+        f"shared-prefix against plain max |Δ| {_fmt(b.get('max_abs'))} in bf16 "
+        f"(float32: {_fmt(nu['shared_vs_plain_fp32'].get('max_abs'))}); "
+        f"{_fmt(nu.get('shared_prefix_batches'))} batch(es) took the shared path."
+    )
+
+
+def _jsd_note(jm: dict[str, Any]) -> str:
+    parts = [
+        f"{impl} {' → '.join(f'{p} MiB' for p in d['peak_mib'])} (T {' → '.join(map(str, d['T']))})"
+        for impl, d in jm["flat"].items()
+    ]
+    return f"**JSD peak memory** at V={jm['V']} ({jm['dtype']}): " + "; ".join(parts) + "."
+
+
+def _generation_note(ge: dict[str, Any]) -> str:
+    return (
+        f"**HF generation**: {ge['tokens_per_s']} tokens/s at batch {ge['batch']} "
+        f"({ge['mean_prompt_tokens']}-token prompts, {ge['max_new_tokens']} new tokens)."
+    )
+
+
+#: The stages whose results the summary describes, in order, each by its note.
+SUMMARY_NOTES = (
+    ("steps", _steps_note),
+    ("numerics", _numerics_note),
+    ("jsd_memory", _jsd_note),
+    ("generation", _generation_note),
+    ("vllm", lambda vl: f"**vLLM**: {vl.get('status')}."),
+)

@@ -57,19 +57,49 @@ def _peak_bytes() -> int:
 def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps: int) -> dict:
     import torch
 
-    from mrtpo.core.credit import js_distance, js_distance_chunked
-    from mrtpo.core.replay import ALL, Replayer, _Job
-
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     dev = torch.device(device)
+    states = _inputs(v, t, dev, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    fn = _kernels(states, chunk, dev)[impl]
+    times, out, peak, err = _measure(fn, states, dev, reps)
+    best = min(times)
+    return {
+        "impl": impl,
+        "V": v,
+        "T": t,
+        "chunk": chunk if impl != "unchunked" else None,
+        "device": device,
+        "dtype": dtype,
+        "seconds": best,
+        "positions_per_s": t / best,
+        "peak_extra_bytes": int(peak),
+        "inputs_bytes": int(states.numel() * states.element_size()),
+        "max_abs_diff_vs_js_distance": err,
+        "mean_q": float(out.float().mean()),
+    }
+
+
+def _inputs(v: int, t: int, dev, dt):
+    """``[2, T, V]`` logits: a peaked distribution, and a perturbation of it in the second
+    row, as the P_all / P_\\k rows of one response are (mean q around 0.1-0.2)."""
+    import torch
+
     torch.manual_seed(0)
     states = torch.empty((2, t, v), dtype=dt, device=dev)
     states.normal_()
-    # logits of a peaked distribution; the second row a perturbation of the first, as the
-    # P_all / P_\k rows of one response are (mean q around 0.1-0.2)
     states[1].mul_(0.3).add_(states[0])
     states.mul_(2.0)
+    return states
+
+
+def _kernels(states, chunk: int, dev) -> dict:
+    """The three implementations, each a function of no arguments over ``states``."""
+    import torch
+
+    from mrtpo.core.credit import js_distance, js_distance_chunked
+    from mrtpo.core.replay import ALL, Replayer, _Job
+
     a, b = states[0], states[1]
+    t = states.shape[1]
 
     def run_unchunked():
         return js_distance(torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1))
@@ -90,11 +120,17 @@ def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps:
         rep._score(jobs, states, None, Roll, ("r",), "per_reward", q, logp)
         return q[0, 0]
 
-    fn = {
-        "unchunked": run_unchunked,
-        "chunked": run_chunked,
-        "replay": run_replay,
-    }[impl]
+    return {"unchunked": run_unchunked, "chunked": run_chunked, "replay": run_replay}
+
+
+def _measure(fn, states, dev, reps: int):
+    """(times, last output, peak bytes above the level before, max |diff| against the
+    chunked kernel on the first 64 positions)."""
+    import torch
+
+    from mrtpo.core.credit import js_distance_chunked
+
+    a, b = states[0], states[1]
 
     def sync():
         if dev.type == "cuda":
@@ -125,21 +161,7 @@ def worker(impl: str, v: int, t: int, chunk: int, device: str, dtype: str, reps:
         )
         ref = js_distance_chunked(a[:64], b[:64], chunk=64).float()
         err = float((out[:64].float() - ref).abs().max())
-    best = min(times)
-    return {
-        "impl": impl,
-        "V": v,
-        "T": t,
-        "chunk": chunk if impl != "unchunked" else None,
-        "device": device,
-        "dtype": dtype,
-        "seconds": best,
-        "positions_per_s": t / best,
-        "peak_extra_bytes": int(peak),
-        "inputs_bytes": int(states.numel() * states.element_size()),
-        "max_abs_diff_vs_js_distance": err,
-        "mean_q": float(out.float().mean()),
-    }
+    return times, out, peak, err
 
 
 def _available_bytes(device: str) -> int:

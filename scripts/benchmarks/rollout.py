@@ -148,15 +148,19 @@ def run(
         for name, engine in engines.items():
             if name != "hf":
                 engine.shutdown()
-    syncs = [s for c in res["cases"] for s in c.pop("syncs")]
-    res["sync"] = {
+    res["sync"] = _sync_summary([s for c in res["cases"] for s in c.pop("syncs")])
+    return res
+
+
+def _sync_summary(syncs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The weight syncs of every case: mode, size, median seconds and seconds per MB."""
+    return {
         "mode": syncs[0]["mode"] if syncs else None,
         "mb": syncs[0]["mb"] if syncs else None,
         "seconds": med([s["seconds"] for s in syncs]),
         "s_per_mb": med([s["seconds"] / s["mb"] for s in syncs]),
         "count": len(syncs),
     }
-    return res
 
 
 def print_result(res: dict[str, Any]) -> None:

@@ -186,24 +186,30 @@ def run(
     try:
         for i, w in enumerate(workloads):
             runs = list(RUNS) + ([IN_PROCESS] if i == 0 else [])
-            times: dict[str, list[float]] = {r[0]: [] for r in runs}
-            splits: dict[str, list[dict[str, float]]] = {r[0]: [] for r in runs}
-            for r in range(rounds):
-                for label, method, schedule, engine in runs if r % 2 == 0 else runs[::-1]:
-                    t, s = run_once(
-                        engines, label, method, schedule, engine, steps, warmup, share,
-                        **shape, new_tokens=w["new_tokens"],
-                    )  # fmt: skip
-                    times[label].append(med(t))
-                    splits[label].extend(s)
-                    print(
-                        f"     {w['name']} round {r + 1} {label}: {med(t):.3f} s/step", flush=True
-                    )
+            times, splits = _rounds(w, runs, engines, shape, rounds, (steps, warmup, share))
             out["workloads"].append(summarize(w, times, splits, engines["server"]))
     finally:
         os.sched_setaffinity(0, affinity)
         _close(engines)
     return out
+
+
+def _rounds(w, runs, engines, shape, rounds: int, timing: tuple[int, int, float]):
+    """``rounds`` rounds of every run of workload ``w``, in alternating order: each run's
+    median step time per round, and its steps' rollout splits."""
+    steps, warmup, share = timing
+    times: dict[str, list[float]] = {r[0]: [] for r in runs}
+    splits: dict[str, list[dict[str, float]]] = {r[0]: [] for r in runs}
+    for r in range(rounds):
+        for label, method, schedule, engine in runs if r % 2 == 0 else runs[::-1]:
+            t, s = run_once(
+                engines, label, method, schedule, engine, steps, warmup, share,
+                **shape, new_tokens=w["new_tokens"],
+            )  # fmt: skip
+            times[label].append(med(t))
+            splits[label].extend(s)
+            print(f"     {w['name']} round {r + 1} {label}: {med(t):.3f} s/step", flush=True)
+    return times, splits
 
 
 def _restore_env(key: str, value: str | None) -> None:

@@ -309,37 +309,13 @@ def run_case(
     labels = ["mrtpo", "gdpo", *others] + (["mrtpo_fused"] if fused else [])
     order = step_order(labels, pairs + warmup_pairs)
     run_dir = bench_dir() / "runs" / f"{size}-B{prompts}G{group}K{rewards}T{new_tokens}"
-    overrides = [
-        *model_overrides(size),
-        "task=synthetic",
-        f"task.num_constraints={rewards}",
-        "method=mrtpo",
-        "method.beta_warmup_steps=0",  # replay from the first step: the cost, not the schedule
-        f"rl.prompts_per_step={prompts}",
-        f"rl.group_size={group}",
-        f"rollout.sampling.max_new_tokens={new_tokens}",
-        f"trainer.max_steps={len(order)}",
-        "++trainer.enable_progress_bar=false",
-        "++trainer.enable_checkpointing=false",
-        *(["trainer=gpu", "model.dtype=bf16"] if gpu else []),
-        *extra,
-    ]
-    cfg = compose(overrides, run_dir)
+    overrides = _case_overrides(size, prompts, group, rewards, new_tokens, len(order), gpu)
+    cfg = compose([*overrides, *extra], run_dir)
     from mrtpo.lightning.pipeline import build
 
     trainer, module, dm = build(cfg)
-    alt = alternate(
-        trainer,
-        module,
-        dm,
-        build_method("gdpo"),
-        share,
-        order,
-        warmup_pairs,
-        floor,
-        fused,
-        others,
-    )
+    alt = alternate(trainer, module, dm, build_method("gdpo"), share, order,
+                    warmup_pairs, floor, fused, others)  # fmt: skip
     recs = alt.records
     # the last step may be GDPO's (the order rotates): profile the last MRTPO step's pairs
     prof = profile_replay(module, alt.last_replayed) if profile and alt.last_replayed else None
@@ -361,6 +337,24 @@ def run_case(
         "records": recs,
         "summary": summarize(recs),
     }
+
+
+def _case_overrides(size, prompts, group, rewards, new_tokens, steps, gpu) -> list[str]:
+    """The config of one case: MRTPO on the synthetic task, replay from the first step."""
+    return [
+        *model_overrides(size),
+        "task=synthetic",
+        f"task.num_constraints={rewards}",
+        "method=mrtpo",
+        "method.beta_warmup_steps=0",  # replay from the first step: the cost, not the schedule
+        f"rl.prompts_per_step={prompts}",
+        f"rl.group_size={group}",
+        f"rollout.sampling.max_new_tokens={new_tokens}",
+        f"trainer.max_steps={steps}",
+        "++trainer.enable_progress_bar=false",
+        "++trainer.enable_checkpointing=false",
+        *(["trainer=gpu", "model.dtype=bf16"] if gpu else []),
+    ]
 
 
 def profile_replay(module, scored, reps: int = 3, top: int = 10) -> list[dict[str, Any]]:
