@@ -40,8 +40,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The trainer initialises CUDA before vLLM starts; a forked engine process could not use it.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-# "cpu" only for rehearsing this script's plumbing without a GPU (vLLM needs CUDA).
-DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+
+from benchmarks.gpu_vllm_model import (
+    DEVICE,
+    build_checkpoint,
+    build_tokenizer,
+    diff_stats,
+    eos_ids_of,
+    gen_stats,
+    log,
+    make_prompts,
+    pg_step,
+    swapped_params,
+    trainer_logprobs,
+)
 
 SMOKE_SHAPE = dict(
     hidden_size=256,
@@ -52,12 +64,6 @@ SMOKE_SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
-# Words for filler text: the synthetic task's vocabulary (one list in the project).
-from mrtpo.tasks.synthetic.task import WORDS  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class Report:
@@ -125,290 +131,21 @@ def versions() -> dict:
     return out
 
 
-def build_tokenizer():
-    """The project's byte-level tokenizer; an inline equivalent if that is not available."""
-    try:
-        from mrtpo.core.models import build_tokenizer as project_builder
-
-        return project_builder(1024)
-    except Exception as exc:
-        log(f"mrtpo.core.models.build_tokenizer unavailable ({exc}); training one inline")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([" ".join(WORDS)] * 8, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-        "'<|im_end|>' + '\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    )
-    return fast
-
-
-def make_prompts(tok, count: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16)))
-        msgs = [{"role": "user", "content": f"Write about: {text}"}]
-        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        out.append(list(tok(rendered, add_special_tokens=False)["input_ids"]))
-    return out
-
-
-def build_checkpoint(
-    path: Path, tok, shape: dict, eos_target: float | None, vocab_size: int | None
-):
-    """Random Qwen2 on the GPU, saved in bf16; returns (fp32 model with the same values,
-    EOS calibration or None)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        **{**shape, "vocab_size": vocab_size or shape.get("vocab_size") or len(tok)},
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    with torch.device(DEVICE):
-        model = Qwen2ForCausalLM(cfg)
-    calibration = calibrate_eos(model, tok, eos_target) if eos_target else None
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    model.to(torch.float32)  # bf16 values are exact in fp32: trainer == checkpoint
-    return model, calibration
-
-
-def calibrate_eos(model, tok, target: float, cont: int = 64) -> dict:
-    """Scale the EOS embedding row until about ``target`` of the model's own continuations
-    would end within ``cont`` tokens.
-
-    A random model almost never samples one given token out of 150k, so without this no
-    response would finish and neither the finished flag nor the EOS token would be
-    checked. The model first samples ``cont`` tokens per prompt (EOS blocked); for a
-    candidate factor, a forward pass over those sequences gives P(EOS) at every position
-    and so the chance each continuation would have stopped. The row is tied to the LM head
-    and its sign relative to the hidden states is arbitrary: both signs are scanned, then
-    the first bracket is bisected.
-    """
-    import math
-
-    import torch
-
-    from mrtpo.core.forward import pad_left, pad_right, response_logits
-
-    emb = model.get_input_embeddings().weight
-    eos = tok.eos_token_id
-    row = emb[eos].detach().clone()
-    prompts = make_prompts(tok, 16, seed=3)
-    p_ids, p_mask = pad_left(prompts, tok.pad_token_id)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=p_ids.to(emb.device),
-            attention_mask=p_mask.long().to(emb.device),
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=cont,
-            min_new_tokens=cont,
-            eos_token_id=eos,
-            pad_token_id=tok.pad_token_id,
-        )
-    r_ids, r_mask = pad_right(out[:, p_ids.shape[1] :].cpu().tolist(), tok.pad_token_id)
-    tried: dict[float, float] = {}
-
-    def finish_prob(c: float) -> float:
-        with torch.no_grad():
-            emb[eos] = row * c
-            logits = response_logits(model, p_ids, p_mask, r_ids, r_mask)
-            p = torch.softmax(logits.float(), -1)[..., eos]  # [n, cont]
-        tried[c] = float((1 - torch.prod(1 - p, dim=-1)).mean())
-        return tried[c]
-
-    bracket = None
-    for sign in (1.0, -1.0):
-        low = 0.0
-        for mag in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0):
-            if finish_prob(sign * mag) >= target:
-                bracket = (sign * (low or mag / 2), sign * mag)
-                break
-            low = mag
-        if bracket is not None:
-            break
-    if bracket is not None:
-        lo, hi = bracket
-        for _ in range(5):
-            mid = math.copysign(math.sqrt(abs(lo * hi)), hi)
-            if finish_prob(mid) >= target:
-                hi = mid
-            else:
-                lo = mid
-    best = min(tried, key=lambda c: abs(tried[c] - target))
-    with torch.no_grad():
-        emb[eos] = row * best
-    return {
-        "target_finish_within": {"tokens": cont, "share": target},
-        "scale": round(best, 4),
-        "finish_share": round(tried[best], 4),
-        "tried": {f"{k:.3f}": round(v, 4) for k, v in sorted(tried.items())},
-    }
-
-
-def eos_ids_of(tok, model) -> list[int]:
-    try:
-        from mrtpo.core.models import eos_token_ids
-
-        return eos_token_ids(tok, model)
-    except Exception:
-        return [int(tok.eos_token_id)]
-
-
-def trainer_logprobs(model, tok, prompts, responses, micro: int = 8, bf16: bool = False):
-    """The trainer's log-probs of each response token (the project's forward pass)."""
-    import torch
-
-    try:
-        from mrtpo.core.forward import pad_left, pad_right, response_logprobs
-    except Exception:
-        response_logprobs = None
-    out: list[list[float]] = []
-    was_training = model.training
-    model.eval()
-    try:
-        for s in range(0, len(prompts), micro):
-            ps, rs = prompts[s : s + micro], responses[s : s + micro]
-            with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=bf16):
-                if response_logprobs is not None:
-                    p_ids, p_mask = pad_left(ps, tok.pad_token_id)
-                    r_ids, r_mask = pad_right(rs, tok.pad_token_id)
-                    lp = response_logprobs(model, p_ids, p_mask, r_ids, r_mask).float().cpu()
-                    out.extend(lp[i, : len(r)].tolist() for i, r in enumerate(rs))
-                    continue
-                for p, r in zip(ps, rs):  # fallback: one sequence at a time
-                    ids = torch.tensor([p + r], device=DEVICE)
-                    logits = model(input_ids=ids).logits[0, len(p) - 1 : len(p) - 1 + len(r)]
-                    lp = torch.log_softmax(logits.float(), -1)
-                    tgt = torch.tensor(r, device=DEVICE)[:, None]
-                    out.append(lp.gather(-1, tgt).squeeze(-1).tolist())
-    finally:
-        model.train(was_training)
-    return out
-
-
-@contextlib.contextmanager
-def swapped_params(model, values):
-    """Temporarily give ``model`` other parameter values (no copies: data pointers swap)."""
-    params = list(model.parameters())
-    saved = [p.data for p in params]
-    for p, v in zip(params, values):
-        p.data = v
-    try:
-        yield
-    finally:
-        for p, v in zip(params, saved):
-            p.data = v
-
-
-def diff_stats(a: list[list[float]], b: list[list[float]]) -> dict:
-    import torch
-
-    x = torch.tensor([v for row in a for v in row], dtype=torch.float64)
-    y = torch.tensor([v for row in b for v in row], dtype=torch.float64)
-    if x.numel() == 0:
-        return {"tokens": 0}
-    d = (x - y).abs()
-    return {
-        "tokens": int(d.numel()),
-        "max_abs": round(float(d.max()), 6),
-        "mean_abs": round(float(d.mean()), 6),
-        "p99_abs": round(float(torch.quantile(d, 0.99)) if d.numel() > 1 else float(d[0]), 6),
-        "mean_logprob_engine": round(float(x.mean()), 4),
-    }
-
-
-def gen_stats(gens, eos_ids) -> dict:
-    finished = [g for g in gens if g.finished]
-    return {
-        "samples": len(gens),
-        "mean_len": round(sum(len(g.token_ids) for g in gens) / max(1, len(gens)), 2),
-        "finished_frac": round(len(finished) / max(1, len(gens)), 4),
-        # vLLM keeps the stop token in token_ids; every finished sample must end with EOS
-        "finished_ending_in_eos_frac": (
-            round(
-                sum(g.token_ids[-1] in eos_ids for g in finished if g.token_ids) / len(finished), 4
-            )
-            if finished
-            else None
-        ),
-    }
-
-
-def pg_step(model, opt, tok, prompts, gens, group: int, seed: int) -> dict:
-    """One REINFORCE step with group-centred rewards.
-
-    The rewards are seeded random numbers: the step changes the policy (so the stale-weights
-    control has something to tell apart) without steering it anywhere. A consistent reward
-    (ending with EOS) collapsed a random model onto EOS in a single step in a rehearsal,
-    leaving nothing to compare afterwards.
-    """
-    import torch
-
-    from mrtpo.core.forward import pad_left, pad_right, response_logprobs
-
-    g = torch.Generator().manual_seed(seed)
-    rewards = torch.randn(len(gens), generator=g).view(-1, group)
-    adv = (rewards - rewards.mean(dim=1, keepdim=True)).flatten()
-    total = max(1, sum(len(g.token_ids) for g in gens))
-    model.train()
-    opt.zero_grad(set_to_none=True)
-    micro = 8
-    for s in range(0, len(gens), micro):
-        rs = [g.token_ids for g in gens[s : s + micro]]
-        p_ids, p_mask = pad_left(prompts[s : s + micro], tok.pad_token_id)
-        r_ids, r_mask = pad_right(rs, tok.pad_token_id)
-        lp = response_logprobs(model, p_ids, p_mask, r_ids, r_mask)
-        a = adv[s : s + micro].to(lp.device)
-        loss = -(a[:, None] * lp).sum() / total
-        loss.backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return {"reward_mean": round(float(rewards.mean()), 4), "grad_norm": round(grad_norm, 4)}
+NOTES = [
+    "trainer: a REINFORCE step with AdamW on seeded random rewards, written in this "
+    "script so each sync can be inspected; src/train.py rollout=vllm runs in trainer_smoke",
+    "vLLM computes in bf16, the trainer in fp32 (and bf16 autocast): small differences "
+    "are expected; the stale-weights control shows what a missed sync would look like",
+]
 
 
 def run_check(args, report: Report) -> None:
     import torch
 
-    from mrtpo.rollout.base import SamplingConfig
-
     data = report.data
     state: dict = {}
 
-    data["notes"] = [
-        "trainer: a REINFORCE step with AdamW on seeded random rewards, written in this "
-        "script so each sync can be inspected; src/train.py rollout=vllm runs in trainer_smoke",
-        "vLLM computes in bf16, the trainer in fp32 (and bf16 autocast): small differences "
-        "are expected; the stale-weights control shows what a missed sync would look like",
-    ]
+    data["notes"] = NOTES
     with report.stage("environment") as st:
         data["env"] = versions()
         if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -418,124 +155,18 @@ def run_check(args, report: Report) -> None:
 
     workdir = Path(args.workdir)
     with report.stage("build_model") as st:
-        tok = build_tokenizer()
-        model, calibration = build_checkpoint(
-            workdir / "qwen25-05b-random", tok, QWEN25_05B, args.eos_target, None
-        )
-        state.update(tok=tok, model=model, eos_ids=eos_ids_of(tok, model))
-        data["model"] = {
-            "shape": "Qwen2.5-0.5B (random init, config only)",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "tokenizer_size": len(tok),
-            "eos_ids": state["eos_ids"],
-            "eos_calibration": calibration,
-            "trainer_dtype": "float32",
-            "path": str(workdir / "qwen25-05b-random"),
-        }
+        _build_model(args, data, state, workdir)
     if not st["ok"]:
         return
     tok, model, eos_ids = state["tok"], state["model"], state["eos_ids"]
 
-    engine = None
     with report.stage("vllm_start") as st:
-        from mrtpo.rollout.vllm import VLLMEngine
-
-        def start(sleep_mode: bool):
-            eng = VLLMEngine(
-                model=str(workdir / "qwen25-05b-random"),
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                dtype="bfloat16",
-                max_model_len=1024,
-                seed=0,
-                enable_sleep_mode=sleep_mode,
-                enforce_eager=args.enforce_eager,
-                # the random model's 152k vocabulary is larger than the 1k tokenizer's, and
-                # the engine returns token ids only
-                engine_kwargs={"skip_tokenizer_init": True},
-            )
-            eng.bind(model, tok, eos_ids)  # starts vLLM; the first generate syncs weights
-            return eng
-
-        try:
-            engine = start(args.sleep_mode)
-        except Exception as exc:
-            if not args.sleep_mode:
-                raise
-            data["sleep_mode_start_error"] = f"{type(exc).__name__}: {exc}"
-            log(f"vLLM did not start with sleep mode ({exc}); retrying without it")
-            engine = start(False)
-        data["engine"] = {
-            "startup_seconds": round(engine.startup_seconds or 0.0, 2),
-            "weight_sync_mode": engine.weight_sync.mode if engine.weight_sync else None,
-            "sleep_mode": engine.enable_sleep_mode,
-            "gpu_memory_utilization": args.gpu_memory_utilization,
-            "enforce_eager": args.enforce_eager,
-        }
+        _start_vllm(args, data, state, workdir)
+    engine = state.get("engine")
 
     if engine is not None:
         with report.stage("throughput"):
-            prompts = make_prompts(tok, args.tp_prompts, seed=1)
-            samp = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.tp_max_new)
-            engine.generate(
-                prompts[:4], 2, SamplingConfig(max_new_tokens=16), seed=0
-            )  # warm-up + first sync
-            if engine.last_sync is not None:
-                s = engine.last_sync
-                data["engine"]["initial_sync"] = {
-                    "seconds": round(s.seconds, 3),
-                    "tensors": s.num_tensors,
-                    "mb": round(s.num_bytes / 2**20, 1),
-                }
-            _cuda_sync()
-            t0 = time.perf_counter()
-            v_gens = engine.generate(prompts, args.tp_n, samp, seed=1)
-            _cuda_sync()
-            v_sec = time.perf_counter() - t0
-            v_tok = sum(len(g.token_ids) for g in v_gens)
-            tp = {
-                "prompts": len(prompts),
-                "n": args.tp_n,
-                "max_new_tokens": args.tp_max_new,
-                "vllm": {
-                    "tokens": v_tok,
-                    "seconds": round(v_sec, 3),
-                    "tokens_per_s": round(v_tok / v_sec, 1),
-                    **gen_stats(v_gens, eos_ids),
-                },
-            }
-            data["throughput"] = tp
-            report.write()
-
-            import copy
-
-            hf_model = copy.deepcopy(model).to(torch.bfloat16).eval()
-            try:
-                from mrtpo.rollout.hf import HFEngine
-
-                hf = HFEngine(batch_size=len(prompts) * args.tp_n)
-                hf.bind(hf_model, tok, eos_ids)
-                hf_name = "mrtpo.rollout.hf.HFEngine (bf16 copy, one batch)"
-            except Exception as exc:
-                raise RuntimeError(f"mrtpo.rollout.hf.HFEngine unavailable: {exc}") from exc
-            hf.generate(prompts[:4], 2, SamplingConfig(max_new_tokens=8), seed=0)  # warm-up
-            _cuda_sync()
-            t0 = time.perf_counter()
-            h_gens = hf.generate(prompts, args.tp_n, samp, seed=1)
-            _cuda_sync()
-            h_sec = time.perf_counter() - t0
-            h_tok = sum(len(g.token_ids) for g in h_gens)
-            tp["hf"] = {
-                "engine": hf_name,
-                "tokens": h_tok,
-                "seconds": round(h_sec, 3),
-                "tokens_per_s": round(h_tok / h_sec, 1),
-                **gen_stats(h_gens, eos_ids),
-            }
-            tp["ratio_vllm_over_hf"] = round(
-                tp["vllm"]["tokens_per_s"] / tp["hf"]["tokens_per_s"], 2
-            )
-            del hf, hf_model
-            _cuda_empty_cache()
+            _throughput(args, report, engine, model, tok, eos_ids)
 
         with report.stage("train_and_sync_check"):
             run_sync_checks(args, report, engine, model, tok, eos_ids)
@@ -543,6 +174,130 @@ def run_check(args, report: Report) -> None:
     if args.trainer_smoke:
         with report.stage("trainer_smoke"):
             run_trainer_smoke(args, report, tok, workdir)
+
+
+def _build_model(args, data: dict, state: dict, workdir: Path) -> None:
+    """The random Qwen2.5-0.5B-shaped checkpoint vLLM starts from, and the trainer's copy."""
+    tok = build_tokenizer()
+    model, calibration = build_checkpoint(
+        workdir / "qwen25-05b-random", tok, QWEN25_05B, args.eos_target, None
+    )
+    state.update(tok=tok, model=model, eos_ids=eos_ids_of(tok, model))
+    data["model"] = {
+        "shape": "Qwen2.5-0.5B (random init, config only)",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokenizer_size": len(tok),
+        "eos_ids": state["eos_ids"],
+        "eos_calibration": calibration,
+        "trainer_dtype": "float32",
+        "path": str(workdir / "qwen25-05b-random"),
+    }
+
+
+def _start_vllm(args, data: dict, state: dict, workdir: Path) -> None:
+    """The project's ``VLLMEngine`` bound to the trainer's model (``state["engine"]``), with
+    sleep mode when asked and, if vLLM refuses it, without."""
+    from mrtpo.rollout.vllm import VLLMEngine
+
+    tok, model, eos_ids = state["tok"], state["model"], state["eos_ids"]
+
+    def start(sleep_mode: bool):
+        eng = VLLMEngine(
+            model=str(workdir / "qwen25-05b-random"),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            dtype="bfloat16",
+            max_model_len=1024,
+            seed=0,
+            enable_sleep_mode=sleep_mode,
+            enforce_eager=args.enforce_eager,
+            # the random model's 152k vocabulary is larger than the 1k tokenizer's, and
+            # the engine returns token ids only
+            engine_kwargs={"skip_tokenizer_init": True},
+        )
+        eng.bind(model, tok, eos_ids)  # starts vLLM; the first generate syncs weights
+        return eng
+
+    try:
+        state["engine"] = engine = start(args.sleep_mode)
+    except Exception as exc:
+        if not args.sleep_mode:
+            raise
+        data["sleep_mode_start_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"vLLM did not start with sleep mode ({exc}); retrying without it")
+        state["engine"] = engine = start(False)
+    data["engine"] = {
+        "startup_seconds": round(engine.startup_seconds or 0.0, 2),
+        "weight_sync_mode": engine.weight_sync.mode if engine.weight_sync else None,
+        "sleep_mode": engine.enable_sleep_mode,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+    }
+
+
+def _throughput(args, report: Report, engine, model, tok, eos_ids) -> None:
+    """Tokens/s of vLLM, then of the project's HF engine on the same prompts and sampling."""
+    from mrtpo.rollout.base import SamplingConfig
+
+    data = report.data
+    prompts = make_prompts(tok, args.tp_prompts, seed=1)
+    samp = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.tp_max_new)
+    engine.generate(
+        prompts[:4], 2, SamplingConfig(max_new_tokens=16), seed=0
+    )  # warm-up + first sync
+    if engine.last_sync is not None:
+        s = engine.last_sync
+        data["engine"]["initial_sync"] = {
+            "seconds": round(s.seconds, 3),
+            "tensors": s.num_tensors,
+            "mb": round(s.num_bytes / 2**20, 1),
+        }
+    tp = {
+        "prompts": len(prompts),
+        "n": args.tp_n,
+        "max_new_tokens": args.tp_max_new,
+        "vllm": _timed_generation(engine, prompts, args.tp_n, samp, eos_ids),
+    }
+    data["throughput"] = tp
+    report.write()
+    tp["hf"] = _hf_throughput(args, model, tok, eos_ids, prompts, samp)
+    tp["ratio_vllm_over_hf"] = round(tp["vllm"]["tokens_per_s"] / tp["hf"]["tokens_per_s"], 2)
+    _cuda_empty_cache()
+
+
+def _timed_generation(engine, prompts, n: int, samp, eos_ids) -> dict:
+    _cuda_sync()
+    t0 = time.perf_counter()
+    gens = engine.generate(prompts, n, samp, seed=1)
+    _cuda_sync()
+    sec = time.perf_counter() - t0
+    tokens = sum(len(g.token_ids) for g in gens)
+    return {
+        "tokens": tokens,
+        "seconds": round(sec, 3),
+        "tokens_per_s": round(tokens / sec, 1),
+        **gen_stats(gens, eos_ids),
+    }
+
+
+def _hf_throughput(args, model, tok, eos_ids, prompts, samp) -> dict:
+    """The HF engine on a bf16 copy of the model, in one batch (the copy is dropped after)."""
+    import copy
+
+    import torch
+
+    from mrtpo.rollout.base import SamplingConfig
+
+    hf_model = copy.deepcopy(model).to(torch.bfloat16).eval()
+    try:
+        from mrtpo.rollout.hf import HFEngine
+
+        hf = HFEngine(batch_size=len(prompts) * args.tp_n)
+        hf.bind(hf_model, tok, eos_ids)
+        hf_name = "mrtpo.rollout.hf.HFEngine (bf16 copy, one batch)"
+    except Exception as exc:
+        raise RuntimeError(f"mrtpo.rollout.hf.HFEngine unavailable: {exc}") from exc
+    hf.generate(prompts[:4], 2, SamplingConfig(max_new_tokens=8), seed=0)  # warm-up
+    return {"engine": hf_name, **_timed_generation(hf, prompts, args.tp_n, samp, eos_ids)}
 
 
 def run_sync_checks(args, report, engine, model, tok, eos_ids) -> None:
@@ -569,29 +324,11 @@ def run_sync_checks(args, report, engine, model, tok, eos_ids) -> None:
                 "tensors": s.num_tensors,
                 "mb": round(s.num_bytes / 2**20, 1),
             }
-        gens, v_lp = engine.generate_with_logprobs(prompts, group, samp, seed=1000 + k)
-        responses = [g.token_ids for g in gens]
-        entry["samples"] = gen_stats(gens, eos_ids)
-        entry["trainer_fp32"] = diff_stats(
-            v_lp, trainer_logprobs(model, tok, flat_prompts, responses)
+        gens = _compare_logprobs(
+            entry, engine, model, tok, (prompts, group, samp), eos_ids, old_values
         )
-        entry["trainer_bf16_autocast"] = diff_stats(
-            v_lp, trainer_logprobs(model, tok, flat_prompts, responses, bf16=True)
-        )
-        if old_values is not None:
-            with swapped_params(model, old_values):
-                stale = trainer_logprobs(model, tok, flat_prompts, responses)
-            entry["stale_control_fp32"] = diff_stats(v_lp, stale)
         checks.append(entry)
-        log(
-            f"sync {k}: |vLLM - trainer| mean {entry['trainer_fp32'].get('mean_abs')} "
-            f"max {entry['trainer_fp32'].get('max_abs')}"
-            + (
-                f"; stale weights mean {entry['stale_control_fp32'].get('mean_abs')}"
-                if "stale_control_fp32" in entry
-                else ""
-            )
-        )
+        _log_sync(k, entry)
         report.write()
         if k == args.steps:
             break
@@ -607,18 +344,55 @@ def run_sync_checks(args, report, engine, model, tok, eos_ids) -> None:
         engine.sync_weights(model)  # wakes the engine first when it sleeps
 
     if engine.enable_sleep_mode:
-        # The reported colocated failure: weights synced, engine put to sleep and woken,
-        # and generation silently back on the weights it had before the sync.
-        engine.sleep()
-        engine.wake_up()
-        gens, v_lp = engine.generate_with_logprobs(prompts, group, samp, seed=2000)
-        data["after_sleep_wake_cycle"] = {
-            "trainer_fp32": diff_stats(
-                v_lp, trainer_logprobs(model, tok, flat_prompts, [g.token_ids for g in gens])
-            )
-        }
+        data["after_sleep_wake_cycle"] = _after_sleep_wake(engine, model, tok, prompts, group, samp)
     data["finished_without_eos"] = engine.finished_without_eos
     summarize(args, data)
+
+
+def _compare_logprobs(entry, engine, model, tok, sampling, eos_ids, old_values):
+    """Sample with vLLM's log-probs, put the samples' statistics and the differences from the
+    trainer's log-probs (fp32, bf16 autocast, and the weights before the step when given) in
+    ``entry``; return the samples."""
+    prompts, group, samp = sampling
+    flat_prompts = [p for p in prompts for _ in range(group)]
+    gens, v_lp = engine.generate_with_logprobs(prompts, group, samp, seed=1000 + entry["sync"])
+    responses = [g.token_ids for g in gens]
+    entry["samples"] = gen_stats(gens, eos_ids)
+    entry["trainer_fp32"] = diff_stats(v_lp, trainer_logprobs(model, tok, flat_prompts, responses))
+    entry["trainer_bf16_autocast"] = diff_stats(
+        v_lp, trainer_logprobs(model, tok, flat_prompts, responses, bf16=True)
+    )
+    if old_values is not None:
+        with swapped_params(model, old_values):
+            stale = trainer_logprobs(model, tok, flat_prompts, responses)
+        entry["stale_control_fp32"] = diff_stats(v_lp, stale)
+    return gens
+
+
+def _log_sync(k: int, entry: dict) -> None:
+    log(
+        f"sync {k}: |vLLM - trainer| mean {entry['trainer_fp32'].get('mean_abs')} "
+        f"max {entry['trainer_fp32'].get('max_abs')}"
+        + (
+            f"; stale weights mean {entry['stale_control_fp32'].get('mean_abs')}"
+            if "stale_control_fp32" in entry
+            else ""
+        )
+    )
+
+
+def _after_sleep_wake(engine, model, tok, prompts, group, samp) -> dict:
+    """The reported colocated failure: weights synced, engine put to sleep and woken, and
+    generation silently back on the weights it had before the sync."""
+    flat_prompts = [p for p in prompts for _ in range(group)]
+    engine.sleep()
+    engine.wake_up()
+    gens, v_lp = engine.generate_with_logprobs(prompts, group, samp, seed=2000)
+    return {
+        "trainer_fp32": diff_stats(
+            v_lp, trainer_logprobs(model, tok, flat_prompts, [g.token_ids for g in gens])
+        )
+    }
 
 
 def summarize(args, data) -> None:
