@@ -27,7 +27,10 @@ from replication.long_report import DESIGN_HISTORY, PREDICTIONS, _slope_claim, l
 
 #: The commit that holds the decision rule (the last entry of ``DESIGN_HISTORY``), made before
 #: any run of the experiment.
-DECISION_COMMIT = None
+DECISION_COMMIT = "19ceb99"
+#: The previous full report's mean AUC at K = 8, 60 words (runs at db32ea3) of the two arms run
+#: the same way here: with its warm starts reused they should come back.
+PREVIOUS_K8 = {"gdpo": 0.135, "batch/delete": 0.113}
 #: The drawn-length check passes when the closing tag's energy share lies wholly below this.
 CLOSE_SHARE = 0.5
 #: Segments of the toy's responses (``SyntheticTask.segments``), in the table's order.
@@ -84,7 +87,24 @@ def arms_section(add, tab: C.Table) -> None:
     add("")
 
 
-def decision_section(add, decision: X.Decision) -> None:
+def checks(runs: X.Runs) -> list[str]:
+    """The rule's two checks: no sign flip in a token-cap run, and the arms run as in the
+    previous report give its AUC again."""
+    flips = [x["diag"].get("sign_flip", math.nan) for spec, by_s in runs.get(X.CELL, {}).items()
+             if "cap=token" in spec for x in by_s.values()]  # fmt: skip
+    flips = [f for f in flips if not math.isnan(f)]
+    out = [f"sign flips under cap=token: largest run mean {max(flips):.2g} over {len(flips)} runs"
+           + (" (none: as the cap guarantees)" if max(flips) == 0 else " (**a defect**)")
+           if flips else "sign flips under cap=token: not logged"]  # fmt: skip
+    for arm, old in PREVIOUS_K8.items():
+        xs = runs.get(X.CELL, {}).get(X.ARMS[arm], {})
+        now = mean_ci(C.summarize(x["series"], 0.5, "mark", 10)["auc"] for x in xs.values())
+        same = "the same" if f"{now.mean:.3f}" == f"{old:.3f}" else "**not the same**"
+        out.append(f"{arm}: AUC {now.mean:.3f} here, {old:.3f} in the previous report ({same})")
+    return out
+
+
+def decision_section(add, decision: X.Decision, runs: X.Runs) -> None:
     add("## The decisions")
     add("")
     add("By the rule fixed before any run (design history, last entry"
@@ -94,6 +114,8 @@ def decision_section(add, decision: X.Decision) -> None:
         add(f"- {line}")
     add(f"- new defaults for P5: **cap={decision.cap}, context={decision.context}** "
         f"(`{decision.spec()}`)")  # fmt: skip
+    for line in checks(runs):
+        add(f"- check: {line}")
     add("")
 
 
@@ -234,7 +256,7 @@ def write_report(runs: X.Runs, opts: LongOptions, wall_s: float, out: Path) -> P
     )
     add("")
     design_section(add, opts, wall_s)
-    decision_section(add, decision)
+    decision_section(add, decision, runs)
     arms_section(add, tab)
     p5_section(add, tab, decision)
     diagnostics_section(add, runs)

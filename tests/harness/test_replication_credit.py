@@ -191,6 +191,9 @@ def test_report_from_made_up_runs(tmp_path):
     text = out.read_text()
     # the decisions: mask wholly ahead at token, token not worse than batch
     assert "new defaults for P5: **cap=token, context=mask**" in text
+    assert f"design history, last entry, commit `{R.DECISION_COMMIT}`" in text
+    assert "- check: sign flips under cap=token: largest run mean 0 over 32 runs (none" in text
+    assert "- check: gdpo: AUC 0.149 here, 0.135 in the previous report (**not the same**)" in text
     # the arms table and verdicts: token/mask ahead of GDPO and of the joint arm
     rows = [x for x in text.splitlines() if x.startswith("| token/mask |")]
     assert "| 8 | 0.257 [0.232, 0.281] |" in rows[0]  # the arms table: AUC
