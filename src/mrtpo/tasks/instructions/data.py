@@ -29,7 +29,6 @@ The released file names no template; its rows are rendered with ``task.data.temp
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 from collections import Counter
@@ -37,6 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mrtpo.tasks.custom.data import FILE_FORMATS
+from mrtpo.tasks.custom.data import read_rows as custom_rows
 
 log = logging.getLogger(__name__)
 
@@ -149,38 +151,15 @@ def constraint_record(
 
 # ---- files --------------------------------------------------------------------------------
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a .parquet, .jsonl, .json (list, or a dict holding one) or .csv file."""
+    """Rows of a .parquet, .jsonl, .json (list, or a dict holding one) or .csv file (the
+    custom task's reader: every error names the file and, where there is one, the line)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(p).to_pylist()
-    if suffix == ".jsonl":
-        rows = []
-        with open(p, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{p}:{i}: malformed JSON line ({exc.msg})") from exc
-        return rows
-    if suffix == ".json":
-        data = json.loads(p.read_text(encoding="utf-8"))
-        if isinstance(data, dict):
-            lists = [v for v in data.values() if isinstance(v, list)]
-            if len(lists) != 1:
-                raise ValueError(f"{p}: expected a list of records (or a dict holding one)")
-            data = lists[0]
-        return list(data)
-    if suffix == ".csv":
-        csv.field_size_limit(1 << 30)
-        with open(p, encoding="utf-8", newline="") as f:
-            return list(csv.DictReader(f))
-    raise ValueError(f"{p}: unsupported file type {suffix!r} (parquet, jsonl, json or csv)")
+    fmt = FILE_FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{p}: unsupported file type {p.suffix!r} (parquet, jsonl, json or csv)")
+    return custom_rows(str(p), fmt, split=None, name=None, key="data file")
 
 
 def _as_obj(value: Any) -> Any:
