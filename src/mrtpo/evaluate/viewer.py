@@ -18,12 +18,16 @@ diagnostics the trainer logs (``mrtpo.step.diagnostics``): q / mean q quantiles 
 mean cosine between the rewards' q profiles, and, where the record holds them, the share of the
 reallocated credit's energy on each segment of the response its task declares. The PNG draws
 one response the same way, for a paper or a note.
+
+The page's markup, style and script are ``templates/relevance.html.j2`` (Jinja2, autoescaped:
+no text from the file becomes markup); this module reads, checks and shades the records.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import io
 import json
 import math
@@ -379,6 +383,7 @@ def colour(cmap: str, pos: float) -> str:
     return _LUTS[cmap][round(pos * 255)]
 
 
+@functools.cache  # a page has ~10^5 cells and at most 2 x 256 colours
 def ink(background: str) -> str:
     """Black or white text, whichever reads on ``background``."""
     r, g, b = (int(background[i : i + 2], 16) / 255 for i in (1, 3, 5))
@@ -476,7 +481,7 @@ def _diag_text(d: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-# ---- the page (templates/relevance.html.j2) ------------------------------------------------------
+# ---- the page (templates/relevance.html.j2) --------------------------------------------------
 _PAGE = jinja2.Environment(
     loader=jinja2.PackageLoader("mrtpo.evaluate", "templates"),
     autoescape=True,  # model text is text: a token or prompt holding <script> stays text
@@ -486,11 +491,12 @@ _PAGE = jinja2.Environment(
 )
 
 
-def _cells(rec: dict, name: str, kind: str, scales: Scales) -> list[tuple[str, str, str]]:
-    """(background, ink, text) of each token of one reward's q or w row."""
+def _cells(rec: dict, name: str, kind: str, scales: Scales) -> list[tuple[str, str]]:
+    """(style, text) of each token of one reward's q or w row: its shade, and ink that reads
+    on it."""
     cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
     bgs = [colour(cmap, pos(v)) for v in rec[kind][name]]
-    return [(bg, ink(bg), visible(tok)) for bg, tok in zip(bgs, rec["tokens"])]
+    return [(f"background:{bg};color:{ink(bg)}", visible(t)) for bg, t in zip(bgs, rec["tokens"])]
 
 
 def _record(rec: dict, scales: Scales) -> dict[str, Any]:
