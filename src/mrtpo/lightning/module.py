@@ -32,7 +32,6 @@ from mrtpo.lightning.sharding import shard_module_policies
 from mrtpo.run.checkpointing import NonFiniteStateError, assert_finite_state
 from mrtpo.run.settings import OptimConfig, ReplayConfig, RLConfig
 from mrtpo.step import RLStep, StepRecord, StepResult
-from mrtpo.step.passes import dropout_in  # noqa: F401  (re-exported for older imports)
 from mrtpo.tasks.base import Task
 
 log = logging.getLogger(__name__)
