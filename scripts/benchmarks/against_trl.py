@@ -150,12 +150,7 @@ def run(
 ) -> dict[str, Any]:
     """``system_tokens`` > 0: every prompt starts with a system message of about that many
     tokens (the paper's kind of work: a text-to-SQL prompt carries its database schema)."""
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from mrtpo.lightning.pipeline import build
+    import trl  # noqa: F401  (a missing TRL fails here, before anything is built)
 
     ensure_model(size)
     n = prompts * group
@@ -163,36 +158,79 @@ def run(
     run_dir = (
         bench_dir() / "runs" / (f"trl-{size}" + (f"-sys{system_tokens}" if system_tokens else ""))
     )
-    cfg = compose(
-        [
-            *model_overrides(size),
-            "task=synthetic",
-            f"task.num_constraints={rewards}",
-            *([f"+task.system_prompt='{long_text(size, system_tokens)}'"] if system_tokens else []),
-            "method=gdpo",
-            f"rl.prompts_per_step={prompts}",
-            f"rl.group_size={group}",
-            f"rl.mini_batch_size={n}",
-            f"rl.micro_batch_size={n}",
-            "rl.ppo_epochs=1",
-            "rl.clip_low=0.2",
-            "rl.clip_high=0.28",
-            "rl.kl_coef=0.0",
-            "rl.loss_agg=token-mean",
-            "rl.max_grad_norm=1.0",
-            "optim.lr=1e-6",
-            f"rollout.sampling.max_new_tokens={new_tokens}",
-            "rollout.sampling.temperature=1.0",
-            "rollout.sampling.top_p=1.0",
-            f"rollout.engine.batch_size={n}",
-            f"trainer.max_steps={total}",
-            "++trainer.enable_progress_bar=false",
-            "++trainer.enable_checkpointing=false",
-            *(["trainer=gpu", "model.dtype=bf16"] if gpu else []),
-        ],
-        run_dir,
-    )
-    trainer, module, dm = build(cfg)
+    overrides = _our_overrides(size, prompts, group, rewards, new_tokens, total, gpu, system_tokens)
+    trainer, module, dm, log_times = _ours(overrides, run_dir)
+    baton = Baton()
+    ours_cb = OursTurns(baton)
+    trainer.callbacks.insert(0, ours_cb)
+
+    # TRL: its own copy of the same weights, the same prompts and checkers.
+    task = module.task
+    examples = list(task.examples("train"))
+    task.by_id = {e.id: e for e in examples}
+    shape = dict(run_dir=run_dir, n=n, group=group, new_tokens=new_tokens, total=total, gpu=gpu)
+    tok, grpo, trl_cb, gen_times = _trl_trainer(size, task, examples, shape, baton)
+    _take_turns(trainer, module, dm, grpo, baton)
+    case = {
+        "model": size,
+        "B": prompts,
+        "G": group,
+        "K": rewards,
+        "max_new_tokens": new_tokens,
+        "steps": steps,
+        "warmup": warmup,
+        "system_tokens": system_tokens,
+        # prompt tokens as both trainers tokenize them (chat template, generation prompt)
+        "mean_prompt_tokens": _mean_prompt_tokens(tok, examples, n),
+    }
+    return {
+        "case": case,
+        "trl_times": trl_cb.times,
+        "ours_times": ours_cb.times,
+        "trl_cpu": trl_cb.cpu,
+        "ours_cpu": ours_cb.cpu,
+        "ours_phases": ours_cb.phases,
+        "summary": _summary(trl_cb, ours_cb, warmup, log_times, gen_times, module),
+    }
+
+
+def _our_overrides(size, prompts, group, rewards, new_tokens, total, gpu, system_tokens):
+    """Our side's config: ``method=gdpo`` with TRL's settings (see the module's docstring)."""
+    n = prompts * group
+    return [
+        *model_overrides(size),
+        "task=synthetic",
+        f"task.num_constraints={rewards}",
+        *([f"+task.system_prompt='{long_text(size, system_tokens)}'"] if system_tokens else []),
+        "method=gdpo",
+        f"rl.prompts_per_step={prompts}",
+        f"rl.group_size={group}",
+        f"rl.mini_batch_size={n}",
+        f"rl.micro_batch_size={n}",
+        "rl.ppo_epochs=1",
+        "rl.clip_low=0.2",
+        "rl.clip_high=0.28",
+        "rl.kl_coef=0.0",
+        "rl.loss_agg=token-mean",
+        "rl.max_grad_norm=1.0",
+        "optim.lr=1e-6",
+        f"rollout.sampling.max_new_tokens={new_tokens}",
+        "rollout.sampling.temperature=1.0",
+        "rollout.sampling.top_p=1.0",
+        f"rollout.engine.batch_size={n}",
+        f"trainer.max_steps={total}",
+        "++trainer.enable_progress_bar=false",
+        "++trainer.enable_checkpointing=false",
+        *(["trainer=gpu", "model.dtype=bf16"] if gpu else []),
+    ]
+
+
+def _ours(overrides: list[str], run_dir):
+    """Our trainer from the composed config, its metric logging timed: (trainer, module,
+    datamodule, the seconds each step's logging took)."""
+    from mrtpo.lightning.pipeline import build
+
+    trainer, module, dm = build(compose(overrides, run_dir))
     log_times: list[float] = []
     log_step = module.step.result  # the step's metrics over ranks, before the loggers get them
 
@@ -204,22 +242,13 @@ def run(
             log_times.append(time.perf_counter() - t0)
 
     module.step.result = timed_log_step
-    baton = Baton()
-    ours_cb = OursTurns(baton)
-    trainer.callbacks.insert(0, ours_cb)
+    return trainer, module, dm, log_times
 
-    # TRL: its own copy of the same weights, the same prompts and checkers.
-    task = module.task
-    examples = list(task.examples("train"))
-    task.by_id = {e.id: e for e in examples}
-    ds = datasets.Dataset.from_list(
-        [{"prompt": e.messages, "example_id": e.id} for e in examples[: max(64, n * total)]]
-    )
-    tok = AutoTokenizer.from_pretrained(model_path(size))
-    tok.padding_side = "left"
-    dtype = torch.bfloat16 if gpu else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path(size), dtype=dtype)
-    args = GRPOConfig(
+
+def _trl_args(run_dir, n: int, group: int, new_tokens: int, total: int, gpu: bool):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=str(run_dir / "trl"),
         per_device_train_batch_size=n,
         gradient_accumulation_steps=1,
@@ -253,6 +282,27 @@ def run(
         disable_tqdm=True,
         log_completions=False,
     )
+
+
+def _trl_trainer(size: str, task, examples, shape: dict[str, Any], baton: Baton):
+    """TRL's ``GRPOTrainer`` on its own copy of the weights, the same prompts and checkers,
+    its ``generate`` timed: (tokenizer, trainer, turns callback, generate seconds). ``shape``:
+    the arguments of ``_trl_args``."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOTrainer
+
+    n, total = shape["n"], shape["total"]
+    ds = datasets.Dataset.from_list(
+        [{"prompt": e.messages, "example_id": e.id} for e in examples[: max(64, n * total)]]
+    )
+    tok = AutoTokenizer.from_pretrained(model_path(size))
+    tok.padding_side = "left"
+    dtype = torch.bfloat16 if shape["gpu"] else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path(size), dtype=dtype)
+    args = _trl_args(**shape)
     gen_times: list[float] = []
     generate = model.generate
 
@@ -273,11 +323,13 @@ def run(
         processing_class=tok,
         callbacks=[trl_cb],
     )
-
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
     grpo.remove_callback(PrinterCallback)  # logs are still computed every step, not printed
     grpo.remove_callback(ProgressCallback)
+    return tok, grpo, trl_cb, gen_times
+
+
+def _take_turns(trainer, module, dm, grpo, baton: Baton) -> None:
+    """Our trainer in a worker thread, TRL's in this one, the baton passing between them."""
 
     def ours() -> None:
         try:
@@ -293,6 +345,23 @@ def run(
     if baton.error is not None:
         raise RuntimeError("our trainer failed") from baton.error
 
+
+def _mean_prompt_tokens(tok, examples, n: int) -> float:
+    """Mean prompt tokens of the first ``n`` examples, as both trainers tokenize them."""
+    return (
+        sum(
+            len(tok(text, add_special_tokens=False).input_ids)
+            for text in (
+                tok.apply_chat_template(e.messages, add_generation_prompt=True, tokenize=False)
+                for e in examples[:n]
+            )
+        )
+        / n
+    )
+
+
+def _summary(trl_cb, ours_cb, warmup: int, log_times, gen_times, module) -> dict[str, Any]:
+    """Medians after the warm-up steps, and the per-step ratios ours / TRL."""
     trl_t = trl_cb.times[warmup:]
     ours_t = ours_cb.times[warmup:]
     old = [p.get("old_logp", 0.0) for p in ours_cb.phases[warmup:]]
@@ -307,49 +376,21 @@ def run(
     }
     phases["log_step"] = med(log_times[warmup:])
     return {
-        "case": {
-            "model": size,
-            "B": prompts,
-            "G": group,
-            "K": rewards,
-            "max_new_tokens": new_tokens,
-            "steps": steps,
-            "warmup": warmup,
-            "system_tokens": system_tokens,
-            # prompt tokens as both trainers tokenize them (chat template, generation prompt)
-            "mean_prompt_tokens": sum(
-                len(tok(text, add_special_tokens=False).input_ids)
-                for text in (
-                    tok.apply_chat_template(e.messages, add_generation_prompt=True, tokenize=False)
-                    for e in examples[:n]
-                )
-            )
-            / n,
-        },
-        "trl_times": trl_cb.times,
-        "ours_times": ours_cb.times,
-        "trl_cpu": trl_cb.cpu,
-        "ours_cpu": ours_cb.cpu,
-        "ours_phases": ours_cb.phases,
-        "summary": {
-            "trl": med(trl_t),
-            "ours": med(ours_t),
-            "ours_without_old_logp": med(ours_wo),
-            "ratio": med(ours_t) / med(trl_t),
-            "ratio_paired": med(paired),
-            "ratio_without_old_logp_paired": med(paired_wo),
-            "trl_generate": med(gen_times[warmup:]),
-            "trl_cpu": med(trl_cb.cpu[warmup:]),
-            "ours_cpu": med(ours_cb.cpu[warmup:]),
-            "ratio_cpu_paired": med(cpu_paired),
-            "ours_phases": phases,
-            "trl_mean_completion_len": med(trl_len) if trl_len else None,
-            "ours_mean_completion_len": float(
-                module.last.rollout.response_mask.sum(-1).float().mean()
-            )
-            if module.last is not None
-            else None,
-        },
+        "trl": med(trl_t),
+        "ours": med(ours_t),
+        "ours_without_old_logp": med(ours_wo),
+        "ratio": med(ours_t) / med(trl_t),
+        "ratio_paired": med(paired),
+        "ratio_without_old_logp_paired": med(paired_wo),
+        "trl_generate": med(gen_times[warmup:]),
+        "trl_cpu": med(trl_cb.cpu[warmup:]),
+        "ours_cpu": med(ours_cb.cpu[warmup:]),
+        "ratio_cpu_paired": med(cpu_paired),
+        "ours_phases": phases,
+        "trl_mean_completion_len": med(trl_len) if trl_len else None,
+        "ours_mean_completion_len": float(module.last.rollout.response_mask.sum(-1).float().mean())
+        if module.last is not None
+        else None,
     }
 
 

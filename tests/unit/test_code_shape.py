@@ -35,13 +35,6 @@ FILE_LENGTH_EXEMPT = ("src/mrtpo/tasks/text2sql/executor.py",)
 #: test is marked xfail with the list of those over; any other file over fails it. Empty this
 #: when the splits have landed.
 PENDING = (
-    "scripts/benchmarks/against_trl.py",
-    "scripts/benchmarks/gpu.py",
-    "scripts/benchmarks/gpu_vllm.py",
-    "scripts/benchmarks/kernel.py",
-    "scripts/benchmarks/rollout.py",
-    "scripts/benchmarks/schedules.py",
-    "scripts/benchmarks/steps.py",
     "scripts/replicate.py",
     "scripts/replication/harness.py",
     "scripts/replication/jobs.py",
