@@ -43,6 +43,7 @@ from mrtpo.core.evaluation import evaluate_examples
 from mrtpo.core.models import eos_token_ids
 from mrtpo.evaluate.export import save_model
 from mrtpo.lightning.data import PromptDataModule, PromptStream
+from mrtpo.lightning.module import linear_warmup
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.build import build_rollout
 from mrtpo.rollout.hf import HFEngine
@@ -225,10 +226,7 @@ class SFTModule(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])
-        warm = int(self.cfg["warmup_steps"])
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
-        )
+        sched = linear_warmup(opt, self.cfg["warmup_steps"])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def configure_gradient_clipping(
