@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
@@ -15,7 +16,8 @@ from mrtpo.rollout.server_client import READ_RETRIES, RequestFailed, ServerClien
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
-    """Answers by path; records (method, path, Authorization, client port) of each request."""
+    """Answers by path; records (method, path, Authorization, client port, Connection) of
+    each request."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
 
@@ -23,11 +25,13 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         self.rfile.read(length)
         seen = self.server.seen  # type: ignore[attr-defined]
-        seen.append(
-            (self.command, self.path, self.headers.get("Authorization"), self.client_address[1])
-        )
+        auth, port = self.headers.get("Authorization"), self.client_address[1]
+        seen.append((self.command, self.path, auth, port, self.headers.get("Connection")))
         behaviour = self.server.behaviour  # type: ignore[attr-defined]
         kind = behaviour.get(self.path, "ok")
+        if kind == "slow":
+            time.sleep(1.5)  # the client has given up by then
+            return
         if kind == "drop":  # read the request, then close without an answer
             self.close_connection = True
             return
@@ -77,15 +81,21 @@ def servers():
         server.server_close()
 
 
-def test_every_request_carries_the_key_over_one_kept_alive_connection(servers):
+def test_every_request_carries_the_key_and_only_repeatable_ones_share_a_connection(servers):
     server, url = servers()
     client = ServerClient(url, "the-key")
-    for i in range(4):
+    for i in range(3):
         assert client.get(f"/health?i={i}") == {"path": f"/health?i={i}"}
         client.post("/update_weights", {"update_info": {"files": []}})
-    assert len(server.seen) == 8
+        client.post("/tokenize", {"prompt": "x"})
+    assert len(server.seen) == 9
     assert {s[2] for s in server.seen} == {"Bearer the-key"}
-    assert len({s[3] for s in server.seen}) == 1  # one TCP connection, not one per request
+    kept = [s for s in server.seen if s[1] != "/update_weights"]
+    once = [s for s in server.seen if s[1] == "/update_weights"]
+    assert len({s[3] for s in kept}) == 1  # one kept-alive connection for GETs and /tokenize
+    # a weight push never goes out on a connection the server may have closed a moment before
+    assert len({s[3] for s in once}) == 3 and {s[4] for s in once} == {"close"}
+    assert not {s[3] for s in once} & {s[3] for s in kept}
 
 
 def test_a_redirect_is_refused_and_the_key_goes_nowhere_else(servers):
@@ -151,7 +161,17 @@ def test_a_moved_client_sends_to_its_new_address_only(servers):
     first, first_url = servers({"/tokenize": "drop"})
     second, second_url = servers({"/tokenize": "drop"})
     client = ServerClient(first_url, "k")
-    client.url = second_url + "/"
+    client.url = second_url
     with pytest.raises(RequestFailed):
         client.post("/tokenize", {"prompt": "x"})
     assert first.seen == [] and len(second.seen) == 1 + READ_RETRIES
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_no_answer_within_the_limit_is_waited_for_once(servers, method):
+    server, url = servers({"/server_info": "slow"})
+    t0 = time.monotonic()
+    with pytest.raises(RequestFailed) as err:
+        ServerClient(url, "k", timeout_s=0.3).request(method, "/server_info")
+    assert err.value.kind == "timeout" and err.value.detail == "no answer within 0.3 s"
+    assert time.monotonic() - t0 < 1.0 and len(server.seen) == 1

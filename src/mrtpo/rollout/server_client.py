@@ -1,16 +1,18 @@
-"""Talking to a vLLM server over HTTP: a ``requests`` session with retries and timeouts.
+"""Talking to a vLLM server over HTTP: ``requests`` sessions with retries and timeouts.
 
-``ServerClient`` sends JSON to one server with the API key on every request, over kept-alive
-connections (one TCP connection per concurrent request, not one per request). Retries are
+``ServerClient`` sends JSON to one server with the API key on every request. Retries are
 urllib3's ``Retry`` (as TRL's ``vllm_client.py``), limited to what is safe to repeat:
 
-* a connection that could not be made (refused, reset while connecting, DNS) is tried
-  ``CONNECT_RETRIES`` more times for every request: nothing reached the server;
-* a read that failed (reset mid-answer, no answer in time) and an answer of 502/503/504 are
-  tried ``READ_RETRIES`` more times only for GET and the POST routes in ``IDEMPOTENT``
-  (``/tokenize``, ``/reset_prefix_cache``): repeating them changes nothing. The weight push's
-  routes and generation are never sent twice (a push is not idempotent; a generation sent
-  twice costs the server the work twice, and its failure usually means the server died).
+* GET and the POST routes in ``IDEMPOTENT`` (``/tokenize``, ``/reset_prefix_cache``) go over
+  kept-alive connections; a failed connection, a connection reset mid-answer and an answer of
+  502/503/504 are tried again (``READ_RETRIES``): repeating them changes nothing. A request
+  with no answer within its time limit is not (the limit is the longest the run waits).
+* every other request (the weight push's routes, generation) is sent once, each on a new
+  connection that closes after its answer (``Connection: close``); only a connection that
+  could not be made is tried again (``CONNECT_RETRIES``: nothing reached the server). A kept
+  connection may have been closed by the server a moment before (vLLM closes it after some
+  refusals), and a request lost that way cannot be told from one the server ran: a weight
+  push is never sent twice, and a generation sent twice would cost the server the work twice.
 
 What the client never does: follow a redirect (a 3xx is a refusal naming where it pointed:
 the key goes to the server named and nowhere else), read proxies, ``.netrc`` or other settings
@@ -34,6 +36,7 @@ from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import ReadTimeoutError
 from urllib3.util import Retry
 
 #: POST routes that may be sent again after a failed read: they change no state twice
@@ -65,18 +68,29 @@ def _error_message(body: bytes) -> str:
     return str(err)[:1000]
 
 
-def _retry(methods: frozenset[str]) -> Retry:
-    """Connection failures retried for any method; failed reads and 502/503/504 for
-    ``methods`` only; no redirect followed."""
-    return Retry(
+class _Retry(Retry):
+    """urllib3's ``Retry``, except that a request that got no answer within its time limit
+    is not sent again: the limit is the longest the run waits for one answer."""
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None,
+                  _stacktrace=None):  # fmt: skip
+        if isinstance(error, ReadTimeoutError):
+            raise error
+        return super().increment(method, url, response, error, _pool, _stacktrace)
+
+
+def _retry(repeatable: bool) -> Retry:
+    """Connection failures retried for every request; failed reads and 502/503/504 for
+    ``repeatable`` ones only; no redirect followed."""
+    return _Retry(
         total=None,
         connect=CONNECT_RETRIES,
-        read=READ_RETRIES,
-        status=READ_RETRIES,
+        read=READ_RETRIES if repeatable else False,  # False: the read's own error comes back
+        status=READ_RETRIES if repeatable else 0,
         other=0,
         redirect=0,
-        allowed_methods=methods,
-        status_forcelist=RETRY_STATUS,
+        allowed_methods=frozenset({"GET", "POST"}),
+        status_forcelist=RETRY_STATUS if repeatable else (),
         backoff_factor=BACKOFF_S,
         raise_on_status=False,  # the last answer comes back: its status is the refusal
         raise_on_redirect=False,
@@ -84,9 +98,25 @@ def _retry(methods: frozenset[str]) -> Retry:
     )
 
 
+def _session(api_key: str | None, repeatable: bool, connections: int) -> requests.Session:
+    session = requests.Session()
+    session.trust_env = False
+    session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE") or True
+    session.headers["Content-Type"] = "application/json"
+    if not repeatable:
+        session.headers["Connection"] = "close"  # a new connection for each request
+    if api_key:
+        session.headers["Authorization"] = f"Bearer {api_key}"
+    adapter = HTTPAdapter(pool_maxsize=connections, max_retries=_retry(repeatable))
+    session.adapters.clear()  # only the two schemes below, each with these retries
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 class ServerClient:
     """JSON over HTTP to ``url`` (``http://host:port``), with ``api_key`` as a bearer token.
-    ``connections``: how many requests may be in flight at once (kept-alive connections)."""
+    ``connections``: how many requests may be in flight at once."""
 
     def __init__(
         self,
@@ -95,39 +125,20 @@ class ServerClient:
         timeout_s: float = 600.0,
         connections: int = 10,
     ) -> None:
+        self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = float(timeout_s)
-        self.connections = max(int(connections), 1)
-        self.session = requests.Session()
-        self.session.trust_env = False
-        self.session.verify = (
-            os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE") or True
-        )
-        self.session.headers["Content-Type"] = "application/json"
-        if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
-        self.url = url
+        size = max(int(connections), 1)
+        self._repeatable = _session(api_key, True, size)
+        self._once = _session(api_key, False, size)
 
-    @property
-    def url(self) -> str:
-        return self._url
-
-    @url.setter
-    def url(self, url: str) -> None:
-        """Point the client at ``url`` (the engine moves it to the proven address)."""
-        self._url = url.rstrip("/")
-        self.session.adapters.clear()
-        self._mount(self._url + "/", frozenset({"GET"}))
-        for path in IDEMPOTENT:
-            self._mount(self._url + path, frozenset({"GET", "POST"}))
-
-    def _mount(self, prefix: str, methods: frozenset[str]) -> None:
-        size = self.connections
-        adapter = HTTPAdapter(pool_maxsize=size, max_retries=_retry(methods))
-        self.session.mount(prefix, adapter)
+    def repeatable(self, method: str, path: str) -> bool:
+        """Whether sending this request twice changes nothing (``IDEMPOTENT``)."""
+        return method == "GET" or path.split("?", 1)[0] in IDEMPOTENT
 
     def close(self) -> None:
-        self.session.close()
+        self._repeatable.close()
+        self._once.close()
 
     def request(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
@@ -135,10 +146,11 @@ class ServerClient:
         data = None if body is None else json.dumps(body).encode("utf-8")
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         try:
-            resp = self.session.request(
-                method, self._url + path, data=data, timeout=limit, allow_redirects=False
+            session = self._repeatable if self.repeatable(method, path) else self._once
+            resp = session.request(
+                method, self.url + path, data=data, timeout=limit, allow_redirects=False
             )
-        except requests.Timeout:
+        except requests.Timeout:  # no connection or no answer within the limit
             raise RequestFailed("timeout", f"no answer within {limit:g} s") from None
         except requests.RequestException as exc:  # refused, reset, TLS, ...
             raise RequestFailed("unreachable", _reason(exc)) from None
@@ -166,13 +178,17 @@ class ServerClient:
         return self.request("POST", path, {} if body is None else body, timeout_s)
 
 
-def _reason(exc: requests.RequestException) -> str:
-    """The innermost reason of a failed connection, in one line (no urllib3 wrapping)."""
+def _innermost(exc: BaseException) -> BaseException:
+    """What a requests exception wraps (urllib3's MaxRetryError holds the last failure)."""
     reason: BaseException = exc
     while reason.args and isinstance(reason.args[0], BaseException):
         reason = reason.args[0]
     inner = getattr(reason, "reason", None)
-    if isinstance(inner, BaseException):
-        reason = inner
+    return inner if isinstance(inner, BaseException) else reason
+
+
+def _reason(exc: requests.RequestException) -> str:
+    """The innermost reason of a failed request, in one line (no urllib3 wrapping)."""
+    reason = _innermost(exc)
     text = " ".join(str(reason).split())
     return f"{type(reason).__name__}: {text}"[:500]
