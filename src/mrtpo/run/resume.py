@@ -185,6 +185,10 @@ SETTINGS_KEY = "mrtpo_settings"
 #: and how they are shown, how many steps, processes and nodes, and knobs that change memory
 #: or speed but not what is computed. Every other setting must equal the run's (the
 #: checkpoint records them); a resume that changes one is refused before anything is written.
+#: A typed setting (rl, optim, replay, data, stage.sft) says so on its field
+#: (``mrtpo.run.settings.setting(resume=True)``, read by ``may_change``); listed here are the
+#: keys of untyped groups (Lightning's trainer, the model loader, Hydra's paths, callbacks and
+#: loggers, the engine's node), which have no field to carry it.
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "resume",
     "ckpt_path",
@@ -214,17 +218,6 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "model.gradient_checkpointing",
     "model.attn_implementation",
     "model.tiny.build_root",
-    "rl.micro_batch_size",
-    "rl.max_nonfinite_steps",
-    "rl.max_consecutive_score_failures",
-    "rl.replay_oom_retries",
-    "rl.measure_logp_gap",
-    "rl.shared_prompt_forward",
-    "replay.token_budget",
-    "replay.jsd_chunk",
-    "replay.noise_floor",
-    "data.val_prompts",
-    "data.val_batch_size",
 )
 
 
@@ -264,7 +257,11 @@ def settings_record(cfg: DictConfig) -> str | None:
 
 
 def may_change(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
+    """Whether a ``+resume`` may change ``key``: a typed setting declared ``resume=True``, or
+    a key of ``RESUME_MAY_CHANGE``."""
+    from mrtpo.run.settings import resumable
+
+    return key in resumable() or any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
 
 
 def check_resume_settings(
@@ -273,7 +270,7 @@ def check_resume_settings(
     """Refuse a resume whose settings (``settings_record`` of its config, taken before the
     run derives anything from it) differ from the checkpoint's, except ``RESUME_MAY_CHANGE``.
     The batch keys are compared by the global batch they make on each world size
-    (``mrtpo.run.settings.batch_on_resume``)."""
+    (``mrtpo.run.batch.batch_on_resume``)."""
     raw = ckpt.get(SETTINGS_KEY)
     mine_raw = settings
     if raw is None or mine_raw is None:

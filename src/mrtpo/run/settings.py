@@ -399,25 +399,3 @@ def setting_words() -> dict[str, str]:
     """Words people type for a setting (``learning_rate``), and the setting (the fields'
     ``words``), for the hint of a key nothing reads."""
     return {word: key for key, f in declared() for word in f.metadata.get("words", ())}
-
-
-# ---- names that moved to placement / batch / checks / overrides (until every importer follows)
-
-_MOVED = {
-    "mrtpo.run.placement": ("CPU_PARAMS_LIMIT", "visible_gpus", "world_size", "model_parameters",
-                            "check_placement", "_on_gpu", "_parameter_count", "_preset"),
-    "mrtpo.run.batch": ("resolve_batch", "BATCH_KEYS", "global_batch", "batch_on_resume"),
-    "mrtpo.run.checks": ("validate", "check_seed", "check_names", "check_run", "check_finite",
-                         "check_method", "warmup_note", "check_engine", "check_schedule",
-                         "check_engine_settings"),
-    "mrtpo.run.overrides": ("check_renamed", "check_method_keys", "check_overrides"),
-}  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    for module, names in _MOVED.items():
-        if name in names:
-            return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
