@@ -9,8 +9,10 @@ training imports them. Tests reach them through pytest's ``pythonpath``.
 * ``steps`` — MRTPO against GDPO on one fixed rollout (sections 1 and 4);
 * ``kernel`` — the JSD kernel's speed and peak memory, one process per configuration;
 * ``against_trl`` — our GDPO step against TRL's ``GRPOTrainer`` (section 3);
-* ``render`` — ``docs/benchmarks.md`` from the sections' JSON: the page, its targets and
-  proposals; ``render_sections`` the numbered sections, ``render_fmt`` the number formats;
+* ``render`` — ``docs/benchmarks.md`` from the sections' JSON: the text is the Jinja2
+  templates in ``templates/`` (the page, one file per section), the tables come from
+  ``render_tables``, the number formats from ``render_fmt``;
 * ``gpu`` — the GPU check of the trainer itself (``scripts/gpu_check.py``; runs without
-  Hydra), with ``gpu_vllm`` as its vLLM stage.
+  Hydra): its sizes and report in ``gpu_setup``, the trainer built by hand in ``gpu_trainer``,
+  and ``gpu_vllm`` (with ``gpu_vllm_model``) as its vLLM stage.
 """

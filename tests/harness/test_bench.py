@@ -270,6 +270,42 @@ def test_rollout_section_without_vllm_is_skipped_with_the_install_command(
     assert f"## {number}." not in render({section: None})
 
 
+MACHINE = {"generated": "2026-01-01", "machine": {"device": "cpu", "cpu_count": 2, "threads": 1,
+           "torch": "2.13", "transformers": "5.20"}}  # fmt: skip
+
+
+def test_sections_five_and_six_render_from_their_json():
+    """The templates of the vLLM sections (whose runs need vLLM) against JSON of their shape."""
+    from benchmarks.schedules import summarize
+
+    class Server:
+        last_sync = type("S", (), {"num_bytes": 2**20 * 4, "seconds": 0.02})()
+
+    times = {"gdpo/sync": [2.0], "gdpo/one_step_off": [1.0], "mrtpo/sync": [2.2],
+             "mrtpo/one_step_off": [1.1], "gdpo/sync/in_process": [1.9]}  # fmt: skip
+    splits = {k: [{"train/time/rollout": 0.5, "train/rollout/generate_s": 0.5}] for k in times}
+    sched = {**MACHINE, "server_cpu": 1, "trainer_cpu": 0, "size": "tiny", "parameters": 1.5e6,
+             "prompts": 2, "prompt_tokens": 40, "group": 2, "rewards": 2, "share": 0.5,
+             "rounds": 1, "steps": 3, "warmup": 1,
+             "workloads": [summarize({"name": "half", "new_tokens": 8}, times, splits, Server())]}  # fmt: skip
+    case = {"shape": "long", "length": 40, "shared": 30, "group": 2, "ratio_vllm_over_hf": 3.0,
+            "tokens_per_s": {"hf": 100.4, "vllm": 301.2}, "ratio_prefix_cache": 1.4}  # fmt: skip
+    sync = {"mb": 6.1, "mode": "state_dict", "seconds": 0.004, "count": 3, "s_per_mb": 0.0007}
+    roll = {**MACHINE, "cases": [{"size": "tiny", "parameters": 1.5e6, "prompts": 2,
+            "new_tokens": 8, "vllm_start_s": 3.2, "threads": 1, "sync": sync, "cases": [case]}]}  # fmt: skip
+    doc = render({"rollout": roll, "schedules": sched})
+    assert (
+        "| `tiny` (1.50M) | long: 40 tok, 30 shared | 2×2 | 8 | 100 | 301 | **×3.00** | ×1.40 |"
+        in doc
+    )
+    assert "6.100 MB by `state_dict`, median 4.000 ms over 3 syncs = **0.700 ms per MB**" in doc
+    assert "B=2 prompts of 40 tokens × G=2, K=2 controlled rewards (MRTPO replays 50% of" in doc
+    assert "| half (8 new tok) | `mrtpo/one_step_off` | 1.100 | 0.500 | 0.909 |" in doc
+    assert "one_step_off over sync: GDPO ×2.00 steps/s, MRTPO ×2.00." in doc
+    assert "; server/in-process (sync, GDPO) ×1.05. Weight push: 4.000 MB in 20.000 ms" in doc
+    assert "\n\n\n" not in doc and doc.endswith(".\n\n")  # one blank line between blocks
+
+
 def test_schedule_targets_are_judged_from_paired_rounds():
     from benchmarks.schedules import summarize, targets
 
