@@ -64,8 +64,11 @@ class ToyEngine(RolloutEngine):
 
     generates_apart = True  # it holds no trainer weights
     reports_logprobs = False
+    checks_settings_when_built = True  # the run's checks build one early to run its own
 
     def __init__(self, share_prompt: str, width: int, salt: int = 0) -> None:
+        if width < 1:
+            raise ValueError(f"rollout.engine.width={width}: use 1 or more")
         self.share_prompt, self.width, self.salt = share_prompt, width, salt
 
     def generate(self, prompts, n: int, sampling: SamplingConfig, seed: int) -> list[Generation]:
@@ -110,6 +113,10 @@ def test_an_engine_of_its_own_gets_its_settings_by_interpolation(train_cfg):
     [engine] = [c.source.engine for c in trainer.callbacks if hasattr(c, "source")]
     assert type(engine).__name__ == "ToyEngine"  # (built from its _target_: this module again)
     assert (engine.share_prompt, engine.width, engine.salt) == ("always", 2, 7)
+    with open_dict(cfg):
+        cfg.rollout.engine.width = 0  # its own check, run before anything loads
+    with pytest.raises(ConfigError, match=r"^rollout\.engine\.width=0: use 1 or more$"):
+        validate(cfg)
     with open_dict(cfg):
         cfg.rollout.engine.widht = 3  # its signature says what it reads: no list to edit
     with pytest.raises(

@@ -45,6 +45,9 @@ class RolloutEngine(ABC):
     #: the engine holds its own copy of the weights and may generate in another thread
     #: while the trainer updates (rollout.schedule=one_step_off / async need it)
     generates_apart: bool = False
+    #: the constructor only stores and checks its settings (no model, process or memory): the
+    #: run's validation and ``--check`` build one from the config to run those checks early
+    checks_settings_when_built: ClassVar[bool] = False
 
     def bind(self, model: torch.nn.Module, tokenizer, eos_ids: Sequence[int]) -> None:  # noqa: B027
         """Called once before the first generation."""

@@ -109,6 +109,7 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
     """
 
     generates_apart = True  # its own process and weights: schedules may overlap it
+    checks_settings_when_built = True  # the server starts in bind, not here
 
     def __init__(
         self,

@@ -191,11 +191,6 @@ def check_engine(cfg) -> None:
     )
 
 
-#: Engines whose constructor only stores and checks its settings (no model, no process):
-#: the run's validation and ``--check`` build one to run those checks before anything loads.
-SETTINGS_ONLY_ENGINES = ("mrtpo.rollout.vllm_server.VLLMServerEngine",)
-
-
 def _engine_keys(engine) -> None:
     """``port`` and ``weight_dir`` of an engine node: a TCP port, an existing folder."""
     from omegaconf import OmegaConf
@@ -219,17 +214,19 @@ def _engine_keys(engine) -> None:
 
 def check_engine_settings(cfg) -> None:
     """The rollout engine's own checks of its settings (``rollout.engine.*``), run before
-    anything loads by both the run (``validate``) and ``--check``: one engine built from the
-    config for ``SETTINGS_ONLY_ENGINES``, and the port and weight folder of any engine."""
+    anything loads by both the run (``validate``) and ``--check``: the engine built from the
+    config when its class says that costs nothing (``checks_settings_when_built``), and the
+    port and weight folder of any engine."""
+    from hydra.utils import get_class
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, "rollout.engine")
     if node is None:
         return
     _engine_keys(node)
-    if str(node.get("_target_")) not in SETTINGS_ONLY_ENGINES:
-        return
-    _instantiate_checked(node)
+    target = node.get("_target_")
+    if target is not None and getattr(get_class(str(target)), "checks_settings_when_built", False):
+        _instantiate_checked(node)
 
 
 def check_schedule(cfg) -> None:
