@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mrtpo.tasks.base import Example, Score, Task
+from mrtpo.tasks.custom.data import decode_utf8
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,7 @@ def read_jsonl(path: str | Path, objects: bool = True) -> list[Any]:
     rows = []
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(
-                    f"{path}:{i}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                    f"{exc.start + 1}); save the file as UTF-8"
-                ) from exc
+            line = decode_utf8(raw, str(path), i)
             if not line.strip():
                 continue
             try:

@@ -115,7 +115,7 @@ def read_rows(
     return _read_hf(path, split=split, name=name, key=key)
 
 
-def _decode(raw: bytes, path: str, first_line: int = 1) -> str:
+def decode_utf8(raw: bytes, path: str, first_line: int = 1) -> str:
     """``raw`` as UTF-8, or an error naming the line. A byte-order mark is dropped at the
     start of the file only (``first_line`` 1), as the evaluation's readers do."""
     try:
@@ -133,7 +133,7 @@ def _read_jsonl(path: str) -> list[Any]:
     rows = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            line = _decode(raw, path, n)
+            line = decode_utf8(raw, path, n)
             if not line.strip():
                 continue
             try:
@@ -146,7 +146,7 @@ def _read_jsonl(path: str) -> list[Any]:
 
 
 def _read_json(path: str) -> Any:
-    text = _decode(Path(path).read_bytes(), path)
+    text = decode_utf8(Path(path).read_bytes(), path)
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; expected a JSON list of rows")
     try:
@@ -168,7 +168,7 @@ def _read_json(path: str) -> Any:
 def _read_csv(path: str) -> list[dict[str, Any]]:
     """CSV rows. Fields may be as long as ``CSV_FIELD_LIMIT`` (``csv``'s own default of
     128 KiB is too short for long prompts); the module-wide limit is restored afterwards."""
-    text = _decode(Path(path).read_bytes(), path)
+    text = decode_utf8(Path(path).read_bytes(), path)
     old = csv.field_size_limit()
     csv.field_size_limit(max(old, CSV_FIELD_LIMIT))
     reader = csv.DictReader(io.StringIO(text, newline=""))
