@@ -41,7 +41,6 @@ PENDING = (
     "scripts/replication/long_report.py",
     "src/mrtpo/rollout/vllm_server.py",
     "src/mrtpo/run/folder.py",
-    "src/mrtpo/run/settings.py",
 )
 #: Modules that only an entry point (``src/*.py``) may import.
 CLI_MODULES = ("mrtpo.evaluate.cli",)
