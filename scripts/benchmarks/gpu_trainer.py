@@ -129,14 +129,20 @@ def _normal_token_range(tok) -> tuple[int, int]:
     return low, len(tok)
 
 
+#: What ``configs/method/<name>.yaml`` sets apart from its class's defaults (the MRTPO preset
+#: caps per token since issue 49; the class keeps cap=batch).
+PRESETS: dict[str, dict[str, Any]] = {"mrtpo": {"cap": "token"}, "gdpo": {}}
+
+
 def gpu_method(name: str):
-    """MRTPO or GDPO from its class's defaults with the β schedule off, as the bench builds it
+    """MRTPO or GDPO as its preset makes it, with the β schedule off, as the bench builds it
     (``benchmarks.common.build_method``): this machine has no Hydra to compose
-    ``configs/method/<name>.yaml``; a test checks that both give the same method."""
+    ``configs/method/<name>.yaml``, so the class's defaults and ``PRESETS``; a test checks that
+    both give the same method."""
     from benchmarks.common import schedule_off
     from mrtpo.core.credit.methods import GDPO, MRTPO
 
-    return schedule_off({"mrtpo": MRTPO, "gdpo": GDPO}[name]())
+    return schedule_off({"mrtpo": MRTPO, "gdpo": GDPO}[name](**PRESETS[name]))
 
 
 def build_trainer(sizes: Sizes, state: dict[str, Any], max_steps: int, root: Path):
