@@ -35,12 +35,9 @@ FILE_LENGTH_EXEMPT = ("src/mrtpo/tasks/text2sql/executor.py",)
 #: test is marked xfail with the list of those over; any other file over fails it. Empty this
 #: when the splits have landed.
 PENDING = (
-    "scripts/replicate.py",
     "scripts/replication/harness.py",
     "scripts/replication/jobs.py",
     "scripts/replication/long_report.py",
-    "src/mrtpo/rollout/vllm_server.py",
-    "src/mrtpo/run/folder.py",
 )
 #: Modules that only an entry point (``src/*.py``) may import.
 CLI_MODULES = ("mrtpo.evaluate.cli",)
