@@ -4,7 +4,8 @@ training imports them. Tests reach them through pytest's ``pythonpath``.
 
 * ``harness`` — ``make bench``: the sections and the plans (``QUICK``, ``FULL``); a new
   section is a plan entry in both, a ``section_<name>`` function there (listed in
-  ``SECTIONS`` and ``run_section``), and its part of the document in ``render``;
+  ``SECTIONS`` and ``run_section``), and its part of the document: a template in
+  ``templates/`` included from ``benchmarks.md.j2``, its tables in ``render_tables``;
 * ``common`` — model sizes, the composed configs and methods, controlled rewards, JSON out;
 * ``steps`` — MRTPO against GDPO on one fixed rollout (sections 1 and 4);
 * ``kernel`` — the JSD kernel's speed and peak memory, one process per configuration;
