@@ -74,15 +74,20 @@ class RunResult:
         return rows
 
 
-def train(overrides: Sequence[str] | Mapping[str, Any] = ()) -> RunResult:
+def train(
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    check: Callable[[DictConfig], None] | None = None,
+) -> RunResult:
     """``python src/train.py <overrides>``: train, return the run folder and final metrics.
-    ``overrides``: a list of ``key=value`` strings, or a mapping of keys to values."""
+    ``overrides``: a list of ``key=value`` strings, or a mapping of keys to values.
+    ``check``: called with the composed config before the run folder is made (its error
+    leaves no folder); the job then runs on that same config, composed once."""
     from mrtpo.lightning.pipeline import train as train_job
 
     def job(cfg: DictConfig) -> dict[str, float]:
         return train_job(cfg)
 
-    return _run("train.yaml", "train", overrides, job)
+    return _run("train.yaml", "train", overrides, job, check)
 
 
 def evaluate(overrides: Sequence[str] = ()) -> RunResult:
@@ -125,9 +130,11 @@ def _run(
     job_name: str,
     overrides: Sequence[str],
     job: Callable[[DictConfig], dict[str, float] | Any],
+    check: Callable[[DictConfig], None] | None = None,
 ) -> RunResult:
     """Compose ``config_name`` with ``overrides`` and run ``job`` as Hydra runs the entry
-    point ``src/<job_name>.py`` (run folder, ``.hydra/``, log file, callbacks)."""
+    point ``src/<job_name>.py`` (run folder, ``.hydra/``, log file, callbacks); ``check``
+    first sees the composed config, before anything is written."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -147,8 +154,7 @@ def _run(
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONFIG_DIR), job_name=job_name, version_base="1.3"):
-            hydra = GlobalHydra.instance().hydra
-            ret = hydra.run(config_name=config_name, task_function=job, overrides=overrides)
+            ret = _composed_once(GlobalHydra.instance().hydra, config_name, overrides, job, check)
     finally:
         sys.argv = argv
         _restore_logging(handlers)
@@ -156,6 +162,26 @@ def _run(
     run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir)
     metrics = ret.return_value if isinstance(ret.return_value, dict) else {}
     return RunResult(run_dir, {k: _number(v) for k, v in metrics.items()}, tuple(overrides))
+
+
+def _composed_once(hydra: Any, config_name: str, overrides: list[str], job, check) -> Any:
+    """``hydra.run`` on a config composed here once: ``check`` sees a copy of it first (with
+    ``${hydra:...}`` resolvable; nothing it does reaches the run), then Hydra's own run takes
+    the composed config instead of composing it again."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    cfg = hydra.compose_config(
+        config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=True
+    )
+    if check is not None:
+        checked = copy.deepcopy(cfg)
+        HydraConfig.instance().set_config(checked)  # (makes its hydra node read-only)
+        check(checked)
+    hydra.compose_config = lambda *args, **kwargs: cfg  # this Hydra instance ends with the run
+    return hydra.run(config_name=config_name, task_function=job, overrides=overrides)
 
 
 def _quoted(text: str) -> str:

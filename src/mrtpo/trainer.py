@@ -22,10 +22,12 @@ config names them by tokens only.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from itertools import islice
 from pathlib import Path
@@ -133,19 +135,20 @@ class Config:
     def rl_sizes(self) -> tuple[int, int]:
         """(rl.group_size, prompts per step) of the config these settings compose to, so that
         ``overrides`` or an experiment setting the group size count; where they do not
-        compose, (num_generations or 4, 4) (the job's pre-check then says what is wrong)."""
-        from mrtpo.run.config import compose
-
+        compose, (num_generations or 4, 4) (the job's pre-check then says what is wrong).
+        Composed only where the overrides leave a size to the config, at most once for the
+        same settings (an override is applied after every preset: its number is the size)."""
+        batch = self.per_device_train_batch_size
         rest = replace(self, per_device_train_batch_size=None, reward_weights=None)
-        try:
-            rl = compose("train.yaml", ["task=custom", *rest.to_overrides([])]).rl
-            g = int(rl.group_size)
-            per_step = rl.get("prompts_per_step") or rl.get("global_prompts_per_step") or 4
-        except Exception:  # a bad setting: refused in one line by Trainer's pre-check
-            return self.num_generations or 4, 4
-        if self.per_device_train_batch_size:
-            per_step = self.per_device_train_batch_size // max(g, 1)
-        return g, int(per_step)
+        words = tuple(rest.to_overrides([]))
+        g = _given_int(words, "rl.group_size")
+        per_step = None if batch else _given_int(words, "rl.prompts_per_step")
+        if g is None or (per_step is None and not batch):
+            composed = _composed_sizes(words)
+            if composed is None:
+                return self.num_generations or 4, 4
+            g, per_step = composed
+        return g, batch // max(g, 1) if batch else int(per_step)
 
     @staticmethod
     def _weights(weights: Sequence[float], names: Sequence[str]) -> dict[str, float]:
@@ -155,6 +158,31 @@ class Config:
                 f"reward function(s) {list(names)}; give one per function"
             )
         return {n: float(w) for n, w in zip(names, weights)}
+
+
+def _given_int(words: Sequence[str], key: str) -> int | None:
+    """The value the last override of ``key`` gives, when it is a whole number above 0 (the
+    config composes to it: an override is applied after every preset); None otherwise."""
+    for word in reversed(words):
+        name, _, value = word.partition("=")
+        if name.lstrip("+~") == key:
+            whole = value.isdigit() and str(int(value)) == value and int(value) > 0
+            return int(value) if whole else None
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _composed_sizes(words: tuple[str, ...]) -> tuple[int, int] | None:
+    """(rl.group_size, prompts per step) that ``task=custom`` and ``words`` compose to; None
+    where they do not compose."""
+    from mrtpo.run.config import compose
+
+    try:
+        rl = compose("train.yaml", ["task=custom", *words]).rl
+        per_step = rl.get("prompts_per_step") or rl.get("global_prompts_per_step") or 4
+        return int(rl.group_size), int(per_step)
+    except Exception:  # a bad setting: refused in one line by Trainer's pre-check
+        return None
 
 
 def _logger(report_to: str | Sequence[str]) -> str:
@@ -215,12 +243,12 @@ class Trainer:
         tokens: list[str] = []
         try:
             overrides = [*self._task_overrides(tokens), *self._model_overrides, *overrides]
-            _precheck(overrides, self.args)  # a bad setting: one line, and no run folder
             given = self.model if _is_model(self.model) else None
             tokenizer = self.tokenizer if given is not None else None
             s = live.Session(given, tokenizer, _prepare, callbacks=self.callbacks)
-            with live.session(s):
-                result = api.train(overrides)
+            with live.session(s), _config_errors_named(self.args) as composed:
+                # composed once: checked (a bad setting is one line, and no run folder), then run
+                result = api.train(overrides, check=lambda cfg: _precheck(cfg, self.args, composed))
         finally:
             live.drop(tokens)
         self.model, self.tokenizer = s.policy, s.built_tokenizer
@@ -256,22 +284,38 @@ class Trainer:
         return out
 
 
-def _precheck(overrides: list[str], args: Config) -> None:
-    """Compose the job's config and check its keys and typed settings as the job will, but
-    before it makes a run folder; the error names the ``Config`` field that set the key."""
-    from hydra.errors import ConfigCompositionException
-
+def _precheck(cfg: Any, args: Config, composed: list[bool]) -> None:
+    """Check the job's composed config as the job will, before it makes a run folder: its
+    keys, typed settings, one process and the task; the error names the ``Config`` field
+    that set the key. ``composed`` records that the config composed."""
     from mrtpo.run.checks import validate
-    from mrtpo.run.config import compose
     from mrtpo.run.config_keys import check_keys
 
+    composed.append(True)
     try:
-        cfg = compose("train.yaml", overrides)
         check_keys(cfg)
         validate(cfg)
         _one_process(cfg)
         _build_task(cfg)
+    except ValueError as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (_named(exc.args[0], args), *exc.args[1:])
+        raise
+
+
+@contextlib.contextmanager
+def _config_errors_named(args: Config) -> Iterator[list[bool]]:
+    """A config that does not compose is one line naming the ``Config`` field or key; once it
+    composed (the list it yields is not empty), a composition error is the job's own (a warm
+    start's) and is raised as it is."""
+    from hydra.errors import ConfigCompositionException
+
+    composed: list[bool] = []
+    try:
+        yield composed
     except ConfigCompositionException as exc:
+        if composed:
+            raise
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         m = re.match(r"Could not override '([\w.]+)'", text)
         if m and m.group(1).startswith("method."):
@@ -279,10 +323,6 @@ def _precheck(overrides: list[str], args: Config) -> None:
         elif m:
             text = f"{m.group(1)} is not a setting (python src/train.py --help lists them)"
         raise ValueError(_named(text, args)) from None
-    except ValueError as exc:
-        if exc.args and isinstance(exc.args[0], str):
-            exc.args = (_named(exc.args[0], args), *exc.args[1:])
-        raise
 
 
 def _build_task(cfg: Any) -> None:

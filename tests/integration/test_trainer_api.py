@@ -336,3 +336,33 @@ def test_a_reward_block_key_that_is_not_a_name_is_refused(key):
         Trainer(reward_funcs=fine, train_dataset=[{"prompt": "a"}],
                 reward_blocks={key: lambda prompt, response, **row: ""})  # fmt: skip
     assert "\n" not in str(e.value)
+
+
+def test_train_composes_its_config_once(tiny_path, tmp_path, monkeypatch):
+    """Trainer.train() composes the job's config once: the pre-check (no run folder on a bad
+    setting) and the run take the same composed config, and the completions per step divide
+    by a group size the settings give (num_generations) without a probe composition. Each
+    composition is counted where Hydra makes it (the real one runs)."""
+    from datasets import Dataset
+    from hydra._internal.hydra import Hydra
+
+    from mrtpo import Config, Trainer
+
+    real, made = Hydra.compose_config, []
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted)
+
+    def fine(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    args = Config(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2,
+                  per_device_train_batch_size=4, max_completion_length=8)  # fmt: skip
+    ds = Dataset.from_list([{"prompt": f"p{i}"} for i in range(4)])
+    result = Trainer(model=str(tiny_path), reward_funcs=fine, train_dataset=ds, args=args).train()
+    assert json.loads((result.run_dir / "job.json").read_text())["status"] == "completed"
+    assert "rl.prompts_per_step=2" in result.overrides
+    assert len(made) == 1
