@@ -62,6 +62,17 @@ def test_loopback_and_cpu_lists():
     assert parse_cpus("1") == [1] and parse_cpus("0-2,5") == [0, 1, 2, 5]
 
 
+def test_a_cpu_server_runs_the_model_in_its_engine_core(monkeypatch, tmp_path):
+    """On CPU with one process, the server's engine core runs the model (vLLM's uni executor:
+    no worker process polling shared memory beside it on the server's cores); elsewhere vLLM
+    keeps its default, and the in-process engine's setting never leaks into the server."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the in-process engine sets
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    assert VLLMServerEngine(str(tmp_path), device="cpu")._server_env()[key] == "0"
+    for kwargs in ({"device": "cuda"}, {"device": "cpu", "tensor_parallel_size": 2}):
+        assert key not in VLLMServerEngine(str(tmp_path), **kwargs)._server_env()
+
+
 def test_the_configured_cores_replace_an_inherited_openmp_binding(monkeypatch, capsys):
     """rollout.engine.cpus wins over a VLLM_CPU_OMP_THREADS_BIND the trainer passed down (vLLM
     obeys that variable over the affinity), and the replacement is said in the server's log.
