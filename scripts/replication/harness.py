@@ -454,6 +454,25 @@ def teacher_check(policy: Path, k: int, n: int = TEACHER_PROMPTS) -> dict[str, f
     return out
 
 
+def _read_curves(r: KResult, kdir: Path, opts: Options) -> None:
+    """Each finished run's series of one K into ``r.curves`` (and its seed into ``r.seeds``)."""
+    for m in opts.methods:
+        for s in range(opts.seeds):
+            job = kdir / method_dir(m) / f"s{s}" / "job.json"
+            if not job.exists():
+                continue
+            info = json.loads(job.read_text())
+            if info.get("error") or not info.get("csv"):
+                continue
+            csv = recorded_csv(Path(info["csv"]), job.parent)
+            c = run_series(csv)
+            if schedule_of(m) != "sync":
+                c.update(staleness_series(csv))
+            if c["success"]:
+                r.curves.setdefault(m, []).append(c)
+                r.seeds.setdefault(m, []).append(s)
+
+
 def analyse(opts: Options, console) -> list[KResult]:
     """Read every run of the log folder; draw the figures into ``<docs>/figures``; replay the
     warm start once per K for the relevance statistics (cached as ``relevance_sft.jsonl``)."""
@@ -471,21 +490,7 @@ def analyse(opts: Options, console) -> list[KResult]:
             console.print(f"[yellow]no warm-start policy for K={k} under {kdir}; skipped")
             continue
         r = KResult(k=k, sft={ph: read_summary(kdir / ph / "policy") for ph in SFT_PHASES})
-        for m in opts.methods:
-            for s in range(opts.seeds):
-                job = kdir / method_dir(m) / f"s{s}" / "job.json"
-                if not job.exists():
-                    continue
-                info = json.loads(job.read_text())
-                if info.get("error") or not info.get("csv"):
-                    continue
-                csv = recorded_csv(Path(info["csv"]), job.parent)
-                c = run_series(csv)
-                if schedule_of(m) != "sync":
-                    c.update(staleness_series(csv))
-                if c["success"]:
-                    r.curves.setdefault(m, []).append(c)
-                    r.seeds.setdefault(m, []).append(s)
+        _read_curves(r, kdir, opts)
         if r.curves:
             plot_curves(r.curves, k, figs / f"replication_k{k}.png")
         # relevance: direct replay of the warm start, and the dumps of the MRTPO runs
@@ -536,6 +541,44 @@ def staleness_series(csv: str | Path) -> dict[str, list[float]]:
     return {"staleness/max": [r.get(STALENESS_COL, math.nan) for r in rows]}
 
 
+def _n_params(opts: Options) -> int | None:
+    """The warm-start policy's parameter count, from its config.json (None before it exists)."""
+    policy = warm_start(opts.k_values[0], opts.logdir) / "config.json"
+    if not policy.exists():
+        return None
+    c = json.loads(policy.read_text())
+    h, i, n, v = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                  c["vocab_size"])  # fmt: skip
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    return v * h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+
+
+def _sft_text(opts: Options, sft, sft_steps: int, noisy) -> str:
+    """The design's line on the two warm-start passes."""
+    return (
+        f"(1) clean references, lr {sft.lr}, batch {sft.batch_size}, until held-out success "
+        f"≥ {sft.target_success} (checked every {sft.eval_every} steps from step "
+        f"{sft.min_steps}, at most {sft_steps} steps), from random weights"
+        + "".join(
+            f"; K = {k}'s from K = {p}'s clean policy (a curriculum)"
+            for k, p in sorted(CURRICULUM.items())
+            if k in opts.k_values
+        )
+        + "; (2) from there, references of which "
+        f"{noisy.task.reference_success:.0%} meet every constraint (each constraint broken "
+        f"independently, so the share is the same at every K), lr {noisy.stage.sft.lr}, at "
+        f"least {noisy.stage.sft.min_steps} steps and until held-out success ≤ "
+        f"{noisy.stage.sft.target_success}, checked every {noisy.stage.sft.eval_every} "
+        f"steps on {noisy.stage.sft.eval_prompts} prompts × {noisy.stage.sft.eval_samples} "
+        f"samples: the references' rate is below the target, so every K crosses it, and "
+        f"RL starts at about the same success rate for every K (measured below). In both "
+        f"passes {sft.teacher_share:.0%} of the examples (fixed by their id) are shown "
+        f"after OPSD's teacher context (the reference as an earlier answer, then the "
+        f"question again) instead of the prompt, so that the initial model can read a "
+        f"reference as a pretrained LLM does: OPSD's teacher is that model"
+    )
+
+
 def describe(opts: Options) -> dict[str, Any]:
     """The settings that shape the result, read from the composed presets."""
     from hydra.utils import instantiate
@@ -553,14 +596,7 @@ def describe(opts: Options) -> dict[str, Any]:
     sft_steps = opts.sft_max_steps if opts.sft_max_steps is not None else sft_cfg.trainer.max_steps
     noisy = compose("train.yaml", ["experiment=toy_sft_noisy", *opts.sft_override])
     tiny = cfg.model.tiny
-    n_params = None
-    policy = warm_start(opts.k_values[0], opts.logdir) / "config.json"
-    if policy.exists():
-        c = json.loads(policy.read_text())
-        h, i, n, v = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
-                      c["vocab_size"])  # fmt: skip
-        kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
-        n_params = v * h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+    n_params = _n_params(opts)
     task = instantiate(cfg.task)
     return {
         "policy": (
@@ -584,28 +620,7 @@ def describe(opts: Options) -> dict[str, Any]:
             "the response's last visible character and nothing else, so one token (the mark) "
             "and where the response stops decide it"
         ),
-        "SFT (warm start)": (
-            f"(1) clean references, lr {sft.lr}, batch {sft.batch_size}, until held-out success "
-            f"≥ {sft.target_success} (checked every {sft.eval_every} steps from step "
-            f"{sft.min_steps}, at most {sft_steps} steps), from random weights"
-            + "".join(
-                f"; K = {k}'s from K = {p}'s clean policy (a curriculum)"
-                for k, p in sorted(CURRICULUM.items())
-                if k in opts.k_values
-            )
-            + "; (2) from there, references of which "
-            f"{noisy.task.reference_success:.0%} meet every constraint (each constraint broken "
-            f"independently, so the share is the same at every K), lr {noisy.stage.sft.lr}, at "
-            f"least {noisy.stage.sft.min_steps} steps and until held-out success ≤ "
-            f"{noisy.stage.sft.target_success}, checked every {noisy.stage.sft.eval_every} "
-            f"steps on {noisy.stage.sft.eval_prompts} prompts × {noisy.stage.sft.eval_samples} "
-            f"samples: the references' rate is below the target, so every K crosses it, and "
-            f"RL starts at about the same success rate for every K (measured below). In both "
-            f"passes {sft.teacher_share:.0%} of the examples (fixed by their id) are shown "
-            f"after OPSD's teacher context (the reference as an earlier answer, then the "
-            f"question again) instead of the prompt, so that the initial model can read a "
-            f"reference as a pretrained LLM does: OPSD's teacher is that model"
-        ),
+        "SFT (warm start)": _sft_text(opts, sft, sft_steps, noisy),
         "RL": (
             f"{cfg.trainer.max_steps} steps × {cfg.rl.prompts_per_step} prompts × "
             f"{cfg.rl.group_size} samples, temperature {cfg.rollout.sampling.temperature}, "
@@ -711,7 +726,6 @@ def write_report(
 ) -> Path:
     lines: list[str] = []
     add = lines.append
-    mode = "full" if opts.full else "quick"
     thr = DEFAULT_THRESHOLD if opts.threshold is None else opts.threshold
     runs = {r.k: {m: dict(zip(r.seeds[m], c, strict=True)) for m, c in r.curves.items()}
             for r in results}  # fmt: skip
@@ -722,6 +736,38 @@ def write_report(
         tab, sync_methods(opts.methods), FEW_TOKEN, COMPLIANCE_STEP, CONCENTRATION[1]
     )
     _flag_starts(found[0], results, tab)
+    _intro(add, opts)
+    _claim_lines(add, found)
+    _design_section(add, opts, results, settings, thr, wall_s)
+    _starts(add, results, tab)
+    by_k: dict[int, dict[str, tuple[Interval, Interval, Interval]]] = {}
+    auc_gain: dict[int, list[float]] = {}  # K -> MRTPO − GDPO Δ AUC per seed (trend in K)
+    for r in results:
+        add(f"## K = {r.k}")
+        add("")
+        _warm_start_lines(add, r)
+        stats = {
+            m: dict(zip(r.seeds[m], (run_stats(c["success"], thr) for c in runs), strict=True))
+            for m, runs in r.curves.items()
+        }
+        _method_table(add, stats, opts, thr)
+        if BASELINE in stats:
+            _paired_section(add, r, stats, opts, by_k, auc_gain)
+        add(f"![learning curves, K={r.k}](figures/replication_k{r.k}.png)")
+        add("")
+        _relevance_section(add, r)
+    if len(by_k) > 1:
+        _across_k(add, by_k, auc_gain, opts)
+    _claim_details(add, found, tab, opts, results)
+    _schedule_section(add, tab, runs, opts)
+    _caveats_and_reproduce(add, opts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    return out
+
+
+def _intro(add, opts: Options) -> None:
+    """The report's title, provenance line and what the toy is."""
     add("# Toy replication: the paper's claims at toy scale")
     add("")
     add(
@@ -744,7 +790,11 @@ def write_report(
         "method). *Success* is the share of sampled responses meeting all K constraints."
     )
     add("")
-    _claim_lines(add, found)
+
+
+def _design_section(add, opts: Options, results: list[KResult], settings: dict[str, Any],
+                    thr: float, wall_s: float) -> None:  # fmt: skip
+    mode = "full" if opts.full else "quick"
     add("## Design (fixed before any result)")
     add("")
     add(f"- mode: **{mode}**, K = {', '.join(str(r.k) for r in results)}; "
@@ -782,140 +832,137 @@ def write_report(
         "threshold counts as the number of steps it ran (a lower bound), so its mean is too."
     )
     add("")
-    _starts(add, results, tab)
-    by_k: dict[int, dict[str, tuple[Interval, Interval, Interval]]] = {}
-    auc_gain: dict[int, list[float]] = {}  # K -> MRTPO − GDPO Δ AUC per seed (trend in K)
-    for r in results:
-        add(f"## K = {r.k}")
-        add("")
-        for phase, what in (
-            (SFT_PHASES[0], "learn the task (clean references)"),
-            (SFT_PHASES[1], "lower the success rate (references that often break a constraint)"),
-        ):
-            sm = r.sft.get(phase)
-            if not sm:
-                continue
-            last = sm["history"][-1] if sm.get("history") else {}
-            rates = ", ".join(
-                f"{n.split('/', 1)[1]} {v:.2f}" for n, v in last.items() if n.startswith("reward/")
-            )
-            ev = sm.get("eval", {})
-            sign = "≤" if sm.get("stop_when") == "below" else "≥"
-            add(
-                f"**Warm start, {what}:** {sm.get('steps', '?')} SFT steps; "
-                f"{'stopped at' if sm.get('reached') else 'did NOT reach'} the target held-out "
-                f"success {sign} {sm.get('target_success')}; held-out success "
-                f"{last.get('success', math.nan):.3f} ({ev.get('prompts')} prompts × "
-                f"{ev.get('samples')} samples at temperature {ev.get('temperature')}); per "
-                f"constraint: {rates}."
-            )
-            add("")
-        # method -> {seed: run summary}
-        stats = {
-            m: dict(zip(r.seeds[m], (run_stats(c["success"], thr) for c in runs), strict=True))
-            for m, runs in r.curves.items()
-        }
-        add(f"| method | seeds | start | steps to success ≥ {thr:g} | reached | final | AUC |")
-        add("|---|---|---|---|---|---|---|")
-        for m in opts.methods:
-            if m not in stats:
-                continue
-            st = list(stats[m].values())
-            reached = sum(not math.isnan(x["steps_to_threshold"]) for x in st)
-            cells = [
-                fmt(*mean_ci([x["start"] for x in st])[:2]),
-                fmt(*mean_ci([censored_steps(x) for x in st])[:2], digits=1),
-                f"{reached}/{len(st)}",
-                fmt(*mean_ci([x["final"] for x in st])[:2]),
-                fmt(*mean_ci([x["auc"] for x in st])[:2]),
-            ]
-            add(f"| {m} | {len(st)} | " + " | ".join(cells) + " |")
-        add("")
-        if BASELINE in stats:
-            add(
-                f"Paired differences against {BASELINE} (same seed: same prompts, same first batch):"
-            )
-            add("")
-            add("| method | Δ AUC | Δ final | Δ steps to threshold | seeds with higher AUC |")
-            add("|---|---|---|---|---|")
-            base = stats[BASELINE]
-            diffs = by_k.setdefault(r.k, {})
-            for m in sync_methods(opts.methods):
-                if m == BASELINE or m not in stats:
-                    continue
 
-                d_auc = _paired(stats[m], base, lambda x: x["auc"])
-                if not d_auc:
-                    continue
-                d_fin = _paired(stats[m], base, lambda x: x["final"])
-                d_stp = _paired(stats[m], base, censored_steps)
-                diffs[m] = tuple(mean_ci(d.values()) for d in (d_auc, d_fin, d_stp))
-                if m == "mrtpo":
-                    auc_gain[r.k] = list(d_auc.values())
-                wins = sum(d > 0 for d in d_auc.values())
-                add(
-                    f"| {m} | {fmt(*diffs[m][0][:2])} | {fmt(*diffs[m][1][:2])} | "
-                    f"{fmt(*diffs[m][2][:2], digits=1)} | {wins}/{len(d_auc)} |"
-                )
-            add("")
-            add("What the numbers say:")
-            add("")
-            if "mrtpo" in diffs:
-                add("- " + verdict(*diffs["mrtpo"][0][:2], "MRTPO − GDPO, AUC"))
-                add("- " + verdict(*diffs["mrtpo"][1][:2], "MRTPO − GDPO, final success"))
-            if "mrtpo_shuffle" in diffs and "mrtpo" in diffs:
-                add("- " + verdict(*diffs["mrtpo_shuffle"][0][:2], "MRTPO-shuffle − GDPO, AUC"))
-            if "mrtpo_joint" in diffs:
-                add("- " + verdict(*diffs["mrtpo_joint"][0][:2], "MRTPO-joint − GDPO, AUC"))
-            if "grpo" in diffs:
-                add("- " + verdict(*diffs["grpo"][0][:2], "GRPO − GDPO, AUC"))
-            for line in interpret(diffs):
-                add("- " + line)
-            add("")
-        add(f"![learning curves, K={r.k}](figures/replication_k{r.k}.png)")
-        add("")
-        add("### Where the relevance lands")
-        add("")
+
+def _warm_start_lines(add, r: KResult) -> None:
+    """Where each warm-start pass of a K stopped."""
+    for phase, what in (
+        (SFT_PHASES[0], "learn the task (clean references)"),
+        (SFT_PHASES[1], "lower the success rate (references that often break a constraint)"),
+    ):
+        sm = r.sft.get(phase)
+        if not sm:
+            continue
+        last = sm["history"][-1] if sm.get("history") else {}
+        rates = ", ".join(
+            f"{n.split('/', 1)[1]} {v:.2f}" for n, v in last.items() if n.startswith("reward/")
+        )
+        ev = sm.get("eval", {})
+        sign = "≤" if sm.get("stop_when") == "below" else "≥"
         add(
-            "For each response–constraint pair, the share of that constraint's relevance "
-            "(sum of q over the response) on the tokens its checker reads — the first word; the "
-            "last word; every occurrence of an included or avoided word (pairs where the word "
-            "occurs); for the word count, the end-of-sequence token, whose position sets the "
-            "count — against those tokens' share of the response. Enrichment = relevance share "
-            "/ token share (1 = no better than spreading evenly); *argmax* = how often the "
-            "single most relevant token is one of them."
+            f"**Warm start, {what}:** {sm.get('steps', '?')} SFT steps; "
+            f"{'stopped at' if sm.get('reached') else 'did NOT reach'} the target held-out "
+            f"success {sign} {sm.get('target_success')}; held-out success "
+            f"{last.get('success', math.nan):.3f} ({ev.get('prompts')} prompts × "
+            f"{ev.get('samples')} samples at temperature {ev.get('temperature')}); per "
+            f"constraint: {rates}."
         )
         add("")
-        for label, rel in (
-            ("warm-start policy, every pair replayed (direct replay)", r.relevance_sft),
-            ("during MRTPO training (relevance dumps of the mrtpo runs)", r.relevance_rl),
-        ):
-            if not rel:
-                continue
-            add(f"*{label}:*")
-            add("")
+
+
+def _method_table(add, stats: dict, opts: Options, thr: float) -> None:
+    add(f"| method | seeds | start | steps to success ≥ {thr:g} | reached | final | AUC |")
+    add("|---|---|---|---|---|---|---|")
+    for m in opts.methods:
+        if m not in stats:
+            continue
+        st = list(stats[m].values())
+        reached = sum(not math.isnan(x["steps_to_threshold"]) for x in st)
+        cells = [
+            fmt(*mean_ci([x["start"] for x in st])[:2]),
+            fmt(*mean_ci([censored_steps(x) for x in st])[:2], digits=1),
+            f"{reached}/{len(st)}",
+            fmt(*mean_ci([x["final"] for x in st])[:2]),
+            fmt(*mean_ci([x["auc"] for x in st])[:2]),
+        ]
+        add(f"| {m} | {len(st)} | " + " | ".join(cells) + " |")
+    add("")
+
+
+def _paired_section(add, r: KResult, stats: dict, opts: Options, by_k: dict, auc_gain: dict
+                    ) -> None:  # fmt: skip
+    """Each method − GDPO, paired by seed, and what the numbers say; fills ``by_k`` and
+    ``auc_gain`` for the trend across K."""
+    add(f"Paired differences against {BASELINE} (same seed: same prompts, same first batch):")
+    add("")
+    add("| method | Δ AUC | Δ final | Δ steps to threshold | seeds with higher AUC |")
+    add("|---|---|---|---|---|")
+    base = stats[BASELINE]
+    diffs = by_k.setdefault(r.k, {})
+    for m in sync_methods(opts.methods):
+        if m == BASELINE or m not in stats:
+            continue
+
+        d_auc = _paired(stats[m], base, lambda x: x["auc"])
+        if not d_auc:
+            continue
+        d_fin = _paired(stats[m], base, lambda x: x["final"])
+        d_stp = _paired(stats[m], base, censored_steps)
+        diffs[m] = tuple(mean_ci(d.values()) for d in (d_auc, d_fin, d_stp))
+        if m == "mrtpo":
+            auc_gain[r.k] = list(d_auc.values())
+        wins = sum(d > 0 for d in d_auc.values())
+        add(
+            f"| {m} | {fmt(*diffs[m][0][:2])} | {fmt(*diffs[m][1][:2])} | "
+            f"{fmt(*diffs[m][2][:2], digits=1)} | {wins}/{len(d_auc)} |"
+        )
+    add("")
+    add("What the numbers say:")
+    add("")
+    if "mrtpo" in diffs:
+        add("- " + verdict(*diffs["mrtpo"][0][:2], "MRTPO − GDPO, AUC"))
+        add("- " + verdict(*diffs["mrtpo"][1][:2], "MRTPO − GDPO, final success"))
+    if "mrtpo_shuffle" in diffs and "mrtpo" in diffs:
+        add("- " + verdict(*diffs["mrtpo_shuffle"][0][:2], "MRTPO-shuffle − GDPO, AUC"))
+    if "mrtpo_joint" in diffs:
+        add("- " + verdict(*diffs["mrtpo_joint"][0][:2], "MRTPO-joint − GDPO, AUC"))
+    if "grpo" in diffs:
+        add("- " + verdict(*diffs["grpo"][0][:2], "GRPO − GDPO, AUC"))
+    for line in interpret(diffs):
+        add("- " + line)
+    add("")
+
+
+def _relevance_section(add, r: KResult) -> None:
+    add("### Where the relevance lands")
+    add("")
+    add(
+        "For each response–constraint pair, the share of that constraint's relevance "
+        "(sum of q over the response) on the tokens its checker reads — the first word; the "
+        "last word; every occurrence of an included or avoided word (pairs where the word "
+        "occurs); for the word count, the end-of-sequence token, whose position sets the "
+        "count — against those tokens' share of the response. Enrichment = relevance share "
+        "/ token share (1 = no better than spreading evenly); *argmax* = how often the "
+        "single most relevant token is one of them."
+    )
+    add("")
+    for label, rel in (
+        ("warm-start policy, every pair replayed (direct replay)", r.relevance_sft),
+        ("during MRTPO training (relevance dumps of the mrtpo runs)", r.relevance_rl),
+    ):
+        if not rel:
+            continue
+        add(f"*{label}:*")
+        add("")
+        add("| constraint | pairs | token share | relevance share | enrichment | argmax on them |")
+        add("|---|---|---|---|---|---|")
+        for kind, v in sorted(rel.items()):
             add(
-                "| constraint | pairs | token share | relevance share | enrichment | argmax on them |"
+                f"| {kind} | {v['pairs']} | {v['tok_share']:.3f} | {v['q_share']:.3f} | "
+                f"{v['enrichment']:.2f}× | {v['argmax_hit']:.2f} |"
             )
-            add("|---|---|---|---|---|---|")
-            for kind, v in sorted(rel.items()):
-                add(
-                    f"| {kind} | {v['pairs']} | {v['tok_share']:.3f} | {v['q_share']:.3f} | "
-                    f"{v['enrichment']:.2f}× | {v['argmax_hit']:.2f} |"
-                )
-            add("")
-        if r.picture:
-            add(
-                f"One response, each token shaded by each reward's relevance "
-                f"([hover version](figures/relevance_k{r.k}.html)):"
-            )
-            add("")
-            add(f"![relevance, K={r.k}](figures/relevance_k{r.k}.png)")
-            add("")
-    if len(by_k) > 1:
-        _across_k(add, by_k, auc_gain, opts)
-    _claim_details(add, found, tab, opts, results)
-    _schedule_section(add, tab, runs, opts)
+        add("")
+    if r.picture:
+        add(
+            f"One response, each token shaded by each reward's relevance "
+            f"([hover version](figures/relevance_k{r.k}.html)):"
+        )
+        add("")
+        add(f"![relevance, K={r.k}](figures/relevance_k{r.k}.png)")
+        add("")
+
+
+def _caveats_and_reproduce(add, opts: Options) -> None:
     add("## Caveats")
     add("")
     add(
@@ -946,9 +993,6 @@ def write_report(
         f"folder (`{os.path.relpath(opts.logdir, ROOT)}` for this report)."
     )
     add("")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    return out
 
 
 #: RL starts (first 3 steps, mean over all runs of a K) further apart than this make the
@@ -1084,6 +1128,16 @@ def _starts(add, results: list[KResult], tab) -> None:
 def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> None:
     figs = opts.docs / "figures"
     by_n = {c.number: c for c in found}
+    _claim1_section(add, by_n, tab, opts, figs)
+    _claim2_section(add, by_n, tab, opts)
+    _claims34_section(add, tab, opts)
+    _teacher_section(add, results, tab)
+    _claim5_section(add, by_n, tab, results, figs)
+    _claim6_section(add, tab)
+    _determinism(add, opts)
+
+
+def _claim1_section(add, by_n, tab, opts: Options, figs: Path) -> None:
     # 1. gain vs K, every method against GDPO
     gains = {}
     for m in sync_methods(opts.methods):
@@ -1104,6 +1158,9 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
         add("")
         add("![gain vs K](figures/gain_vs_k.png)")
         add("")
+
+
+def _claim2_section(add, by_n, tab, opts: Options) -> None:
     # 2. the few-token reward
     c2 = by_n[2].details
     if c2.get("levels"):
@@ -1126,6 +1183,9 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
                     f"{fmt(*mean_ci(x['compliance'] for x in xs)[:2])} | "
                     f"{'–' if m == BASELINE else claims_mod.ci_text(d)} |")  # fmt: skip
         add("")
+
+
+def _claims34_section(add, tab, opts: Options) -> None:
     # 3 and 4: ablations and beta per K
     rows = [("MRTPO − joint", "mrtpo", "mrtpo_joint"), ("joint − GDPO", "mrtpo_joint", "gdpo"),
             ("MRTPO − shuffle", "mrtpo", "mrtpo_shuffle")]  # fmt: skip
@@ -1153,7 +1213,9 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
         for line in lines:
             add(line)
         add("")
-    _teacher_section(add, results, tab)
+
+
+def _claim5_section(add, by_n, tab, results: list[KResult], figs: Path) -> None:
     # 5. replayed share
     shares = {r.k: [c.get("replay/share", []) for c in r.curves.get("mrtpo", [])] for r in results}
     shares = {k: v for k, v in shares.items() if any(v)}
@@ -1177,6 +1239,10 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
             add("")
         add("![replayed share per step](figures/replay_share.png)")
         add("")
+
+
+def _claim6_section(add, tab) -> None:
+    ks = sorted(tab)
     # 6. concentration per reward and K
     names = sorted({n for by_m in tab.values() for x in by_m.get("mrtpo", {}).values()
                     for n in x if n.startswith("top80/")})  # fmt: skip
@@ -1196,7 +1262,6 @@ def _claim_details(add, found, tab, opts: Options, results: list[KResult]) -> No
                 cells.append(fmt(*mean_ci(xs)[:2]))
             add(f"| {n.removeprefix('top80/')} | " + " | ".join(cells) + " |")
         add("")
-    _determinism(add, opts)
 
 
 def sync_methods(methods: list[str]) -> list[str]:
@@ -1281,50 +1346,58 @@ def _schedule_section(add, tab, runs, opts: Options) -> None:
         add("|---|---|---|---|---|")
         lines = []
         for k in ks:
-            t = {k: tab[k]}
-            pairs = [(m, v) for v in ours if (m := sync_spec(v)) in tab[k] and v in tab[k]]
-            for m, v in pairs:
-                sync_iv = mean_ci(x["auc"] for x in tab[k][m].values())
-                off_iv = mean_ci(x["auc"] for x in tab[k][v].values())
-                d = mean_ci(claims_mod.paired(t, v, m, "auc").values())
-                what = f"{m} AUC"
-                add(f"| {k} | {what} | {fmt(*sync_iv[:2])} | {fmt(*off_iv[:2])} | "
-                    f"{claims_mod.ci_text(d)} |")  # fmt: skip
-                lines.append(f"K = {k}, {what}: " + schedule_verdict(sync_iv, off_iv, d, schedule))
-            by = dict(pairs)
-            if claims_mod.MRTPO in by and BASELINE in by:
-                gap_sync = claims_mod.paired(t, claims_mod.MRTPO, BASELINE, "auc")
-                gap_off = claims_mod.paired(t, by[claims_mod.MRTPO], by[BASELINE], "auc")
-                sync_iv, off_iv = mean_ci(gap_sync.values()), mean_ci(gap_off.values())
-                d = mean_ci(paired_differences(gap_off, gap_sync).values())
-                what = "MRTPO − GDPO Δ AUC"
-                add(f"| {k} | {what} | {claims_mod.ci_text(sync_iv)} | "
-                    f"{claims_mod.ci_text(off_iv)} | {claims_mod.ci_text(d)} |")  # fmt: skip
-                lines.append(
-                    f"K = {k}, {what}: " + schedule_verdict(sync_iv, off_iv, d, schedule, True)
-                )
+            lines += _schedule_rows(add, tab, k, ours, schedule)
         add("")
         for line in lines:
             add("- " + line)
         add("")
-        stale = []
-        for k in ks:
-            for v in ours:
-                series = [c["staleness/max"] for c in runs.get(k, {}).get(v, {}).values()
-                          if c.get("staleness/max")]  # fmt: skip
-                if series:
-                    stale.append(
-                        f"{v} at K = {k}: {_range([c[0] for c in series])} at the first step, "
-                        f"{_range([x for c in series for x in c[1:]])} at the later steps "
-                        f"({len(series)} run{'s' if len(series) > 1 else ''})"
-                    )
-        add(
-            f"Staleness (`{STALENESS_COL}`, updates between the weights that sampled a batch "
-            "and the trainer's): "
-            + ("; ".join(stale) if stale else "not logged by these runs")
-            + "."
-        )
-        add("")
+        _staleness(add, runs, ks, ours)
+
+
+def _schedule_rows(add, tab, k: int, ours: list[str], schedule: str) -> list[str]:
+    """One K's rows of a schedule's table (each variant's AUC against its sync runs, and MRTPO −
+    GDPO under both); returns their verdict lines."""
+    lines: list[str] = []
+    t = {k: tab[k]}
+    pairs = [(m, v) for v in ours if (m := sync_spec(v)) in tab[k] and v in tab[k]]
+    for m, v in pairs:
+        sync_iv = mean_ci(x["auc"] for x in tab[k][m].values())
+        off_iv = mean_ci(x["auc"] for x in tab[k][v].values())
+        d = mean_ci(claims_mod.paired(t, v, m, "auc").values())
+        what = f"{m} AUC"
+        add(f"| {k} | {what} | {fmt(*sync_iv[:2])} | {fmt(*off_iv[:2])} | "
+            f"{claims_mod.ci_text(d)} |")  # fmt: skip
+        lines.append(f"K = {k}, {what}: " + schedule_verdict(sync_iv, off_iv, d, schedule))
+    by = dict(pairs)
+    if claims_mod.MRTPO in by and BASELINE in by:
+        gap_sync = claims_mod.paired(t, claims_mod.MRTPO, BASELINE, "auc")
+        gap_off = claims_mod.paired(t, by[claims_mod.MRTPO], by[BASELINE], "auc")
+        sync_iv, off_iv = mean_ci(gap_sync.values()), mean_ci(gap_off.values())
+        d = mean_ci(paired_differences(gap_off, gap_sync).values())
+        what = "MRTPO − GDPO Δ AUC"
+        add(f"| {k} | {what} | {claims_mod.ci_text(sync_iv)} | "
+            f"{claims_mod.ci_text(off_iv)} | {claims_mod.ci_text(d)} |")  # fmt: skip
+        lines.append(f"K = {k}, {what}: " + schedule_verdict(sync_iv, off_iv, d, schedule, True))
+    return lines
+
+
+def _staleness(add, runs, ks: list[int], ours: list[str]) -> None:
+    stale = []
+    for k in ks:
+        for v in ours:
+            series = [c["staleness/max"] for c in runs.get(k, {}).get(v, {}).values()
+                      if c.get("staleness/max")]  # fmt: skip
+            if series:
+                stale.append(
+                    f"{v} at K = {k}: {_range([c[0] for c in series])} at the first step, "
+                    f"{_range([x for c in series for x in c[1:]])} at the later steps "
+                    f"({len(series)} run{'s' if len(series) > 1 else ''})"
+                )
+    add(
+        f"Staleness (`{STALENESS_COL}`, updates between the weights that sampled a batch "
+        "and the trainer's): " + ("; ".join(stale) if stale else "not logged by these runs") + "."
+    )
+    add("")
 
 
 def _determinism(add, opts: Options) -> None:

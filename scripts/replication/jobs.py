@@ -15,7 +15,7 @@ import time
 import traceback
 import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,22 +134,9 @@ def _blocked(job: Job, results: dict[str, dict]) -> str | None:
     return f"not run: {', '.join(failed)} failed" if failed else None
 
 
-def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) -> dict[str, dict]:
-    """Run jobs on a process pool with a rich progress display; skip finished ones.
-
-    ``jobs`` is in order of priority: a free worker takes the first job whose ``after`` jobs
-    have finished, so a long chain of dependent jobs listed first is never queued behind
-    independent ones. A job whose ``after`` job failed is not run (its result says which, and
-    no ``job.json`` is written, so a rerun tries it again).
-
-    Workers are fresh interpreters ("spawn": no forked torch or tokenizer state) with
-    ``threads`` torch threads each; they start with this process's ``sys.path``, so they import
-    this module from ``scripts/`` as it was imported here.
-    """
-    import multiprocessing as mp
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+def _unfinished(jobs: list[Job]) -> tuple[dict[str, dict], list[Job]]:
+    """The results of jobs finished before (their ``job.json``) and the jobs left to run, in
+    order; refused when a job waits for a job not given or the jobs wait for each other."""
     results: dict[str, dict] = {}
     todo = []
     for job in jobs:
@@ -172,11 +159,83 @@ def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) ->
             raise ValueError(f"jobs wait for each other: {', '.join(j.key for j in left)}")
         can |= {j.key for j in ready}
         left = [j for j in left if j not in ready]
+    return results, todo
+
+
+@dataclass
+class _Pool:
+    """One ``run_all`` call's state: the pool, its progress display and what is where."""
+
+    pool: Any
+    progress: Any
+    console: Any
+    queue: Any
+    workers: int
+    todo: list[Job]
+    results: dict[str, dict]
+    overall: int = 0
+    bars: dict[str, int] = field(default_factory=dict)
+    pending: dict[Future, Job] = field(default_factory=dict)
+
+    def fill(self, waiting: list[Job]) -> None:
+        """Drop what can never run, then give the free workers the first jobs that can."""
+        for job in list(waiting):
+            why = _blocked(job, self.results)
+            if why is not None:
+                waiting.remove(job)
+                self.results[job.key] = {"key": job.key, "csv": None, "error": why}
+                self.progress.advance(self.overall)
+                self.console.print(f"[red]{job.key} {why}")
+        for job in list(waiting):
+            if len(self.pending) >= self.workers:
+                break
+            if all(k in self.results and not self.results[k].get("error") for k in job.after):
+                waiting.remove(job)
+                self.pending[self.pool.submit(run_job, job, self.queue)] = job
+
+    def show_steps(self) -> None:
+        while not self.queue.empty():
+            key, step, succ = self.queue.get_nowait()
+            if key not in self.bars:
+                steps = next(j.steps for j in self.todo if j.key == key)
+                self.bars[key] = self.progress.add_task(f"  {key}", total=steps, info="")
+            info = "" if succ is None else f"success {succ:.2f}"
+            self.progress.update(self.bars[key], completed=step, info=info)
+
+    def collect(self, done) -> None:
+        for fut in done:
+            job = self.pending.pop(fut)
+            res = fut.result()
+            self.results[job.key] = res
+            if job.key in self.bars:
+                self.progress.remove_task(self.bars[job.key])
+            self.progress.advance(self.overall)
+            if res.get("error"):
+                self.console.print(f"[red]{job.key} failed:[/red] {res['error'].splitlines()[0]}")
+                self.console.print(res["error"][-2000:], markup=False)
+
+
+def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) -> dict[str, dict]:
+    """Run jobs on a process pool with a rich progress display; skip finished ones.
+
+    ``jobs`` is in order of priority: a free worker takes the first job whose ``after`` jobs
+    have finished, so a long chain of dependent jobs listed first is never queued behind
+    independent ones. A job whose ``after`` job failed is not run (its result says which, and
+    no ``job.json`` is written, so a rerun tries it again).
+
+    Workers are fresh interpreters ("spawn": no forked torch or tokenizer state) with
+    ``threads`` torch threads each; they start with this process's ``sys.path``, so they import
+    this module from ``scripts/`` as it was imported here.
+    """
+    import multiprocessing as mp
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results, todo = _unfinished(jobs)
     if not todo:
         return results
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
-    queue = manager.Queue()
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -190,43 +249,15 @@ def run_all(jobs: list[Job], workers: int, threads: int, console, title: str) ->
             max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,)
         ) as pool,
     ):
-        overall = progress.add_task(f"[bold]{title}", total=len(todo), info="")
-        bars: dict[str, int] = {}
-        pending: dict[Future, Job] = {}
+        run = _Pool(pool, progress, console, manager.Queue(), workers, todo, results)
+        run.overall = progress.add_task(f"[bold]{title}", total=len(todo), info="")
         waiting = list(todo)
-        while waiting or pending:
-            for job in list(waiting):  # drop what can never run, then fill the free workers
-                why = _blocked(job, results)
-                if why is not None:
-                    waiting.remove(job)
-                    results[job.key] = {"key": job.key, "csv": None, "error": why}
-                    progress.advance(overall)
-                    console.print(f"[red]{job.key} {why}")
-            for job in list(waiting):
-                if len(pending) >= workers:
-                    break
-                if all(k in results and not results[k].get("error") for k in job.after):
-                    waiting.remove(job)
-                    pending[pool.submit(run_job, job, queue)] = job
-            if not pending:  # what is left waits for a job that failed: dropped next pass
+        while waiting or run.pending:
+            run.fill(waiting)
+            if not run.pending:  # what is left waits for a job that failed: dropped next pass
                 continue
-            done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
-            while not queue.empty():
-                key, step, succ = queue.get_nowait()
-                if key not in bars:
-                    steps = next(j.steps for j in todo if j.key == key)
-                    bars[key] = progress.add_task(f"  {key}", total=steps, info="")
-                info = "" if succ is None else f"success {succ:.2f}"
-                progress.update(bars[key], completed=step, info=info)
-            for fut in done:
-                job = pending.pop(fut)
-                res = fut.result()
-                results[job.key] = res
-                if job.key in bars:
-                    progress.remove_task(bars[job.key])
-                progress.advance(overall)
-                if res.get("error"):
-                    console.print(f"[red]{job.key} failed:[/red] {res['error'].splitlines()[0]}")
-                    console.print(res["error"][-2000:], markup=False)
+            done, _ = wait(list(run.pending), timeout=0.5, return_when=FIRST_COMPLETED)
+            run.show_steps()
+            run.collect(done)
     manager.shutdown()
     return results

@@ -535,33 +535,11 @@ def _provenance(opts: LongOptions) -> str:
     return f"runs from commit `{opts.commit}`, report written at commit `{now}`"
 
 
-def _design(add, opts: LongOptions, wall_s: float) -> None:
+def _recipe(add, opts: LongOptions) -> None:
+    """The design's warm-start, RL and statistics bullets, from the presets."""
     cfg = compose("train.yaml", ["experiment=toy_long"])
     noisy = compose("train.yaml", ["experiment=toy_long_sft_noisy"])
     clean = compose("train.yaml", ["experiment=toy_long_sft"])
-    steps = opts.steps or int(cfg.trainer.max_steps)
-    add("## Design and predictions (fixed before any run)")
-    add("")
-    mode = f"**{'full' if opts.full else 'quick'}**"
-    cells0, seeds0 = (FULL_CELLS, FULL_SEEDS) if opts.full else (QUICK_CELLS, QUICK_SEEDS)
-    if [tuple(c) for c in opts.cells] != list(cells0) or opts.seeds != seeds0:
-        mode += " (its RL steps and methods, with the cells and seeds given here)"
-    add(f"- mode: {mode}; cells (K, free words): "
-        f"{', '.join(f'({k}, {f})' for k, f in opts.cells)}; seeds: {opts.seeds}; methods: "
-        f"{', '.join(opts.methods)} (+ {', '.join(opts.ablations)} at the longest free part); "
-        f"{steps} RL steps")  # fmt: skip
-    add(f"- modes: quick = cells {', '.join(map(str, QUICK_CELLS))}, {QUICK_SEEDS} seeds, "
-        f"{QUICK_STEPS} RL steps; full = cells {', '.join(map(str, FULL_CELLS))}, "
-        f"{FULL_SEEDS} seeds, {FULL_STEPS} RL steps; both run "
-        f"{', '.join(METHODS)} in every cell and {', '.join(ABLATIONS)} also at the longest "
-        "free part")  # fmt: skip
-    add("- response: `<think> w1 … wn </think> answer`, n filler words (16 words that are "
-        "neither task words nor words of the prompt, one token each; each marker is 3 tokens); "
-        "the prompt adds the sentence 'Write <think> </think> first.'. The checkers read only "
-        "the answer, what follows the first `</think>`; a response that does not open with "
-        "`<think>` or never closes it has no answer and scores 0 on every constraint (with that "
-        "reason). Free lengths " + ", ".join(map(str, FREE)) + " words; max new tokens = 12 + 6 + "
-        "n + n/2 (" + ", ".join(f"{f}: {token_budget(f)}" for f in FREE) + ")")  # fmt: skip
     add(f"- warm start per cell, in two passes as in the toy replication: (1) clean references, "
         f"lr {clean.stage.sft.lr}, until held-out success ≥ {clean.stage.sft.target_success} "
         f"(checks every {clean.stage.sft.eval_every} steps from step {clean.stage.sft.min_steps}"
@@ -589,6 +567,34 @@ def _design(add, opts: LongOptions, wall_s: float) -> None:
         f"over the run's steps; steps to threshold = first step where the trailing {SMOOTH}-step "
         f"mean reaches it (success ≥ {opts.threshold:g}; `mark` ≥ {MARK_THRESHOLD:g}), a run "
         "that never does counting its number of steps")  # fmt: skip
+
+
+def _design(add, opts: LongOptions, wall_s: float) -> None:
+    cfg = compose("train.yaml", ["experiment=toy_long"])
+    steps = opts.steps or int(cfg.trainer.max_steps)
+    add("## Design and predictions (fixed before any run)")
+    add("")
+    mode = f"**{'full' if opts.full else 'quick'}**"
+    cells0, seeds0 = (FULL_CELLS, FULL_SEEDS) if opts.full else (QUICK_CELLS, QUICK_SEEDS)
+    if [tuple(c) for c in opts.cells] != list(cells0) or opts.seeds != seeds0:
+        mode += " (its RL steps and methods, with the cells and seeds given here)"
+    add(f"- mode: {mode}; cells (K, free words): "
+        f"{', '.join(f'({k}, {f})' for k, f in opts.cells)}; seeds: {opts.seeds}; methods: "
+        f"{', '.join(opts.methods)} (+ {', '.join(opts.ablations)} at the longest free part); "
+        f"{steps} RL steps")  # fmt: skip
+    add(f"- modes: quick = cells {', '.join(map(str, QUICK_CELLS))}, {QUICK_SEEDS} seeds, "
+        f"{QUICK_STEPS} RL steps; full = cells {', '.join(map(str, FULL_CELLS))}, "
+        f"{FULL_SEEDS} seeds, {FULL_STEPS} RL steps; both run "
+        f"{', '.join(METHODS)} in every cell and {', '.join(ABLATIONS)} also at the longest "
+        "free part")  # fmt: skip
+    add("- response: `<think> w1 … wn </think> answer`, n filler words (16 words that are "
+        "neither task words nor words of the prompt, one token each; each marker is 3 tokens); "
+        "the prompt adds the sentence 'Write <think> </think> first.'. The checkers read only "
+        "the answer, what follows the first `</think>`; a response that does not open with "
+        "`<think>` or never closes it has no answer and scores 0 on every constraint (with that "
+        "reason). Free lengths " + ", ".join(map(str, FREE)) + " words; max new tokens = 12 + 6 + "
+        "n + n/2 (" + ", ".join(f"{f}: {token_budget(f)}" for f in FREE) + ")")  # fmt: skip
+    _recipe(add, opts)
     if opts.warm_from:
         src = Path(opts.warm_from)
         made = (
