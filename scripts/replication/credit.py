@@ -288,8 +288,9 @@ def run_phases(opts: LongOptions, console) -> bool:
         "numbers": {k: list(v) for k, v in decision.numbers.items()}}, indent=2))  # fmt: skip
     for line in decision.reasons:
         console.print(line)
-    two = phase2_jobs(opts, decision)
-    res = run_all(two, opts.workers, opts.threads, console, "Credit experiment, phase 2")
+    two = phase2_jobs(opts, decision)  # with the warm starts they wait for (done: skipped)
+    res = run_all([*_sft_jobs(opts), *two], opts.workers, opts.threads, console,
+                  "Credit experiment, phase 2")  # fmt: skip
     return not any(res.get(j.key, {}).get("error") for j in two)
 
 
