@@ -21,8 +21,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "mrtpo"
 
@@ -31,14 +29,6 @@ MAX_LINES = 60
 #: sandbox, whose guards read best in one place.
 MAX_FILE_LINES = 700
 FILE_LENGTH_EXEMPT = ("src/mrtpo/tasks/text2sql/executor.py",)
-#: Files being brought under the limits now (issue 48): while one of them is still over, the
-#: test is marked xfail with the list of those over; any other file over fails it. Empty this
-#: when the splits have landed.
-PENDING = (
-    "scripts/replication/harness.py",
-    "scripts/replication/jobs.py",
-    "scripts/replication/long_report.py",
-)
 #: Modules that only an entry point (``src/*.py``) may import.
 CLI_MODULES = ("mrtpo.evaluate.cli",)
 #: Files left out of the length check: none.
@@ -86,14 +76,6 @@ def long_files(paths: list[Path], limit: int = MAX_FILE_LINES) -> list[str]:
             where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
             found.append(f"{where} ({n} lines)")
     return sorted(found)
-
-
-def _check(found: list[str], fix: str) -> None:
-    """Fail on ``found``, or mark the test xfail (naming them) when all are ``PENDING``."""
-    late = [f for f in found if f.split(":")[0].split(" ")[0] not in PENDING]
-    assert not late, fix + "\n" + "\n".join(late)
-    if found:
-        pytest.xfail("still over (being split): " + "; ".join(found))
 
 
 def imports(name: str, path: Path) -> set[str]:
@@ -163,14 +145,17 @@ def test_no_function_in_the_scripts_is_over_60_lines():
     """The harnesses and their entry points (``scripts/**.py``) keep the package's limit."""
     files = {str(p): p for p in sorted((ROOT / "scripts").rglob("*.py"))}
     assert {"bench.py", "gpu_check.py", "replicate.py"} <= {p.name for p in files.values()}
-    _check(long_functions(files), f"split these into helpers of <= {MAX_LINES} lines:")
+    found = long_functions(files)
+    assert not found, f"split these into helpers of <= {MAX_LINES} lines:\n" + "\n".join(found)
 
 
 def test_no_file_in_the_package_is_over_700_lines():
     paths = sorted((ROOT / "src" / "mrtpo").rglob("*.py"))
     assert all((ROOT / e) in paths for e in FILE_LENGTH_EXEMPT)  # a moved one is renamed here
     found = long_files([p for p in paths if str(p.relative_to(ROOT)) not in FILE_LENGTH_EXEMPT])
-    _check(found, f"split these along their seams (<= {MAX_FILE_LINES} lines):")
+    assert not found, f"split these along their seams (<= {MAX_FILE_LINES} lines):\n" + "\n".join(
+        found
+    )
 
 
 def test_no_module_of_the_package_imports_a_command_line_module():
