@@ -187,11 +187,28 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) or None
 
+    def _check_place(self) -> None:
+        """``port`` a TCP port, ``weight_dir`` an existing folder (the run's checks build the
+        engine to run these before anything loads: ``checks_settings_when_built``)."""
+        port = self.port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 1 <= port <= 65535):  # fmt: skip
+            raise ValueError(
+                f"rollout.engine.port={port!r} is not allowed: a TCP port from 1 to 65535, or "
+                "null for a free one"
+            )
+        if self.weight_dir is not None and not os.path.isdir(str(self.weight_dir)):
+            raise ValueError(
+                f"rollout.engine.weight_dir={self.weight_dir}: no such folder (it must exist and "
+                "be readable by the server as its MRTPO_WEIGHT_ROOT)"
+            )
+
     def _check_settings(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
+        self._check_place()
         need(self.device in DEVICES, f"rollout.engine.device={self.device!r}: use one of {DEVICES}")
         owned = owned_argument(self.server_args)
         need(owned is None, str(owned))

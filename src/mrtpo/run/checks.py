@@ -191,39 +191,17 @@ def check_engine(cfg) -> None:
     )
 
 
-def _engine_keys(engine) -> None:
-    """``port`` and ``weight_dir`` of an engine node: a TCP port, an existing folder."""
-    from omegaconf import OmegaConf
-
-    port = OmegaConf.select(engine, "port", default=None)
-    if port is not None and not (_is_int(port) and 1 <= port <= 65535):
-        raise ConfigError(
-            f"rollout.engine.port={port!r} is not allowed: a TCP port from 1 to 65535, or "
-            "null for a free one"
-        )
-    folder = OmegaConf.select(engine, "weight_dir", default=None)
-    if folder is not None:
-        import os
-
-        if not os.path.isdir(str(folder)):
-            raise ConfigError(
-                f"rollout.engine.weight_dir={folder}: no such folder (it must exist and be "
-                "readable by the server as its MRTPO_WEIGHT_ROOT)"
-            )
-
-
 def check_engine_settings(cfg) -> None:
     """The rollout engine's own checks of its settings (``rollout.engine.*``), run before
     anything loads by both the run (``validate``) and ``--check``: the engine built from the
-    config when its class says that costs nothing (``checks_settings_when_built``), and the
-    port and weight folder of any engine."""
+    config when its class says that costs nothing (``checks_settings_when_built``); the
+    engine names each setting it refuses."""
     from hydra.utils import get_class
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, "rollout.engine")
     if node is None:
         return
-    _engine_keys(node)
     target = node.get("_target_")
     if target is not None and getattr(get_class(str(target)), "checks_settings_when_built", False):
         _instantiate_checked(node)
