@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.run.cli import log_to_files
 from mrtpo.run.lock import secondary_process
-from mrtpo.safe_files import NoFollowFileHandler, no_follow
+from mrtpo.run.resume import append_history, detach, pending_logs
+from mrtpo.safe_files import NoFollowFileHandler
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,7 @@ def record_invocation(cfg: DictConfig) -> None:
     folder = Path(output_dir) / str(subdir)
     if not folder.is_dir():
         return
-    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "overrides": list(hc.overrides.task)}
-    with open(folder / "history.yaml", "a", encoding="utf-8", opener=no_follow) as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
+    append_history(folder, {"overrides": list(hc.overrides.task)})
 
 
 def _only_info(log_file: Path) -> bool:
@@ -62,13 +60,8 @@ def drop_pending_log() -> None:
     """After a resume that did nothing: close its pending log (``mrtpo.run.config.job_log``) and
     remove it if it holds no warning or error (a start-up note such as the thread count is
     not worth a file), with its folder if that is then empty."""
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        name = Path(getattr(h, "baseFilename", "") or ".")
-        if not isinstance(h, logging.FileHandler) or name.parent.name != "resume-logs":
-            continue
-        h.close()
-        root.removeHandler(h)
+    for h, name in pending_logs():
+        detach(h)
         if name.is_file() and _only_info(name):
             name.unlink()
             with contextlib.suppress(OSError):  # kept while another resume is pending
@@ -92,19 +85,13 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
     if not log_dir:
         return None
     home = Path(str(log_dir)).resolve() / str(cfg.get("job_name") or "train") / "resume-logs"
-    root = logging.getLogger()
     moved = None
-    for h in list(root.handlers):
-        name = Path(getattr(h, "baseFilename", "") or ".")
-        if not isinstance(h, logging.FileHandler) or name.parent.name != "resume-logs":
-            continue
+    for h, name in pending_logs():
         if name.parent.resolve().is_relative_to(home.parent.parent):
             log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {name})")
             moved = name  # already inside the log folder
             continue
-        h.flush()
-        h.close()
-        root.removeHandler(h)
+        detach(h)
         home.mkdir(parents=True, exist_ok=True)
         moved = home / name.name
         if name.is_file():
@@ -113,7 +100,7 @@ def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Pa
             name.parent.rmdir()
         handler = NoFollowFileHandler(moved, encoding="utf-8")
         handler.setFormatter(h.formatter)
-        root.addHandler(handler)
+        logging.getLogger().addHandler(handler)
         log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {moved})")
     return moved
 
@@ -271,12 +258,10 @@ def discard_refused_folder(cfg: DictConfig) -> Path | None:
         made = [folder, *map(Path, chosen)]  # a folder the user named, made for this run
     if not made or not made[0].is_dir() or not _only_hydra_start(made[0]):
         return None
-    root = logging.getLogger()
-    for h in list(root.handlers):  # the job log: closed before its file goes
+    for h in list(logging.getLogger().handlers):  # the job log: closed before its file goes
         name = getattr(h, "baseFilename", "")
         if isinstance(h, logging.FileHandler) and Path(name).parent == made[0].resolve():
-            h.close()
-            root.removeHandler(h)
+            detach(h)
     if existed:  # an empty folder the user named: emptied again, kept
         for entry in made[0].iterdir():
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

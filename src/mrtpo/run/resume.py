@@ -133,21 +133,14 @@ def record_resume(cfg: DictConfig, run: str | Path) -> None:
     """
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        overrides = list(HydraConfig.get().overrides.task)
-    except Exception:
-        overrides = []
+    overrides = given_overrides() or []
     run = Path(run)
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     folder = run / ".hydra" / "resumes" / f"{stamp}-{os.getpid()}"
     make_dirs(folder, run)
     write_atomic(folder / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
     write_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg, resolve=False))
-    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "resume": True, "overrides": overrides}
-    with open(run / ".hydra" / "history.yaml", "a", encoding="utf-8", opener=no_follow) as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
+    append_history(run / ".hydra", {"resume": True, "overrides": overrides})
     _log_into(run / "train.log")
 
 
@@ -155,25 +148,57 @@ def _log_into(target: Path) -> None:
     """Hydra's job log of a resume went outside the folder until now (mrtpo.run.config.job_log):
     move what it holds to the end of ``target`` (the run's own log) and log there from here
     on."""
-    root = logging.getLogger()
     fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    for h in list(root.handlers):
-        name = getattr(h, "baseFilename", "")
-        if isinstance(h, logging.FileHandler) and Path(name).parent.name == "resume-logs":
-            h.flush()
-            h.close()
-            root.removeHandler(h)
-            fmt = h.formatter or fmt
-            pending = Path(name)
-            if pending.is_file():
-                with open(target, "ab", opener=no_follow) as out:
-                    out.write(pending.read_bytes())
-                pending.unlink()
-                with contextlib.suppress(OSError):  # kept while another resume is pending
-                    pending.parent.rmdir()
+    for h, pending in pending_logs():
+        detach(h)
+        fmt = h.formatter or fmt
+        if pending.is_file():
+            with open(target, "ab", opener=no_follow) as out:
+                out.write(pending.read_bytes())
+            pending.unlink()
+            with contextlib.suppress(OSError):  # kept while another resume is pending
+                pending.parent.rmdir()
     handler = NoFollowFileHandler(target, encoding="utf-8")
     handler.setFormatter(fmt)
-    root.addHandler(handler)
+    logging.getLogger().addHandler(handler)
+
+
+# ---- the run's records of its commands and its pending log (also ``mrtpo.run.folder``'s) ----
+
+
+def given_overrides() -> list[str] | None:
+    """The overrides this Hydra job was given; None outside a Hydra job (a library caller's
+    composed config)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [str(o) for o in HydraConfig.get().overrides.task]
+    except Exception:
+        return None
+
+
+def append_history(hydra_dir: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry``, stamped with the time, to ``<hydra_dir>/history.yaml`` (not through
+    a link)."""
+    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), **entry}
+    with open(hydra_dir / "history.yaml", "a", encoding="utf-8", opener=no_follow) as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
+
+
+def pending_logs() -> list[tuple[logging.FileHandler, Path]]:
+    """The root logger's handlers that write a resume's pending log (a file in a
+    ``resume-logs/`` folder, ``mrtpo.run.config.job_log``), each with its file."""
+    return [
+        (h, Path(h.baseFilename))
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent.name == "resume-logs"
+    ]
+
+
+def detach(handler: logging.Handler) -> None:
+    """Close ``handler`` and take it off the root logger."""
+    handler.close()
+    logging.getLogger().removeHandler(handler)
 
 
 # ---- the settings a resume may change ------------------------------------------------------
@@ -322,12 +347,7 @@ def resume_command(folder: str | Path) -> str:
         saved = saved_overrides(Path(folder)) or []
     except ValueError:  # unreadable: the command repeats all that was given
         saved = []
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        given = [str(o) for o in HydraConfig.get().overrides.task]
-    except Exception:  # not inside a Hydra job: the run's own record
-        given = []
+    given = given_overrides() or []  # (outside a Hydra job: the run's own record)
     kept = [
         o
         for o in given
@@ -399,11 +419,8 @@ def _train_longer_command(run: str, step: int) -> str:
     """This resume's command line with ``trainer.max_steps=M`` (to be filled in) for the limit."""
     import shlex
 
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        given = [str(o) for o in HydraConfig.get().overrides.task]
-    except Exception:  # composed outside a Hydra run
+    given = given_overrides()
+    if given is None:  # composed outside a Hydra run
         given = [f"+resume={run}"]
     kept = [o for o in given if not o.lstrip("+~").startswith("trainer.max_steps=")]
     words = ["python", "src/train.py", *(shlex.quote(o) for o in kept), "trainer.max_steps=M"]
