@@ -223,3 +223,36 @@ def test_drawn_check_fails_when_the_closing_tag_keeps_most_energy(tmp_path):
                        [0.1] * 5, _diag(0.7 + 0.01 * s))  # fmt: skip
     words = {name: word for name, _, _, word in R.drawn_check(X.read_runs(opts))}
     assert words == {"token/delete": "fails", "token/mask": "fails"}
+
+
+@pytest.mark.slow
+def test_credit_experiment_miniature_end_to_end(tmp_path, cache_dir):
+    """Both phases with one seed, tiny passes and 2 RL steps: every arm runs (the masked
+    contexts and the drawn length included), the rule decides, the report is written and
+    rebuilt the same from the log folder."""
+    spec = importlib.util.spec_from_file_location("replicate", ROOT / "scripts" / "replicate.py")
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    docs, logs = tmp_path / "docs", tmp_path / "logs"
+    sft = ["stage.sft.target_success=0.0", "stage.sft.eval_every=2", "stage.sft.min_steps=0",
+           "stage.sft.eval_prompts=4", f"paths.cache_dir={cache_dir}"]  # fmt: skip
+    args = ["--long", "--credit", "--seeds=1", "--steps=2", "--sft-max-steps=2",
+            *(f"--sft-override={o}" for o in sft), "--override=rl.prompts_per_step=2",
+            "--override=rl.group_size=2", f"--docs={docs}", f"--logdir={logs}"]  # fmt: skip
+    assert rep.main(args) == 0
+    decision = json.loads((logs / "decision.json").read_text())
+    assert (decision["cap"], decision["context"]) in {
+        ("token", "delete"),
+        ("token", "mask"),
+        ("batch", "delete"),
+        ("batch", "mask"),
+    }
+    runs = X.read_runs(_opts(tmp_path, logdir=logs, seeds=1))
+    assert set(runs[X.CELL]) >= set(X.ARMS.values())
+    drawn = runs[X.DRAWN_CELL][X.ARMS["token/mask"]][0]
+    assert len(drawn["series"]["success"]) == 2
+    report = (docs / "replication_long.md").read_text()
+    assert "## The arms at K = 8, free 60" in report and "## P5 at the new defaults" in report
+    again = tmp_path / "again"
+    assert rep.main(["--long", "--report-only", f"--logdir={logs}", f"--docs={again}"]) == 0
+    assert "## The drawn-length check" in (again / "replication_long.md").read_text()
