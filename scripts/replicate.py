@@ -37,8 +37,8 @@ from replication.harness import (
     available_methods,
     parse_method,
 )
-from replication.harness import main as replicate
 from replication.long import LongOptions
+from replication.toy_report import main as replicate
 
 
 def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOptions:

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from replication.harness import KResult, Options, source_commit, write_report
+from replication.harness import KResult, Options
+from replication.toy_report import source_commit, write_report
 
 # success per step; AUC = the mean; steps to 0.5 use the 5-step trailing average
 GDPO = [[0, 0, 0.5, 0.5], [0, 0.5, 0.5, 0.5], [0, 0, 0, 0.5]]  # AUC .25 .375 .125; never 0.5
@@ -310,7 +311,7 @@ def test_no_schedule_section_without_variants(report):
 
 def test_schedule_verdict_branches():
     from mrtpo.evaluate.analysis.stats import Interval
-    from replication.harness import schedule_verdict
+    from replication.toy_report import schedule_verdict
 
     sync = Interval(0.5, 0.1, 8)  # [0.4, 0.6]
     small = Interval(0.01, 0.02, 8)  # paired interval containing zero
