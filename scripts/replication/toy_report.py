@@ -1,8 +1,8 @@
 """The toy replication's report (``docs/replication.md``), from the runs ``harness.analyse``
 read: the claims' lines, the design, per K the warm starts, methods, paired differences and
 relevance, each claim's details, the schedule variants, caveats and how to reproduce it.
-``write_report`` is the entry point (``harness.main`` calls it; ``harness`` still answers
-for its names).
+``main`` is the toy replication's entry point (``scripts/replicate.py``): it runs the jobs
+``harness`` lays out, reads them back, then calls ``write_report``.
 """
 
 from __future__ import annotations
