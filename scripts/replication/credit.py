@@ -225,8 +225,9 @@ def estimate(jobs: list[Job], workers: int, reused: frozenset[str] = frozenset()
 
 
 def reused_keys(opts: LongOptions) -> frozenset[str]:
-    """The warm-start passes ``--warm-from`` would copy: every pass of the fixed cells."""
-    if opts.warm_from is None:
+    """The warm-start passes ``--warm-from`` would copy: every pass of the fixed cells (none
+    when it names no long-toy run folder)."""
+    if opts.warm_from is None or not (Path(opts.warm_from) / "run.json").exists():
         return frozenset()
     return frozenset(sft_key(c, ph) for wave in sft_waves(p5_cells()) for c, ph in wave)
 
@@ -244,6 +245,9 @@ def plan(opts: LongOptions) -> list[str]:
              f"phase 1: {len(one)} jobs ({len(sft)} warm-start passes, "
              f"{sum(job_minutes(j, reused) == 0 for j in sft)} of them done or reused), about "
              f"{t1:.0f} min"]  # fmt: skip
+    if opts.warm_from is not None and not reused:
+        lines.append(f"--warm-from {opts.warm_from}: no long-toy run folder there (no run.json); "
+                     "the run would refuse it, and the minutes above make every warm start")  # fmt: skip
     lines += [f"  {j.key}" for j in one]
     for ctx in ("delete", "mask"):
         two = phase2_jobs(opts, Decision("token", ctx))

@@ -109,6 +109,8 @@ def test_the_estimate_follows_the_pool_and_skips_reused_warm_starts(tmp_path):
     opts = _opts(tmp_path)
     one = X.phase1_jobs(opts)
     fresh = X.estimate(one, 2)
+    assert X.reused_keys(L.LongOptions(warm_from=tmp_path)) == frozenset()  # no run folder
+    (tmp_path / "run.json").write_text("{}")
     reused = X.estimate(one, 2, X.reused_keys(L.LongOptions(warm_from=tmp_path)))
     assert 20 < reused < fresh < 90
     a = Job("k2_f60/gdpo/s0", [], tmp_path / "a", 30)
