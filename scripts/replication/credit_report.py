@@ -22,8 +22,22 @@ from replication import claims as C
 from replication import credit as X
 from replication.harness import ROOT
 from replication.jobs import quieted
-from replication.long import DRAWN, DRAWN_RANGE, LongOptions
-from replication.long_report import DESIGN_HISTORY, PREDICTIONS, _slope_claim, label
+from replication.long import (
+    DRAWN_RANGE,
+    SFT_PHASES,
+    CellRuns,
+    LongOptions,
+    cell_dir,
+    warm_start,
+)
+from replication.long_report import (
+    DESIGN_HISTORY,
+    PREDICTIONS,
+    _chain,
+    _slope_claim,
+    _starts,
+    label,
+)
 
 #: The commit that holds the decision rule (the last entry of ``DESIGN_HISTORY``), made before
 #: any run of the experiment.
@@ -38,8 +52,6 @@ SEGMENTS = ("free", "close", "answer", "mark", "other")
 
 
 def cell_label(cell) -> str:
-    if cell[1] == DRAWN:
-        return f"K = {cell[0]}, free {DRAWN_RANGE[0]}–{DRAWN_RANGE[1]} (drawn)"
     return label(cell)
 
 
@@ -215,6 +227,23 @@ def drawn_section(add, runs: X.Runs) -> None:
     add("")
 
 
+def starts_section(add, opts: LongOptions, tab: C.Table) -> None:
+    """The long toy's table of where each cell's warm-start passes stopped and how RL started
+    (cells whose warm start is there), and the clean passes run only as another's start."""
+    from mrtpo.lightning.sft import read_summary
+
+    cells = []
+    for cell in opts.cells:
+        if warm_start(opts.logdir, cell).exists():
+            sft = {
+                ph: read_summary(cell_dir(opts.logdir, cell) / ph / "policy") for ph in SFT_PHASES
+            }
+            cells.append(CellRuns(cell, sft, {}))
+    if cells:
+        _starts(add, cells, tab)
+        _chain(add, opts)
+
+
 def design_section(add, opts: LongOptions, wall_s: float) -> None:
     add("## Design (fixed before any run)")
     add("")
@@ -261,6 +290,7 @@ def write_report(runs: X.Runs, opts: LongOptions, wall_s: float, out: Path) -> P
     p5_section(add, tab, decision)
     diagnostics_section(add, runs)
     drawn_section(add, runs)
+    starts_section(add, opts, tab)
     add("## Reproduce")
     add("")
     add("```")

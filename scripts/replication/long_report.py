@@ -37,6 +37,8 @@ from replication.harness import ROOT
 from replication.jobs import quieted
 from replication.long import (
     ABLATIONS,
+    DRAWN,
+    DRAWN_RANGE,
     FREE,
     FULL_CELLS,
     FULL_SEEDS,
@@ -523,6 +525,8 @@ def fmt(iv: Interval | tuple, digits: int = 3) -> str:
 
 
 def label(cell) -> str:
+    if cell[1] == DRAWN:
+        return f"K = {cell[0]}, free {DRAWN_RANGE[0]}–{DRAWN_RANGE[1]} (drawn)"
     return f"K = {cell[0]}, free {cell[1]}"
 
 

@@ -183,9 +183,19 @@ def _made_up_experiment(opts: L.LongOptions) -> None:
                            base, _diag(0.2 + 0.01 * s))  # fmt: skip
 
 
+def _made_up_warm_start(opts: L.LongOptions, cell) -> None:
+    for phase, steps in (("sft", 1550), ("sft_noisy", 76)):
+        policy = L.cell_dir(opts.logdir, cell) / phase / "policy"
+        policy.mkdir(parents=True)
+        last = {"success": 0.652, "success_others": 0.115, "reward/mark": 0.039}
+        (policy / "mrtpo_sft.json").write_text(json.dumps({"steps": steps, "reached": True,
+                                                           "history": [last]}))  # fmt: skip
+
+
 def test_report_from_made_up_runs(tmp_path):
     opts = _opts(tmp_path, steps=30, commit="abc1234")
     _made_up_experiment(opts)
+    _made_up_warm_start(opts, X.CELL)
     runs = X.read_runs(opts)
     assert set(runs) == {*X.p5_cells(), X.DRAWN_CELL}
     assert runs[X.CELL][X.ARMS["batch/delete"]][3]["diag"]["share/close"] == pytest.approx(0.55)
@@ -214,6 +224,9 @@ def test_report_from_made_up_runs(tmp_path):
     check = next(x for x in text.splitlines() if x.startswith("| token/delete | 0.215"))
     assert "**passes**" in check and "0.550" in check
     assert "- wall time: **10.0 min**" in text
+    # the warm start's table, for the cell whose warm start is there
+    start = next(x for x in text.splitlines() if x.startswith("| K = 8, free 60 | 1550 |"))
+    assert "| 76 | 0.115 | 0.039 |" in start
     assert R.DESIGN_HISTORY[-1][:60] in text
 
 
