@@ -4,20 +4,15 @@ Contexts are left-padded and responses right-padded, so every response starts at
 column: the logits that predict response token t sit at column ``P - 1 + t``. The LM head
 runs only on the last ``T + 1`` columns (``logits_to_keep``), never on the prompt.
 
-The G rows of a group repeat one prompt. With ``shared_prompt="auto"`` (the training-side
-forwards: ``rl.shared_prompt_forward``) each distinct prompt of a batch runs once, all but its
-last token, and every row continues that prefix's key/value cache with its last prompt token
-and its response (``_shared_prompt_logits``): same log-probs and gradients, gradients flowing
-into the prefix through the cache. Where that cache cannot be used (``trainer=fsdp``, where
-every forward is a collective; gradient checkpointing while training, which drops the cache)
-each group is packed into one sequence instead, its prompt once and its rows' responses after
-it, with a block attention mask that lets a response see the prompt and itself only
-(``_packed_prompt_logits``): one forward call per micro-batch, as the plain forward.
+With ``shared_prompt="auto"`` (``rl.shared_prompt_forward``) each distinct prompt runs once,
+all but its last token, and every row continues its key/value cache (``_shared_prompt_logits``;
+same log-probs and gradients). Where the cache cannot be used (``trainer=fsdp``; gradient
+checkpointing while training) each group is packed into one sequence with a block mask
+(``_packed_prompt_logits``): still one forward call per micro-batch.
 
-Replay wants more than one log-prob per position (the whole next-token distribution), so it
-asks for hidden states instead of logits (``response_hidden``) and applies the LM head a few
-positions at a time: the ``[n, T, V]`` logits tensor, the largest thing in a forward at a
-152k vocabulary, is then never materialized.
+Replay needs whole next-token distributions, so it takes hidden states (``response_hidden``)
+and applies the LM head a few positions at a time: the ``[n, T, V]`` logits (the largest
+tensor at a 152k vocabulary) are never materialized.
 """
 
 from __future__ import annotations
@@ -95,14 +90,9 @@ def positions(mask: Tensor) -> Tensor:
 def _joined(
     model, prompt_ids, prompt_mask, response_ids, response_mask, hidden=None
 ) -> dict[str, Tensor]:
-    """The model's keyword inputs for context + response rows, on the model's device.
-    Positions count only real tokens, so left padding does not shift them, and the leading
-    columns that are padding in every row are dropped: a micro-batch is padded to the
-    longest prompt of the whole rollout (41% of a text-to-SQL forward's tokens were such
-    padding), and those columns change nothing but the work.
-
-    ``hidden`` [n, P] (``method.context=mask``): context tokens that keep their positions
-    but that no later token attends to, by a 4D mask (``hidden_mask``)."""
+    """The model's keyword inputs for context + response rows, on its device. Leading columns
+    that are padding in every row are dropped (41% of a text-to-SQL forward's tokens were).
+    ``hidden`` [n, P] (``method.context=mask``): tokens no later token attends to."""
     device = next(model.parameters()).device
     real = prompt_mask.any(0)
     if bool(real.any()) and not bool(real[0]):
@@ -187,15 +177,9 @@ def response_hidden_shared_prefix(
     response_mask: Tensor,  # [n, T]
     suffix_hidden: Tensor | None = None,  # [n, S] suffix tokens hidden from attention
 ) -> Tensor:
-    """Like ``response_hidden`` for contexts ``prefix[row_prefix[i]][:prefix_keep[i]] +
-    suffix[i]``: each prefix runs once, and every row continuing it reuses the first
-    ``prefix_keep[i]`` positions of its key/value cache (the rest is masked out).
-
-    Left-padded prefixes and suffixes put padding (and masked-out prefix tokens) in the
-    middle of a row; positions count visible tokens only and hidden keys are masked, so each
-    row is computed as if its context were one unpadded sequence. ``suffix_hidden`` tokens
-    (``method.context=mask``) keep their positions but no later token attends to them.
-    """
+    """``response_hidden`` for contexts ``prefix[row_prefix[i]][:prefix_keep[i]] + suffix[i]``:
+    each prefix runs once and its rows reuse the first ``prefix_keep[i]`` cached positions.
+    Positions count visible tokens only, so mid-row padding changes nothing."""
     device = next(decoder.parameters()).device
     p_mask = prefix_mask.to(device)
     p_pos = positions(p_mask)
@@ -293,10 +277,8 @@ MASKED_ATTENTION = ("sdpa", "eager")
 
 
 def packed_prompt_blocker(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot run the packed shared-prompt forward (None: it can). It needs
-    rotary positions taken from ``position_ids`` and a 4D mask applied as given, which the
-    plain-head decoders here have with SDPA or eager attention; a sliding window would be
-    lost (HF applies none of its own to a mask passed in)."""
+    """Why ``model`` cannot run the packed shared-prompt forward (None: it can): it needs a
+    4D mask applied as given (SDPA or eager attention) and no sliding window."""
     reason = _architecture_blocker(model, "packed forward")
     if reason is not None:
         return reason
@@ -307,9 +289,8 @@ def packed_prompt_blocker(model: torch.nn.Module) -> str | None:
 
 
 def _architecture_blocker(model, form: str) -> str | None:
-    """Why ``model``'s architecture rules out a shared-prompt ``form`` (None: it does not):
-    an architecture whose forward is not checked here, or a sliding window (a windowed cache
-    does not hold the whole prompt, and HF adds no window to a mask passed in)."""
+    """Why ``model``'s architecture rules out a shared-prompt ``form`` (None: it does not);
+    a windowed cache does not hold the whole prompt, and HF adds no window to a given mask."""
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in PLAIN_HEAD_MODEL_TYPES:
@@ -350,16 +331,9 @@ def prompt_groups(
     in_step: bool = False,
 ) -> PromptGroups | None:
     """The batch's distinct prompts when the shared-prompt forward is to run, else None.
-
-    ``auto`` runs it where at least two rows repeat a prompt and the tokens saved pass
-    ``worth_sharing``. The key/value-cache form is a second decoder call, data-dependent, so
-    under trainer=fsdp (where each forward is a collective) it is off
-    (``shared_prompt_blocker``); under DDP forwards are local (the gradient all-reduce comes
-    once per backward, shared or not). Where the cache is blocked and the caller can run the
-    packed form (``packable``: ``response_logits``) the groups come back ``packed``: one
-    forward call either way, so the choice never changes a rank's collectives. ``in_step``:
-    see ``shared_prompt_blocker``.
-    """
+    The cache form is a second, data-dependent decoder call, so it is off under FSDP (each
+    forward a collective; DDP forwards are local). Where it is blocked and ``packable``, the
+    groups come back ``packed``: one forward call either way, same collectives per rank."""
     if mode not in SHARED_PROMPT_MODES:
         raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
     n, width = prompt_ids.shape
@@ -395,13 +369,9 @@ def prompt_groups(
 
 
 def _packed_groups(model, first, row_prefix, width, n, t, mode, why) -> PromptGroups | None:
-    """``prompt_groups`` for the packed form: each group is one sequence of ``S = width + M t``
-    columns (M: the most rows of one group), against ``n`` rows of ``width + t`` for the plain
-    forward (after ``_joined`` drops the columns that are padding in every row). Both forwards
-    attend with a mask, so attention computes every (query, key) pair: ``R S^2`` packed against
-    ``n (width + t)^2``. ``auto`` packs when ``worth_sharing`` passes on the tokens and the
-    packed forward's cost, ``tokens x c + pairs`` with ``c`` a token's weight in attention
-    pairs (``_token_cost``), is no more than the plain one's."""
+    """``prompt_groups`` for the packed form: ``R`` sequences of ``S = width + M t`` columns
+    (M: the largest group) against ``n`` rows of ``width + t``. Masked attention computes every
+    pair, so ``auto`` also needs ``tokens x c + pairs`` (``_token_cost``) to be no more."""
     r = first.numel()
     m = int(torch.bincount(row_prefix, minlength=r).max())
     packed_len, plain_len = width + m * t, width + t
@@ -449,21 +419,11 @@ def prefix_layout(
     bases: dict | None = None,
     is_base: list[bool] | None = None,
 ):
-    """The one layout of token-list contexts that share prefixes (replay's contexts, the
-    teacher's), for ``response_hidden_shared_prefix``: the cheapest of ``layouts``, or None
-    when no row would share anything. Returns (prefixes, each row's prefix index, how much
-    of it each row sees, suffixes, padded token cost).
-
-    Rows of one group (same value in ``groups``) share one prefix:
-
-    * common: what all the group's contexts share (identical contexts: all but the last
-      token); every row sees all of it;
-    * branch: the group's base context (``bases[group]``) but its last token; each row sees
-      it up to where its own context departs from the base (removing a late block leaves
-      most of it usable), the base's own row (``is_base``) all of it.
-
-    Every row keeps at least one context token of its own: it predicts the first response
-    token."""
+    """The cheapest of ``layouts`` for ``response_hidden_shared_prefix`` (None: nothing
+    shared): (prefixes, row prefix index, tokens each row sees, suffixes, padded cost).
+    A group's rows share ``common``: what all its contexts share; or ``branch``: its base
+    context (``bases[group]``) but the last token, each row reading it up to where it departs
+    (the base row, ``is_base``, all of it). Every row keeps one context token of its own."""
     members: dict = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
@@ -532,9 +492,8 @@ def worth_sharing(saved: int, plain: int) -> bool:
 def _shared_prompt_logits(
     model, groups: PromptGroups, prompt_ids, prompt_mask, response_ids, response_mask
 ):
-    """``response_logits`` with each distinct prompt's prefix (all but its last token) run
-    once; each row's last prompt token and response continue the prefix's cache, reordered
-    to the rows (``index_select``: differentiable, so gradients reach the prefix)."""
+    """``response_logits`` with each row's last prompt token and response continuing its
+    prompt's prefix cache (``prompt_prefix_cache``)."""
     t = response_ids.shape[1]
     cache, seen = prompt_prefix_cache(model, groups, prompt_ids, prompt_mask)
     seg_ids = torch.cat([prompt_ids[:, -1:], response_ids], dim=1)
@@ -567,12 +526,10 @@ def _attention_mask(model, allowed: Tensor, key: Tensor, device, seen: Tensor | 
 def _packed_prompt_logits(
     model, groups: PromptGroups, prompt_ids, prompt_mask, response_ids, response_mask
 ):
-    """``response_logits`` with each group as one sequence: its prompt right-aligned to the
-    batch's longest (``groups.width`` columns), then one ``T``-column segment per row. A
-    segment sees the prompt's real tokens and its own earlier columns; positions restart
-    after the prompt in every segment, so each row is computed as in the plain forward. The
-    first response token's logits come from the prompt's last column, shared by the group's
-    rows (the gather sums their gradients there). Padding columns see only themselves."""
+    """``response_logits`` with each group as one sequence: its prompt (``groups.width``
+    columns), then a ``T``-column segment per row that sees the prompt and itself, positions
+    restarting after the prompt. The prompt's last column predicts every row's first token
+    (the gather sums their gradients there)."""
     device = next(model.parameters()).device
     n, p = prompt_ids.shape
     t, w = response_ids.shape[1], groups.width
@@ -625,10 +582,9 @@ def _packed_prompt_logits(
 
 
 def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_mask: Tensor):
-    """Each distinct prompt's prefix (all but its last token) run once, its key/value cache
-    reordered to the rows (``index_select``: differentiable, so gradients reach the prefix).
-    Returns the cache and ``seen`` [n, W], the cached keys each row reads: with the rows'
-    last prompt tokens appended, the cache covers exactly the rows' left-padded prompts."""
+    """Each distinct prompt's prefix (all but its last token) run once, its cache reordered
+    to the rows (``index_select``: differentiable). Returns it and ``seen`` [n, W], the cached
+    keys each row reads."""
     device = next(model.parameters()).device
     w = groups.width
     p_ids = prompt_ids[groups.first, -1 - w : -1].to(device)

@@ -1,31 +1,18 @@
 """Self-replay: score each sampled token by how much a verifier's information moves it.
 
-For every response–reward pair the method asks for, the sampled response is fed after two
-contexts that differ only in that reward's information (``P_all`` and ``P_\\k``, built by the
-task) and the next-token distributions are compared by Jensen–Shannon distance (method.md
-§§1–3). ``P_all`` is run once per response and shared by all its rewards.
+Each requested response–reward pair is fed after ``P_all`` and ``P_\\k`` (contexts that differ
+only in that reward's information, built by the task) and the next-token distributions are
+compared by Jensen–Shannon distance (method.md §§1–3); ``P_all`` runs once per response.
 
-Cost and memory (docs/benchmarks.md measures both):
-
-* contexts are tokenized with the chat template once per distinct context (the G responses
-  of a prompt usually share theirs), the response ids are reused as sampled;
-* forwards are packed into micro-batches by a token budget, shortest contexts first;
-* the contexts of one response share a prefix (P0 and the blocks before ``Z_k``; for
-  in-prompt information, the text before item ``k``). A prefix runs
-  once and its key/value cache is reused by every context that continues it (when
-  ``rl.shared_prompt_forward`` allows and ``forward.worth_sharing`` says it pays): either the
-  part all of a response's contexts share, or P_all's whole context, each P_\\k reading it
-  up to where the two depart (whichever computes fewer tokens);
-* every distribution is the one the response was sampled from: logits divided by the
-  sampling temperature (``RolloutBatch.temperature``) before the log-softmax, so JSD is
-  between tempered distributions and ``logp_diff`` compares tempered log-probs;
-* the model returns hidden states, not logits; the LM head, log-softmax and JSD run in
-  float32 on chunks of at most ``jsd_chunk`` (row, position) pairs, so the float32 working
-  set is ``jsd_chunk x V`` whatever the response length, and ``[rows, T, V]`` logits are never
-  held. Architectures with a non-plain head fall back to logits (``forward.split_head``);
-* under ``trainer=fsdp`` every forward is a collective: each micro-batch is one call of the
-  root module (logits, no prefix sharing); with several ranks (FSDP or DDP) every rank runs
-  the busiest rank's number of forwards, padding with a discarded one-token batch.
+Cost and memory (docs/benchmarks.md): contexts are tokenized once per distinct context;
+forwards are packed by a token budget, shortest first; a response's contexts share a prefix
+whose key/value cache is reused when ``rl.shared_prompt_forward`` allows and
+``forward.worth_sharing`` says it pays. Distributions are tempered as sampled
+(``RolloutBatch.temperature``). The model returns hidden states; head, log-softmax and JSD run
+in float32 on chunks of ``jsd_chunk`` (row, position) pairs, so ``[rows, T, V]`` logits are
+never held (non-plain heads fall back to logits, ``forward.split_head``). Under FSDP each
+micro-batch is one root call without prefix sharing; with several ranks every rank runs the
+busiest rank's number of forwards, padding with a discarded one-token batch.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Credit diagnostics of one step (``train/replay/...``), from what the step already holds.
 
-* ``q_ratio/{p50,p99,max}``: quantiles of ``q_t / qbar`` over the valid tokens of replayed
-  pairs (``qbar`` the pair's mean relevance): how far a token's relevance stands above its
-  response's average, i.e. how spiky the profiles are;
-* ``profile_cosine``: the mean over responses (with two or more replayed rewards) of the
-  mean pairwise cosine between their rewards' profiles ``q_k``: near 1, every reward points
-  at the same tokens, and per-reward credit is the joint ablation's;
-* ``energy_share/<segment>``: the share of the reallocated credit's energy (the sum over
-  tokens of ``x_t^2``, ``x_t = R_t / (sigma + eps)`` before any cap) on each part of the
-  responses their task declares (``Task.segments``), ``other`` for the rest; a segment met at
-  an earlier step is logged as 0 at a step whose responses lack it.
+* ``q_ratio/{p50,p99,max}``: quantiles of ``q_t / qbar`` (the pair's mean relevance) over
+  replayed tokens: how spiky the profiles are;
+* ``profile_cosine``: mean pairwise cosine of a response's rewards' profiles (near 1: every
+  reward points at the same tokens);
+* ``energy_share/<segment>``: share of ``sum x_t^2`` (``x_t = R_t / (sigma + eps)``, uncapped)
+  per ``Task.segments`` part, ``other`` for the rest; a segment seen before logs 0 when absent.
 
-Relevance profiles are read for Jensen–Shannon scores only (non-negative). Each value is
-declared with its reduction over ranks (``step_metrics.Stat``, combined by
-``step_metrics.combine``). The energy shares
-are exact over ranks: a share's weight is its rank's total energy, and a rank that lacks a
-segment counts 0 of it, so the combined share is the summed segment energy over the summed
-total. The quantiles are not: ``p50``/``p99`` combine as the ranks' quantiles averaged with
-their token counts as weights (the global quantile only with one rank, or ranks of equal
-distributions), ``max`` as the ranks' maximum (exact). ``profile_cosine`` is exact (a
-per-response mean weighted by response counts).
+Over ranks: energy shares and ``profile_cosine`` combine exactly, ``max`` too; ``p50``/``p99``
+are ranks' quantiles averaged by token counts (exact only for one rank).
+Profiles are read for Jensen–Shannon scores only (non-negative).
 """
 
 from __future__ import annotations

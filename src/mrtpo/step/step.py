@@ -1,25 +1,13 @@
 """One multi-reward RL step, top to bottom, with no training framework around it.
 
-``RLStep.run(rollout, host)`` goes through the phases in order, each taking the records
-before it and returning a frozen one (``mrtpo.step.records``):
+``RLStep.run(rollout, host)`` runs the phases in order, each returning a frozen record
+(``mrtpo.step.records``): sample (G responses for each of B prompts), score
+(``ScoredBatch``), relevance under pi_old if the method asks (``Relevance``), old policy
+(pi_old, KL reference, method inputs, engine-trainer gap: ``OldPolicy``), advantages
+(``Advantages``), update through the ``UpdateHost`` that owns the optimizer (``Update``).
 
-1. sample: the rollout, from whatever source the caller has (the rollout callback under
-   Lightning, ``RolloutSource`` in a plain loop): G responses for each of B prompts;
-2. score: the task's K named rewards and verifier blocks (``ScoredBatch``);
-3. relevance: if the method asks for it, replay scores the tokens of each requested
-   (response, reward) pair under pi_old, the weights at the step's start, whichever
-   weights sampled them (``Relevance``);
-4. old policy: pi_old's log-probs when more than one update follows (from replay's P_all
-   pass where P_all is the sampling prompt), the KL reference's, the method's own no-grad
-   inputs, the engine-trainer gap (``OldPolicy``);
-5. advantages: the method turns rewards (and relevance) into token advantages
-   (``Advantages``);
-6. update: clipped-surrogate updates over mini-batches, through the ``UpdateHost`` that owns
-   the optimizer (``Update``).
-
-Distributed agreement (a skip any rank decides, metrics of the global batch) goes through
-``mrtpo.distributed.Ranks``. The step never looks at a method's, task's or engine's name.
-This module imports neither Lightning nor Hydra.
+Rank agreement goes through ``mrtpo.distributed.Ranks``. The step never looks at a method's,
+task's or engine's name, and imports neither Lightning nor Hydra.
 """
 
 from __future__ import annotations

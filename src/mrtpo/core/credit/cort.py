@@ -1,24 +1,14 @@
 """CoRT, reconstructed from its abstract (Zhang et al., arXiv 2607.25659; no code released).
 
-Relative to GRPO: the sampled response is scored a second time, under a matched prompt
-with the rubric (for instruction following: every constraint) removed, and each token's
-log-likelihood contrast ``d_t = log p(y_t | P_all) - log p(y_t | P_none)`` says how much that
-token depended on the rubric. The contrasts become bounded weights that average 1 over the
-response, and GRPO's signed response advantage ``A`` is spread with them: ``A_t = A w_t``.
-The per-response mean advantage stays GRPO's, and at β = 0 the output *is* GRPO's, bit for
-bit. The weights are phased in by a smoothstep ramp of β.
+The response is scored again under a prompt with the rubric removed; the contrast
+``d_t = log p(y_t | P_all) - log p(y_t | P_none)`` becomes weights averaging 1 that spread
+GRPO's advantage: ``A_t = A w_t`` (at β = 0 exactly GRPO). Reconstruction decisions
+(docs/method.md, "CoRT"):
 
-What the abstract does not fix is chosen here and marked as a reconstruction decision in
-docs/method.md ("CoRT"):
-
-* ``u_t = min(|d_t|, contrast_clip) / contrast_clip`` in [0, 1]: the magnitude counts, so a
-  token the rubric made *less* likely (a forbidden word sampled anyway) also draws credit;
-* ``v_t = 1 + (max_weight - 1) u_t``, normalized over the response's tokens:
-  ``w~_t = v_t / mean(v)``, which lies in ``[1 / max_weight, max_weight]`` and averages 1;
+* ``u_t = min(|d_t|, contrast_clip) / contrast_clip``: magnitude, so a token the rubric
+  made *less* likely also draws credit;
+* ``v_t = 1 + (max_weight - 1) u_t``, ``w~_t = v_t / mean(v)`` in ``[1 / max_weight, max_weight]``;
 * ``w_t = (1 - β) + β w~_t`` with ``β = beta · smoothstep(step / beta_warmup_steps)``.
-
-Knobs: ``beta`` (the weights' final share, 1 = fully phased in), ``beta_warmup_steps``,
-``contrast_clip`` (nats), ``max_weight`` (the bound), ``eps`` and ``reward_weights`` (GRPO's).
 """
 
 from __future__ import annotations

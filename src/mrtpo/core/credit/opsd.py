@@ -1,30 +1,17 @@
 """OPSD: on-policy self-distillation (Zhao et al., arXiv 2601.18734; github.com/siyan-zhao/OPSD).
 
-Relative to GDPO there is no reward credit at all: the rewards are still computed and logged,
-but the policy learns only to match a teacher. The teacher is the *initial* model, frozen,
-reading each sampled response after a context that shows the example's reference solution
-as an earlier answer to the same question, then the question again
-(``Task.teacher_messages``). The student samples on-policy from the ordinary prompt with the
-other methods' rollout and optimizer settings.
+No reward credit: rewards are logged, but the policy only learns to match a teacher, the
+frozen *initial* model reading each response after a context that shows the reference
+solution as an earlier answer (``Task.teacher_messages``). Variants (``method.variant``):
 
-Two variants (``method.variant``), as in the authors' code:
+* ``full`` (their default): per-token generalized JSD over the vocabulary, weight ``beta``
+  (0: ``KL(teacher ‖ student)``, 1: ``KL(student ‖ teacher)``), aggregated by ``rl.loss_agg``
+  through the ``token_loss`` hook (token advantages are 0);
+* ``sampled`` (their ``--use_tinker_loss``): advantage ``log p_teacher(y_t) − log
+  p_student(y_t)`` without gradient, in the clipped surrogate.
 
-* ``full`` (their default): a per-token generalized Jensen–Shannon divergence between the
-  student's and the teacher's next-token distributions over the whole vocabulary, on the
-  student's own samples, weight ``beta`` (0: forward KL ``KL(teacher ‖ student)``, 1: reverse
-  KL ``KL(student ‖ teacher)``, 0.5 in their scripts), aggregated like the surrogate
-  (``rl.loss_agg``). The token advantages are 0, so the clipped surrogate adds nothing; the
-  divergence enters through the ``token_loss`` hook, computed a few positions at a time.
-* ``sampled`` (their ``--use_tinker_loss``): the token advantage
-  ``log p_teacher(y_t) − log p_student(y_t)`` of the sampled token, without gradient through
-  it, in the ordinary clipped surrogate (with one update per step exactly their
-  ``−mean(A_t log p_student(y_t))``).
-
-Knobs: ``variant``, ``beta`` (full variant), ``coef`` (scale of the divergence term).
-
-The trainer knows none of this: ``bind`` builds the frozen teacher from the initial policy it
-lends, ``score_inputs`` scores the sampled tokens under it (``sampled``), and ``token_loss``
-adds the divergence (``full``).
+Knobs: ``variant``, ``beta``, ``coef``. ``bind`` builds the teacher from the lent initial
+policy, ``score_inputs`` scores under it, ``token_loss`` adds the divergence.
 """
 
 from __future__ import annotations
