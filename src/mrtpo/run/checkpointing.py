@@ -1,37 +1,21 @@
 """Checkpoints that cannot silently lose or corrupt a run.
 
-Lightning's default writer serializes the whole checkpoint into memory and hands it to
-fsspec, whose temporary file lives wherever the system puts temporary files; on another
-filesystem the final "move" is a copy, and a full disk leaves a partial file behind. Its
-reader passes torch's errors through unchanged (a miniz error, a bare ``EOFError``, a
-``weights_only`` hint), and nothing notices a file whose bytes changed on disk.
+Lightning's writer stages the file through fsspec's temp folder (on another filesystem the
+"move" is a copy; a full disk leaves a partial file), and its reader passes torch's raw
+errors through. ``SafeCheckpointIO`` (``configs/trainer/default.yaml``) instead gives:
 
-``SafeCheckpointIO`` (wired in ``configs/trainer/default.yaml``) replaces both:
+* **Atomic writes**: streamed to a temp file in the target folder, fsynced, renamed over the
+  target (folder fsynced too); a failed write leaves the previous file untouched.
+* **A checksum**: SHA-256 and byte count in a ``<name>.ckpt.sha256`` sidecar (``sha256sum
+  -c`` format), verified on load; no sidecar loads unverified with a warning.
+* **Finite state only**: NaN/inf weights or optimizer state are never written, refused at load.
+* **Clear errors**: ``CheckpointError`` names the file and the usable checkpoints beside it.
+* **Data only**: torch's weights-only unpickler with ``CHECKPOINT_GLOBALS``; a pickle naming
+  anything else is refused and nothing in it runs. The sidecar proves the bytes, not the author.
+* **No writes through links**: rename replaces a planted symlink; removal deletes only a
+  checkpoint this project wrote (``SafeCheckpointIO.remove_checkpoint``).
 
-* **Atomic writes.** The checkpoint is streamed into a temporary file *in the target
-  folder*, fsynced, then renamed over the target; the folder is fsynced after the rename.
-  A write that fails half-way (disk full, read-only folder, a crash) removes its
-  temporary file and leaves the previous file of that name untouched.
-* **A checksum.** The SHA-256 of the bytes written (computed while writing) and their
-  count go to a sidecar ``<name>.ckpt.sha256`` in ``sha256sum`` format, so
-  ``sha256sum -c last.ckpt.sha256`` checks it by hand too. Loading verifies it; a missing
-  sidecar (a checkpoint written by another tool) loads unverified with a warning.
-* **Finite state only.** A checkpoint whose parameters or optimizer state hold NaN or
-  infinity is never written, and one that does is refused at load.
-* **Clear errors.** An empty, truncated, altered or unreadable file fails with
-  ``CheckpointError`` naming the file and the other checkpoints of its folder that can be
-  used instead.
-* **Data only.** Every read uses torch's weights-only unpickler with ``CHECKPOINT_GLOBALS``
-  allowed for that read alone; a pickle that names any other function or class (one that
-  would call ``os.system``, say) is refused naming it, and nothing in it runs. A matching
-  ``.sha256`` proves only that the bytes are the ones written, not who wrote them.
-* **No writes through links.** Files are written under temporary names and renamed over
-  the target, which replaces a symlink planted there instead of writing into what it points
-  to; a removal removes only a checkpoint that this project wrote in its own folder (see
-  ``SafeCheckpointIO.remove_checkpoint``).
-
-``assert_finite_state(model, optimizer)`` is the same finiteness check for live training
-state, meant to run after every optimizer update.
+``assert_finite_state(model, optimizer)`` is the same check for live state after each update.
 """
 
 from __future__ import annotations
@@ -60,19 +44,15 @@ _CHUNK = 1 << 24  # 16 MiB per read when hashing
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be used (empty, truncated, altered, non-finite, or
-    holding more than tensors and plain values).
-
-    ``path`` and ``reason`` are set for a damaged file, so that a caller can say what to do
-    instead in its own words (``advice``)."""
+    """An unusable checkpoint (empty, truncated, altered, non-finite, or not plain data).
+    ``path``/``reason`` are set for a damaged file so ``advice`` can reword the remedy."""
 
     def __init__(self, message: str, path: Path | None = None, reason: str | None = None):
         super().__init__(message)
         self.path, self.reason = path, reason
 
     def advice(self, use: str) -> str:
-        """The message, with the other checkpoints offered for ``use`` ("evaluate one",
-        "export one", ...) rather than for resuming."""
+        """The message, offering the other checkpoints for ``use`` ("evaluate one", ...)."""
         if self.path is None or self.reason is None:
             return str(self)
         return damaged_message(self.path, self.reason, use)
@@ -84,9 +64,6 @@ def _damaged(path: str | Path, what: str) -> CheckpointError:
 
 class NonFiniteStateError(FloatingPointError):
     """Training state (parameters or optimizer state) holds NaN or infinity."""
-
-
-# ---- finiteness ---------------------------------------------------------------------------
 
 
 def _named_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,11 +78,8 @@ def _named_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """Name of the first floating-point tensor holding NaN or ±inf, with its counts; or None.
-
-    One device synchronization for the whole set (the per-tensor flags are stacked first),
-    so this is cheap enough to run after every update.
-    """
+    """The first float tensor holding NaN or ±inf, with its counts, or None. One device
+    sync for the whole set (flags stacked first), cheap enough to run after every update."""
     # A sharded (FSDP2) tensor is checked on this rank's shard: the caller decides jointly.
     named = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
     items = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
@@ -133,11 +107,8 @@ def checkpoint_nonfinite(checkpoint: dict[str, Any]) -> str | None:
 
 
 def assert_finite_state(model: torch.nn.Module, optimizer: Any = None) -> None:
-    """Raise ``NonFiniteStateError`` naming the first parameter or optimizer-state tensor
-    (e.g. ``exp_avg_sq of policy.model.layers.0.mlp.up_proj.weight``) that is not finite.
-
-    ``optimizer`` may be a torch optimizer or Lightning's wrapper around one.
-    """
+    """Raise ``NonFiniteStateError`` naming the first non-finite parameter or optimizer
+    state (``optimizer``: a torch optimizer or Lightning's wrapper)."""
     params = list(model.named_parameters())
     named: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in params]
     opt = getattr(optimizer, "_optimizer", optimizer)
@@ -154,9 +125,6 @@ def assert_finite_state(model: torch.nn.Module, optimizer: Any = None) -> None:
             f"non-finite training state: {bad}. The update that produced it is not saved; "
             "lower optim.lr or rl.max_grad_norm, and resume from the last checkpoint"
         )
-
-
-# ---- writing ------------------------------------------------------------------------------
 
 
 class _HashingWriter:
@@ -222,12 +190,8 @@ _TEMP = re.compile(r"^\.(?P<name>.+\.ckpt(?:\.sha256)?)\.(?:(?P<pid>\d+)\.)?[A-Z
 
 
 def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> list[Path]:
-    """Remove the temporary files that writers killed during a save left in ``folder``.
-
-    A temporary is stale when its writer (the pid in its name) is no longer alive on this
-    machine; with ``all_stale`` (the caller holds the run folder's lock, so no other writer
-    of this folder is alive) every temporary is. Returns the files removed.
-    """
+    """Remove (and return) temp files left by writers killed mid-save: those whose pid is
+    dead here, or all of them with ``all_stale`` (the caller holds the run folder's lock)."""
     folder = Path(folder)
     removed = []
     try:
@@ -253,11 +217,8 @@ def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> lis
 
 
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
-    """Write ``checkpoint`` to ``path`` and its checksum sidecar, all or nothing.
-
-    Raises ``NonFiniteStateError`` (nothing written) when a weight or optimizer tensor is
-    not finite, and ``OSError`` naming ``path`` when the disk refuses the write.
-    """
+    """Write ``checkpoint`` and its sidecar, all or nothing. Raises ``NonFiniteStateError``
+    (nothing written) or an ``OSError`` naming ``path`` when the disk refuses."""
     path = Path(path)
     folder = path.parent
     bad = checkpoint_nonfinite(checkpoint)
@@ -308,9 +269,6 @@ def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
                 Path(t).unlink(missing_ok=True)
 
 
-# ---- reading ------------------------------------------------------------------------------
-
-
 def read_checksum(path: str | Path) -> tuple[str, int | None] | None:
     """(sha256 hex, byte count or None) recorded for ``path``, or None without a sidecar."""
     side = checksum_path(path)
@@ -344,11 +302,8 @@ def _step_of(p: Path) -> int:
 
 
 def alternatives(path: str | Path) -> list[Path]:
-    """Other checkpoints in ``path``'s folder that look usable, newest first.
-
-    "Look usable" is cheap on purpose (these files may be 100 GB): not empty, and the size
-    their sidecar recorded. ``load_checkpoint`` verifies the one the user picks.
-    """
+    """Other checkpoints beside ``path`` that look usable, newest first: cheap on purpose
+    (files may be 100 GB), only non-empty and of their recorded size."""
     path = Path(path)
     out = []
     try:
@@ -400,12 +355,8 @@ def _check_zip(path: Path) -> None:
 
 
 def verify_file(path: str | Path) -> str:
-    """Check that ``path`` holds the bytes that were written; return how it was checked
-    (``"sha256"``, or ``"crc32"`` for a checkpoint without a sidecar).
-
-    Raises ``FileNotFoundError`` or ``CheckpointError``; reads the file once and builds no
-    tensors, so it is the cheap test before anything in a run folder changes.
-    """
+    """Check ``path`` holds the bytes written; return ``"sha256"`` or ``"crc32"`` (no
+    sidecar). Reads once, builds no tensors: the cheap test before a run folder changes."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -436,12 +387,8 @@ def verify_file(path: str | Path) -> str:
     return "sha256"
 
 
-#: What the pickles of this project's checkpoints name, and all that a read allows besides
-#: the tensors (every dtype's storage), numbers, strings, lists, tuples and dicts that torch's
-#: weights-only reader always allows. Found by saving real checkpoints of RL runs (every
-#: method), SFT and LoRA runs and listing the globals of their pickles: Lightning's and our
-#: own ``on_save_checkpoint`` entries are plain values. A checkpoint naming anything else is
-#: refused (``load_checkpoint``); widen this tuple only for a type our own writer produces.
+#: All a read allows beyond torch's weights-only basics: found by listing the pickle globals
+#: of real RL (every method), SFT and LoRA checkpoints. Widen only for a type we write.
 CHECKPOINT_GLOBALS: tuple[Any, ...] = (OrderedDict, torch._utils._rebuild_tensor_v2)
 
 
@@ -469,12 +416,9 @@ def load_checkpoint(
     weights_only: bool | None = None,
     mmap: bool = False,
 ) -> dict[str, Any]:
-    """Verify and load a checkpoint; refuse one with non-finite weights or optimizer state,
-    and one whose pickle names anything but ``CHECKPOINT_GLOBALS`` (nothing in it runs).
-
-    ``weights_only`` is accepted for Lightning's call and ignored: every read is weights-only,
-    whatever a caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` asks for.
-    """
+    """Verify and load; refuse non-finite state and pickles naming more than
+    ``CHECKPOINT_GLOBALS``. ``weights_only`` is ignored: every read is weights-only, whatever
+    a caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` asks."""
     path = Path(path)
     how = verify_file(path)
     try:
@@ -509,10 +453,8 @@ def _unloadable(path: Path, how: str, exc: BaseException) -> CheckpointError:
 
 
 def peek_checkpoint(path: str | Path, keys: Iterable[str]) -> dict[str, Any] | None:
-    """Some top-level entries of a checkpoint (its ``global_step``, ...), read in a moment:
-    unverified, with every tensor memory-mapped and none read. None when torch cannot open
-    the file (or it names more than ``CHECKPOINT_GLOBALS``); ``load_checkpoint``, which
-    verifies it, then names what is wrong."""
+    """Some top-level entries (``global_step``, ...), unverified and memory-mapped; None when
+    torch cannot open it (``load_checkpoint`` then says why)."""
     try:
         ckpt = _torch_load(path, "cpu", mmap=True)
     except Exception:
@@ -534,13 +476,9 @@ def _is_local(path: Any) -> bool:
 
 
 def _not_removable(path: Path) -> str | None:
-    """Why ``path`` is not a checkpoint this project wrote and may remove, or None.
-
-    Lightning removes the oldest kept checkpoint by a path it restored from the checkpoint
-    it resumed from, and checks that it lies in the checkpoint folder by its text only: a
-    path like ``<folder>/../../notes.ckpt`` passes. Only a ``.ckpt`` file whose ``.sha256``
-    sidecar records its size is removed (a symlink is removed itself, never its target).
-    """
+    """Why ``path`` may not be removed, or None. Lightning takes the path from the resumed
+    checkpoint and checks it by text only (``<folder>/../../notes.ckpt`` passes), so only a
+    ``.ckpt`` whose sidecar records its size goes (a symlink itself, never its target)."""
     if ".." in path.parts:
         return "its path leaves the checkpoint folder through '..'"
     if path.is_symlink() or not path.exists():
@@ -558,11 +496,8 @@ def _not_removable(path: Path) -> str | None:
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning ``CheckpointIO``: atomic, checksummed, finite-only checkpoints (see above).
-
-    Remote paths (``s3://...``) fall back to Lightning's own writer and reader; they are read
-    weights-only too.
-    """
+    """Lightning ``CheckpointIO`` (see the module docstring). Remote paths (``s3://``) use
+    Lightning's own writer and reader, still weights-only."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         if storage_options is not None or not _is_local(path):
