@@ -1,10 +1,8 @@
 """Training, evaluation and export from Python: the command line's jobs, called as functions.
 
-Each function takes the overrides you would type after ``python src/train.py`` (or
-``src/eval.py``, ``src/export.py``), composes the same Hydra config from ``configs/`` and runs
-the same job as the command: the same run folder under ``logs/``, its ``.hydra/`` record,
-``train.log``, ``job.json``, checks and errors. A failure raises the error itself (the
-command line would print it as one line)::
+Each takes the overrides you would type after ``python src/train.py`` (``eval.py``,
+``export.py``) and runs the same job: the same run folder, ``.hydra/`` record, logs, checks and
+errors; a failure raises the error itself::
 
     from mrtpo import api
 
@@ -14,9 +12,8 @@ command line would print it as one line)::
     ev = api.evaluate([f"ckpt_path={run.checkpoint}", "eval.limit=8"])
     out = api.export([f"ckpt_path={run.checkpoint}", "out=exported/my-policy"])
 
-A sweep is a loop over calls. While a job runs it logs as the command does (to the console
-and the run's ``train.log``) and uses the CPU threads the command would (``threads``); the
-caller's logging and torch's thread count are put back afterwards.
+A sweep is a loop over calls. A job logs and sets CPU threads as the command does; the caller's
+logging and torch's thread count are put back afterwards.
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ class RunResult:
         return path if (path / "config.json").is_file() else None
 
     def history(self) -> list[dict[str, float]]:
-        """Every row of ``csv/metrics.csv`` (one per logged step), numbers as floats; a
-        cell the step did not log is left out of its row. Of a malformed file, a column with
-        a cell that is no number and a row longer than the header are left out, each logged
-        as a warning naming it (``mrtpo.evaluate.analysis.runs.read_metrics``)."""
+        """Every row of ``csv/metrics.csv`` as floats, unlogged cells left out; malformed
+        columns and rows are left out with a warning (``analysis.runs.read_metrics``)."""
         from mrtpo.evaluate.analysis.runs import read_metrics
 
         path = self.run_dir / "csv" / "metrics.csv"
@@ -78,16 +73,11 @@ def train(
     overrides: Sequence[str] | Mapping[str, Any] = (),
     check: Callable[[DictConfig], None] | None = None,
 ) -> RunResult:
-    """``python src/train.py <overrides>``: train, return the run folder and final metrics.
-    ``overrides``: a list of ``key=value`` strings, or a mapping of keys to values.
-    ``check``: called with the composed config before the run folder is made (its error
-    leaves no folder); the job then runs on that same config, composed once."""
+    """``python src/train.py <overrides>`` (``key=value`` strings or a mapping). ``check`` sees
+    the composed config before the run folder is made (its error leaves no folder)."""
     from mrtpo.lightning.pipeline import train as train_job
 
-    def job(cfg: DictConfig) -> dict[str, float]:
-        return train_job(cfg)
-
-    return _run("train.yaml", "train", overrides, job, check)
+    return _run("train.yaml", "train", overrides, train_job, check)
 
 
 def evaluate(overrides: Sequence[str] = ()) -> RunResult:
@@ -132,9 +122,7 @@ def _run(
     job: Callable[[DictConfig], dict[str, float] | Any],
     check: Callable[[DictConfig], None] | None = None,
 ) -> RunResult:
-    """Compose ``config_name`` with ``overrides`` and run ``job`` as Hydra runs the entry
-    point ``src/<job_name>.py`` (run folder, ``.hydra/``, log file, callbacks); ``check``
-    first sees the composed config, before anything is written."""
+    """Run ``job`` as Hydra runs ``src/<job_name>.py`` (run folder, ``.hydra/``, log file)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -214,8 +202,7 @@ def _override_value(key: str, value: Any) -> str:
 
 
 def as_overrides(overrides: Sequence[str] | Mapping[str, Any]) -> list[str]:
-    """Overrides as typed after ``python src/train.py``; a mapping
-    ``{"trainer.max_steps": 20, "method": "gdpo"}`` is ``["trainer.max_steps=20", "method=gdpo"]``."""
+    """A mapping ``{"trainer.max_steps": 20}`` as ``["trainer.max_steps=20"]``; a list as is."""
     if isinstance(overrides, Mapping):
         return [f"{k}={_override_value(str(k), v)}" for k, v in overrides.items()]
     return [str(o) for o in overrides]
@@ -253,8 +240,8 @@ def _logging_state() -> tuple[list[logging.Handler], int]:
 
 
 def _restore_logging(state: tuple[list[logging.Handler], int]) -> None:
-    """Put back the root logger's handlers and level, closing those the job added (its
-    log file would otherwise stay open and receive the caller's later logs)."""
+    """Put back the root logger's state, closing the job's handlers (its log file would
+    otherwise receive the caller's later logs)."""
     before, level = state
     root = logging.getLogger()
     for h in list(root.handlers):

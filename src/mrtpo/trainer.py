@@ -40,12 +40,8 @@ __all__ = ["Config", "Trainer"]
 log = logging.getLogger(__name__)
 
 
-def _meta(key: str, help: str) -> dict[str, str]:
-    return {"key": key, "help": help}
-
-
 def _key(key: str, help: str, default: Any = None) -> Any:
-    return field(default=default, metadata=_meta(key, help))
+    return field(default=default, metadata={"key": key, "help": help})
 
 
 @dataclass
@@ -81,15 +77,18 @@ class Config:
     )
     report_to: str | list[str] | None = field(
         default=None,
-        metadata=_meta(
-            "logger",
-            "none | csv | tensorboard | wandb (csv is always kept: run.history() reads it)",
-        ),
+        metadata={
+            "key": "logger",
+            "help": "none | csv | tensorboard | wandb (csv is always kept: run.history() reads it)",
+        },
     )
     seed: int | None = _key("seed", "the run's seed")
     reward_weights: list[float] | None = field(
         default=None,
-        metadata=_meta("method.reward_weights", "one weight per reward function, in order"),
+        metadata={
+            "key": "method.reward_weights",
+            "help": "one weight per reward function, in order",
+        },
     )
     credit_beta: float | None = _key(
         "method.beta", "MRTPO's share of credit that follows relevance (not TRL's beta)"
@@ -133,11 +132,9 @@ class Config:
         return batch // g
 
     def rl_sizes(self) -> tuple[int, int]:
-        """(rl.group_size, prompts per step) of the config these settings compose to, so that
-        ``overrides`` or an experiment setting the group size count; where they do not
-        compose, (num_generations or 4, 4) (the job's pre-check then says what is wrong).
-        Composed only where the overrides leave a size to the config, at most once for the
-        same settings (an override is applied after every preset: its number is the size)."""
+        """(rl.group_size, prompts per step) of the composed config, so that ``overrides`` or
+        an experiment count; (num_generations or 4, 4) where it does not compose (the pre-check
+        then says why). Composed only where no override gives the size (overrides win)."""
         batch = self.per_device_train_batch_size
         rest = replace(self, per_device_train_batch_size=None, reward_weights=None)
         words = tuple(rest.to_overrides([]))
@@ -285,9 +282,8 @@ class Trainer:
 
 
 def _precheck(cfg: Any, args: Config, composed: list[bool]) -> None:
-    """Check the job's composed config as the job will, before it makes a run folder: its
-    keys, typed settings, one process and the task; the error names the ``Config`` field
-    that set the key. ``composed`` records that the config composed."""
+    """Check the composed config as the job will, before the run folder; the error names the
+    ``Config`` field that set the key. ``composed`` records that the config composed."""
     from mrtpo.run.checks import validate
     from mrtpo.run.config_keys import check_keys
 
@@ -326,9 +322,8 @@ def _config_errors_named(args: Config) -> Iterator[list[bool]]:
 
 
 def _build_task(cfg: Any) -> None:
-    """Build the task as the job will (its rows read from memory, its functions resolved),
-    so that a bad row or block name is refused before the run folder; the task's own error
-    is raised, not Hydra's wrapper."""
+    """Build the task as the job will, so a bad row or block name is refused before the run
+    folder; the task's own error is raised, not Hydra's wrapper."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -469,8 +464,8 @@ def _is_model(model: Any) -> bool:
 
 
 def _model_overrides(model: Any) -> list[str]:
-    """``model.*`` overrides: none for the tiny model (None), a path or hub id, or a loaded
-    model's own name (recorded; nothing is loaded from or written to it)."""
+    """``model.*`` overrides: none for the tiny model, a path or hub id, or a loaded model's
+    own name (recorded only)."""
     if model is None:
         return []
     if isinstance(model, (str, Path)):
@@ -542,9 +537,8 @@ def _accepts(fn: Callable) -> Callable[[str], bool]:
 
 
 def _trl_reward(fn: Callable, name: str) -> Callable:
-    """``fn`` called as TRL calls a reward: ``prompts``, ``completions``, ``completion_ids``
-    (the completions re-tokenized by the run's tokenizer) and the dataset's other columns,
-    each by name (those it takes, unless it takes ``**kwargs``)."""
+    """``fn`` called as TRL calls a reward: prompts, completions, completion_ids (re-tokenized
+    by the run's tokenizer) and the other columns, each by name if ``fn`` takes it."""
     takes = _accepts(fn)
 
     def call(prompts, completions, **columns):
@@ -562,9 +556,8 @@ def _trl_reward(fn: Callable, name: str) -> Callable:
 
 
 def _probe(funcs: Sequence[Callable], names: Sequence[str], rows: list[dict]) -> None:
-    """Call each reward once on the first two prompts with empty completions: one that
-    returns the wrong count (or no list) is refused in one line before the run starts. One
-    that raises on empty completions is left to the run (which counts it per batch)."""
+    """Call each reward on two prompts with empty completions: a wrong count (or no list) is
+    refused before the run; one that raises is left to the run (which counts it per batch)."""
     sample = rows[:2]
     prompts = [r["prompt"] for r in sample]
     completions = [

@@ -1,23 +1,14 @@
 """Sharded training (``trainer=fsdp``): FSDP2 ``fully_shard`` per decoder layer, then the root.
 
-Lightning's ``ModelParallelStrategy`` sets up the processes and the device mesh and leaves the
-wrapping to ``LightningModule.configure_model``; ``PolicyModule.configure_model`` calls
-``shard_policy`` here. Three things differ from plain Lightning:
-
-* ``FSDP2Strategy`` shards over every process by default. ``ModelParallelStrategy`` on its
-  own gives ``tensor_parallel_size = devices`` and ``data_parallel_size = num_nodes``; on one
-  node its data-parallel mesh then has one member, nothing is sharded and every rank reads
-  the same prompts.
-* The mixed-precision policy is chosen from the device: bf16 compute with float32 gradient
-  reduction on CUDA (``param_dtype: auto``), float32 elsewhere (CPU has no fast bf16 path
-  and the tests compare against float32 DDP). Master weights, gradients and AdamW moments
-  stay float32 shards (``master_dtype: fp32``): 16 bytes per parameter divided by the world.
-* Each sharded forward is a collective, so every rank must run the same number of them; the
-  loops that run the policy agree on their count (``mrtpo.distributed.Ranks.max``) and pad
-  with a discarded minimal batch (``dummy_batch``). See docs/scaling.md.
-
-Which modules become FSDP units is a per-architecture rule (``LAYER_RULES``): a model type
-without one is refused before training, naming ``trainer=fsdp`` and the supported types.
+``PolicyModule.configure_model`` calls ``shard_module_policies`` here. Unlike plain Lightning:
+* ``FSDP2Strategy`` shards over every process; ``ModelParallelStrategy`` alone gives
+  ``tensor_parallel_size = devices``, so on one node nothing is sharded.
+* Mixed precision follows the device: bf16 compute with float32 gradient reduction on CUDA,
+  float32 on CPU (no fast bf16; the tests compare against float32 DDP). Master weights,
+  gradients and AdamW moments stay float32 shards: 16 bytes per parameter over the world.
+* Each sharded forward is a collective: the policy loops agree on their count
+  (``mrtpo.distributed.Ranks.max``) and pad with ``dummy_batch``. See docs/scaling.md.
+A model type without a ``LAYER_RULES`` entry is refused before training.
 """
 
 from __future__ import annotations
@@ -36,9 +27,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(model.model.layers)
 
 
-# model_type -> the modules that become their own FSDP unit (the transformer blocks): each is
-# all-gathered just before it runs and freed after, so one layer's full weights are resident
-# at a time. Embeddings, final norm and LM head stay in the root unit.
+# model_type -> its transformer blocks, each its own FSDP unit (one layer's full weights are
+# resident at a time); embeddings, final norm and LM head stay in the root unit.
 LAYER_RULES: dict[str, Callable[[torch.nn.Module], list[torch.nn.Module]]] = {
     "qwen2": _decoder_layers,
     "qwen3": _decoder_layers,
@@ -112,17 +102,11 @@ def shard_policy(
 class FSDP2Strategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` for pure FSDP2: every process is one data-parallel shard.
 
-    Args (``trainer.strategy.*``):
-        param_dtype: the dtype forwards and backwards compute in; ``auto`` is bf16 on CUDA
-            and float32 elsewhere, null keeps the parameters' dtype.
-        reduce_dtype: the dtype gradients are reduce-scattered in (float32: no precision is
-            lost summing over ranks).
-        master_dtype: the dtype of the sharded parameters the optimizer updates (and so of
-            the gradients and AdamW moments); null keeps the dtype the model was loaded in.
-        reshard_after_forward: free each layer's gathered weights after its forward (ZeRO-3;
-            false keeps them until backward, ZeRO-2-like: faster, more memory).
-        save_distributed_checkpoint: false writes one full checkpoint on rank 0 (resumable
-            on any number of ranks, readable by ``src/export.py``).
+    ``trainer.strategy.*``: param_dtype (compute; ``auto`` is bf16 on CUDA, float32 elsewhere,
+    null keeps the parameters'), reduce_dtype (gradient reduce-scatter), master_dtype (the
+    optimizer's shards; null keeps the loaded dtype), reshard_after_forward (false: ZeRO-2-like,
+    faster, more memory), save_distributed_checkpoint (false: one full checkpoint on rank 0,
+    resumable on any number of ranks, readable by ``src/export.py``).
     """
 
     def __init__(
@@ -185,7 +169,6 @@ def shard_module_policies(module) -> None:
         )
     else:
         mp, master, reshard = None, None, True
-    check_shardable(module.policy)
     shard_policy(module.policy, dp, mp, master, reshard)
     ref = getattr(module, "ref_policy", None)
     if ref is not None:
