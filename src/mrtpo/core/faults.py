@@ -1,14 +1,9 @@
 """Fault bookkeeping of the RL step: what was contained, and when to stop.
 
-Faults are contained rather than fatal: a reward function that raises costs that sample its
-rewards (counted, its id logged); a non-finite reward, advantage or loss skips the step
-(counted); only repeated failures (``rl.max_consecutive_score_failures``,
-``rl.max_nonfinite_steps``) stop the run. Decisions are taken on counts summed over ranks,
-so every rank decides alike. The counters are saved in checkpoints. docs/reliability.md has
-the table of faults and what the trainer does about each.
-
-How a run stops on SIGTERM or SIGINT is ``mrtpo.run.signals``. This module imports no training
-framework (the step, ``mrtpo.step``, uses it).
+A raising reward function costs that sample's rewards; a non-finite reward, advantage or loss
+skips the step; only repeated failures (``rl.max_consecutive_score_failures``,
+``rl.max_nonfinite_steps``) stop the run. Counts are summed over ranks so every rank decides
+alike, and saved in checkpoints (docs/reliability.md). Signals: ``mrtpo.run.signals``.
 """
 
 from __future__ import annotations

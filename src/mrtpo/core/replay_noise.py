@@ -1,15 +1,10 @@
 """Replay's noise floor (``replay.noise_floor``): relevance between two identical contexts.
 
-Replay computes ``P_all``'s next-token distributions its own way (hidden states, perhaps after
-a shared prefix's key/value cache, then the LM head in float32 chunks); the update computes a
-context's logits another way (one forward of the whole model, perhaps sharing a group's
-prompt). For a few responses a step, ``P_all`` is run again the update's way and the
-Jensen–Shannon distance between the two is taken at every response token, exactly as replay's
-``q``: the contexts are token for token the same, so any distance is the two paths' numerical
-disagreement — 0 to float32 noise on CPU, and on 16-bit GPUs the level below which a
-relevance is noise. Logged as ``train/replay/noise_floor`` (mean over tokens) and
-``train/replay/noise_floor/max``. Off by default: it costs a forward per checked micro-batch
-and holds that micro-batch's ``[rows, T, V]`` logits, as the update's forward does.
+For a few responses a step, ``P_all`` runs again the update's way (one whole-model forward)
+and its JSD to replay's own path (hidden states, shared-prefix cache, float32 head chunks) is
+taken per token: pure numerical disagreement, 0 to float32 noise on CPU, on 16-bit GPUs the
+level below which relevance is noise. Logs ``train/replay/noise_floor`` (token mean) and
+``/max``. Off by default: a forward and ``[rows, T, V]`` logits per checked micro-batch.
 """
 
 from __future__ import annotations

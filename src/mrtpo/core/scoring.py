@@ -1,17 +1,10 @@
 """Scoring a batch with fault isolation: one bad response costs only its own rewards.
 
-A task's ``score_many`` (a process pool, a batched verifier) may raise or return the wrong
-number of scores; the batch is then scored one response at a time with ``Task.safe_score``.
-Every returned ``Score`` is then cleaned: each reward becomes a float or ``None``
-("does not apply") by the one rule of ``tasks.base.reward_value``, and what cannot be used is
-recorded as that sample's error with a reason.
-A reward name the task did not declare is a bug in the task, not a property of one sample:
-it stops the run at the first step, naming the key and the declared ones.
-
-A ``SystemExit`` raised while scoring is a scoring failure like any exception (the batch is
-scored one response at a time); a ``KeyboardInterrupt`` stops the run, logged with the task
-(a custom task also names the reward function). A verifier block longer than the task's
-``max_block_chars`` is cut to that length, with a note in the block and in the log.
+If ``score_many`` raises (``SystemExit`` included) or returns the wrong count, the batch is
+scored one response at a time (``Task.safe_score``). Rewards are cleaned by
+``tasks.base.reward_value``; what cannot be used becomes that sample's error. An undeclared
+reward name is a task bug and stops the run at the first step; ``KeyboardInterrupt`` stops it
+too. Blocks over ``max_block_chars`` are cut, with a note in the block and the log.
 """
 
 from __future__ import annotations

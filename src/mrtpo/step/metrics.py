@@ -1,19 +1,11 @@
 """The metrics of one RL step (``train/...``), and their combination over ranks.
 
-Every step metric is declared once with how it combines over ranks, as a ``Stat`` (its value,
-its ``Reduce`` and the weight of a mean: how many tokens or responses it averages on this
-rank), in the style of verl's ``utils/metric`` (``AggregationType``). A metric the step makes
-itself is declared where it is made (here, or ``mrtpo.step.diagnostics``); one measured
-elsewhere (the updater, the engine gap, replay, the rollout schedule) is declared in
-``DECLARED`` by its exact key. Two documented defaults cover what extensions add: an
-``AdvantageMethod``'s statistics (``adv/<key>``) are means per rank (``Reduce.MEAN``), and the
-updater's per-token statistics (its ``token_loss``'s) are means over tokens. Anything else
-undeclared is an error, never a guess from its name.
-
-``assemble`` turns a step's record (``mrtpo.step.StepRecord``) into declared metrics;
-``combine`` merges every rank's into the global batch's; ``AbsentAsNaN`` writes NaN for a
-metric that existed before but not at this step (Lightning would otherwise repeat its stale
-last value).
+Each metric is declared once as a ``Stat`` (value, ``Reduce``, and a mean's weight in tokens
+or responses on this rank), in the style of verl's ``utils/metric``: where it is made, or in
+``DECLARED`` by exact key when measured elsewhere. Defaults: ``adv/<key>`` statistics are
+means per rank, the updater's per-token ones means over tokens. Anything else undeclared is
+an error, never a guess from its name. ``AbsentAsNaN`` writes NaN for a metric missing at this
+step (Lightning would repeat its stale value).
 """
 
 from __future__ import annotations

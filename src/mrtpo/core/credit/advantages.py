@@ -1,15 +1,10 @@
 """Response-level advantages: group normalization, GRPO, GDPO and SAW reward weights.
 
-Everything here is pure tensor math on ``rewards [N, K]`` (NaN = the reward does not apply)
-and ``group [N]`` (same id = sampled from the same prompt). Two rules hold throughout:
-
-* Group statistics are computed on the rank that holds the group (a group is never split
-  across ranks), with fixed-order reductions so results do not depend on atomics.
-* Batch statistics (GDPO's mean/std, SAW's coefficients of variation, MRTPO's cap) are over
-  the *global* batch: when ``torch.distributed`` is initialized and a ``process_group`` is
-  given, the sums are all-reduced. Moments are taken in two passes (mean first, then the
-  centred sum of squares) and accumulated in float64, so splitting a batch over ranks
-  changes the result by float64 rounding only.
+Pure tensor math on ``rewards [N, K]`` (NaN: does not apply) and ``group [N]``. Groups are
+never split across ranks and use fixed-order reductions. Batch statistics (GDPO's mean/std,
+SAW's coefficients of variation, MRTPO's cap) are over the *global* batch (all-reduced when a
+``process_group`` is given), in two passes and float64, so splitting over ranks changes
+results by float64 rounding only.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Distillation math for on-policy self-distillation (OPSD): pure tensor functions.
 
-* ``generalized_jsd``: the generalized Jensen–Shannon divergence between a student's and a
-  teacher's next-token distributions, with the conventions of the OPSD authors' code (which
-  follows TRL's GKD loss): ``β = 0`` is the forward KL ``KL(teacher ‖ student)``, ``β = 1``
-  the reverse KL ``KL(student ‖ teacher)``, and in between
-  ``β KL(teacher ‖ m) + (1 − β) KL(student ‖ m)`` with the mixture
-  ``m = (1 − β) student + β teacher``. (The mixed form tends to 0, not to a KL, as β → 0 or 1:
-  the two ends are special cases, as in their code.)
-* ``generalized_jsd_chunked``: the same from logits ``[n, T, V]``, a few positions at a time,
-  so the float32 working set stays ``chunk x V``; with gradient, each chunk is recomputed in
-  the backward pass (activation checkpointing) instead of being kept.
-* ``sampled_token_scores``: what the sampled-token variant needs — ``log p_teacher(y_t)``,
-  ``log p_student(y_t)`` and whether ``y_t`` is the teacher's most likely token.
-
-No model code: the teacher's logits arrive as a tensor or as a function of a position range.
+* ``generalized_jsd``: as the OPSD authors' code (after TRL's GKD loss): ``β = 0`` is
+  ``KL(teacher ‖ student)``, ``β = 1`` ``KL(student ‖ teacher)``, between them
+  ``β KL(teacher ‖ m) + (1 − β) KL(student ‖ m)``, ``m = (1 − β) student + β teacher`` (the
+  mixed form tends to 0, not a KL, at the ends: hence the special cases);
+* ``generalized_jsd_chunked``: the same from ``[n, T, V]`` logits a chunk at a time (float32
+  working set ``chunk x V``; chunks are recomputed in the backward);
+* ``sampled_token_scores``: the sampled-token variant's teacher/student log-probs and argmax.
 """
 
 from __future__ import annotations

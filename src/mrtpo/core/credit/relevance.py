@@ -1,20 +1,15 @@
 """MRTPO's token-level credit: relevance scores, token weights, the cap and the β schedule.
 
-Replay gives, at every response position, the next-token distribution with all verifier
-blocks in the prompt and with block ``k`` left out. How far apart the two are (the
-Jensen–Shannon *distance*, in [0, 1]) says how much that token depended on reward ``k``'s
-information. Each reward's response-level GDPO advantage is then spread over the response
-in proportion to that relevance, keeping the per-response total unchanged:
+Replay gives each position's next-token distribution with all verifier blocks and with block
+``k`` left out; their Jensen–Shannon *distance* (in [0, 1]) is the token's relevance to reward
+``k``. Each reward's GDPO advantage is spread by it, keeping the per-response total:
 
-* ``w_kt = (1 - β) + β q_kt / mean_t q_kt`` averages 1 over the response and never drops
-  below ``1 - β``;
-* the reallocated part ``R_t = Σ_k c_k A_k (w_kt - 1)`` sums to zero over each response and
-  is capped (``cap``): per token at the magnitude of the response's advantage (``token``,
-  the paper's wording: no token changes sign), per response by one factor (``response``), by
-  one global factor ``s ≤ 1`` so it never carries more energy than the uniform part
-  (``batch``, the first reading, still the configs' default), or not at all (``none``);
-* GDPO's own response-level mean and std normalize the result, so with β = 0 the output *is*
-  GDPO's, bit for bit.
+* ``w_kt = (1 - β) + β q_kt / mean_t q_kt`` averages 1 and never drops below ``1 - β``;
+* ``R_t = Σ_k c_k A_k (w_kt - 1)`` sums to zero per response and is capped (``cap``): per
+  token at the response advantage's magnitude (``token``, the paper's wording: no sign
+  change), per response (``response``), by one global ``s ≤ 1`` so it never outweighs the
+  uniform part (``batch``, the configs' default), or not at all (``none``);
+* GDPO's mean and std normalize the result, so at β = 0 the output *is* GDPO's, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The frozen teacher of self-distillation: the initial model reading each sampled response
 after the task's teacher context (``Task.teacher_messages``), under no_grad.
 
-What a method asks for (``TeacherRequest``) decides which of the two passes runs:
-
-* ``score``: once per step, before the advantages, the teacher's log-prob of every sampled
-  token (and whether it is the teacher's most likely token), packed into forwards by a token
-  budget;
-* ``logits``: in an update micro-batch, a function ``f(s, e)`` giving the teacher's logits at
-  response positions ``[s, e)``. The decoder runs once per micro-batch and keeps hidden
-  states ``[n, T, H]``; the LM head is applied a chunk at a time by whoever calls ``f`` (the
-  ``[n, T, V]`` logits are never held — architectures with a non-plain head fall back to
-  logits, as replay does).
-
-The teacher's weights are the run's initial ones: a frozen copy taken when the module is
-built, or — under LoRA — the policy itself with its adapters switched off.
+``TeacherRequest`` picks the pass: ``score`` (once per step, each sampled token's teacher
+log-prob and whether it is the teacher's argmax) or ``logits`` (per update micro-batch,
+``f(s, e)`` giving logits at positions ``[s, e)`` from hidden states kept once, the head
+applied per chunk by the caller; non-plain heads fall back to logits, as in replay).
+The weights are a frozen copy of the initial ones, or under LoRA the policy with its
+adapters off.
 """
 
 from __future__ import annotations
