@@ -1,26 +1,12 @@
 """A run's per-token relevance as an HTML page and a PNG (``python src/relevance.py <run>``).
 
-``relevance.jsonl`` (written by ``mrtpo.lightning.callbacks.samples.RelevanceDump``) holds, for a few
-responses every N steps, each replayed reward's relevance ``q`` of every response token and
-the token weight ``w`` the method derived from it. The page shows at most ``--max-steps``
-steps and ``--max-per-step`` responses a step (it says what it leaves out, and names each
-line it cannot draw): one block per response, two rows per reward (q, then w), each token
-shaded on one scale for the whole page, so that shades compare across tokens, rewards,
-responses and steps:
-
-* q (Jensen–Shannon distance, in [0, 1]) from 0 to the largest q on the page, sequential;
-* w around 1, the even share GDPO gives every token, on a log scale: below 1 (less credit
-  than even) and above 1 (more) in two hues.
-
-A legend gives both scales; hovering a token shows its reward, position, q and w; the step and
-reward filters hide the rest. Each response, and the page as a whole, gets the credit
-diagnostics the trainer logs (``mrtpo.step.diagnostics``): q / mean q quantiles per reward, the
-mean cosine between the rewards' q profiles, and, where the record holds them, the share of the
-reallocated credit's energy on each segment of the response its task declares. The PNG draws
-one response the same way, for a paper or a note.
-
-The page's markup, style and script are ``templates/relevance.html.j2`` (Jinja2, autoescaped:
-no text from the file becomes markup); this module reads, checks and shades the records.
+``relevance.jsonl`` (``mrtpo.lightning.callbacks.samples.RelevanceDump``) holds, for a few
+responses every N steps, each replayed reward's relevance ``q`` (Jensen–Shannon distance, in
+[0, 1]) per token and the token weight ``w`` derived from it. Every token is shaded on one
+scale for the whole page so shades compare across rewards, responses and steps: q from 0 to
+the page's largest, w on a log scale around 1 (GDPO's even share) in two hues. Responses and
+the page get the credit diagnostics the trainer logs (``mrtpo.step.diagnostics``). Markup is
+``templates/relevance.html.j2`` (Jinja2, autoescaped: no text from the file becomes markup).
 """
 
 from __future__ import annotations
@@ -83,10 +69,8 @@ def _replays(target: str) -> bool | None:
 
 
 def why_no_records(run: Path) -> str:
-    """Why a run folder holds no relevance records, from the run's own config and metrics:
-    its method does not replay, the dump is off, the run ended before the dump's next step,
-    or no response was replayed at the steps it dumps (a reward that did not vary in any
-    group), with the key to change."""
+    """Why a run folder holds no relevance records (from its config and metrics), with the key
+    to change."""
     from omegaconf import OmegaConf
 
     from mrtpo.evaluate.analysis.runs import _step_rows
@@ -124,13 +108,10 @@ def why_no_records(run: Path) -> str:
     )
 
 
-# A record whose every value is checked (``clean``) is what the rest of this module draws; a
-# line that is not one is left out, with a note naming its line. The file is read twice, a
-# line at a time, never whole: once to find each step's records (keeping only where they
-# start), then once more for the records the page shows.
+# A line that is no ``clean`` record is left out with a note naming it. The file is read a line
+# at a time, twice, never whole: once for where each step's records start, then for the shown.
 def _finite(v: Any) -> float | None:
-    """``v`` as a finite float; None when it is no number (a bool is none either), or not
-    finite, or an int beyond any float."""
+    """``v`` as a finite float; None for a bool, a non-number, inf/NaN, or an int beyond float."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     try:
@@ -174,8 +155,8 @@ def _rewards(rec: dict) -> dict[str, float | None]:
 
 
 def clean(rec: Any) -> dict | None:
-    """The record as the page draws it, each value checked (a ValueError says what is
-    wrong); None for a record with no replayed reward, which has nothing to draw."""
+    """The record as the page draws it, each value checked (ValueError: what is wrong); None
+    when no reward was replayed."""
     if not isinstance(rec, dict):
         raise ValueError(f"not a JSON object ({kind_of(rec)})")
     tokens = rec.get("tokens")
@@ -221,8 +202,7 @@ def _diagnostic_fields(rec: dict, n: int) -> dict:
 
 
 def parse_line(raw: bytes, first: bool = False) -> dict | None:
-    """One line of the file as a checked record (``clean``); None for a blank line or a
-    record with nothing to draw; a ValueError says why the line cannot be drawn."""
+    """One line as a ``clean`` record; None for a blank line or nothing to draw."""
     if first and raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8) :]
     try:
@@ -304,8 +284,7 @@ def read_records(path: Path, offsets: Sequence[int]) -> list[dict]:
 def load_records(
     path: Path, steps: Sequence[int] | None = None, max_steps: int = 25, per_step: int = 8
 ) -> tuple[list[dict], list[str], list[str]]:
-    """The records the page shows, the notes saying what it leaves out (steps, responses
-    past ``per_step``), and each line left out with why."""
+    """The records the page shows, notes on what it leaves out, and each line left out with why."""
     found = scan(path)
     if not found.offsets:
         why = (f"{len(found.problems)} left out, the first: {found.problems[0]}"
@@ -339,13 +318,9 @@ def choose_steps(
         keep = {have[i] for i in idx}
     else:
         keep = set(have)
-    note = ""
-    if len(keep) < len(have):
-        note = (
-            f"{len(keep)} of the file's {len(have)} steps are shown (--steps or --max-steps "
-            "choose others)"
-        )
-    return keep, note
+    note = f"{len(keep)} of the file's {len(have)} steps are shown (--steps or --max-steps "
+    note += "choose others)"
+    return keep, note * (len(keep) < len(have))
 
 
 # ---- one scale for the whole page --------------------------------------------------------------
@@ -492,16 +467,14 @@ _PAGE = jinja2.Environment(
 
 
 def _cells(rec: dict, name: str, kind: str, scales: Scales) -> list[tuple[str, str]]:
-    """(style, text) of each token of one reward's q or w row: its shade, and ink that reads
-    on it."""
+    """(style, text) of each token of one reward's q or w row."""
     cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
     bgs = [colour(cmap, pos(v)) for v in rec[kind][name]]
     return [(f"background:{bg};color:{ink(bg)}", visible(t)) for bg, t in zip(bgs, rec["tokens"])]
 
 
 def _record(rec: dict, scales: Scales) -> dict[str, Any]:
-    """What the page shows of one response: head, diagnostics, prompt, a q and a w row per
-    reward (with the values behind each row for the hover box)."""
+    """One response on the page: head, diagnostics, prompt, a q and a w row per reward."""
     step, beta, rewards = int(rec.get("step", 0)), rec.get("beta"), rec.get("rewards", {})
     head = f"step {step} · prompt {rec.get('id', '?')}"
     if isinstance(beta, (int, float)):
@@ -547,8 +520,7 @@ def render_html(records: list[dict], title: str, notes: Sequence[str] = ()) -> s
 
 # ---- the picture ------------------------------------------------------------------------------
 def pick(records: list[dict]) -> dict:
-    """The response the PNG draws: the most rewards replayed, met and unmet ones among them,
-    then the latest step."""
+    """The PNG's response: most rewards replayed, then met and unmet mixed, then latest step."""
 
     def key(r):
         vals = [v for v in r.get("rewards", {}).values() if isinstance(v, (int, float))]
