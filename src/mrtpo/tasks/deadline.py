@@ -1,43 +1,25 @@
 """A time budget for one call of a verifier we do not own.
 
-The official instruction checkers (lm-eval's IFEval port, if-verifiable's IFBench port, the
-MulDimIF authors' classes) are imported unchanged, and some of them take seconds on text a
-policy can write: ``number_placeholders`` on 16k ``[`` characters, ``number_bullet_lists`` on
-a long run of newlines, MulDimIF's ``Length_Sentences`` on ordinary long text. We cannot fix
-them, so each call runs under a deadline instead: a ``SIGALRM`` timer interrupts the call
-(the interpreter and the ``re`` engine both stop for signals), and the caller scores that
-check as failed, with the reason.
+Some official checkers we import unchanged (lm-eval's IFEval, if-verifiable's IFBench, MulDimIF)
+take seconds on text a policy can write (``number_placeholders`` on 16k ``[``,
+``number_bullet_lists`` on long runs of newlines, MulDimIF's ``Length_Sentences``). Each call
+runs under a ``SIGALRM`` deadline (the interpreter and ``re`` both stop for signals) and the
+check scores as failed, with the reason. The interrupt is a ``BaseException``, so a checker's
+``except Exception`` cannot swallow it; the caller sees ``CheckTimeout``. No process is started.
 
-The interrupt is a ``BaseException`` inside the checker, so a checker's own ``except
-Exception`` cannot swallow it; the caller sees an ordinary ``CheckTimeout``. No process is
-started: arming and clearing the timer costs a few system calls per check.
+``clock="cpu"`` (``task.checker_timeout_s``) counts the calling thread's CPU time, so verdicts
+barely depend on load (issue 47: 6,412/6,413 MulDimIF verdicts agreed loaded vs quiet). Barely:
+busy caches or a hyperthread sibling can add tens of per cent, so the budget should sit several
+times above an ordinary check (the load test uses five). The wall timer drives it: when it
+fires, the CPU time left is armed again; a call that waits without computing is cut after
+``WALL_GUARD_FACTOR`` times the budget of wall time (a thread on 2 cores at load 7 gets about a
+third of a core). ``clock="wall"`` budgets a custom task's reward, block and success functions
+(``task.reward_timeout_s``): one that hangs gets reward None for that call, with the reason.
 
-Two clocks. ``clock="wall"`` counts wall-clock seconds. ``clock="cpu"`` (the checkers'
-``task.checker_timeout_s``) counts the CPU time of the calling thread, so a verdict is
-largely independent of how busy the machine is: on a loaded one a check waits for a core,
-and waiting costs no CPU time (issue 47: 6,412/6,413 MulDimIF verdicts agreed loaded, 6,413
-quiet). Largely, not wholly: a thread whose core's caches or hyperthread sibling are busy
-with other work still spends more CPU time on the same check (tens of per cent is
-plausible), so a check that needs close to its budget can still flip under load. The guard
-against that is the budget's size: it is meant to sit several times above what an ordinary
-check costs (the load test uses five times), cutting only runaway checks. The wall timer
-still drives the CPU clock: when it fires, the CPU time left (a lower bound on the wall time
-it needs) is armed again. A call that waits on something without computing is cut by a
-guard of ``WALL_GUARD_FACTOR`` times the budget in wall-clock time, far above the slowdown
-any load gives (a thread on a 2-core machine at load 7 gets about a third of a core).
-
-The wall clock gives a custom task's reward, block and success functions their budget
-(``task.reward_timeout_s``): a user's function that sleeps or loops forever is cut off like a
-slow checker, and that reward is None for that call, with the reason.
-
-Signals reach only the main thread. Off it (a trainer run in a thread), on a platform without
-``SIGALRM``, or while another timer of the process is running (we never move someone else's
-alarm), the call runs without a budget, and that is logged once.
-
-A budget is a number of seconds in (0, ``MAX_BUDGET_S``] or None (no budget);
-``budget_seconds`` checks a config value when the task is built, before any model loads: the
-timer cannot take much more than 1e9 s (``OverflowError`` on every call), and a budget of a
-day or more per call is better written as null.
+Signals reach only the main thread. Off it, without ``SIGALRM``, or while another timer of the
+process runs (never moved), the call runs unbudgeted, logged once. ``budget_seconds`` checks a
+budget at build time: seconds in (0, ``MAX_BUDGET_S``] or None (the timer overflows near 1e9 s;
+a day or more is better written as null).
 """
 
 from __future__ import annotations

@@ -1,32 +1,22 @@
 """A synthetic multi-constraint task: the CPU test bed and the toy-replication setting.
 
-Each prompt asks for a short sequence of words under K programmatically checked
-constraints, each decided by a different part of the response: the first word, the last
-word, a word that must appear, a word that must not, the word count. Constraints are stated
-in the prompt, so (as for instruction following) ``P_\\k`` is the prompt rebuilt without
-constraint k. Generated from a seed: no data files.
+Each prompt asks for a short word sequence under K checked constraints, each decided by a
+different part of the response (first word, last word, a word that must / must not appear, the
+word count). Constraints are stated in the prompt, so ``P_\\k`` is the prompt without constraint
+k. Generated from a seed: no data files.
 
-Reference responses exist for SFT (``stage=sft``). With ``reference_success < 1`` some of
-them break constraints on purpose, so that a warm-started policy is able to meet each
-constraint but does so only part of the time — the headroom the toy replication's RL runs
-need (docs/replication.md). With the toy tokenizer (``model=toy``) every word is one token,
-so each constraint is decided by identifiable tokens (``decisive_words``).
+References exist for SFT; ``reference_success < 1`` breaks some on purpose, so a warm start can
+meet each constraint but only part of the time, the headroom the toy's RL runs need
+(docs/replication.md). With ``model=toy`` every word is one token (``decisive_words``).
 
-With ``closing_mark=True`` one constraint of every layout (``with_mark``) becomes ``mark``: the
-response must end with a given punctuation mark (``!``, ``?`` or ``.``). Its checker reads the
-final character and nothing else, so the reward is decided by one or two tokens (the mark
-and where the response stops) — the toy's stand-in for a format reward such as tool
-calling's. Off by default: prompts, references and rewards are then exactly as without it.
-
-With ``free_tokens`` set (the long toy, docs/replication_long.md) every response opens with a
-free part the checkers never read: ``<think> w1 ... wn </think>``, n filler words (``FILLER``,
-none of them a task word) before the answer words, as the paper's ``<think>`` blocks come
-before an answer. The answer is what follows the first ``</think>``; a response that does not
-open with ``<think>`` or never closes it has no answer part, and every constraint then scores 0
-(with the reason). ``mark_success`` gives the ``mark`` constraint its own reference rate in
-noisy references, so that a warm start can make it rare while the other constraints keep the
-rate ``reference_success`` sets (``mark_break="none"``: a broken mark is always left out). All
-are off by default.
+``closing_mark=True`` turns one constraint per layout (``with_mark``) into ``mark``: the response
+must end with ``!``, ``?`` or ``.``, a reward decided by one or two tokens, the toy's stand-in for
+a format reward. ``free_tokens`` (the long toy, docs/replication_long.md) opens every response
+with ``<think> w1 ... wn </think>`` (``FILLER`` words the checkers never read), as the paper's
+think blocks; without that opening and its close there is no answer and every constraint scores
+0, with the reason. ``mark_success`` gives ``mark`` its own reference rate (``mark_break="none"``:
+a broken mark is always left out). All off by default, leaving prompts, references and rewards
+unchanged.
 """
 
 from __future__ import annotations

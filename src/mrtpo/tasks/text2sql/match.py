@@ -1,39 +1,24 @@
 """Execution match: when do two query results count as the same answer?
 
-The semantics follow Spider's official execution evaluation (``test-suite-sql-eval``,
-``exec_eval.py``) so that the numbers reported here can be compared with published ones:
+Follows Spider's official execution evaluation (``test-suite-sql-eval``, ``exec_eval.py``) so
+numbers compare with published ones:
 
-* Before execution both queries get the evaluator's light clean-up (``> =`` becomes ``>=``,
-  MySQL's ``YEAR(CURDATE())`` becomes 2020) and, unless ``keep_distinct`` is set, every
-  ``DISTINCT`` keyword is removed from both (the official default): a prediction is not
-  penalised for (not) de-duplicating.
-* Results are bags (multisets) of rows. Row order matters only when the *reference* query
-  contains ``order by`` anywhere in its text (a plain substring test, as upstream).
-* Columns may come in any order: the results match if some permutation of the predicted
-  columns makes the two bags (or lists, when order matters) equal.
-* Values are compared with Python equality on what ``sqlite3`` returns: ``NULL`` (None)
-  equals ``NULL``, ``1 == 1.0`` (an integer matches the same float), ``1 != '1'`` (a
-  number never matches text), floats must be equal exactly (no tolerance).
-* Two empty results match whatever their column counts; otherwise the row counts and the
-  column counts must agree.
+* Both queries get the evaluator's clean-up (``> =`` to ``>=``, MySQL's ``YEAR(CURDATE())`` to
+  2020) and, unless ``keep_distinct``, lose every ``DISTINCT`` (the official default).
+* Results are bags of rows; order matters only when the *reference* text contains ``order by``
+  (a plain substring test, as upstream). Columns match under some permutation.
+* Values compare by Python equality on what ``sqlite3`` returns: ``NULL == NULL``,
+  ``1 == 1.0``, ``1 != '1'``, floats exactly. Two empty results match whatever their widths.
 
-Deliberate differences from upstream, all of which only remove false negatives or
-non-determinism:
+Deliberate differences, each removing only false negatives or non-determinism: ``IS [NOT]
+DISTINCT FROM`` is kept (upstream's deletion makes a syntax error); permutations are pruned by
+each column's bag of values, exactly (upstream samples 20 rows), giving up after
+``MAX_PERMUTATIONS``; upstream's sorted-string quick reject (wrong on ``(1, 1.0)`` rows) is not
+reproduced; only the question's own database is used (plain Spider execution accuracy).
 
-* ``IS [NOT] DISTINCT FROM`` is an operator, not a set quantifier: it is kept (upstream
-  deletes the word and turns a valid query into a syntax error).
-* Candidate column permutations are pruned by comparing each column's bag of values, which
-  is exact and deterministic (upstream samples 20 random rows for wide results), and the
-  search gives up (no match) after ``MAX_PERMUTATIONS`` candidates.
-* Upstream's quick reject sorts the values inside each row by their string form, which can
-  reject ``(1, 1.0)``-style rows that do match; that pre-check is not reproduced.
-* Only the one database of the question is used (the test-suite's extra databases are not
-  distributed with Spider), i.e. plain Spider execution accuracy.
+BIRD's evaluation, ``mode="bird"``: ``set(predicted rows) == set(reference rows)``.
 
-BIRD's official evaluation is simpler: ``set(predicted rows) == set(reference rows)``
-(no column permutation, order and duplicates ignored); ``mode="bird"`` applies it.
-
-This module imports only the standard library: the executor's worker processes run it.
+Standard library only: the executor's worker processes run it.
 """
 
 from __future__ import annotations

@@ -1,32 +1,24 @@
 """ToolRL's two rewards: format (0/1) and tool-call correctness (-3..3).
 
-Both follow the reward module of ToolRL's verl fork (``verl/utils/reward_score/rlla.py``,
-default settings: no reward scheduling, fine-grained matching). Where this file departs from
-it, the comment says so and why.
+Both follow ToolRL's verl fork (``verl/utils/reward_score/rlla.py``, defaults: no reward
+scheduling, fine-grained matching); departures are commented with why.
 
-Correctness, for a reference with calls ``G`` and a response with calls ``P``:
+Correctness, reference calls ``G`` against response calls ``P``: ``-3`` with no ``<tool_call>``
+block, a non-JSON line, or calls malformed where compared; ``+3`` when ``P == G`` (same calls,
+order, arguments); ``0`` when the reference makes no call (ToolRL gives no signal there);
+otherwise ``6 * S / S_max - 3``. ``S`` adds the name overlap of the lists and, per reference
+call (greedily, in order), the best unused predicted call of that name: its parameter-name
+overlap plus one per argument reproduced exactly; ``S_max = 1 + sum over G of (1 + its
+arguments)``. Overlap of multisets: 1 if equal, else ``|A ∩ B| / (|A| + |B| - |A ∩ B|)``.
 
-- ``-3`` when the response has no ``<tool_call>`` block, a line of it is not JSON, or the
-  calls are malformed where the comparison needs them;
-- ``+3`` when ``P == G`` (same calls, same order, same arguments);
-- otherwise ``6 * S / S_max - 3``, where ``S`` adds the name overlap of the two call lists
-  and, for each reference call (greedily, in order), the best unused predicted call of the
-  same name: its parameter-name overlap plus one per reference argument it reproduces
-  exactly; ``S_max = 1 + sum over G of (1 + number of its arguments)``. "Overlap" of two
-  lists is 1 when they are equal, else ``|A ∩ B| / (|A| + |B| - |A ∩ B|)`` on multisets;
-- ``0`` when the reference makes no tool call (ToolRL gives no correctness signal there).
+The *reference's* numeric/boolean strings are converted to the schema's types
+(``parsing.coerce_calls``), as the paper says; the model's calls compare as written, as in ToolRL
+(its ``"1.0"`` for an ``int`` is not ``1``; its ``1.0`` is).
 
-Argument values of the *reference* written as numeric or boolean strings are converted to the
-declared types of the tool schema (``parsing.coerce_calls``), as the paper describes; the
-model's calls are compared exactly as written, as in ToolRL (a model's ``"1.0"`` for an
-``int`` parameter is a string and does not equal ``1``; its ``1.0`` does, by Python equality).
-
-Format follows ToolRL's check: the regular expression of the layout the reference implies
-plus, for each answer tag (``<tool_call>``, ``<response>``) of that layout, exactly one
-opening and one closing tag. The ``<think>`` pair is not counted, so a second think block
-before the answer passes, as it does in ToolRL. Which layout applies is read from the
-reference's answer part (after its ``</think>``), not from its whole text as ToolRL does:
-distilled reasoning in the SFT data sometimes mentions a tag in prose.
+Format is ToolRL's check: the regex of the layout the reference implies plus exactly one opening
+and closing tag per answer tag (``<tool_call>``, ``<response>``); ``<think>`` is not counted, so a
+second think block passes, as in ToolRL. The layout is read from the reference's answer part
+(after ``</think>``), not its whole text: distilled reasoning sometimes names a tag in prose.
 """
 
 from __future__ import annotations
