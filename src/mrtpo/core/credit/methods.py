@@ -53,15 +53,10 @@ class CreditInputs:
 class RelevanceRequest:
     """What a method needs from replay; the trainer hands it to the replayer without reading it.
 
-    ``contexts``: ``"per_reward"`` compares ``P_all`` with ``P_\\k`` for each reward (relevance
-    ``q [N, K, T]``); ``"joint"`` compares ``P_all`` with the context that has no verifier
-    information at all (``q [N, 1, T]``).
-    ``score``: ``"jsd"`` is the Jensen–Shannon distance (base 2, in [0, 1]) between the two
-    full next-token distributions at each position; ``"logp_diff"`` is the sampled token's
-    log-likelihood difference ``log p(y_t | P_all) - log p(y_t | other)`` (signed).
-    ``form``: how the other context leaves information out (``method.context``): ``"delete"``
-    builds it without the text (the paper's construction); ``"mask"`` keeps ``P_all``'s tokens
-    and positions and hides the information's tokens from attention.
+    ``contexts``: ``"per_reward"`` (``P_all`` vs ``P_\\k``, ``q [N, K, T]``) or ``"joint"`` (vs no
+    verifier information, ``q [N, 1, T]``). ``score``: ``"jsd"`` (Jensen–Shannon distance, base 2,
+    in [0, 1]) or ``"logp_diff"`` (signed ``log p(y_t | P_all) - log p(y_t | other)``). ``form``
+    (``method.context``): ``"delete"`` the text (the paper's) or ``"mask"`` its tokens from attention.
     """
 
     contexts: str = "per_reward"
@@ -87,15 +82,10 @@ class RelevanceRequest:
 
 @dataclass(frozen=True)
 class TeacherRequest:
-    """A self-distillation method's use of a frozen teacher (the initial model, reading each
-    response after the task's teacher context). The method acts on it in its own hooks; the
-    start-up checks read only that the method has one (it needs a frozen copy).
-
-    ``sampled``: before the advantages, the teacher's log-prob of every sampled token (and the
-    student's, at the sampling parameters) arrive as ``CreditInputs.extra``.
-    ``full``: in every update micro-batch, a divergence between the student's logits and the
-    teacher's full next-token distributions joins the loss (``token_loss``).
-    """
+    """A self-distillation method's frozen teacher (start-up checks read only that there is one).
+    ``sampled``: teacher and student log-probs of the sampled tokens arrive as
+    ``CreditInputs.extra``; ``full``: a divergence over full distributions joins each update
+    micro-batch's loss (``token_loss``)."""
 
     sampled: bool = True
     full: bool = False
@@ -159,17 +149,11 @@ class RewardSet:
 class AdvantageMethod(ABC):
     """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``.
 
-    One lifecycle hook, ``setup(task, services)``: it validates the method against the task
-    (called first before the model loads, without services, so a bad combination fails
-    cheaply) and, when the step is built, takes what its other hooks need from ``services``
-    (a frozen copy of the initial policy, the tokenizer).
-
-    Two optional hooks let a method bring its own signal without the step knowing it:
-    ``score_inputs`` (no-grad inputs scored once per step, before the advantages; they arrive
-    as ``CreditInputs.extra``) and ``token_loss`` (a term added to the surrogate in every
-    update micro-batch, over the policy's logits when ``wants_logits``). A method with a
-    schedule of its own reports it with ``schedule`` (logged as ``train/<key>``) and says
-    with ``replays`` whether this step needs replay.
+    ``setup(task, services)`` validates against the task (first before the model loads, without
+    services, so a bad combination fails cheaply) and later takes what the hooks need. Optional
+    hooks bring a method's own signal without the step knowing it: ``score_inputs`` (no-grad,
+    once per step, as ``CreditInputs.extra``), ``token_loss`` (added in every update micro-batch),
+    ``schedule`` (logged as ``train/<key>``) and ``replays`` (whether this step needs replay).
     """
 
     #: What replay must compute for this method (None: no replay).
@@ -180,12 +164,8 @@ class AdvantageMethod(ABC):
     wants_logits: bool = False
 
     def setup(self, task, services: MethodServices | None = None) -> None:
-        """Validate against ``task`` (a ``Task`` or a ``RewardSet``) and raise a clear config
-        error naming the method and the task; with ``services``, also bind to the step.
-
-        Subclasses extend it (calling ``super().setup``) to refuse a task that lacks what
-        they need (e.g. reference responses) and to take what their hooks use.
-        """
+        """Validate against ``task`` (a ``Task`` or a ``RewardSet``), raising a config error naming
+        the method and the task; with ``services``, also bind to the step. Subclasses extend it."""
         self.reward_names = tuple(task.reward_names)
         ranges = getattr(task, "reward_ranges", None)
         self.reward_lower_bounds = _lower_bounds(self.reward_names, ranges)
@@ -216,11 +196,8 @@ class AdvantageMethod(ABC):
         self, logits: Tensor | None, batch, temperature: float, agg: str, denom: float, device=None
     ) -> tuple[Tensor, dict[str, float]] | None:
         """An extra loss term for one update micro-batch, added to the surrogate; None: none.
-
-        ``logits [n, T, V]`` carry gradient (None unless ``wants_logits``); ``batch`` is the
-        micro-batch (``RolloutBatch``); ``agg``/``denom`` aggregate as the surrogate does
-        (``loss.aggregate``). Returns (the term, per-token statistics logged under ``train/``).
-        """
+        ``logits [n, T, V]`` carry gradient (None unless ``wants_logits``); ``agg``/``denom`` as
+        ``loss.aggregate``. Returns (the term, per-token statistics logged under ``train/``)."""
         return None
 
     @abstractmethod
@@ -367,11 +344,8 @@ class _RewardWeighted(AdvantageMethod):
 
 
 class GRPO(_RewardWeighted):
-    """GRPO: one scalar reward ``sum_k c_k r_k`` (NaN as 0), normalized within its group.
-
-    Relative to GDPO it skips the per-reward normalization and the batch normalization, so a
-    reward with a large spread drowns the others. No ablation knobs.
-    """
+    """GRPO: one scalar reward ``sum_k c_k r_k`` (NaN as 0), normalized within its group; no
+    per-reward or batch normalization, so a reward with a large spread drowns the others."""
 
     config_name = "grpo"
 
@@ -384,10 +358,7 @@ class GRPO(_RewardWeighted):
 
 class GDPO(_RewardWeighted):
     """GDPO: normalize each reward in its group, sum with ``c_k``, normalize over the batch.
-
-    The reference point for every other method; one advantage per response. SAW reweighting
-    is ``method=gdpo_saw``.
-    """
+    The reference point for every other method."""
 
     config_name = "gdpo"
 
@@ -399,11 +370,8 @@ class GDPO(_RewardWeighted):
 
 
 class GDPOSAW(GDPO):
-    """GDPO with SAW: each ``A_k`` is scaled by its reward's coefficient of variation weight.
-
-    The weights are recomputed on every (global) batch and treated as constants. Refused for
-    tasks whose reward set changes from prompt to prompt.
-    """
+    """GDPO with SAW: each ``A_k`` scaled by its reward's coefficient-of-variation weight, from
+    each global batch. Refused where the reward set changes per prompt."""
 
     config_name = "gdpo_saw"
     saw = True
@@ -412,17 +380,11 @@ class GDPOSAW(GDPO):
 class MRTPO(_BetaRamp, _RewardWeighted):
     """MRTPO: GDPO's response credit, each reward's share placed on the tokens relevant to it.
 
-    Relative to GDPO: self-replay scores every token's relevance to reward ``k`` (how much the
-    next-token distribution moves when ``k``'s verifier block is removed), and ``c_k A_k`` is
-    spread over the response with weights ``(1 - β) + β q_kt / mean q_k``, under a cap, with
-    GDPO's batch normalization. Before the cap binds, the per-response mean advantage is
-    GDPO's; β = 0 *is* GDPO.
-
-    Knobs: ``beta`` (0.5 in the paper), ``beta_warmup_steps`` (smooth ramp from 0), ``eps``,
-    ``reward_weights``, ``cap`` (the cap's form: ``batch``, ``token``, ``response``, ``none``;
-    docs/method.md). Ablations are separate methods: ``method=mrtpo_saw`` (SAW weights),
-    ``method=mrtpo_shuffle`` (weights permuted within each response),
-    ``method=mrtpo_joint`` (one all-blocks-vs-none relevance profile for the summed credit).
+    ``c_k A_k`` is spread with weights ``(1 - β) + β q_kt / mean q_k`` (``q``: self-replay's
+    relevance), under a cap, with GDPO's batch normalization; β = 0 *is* GDPO. Knobs: ``beta``
+    (0.5 in the paper), ``beta_warmup_steps``, ``eps``, ``reward_weights``, ``cap`` (``batch``,
+    ``token``, ``response``, ``none``; docs/method.md). Ablations: ``mrtpo_saw``,
+    ``mrtpo_shuffle``, ``mrtpo_joint``.
     """
 
     config_name = "mrtpo"
@@ -516,33 +478,23 @@ class MRTPO(_BetaRamp, _RewardWeighted):
 
 
 class MRTPOSAW(MRTPO):
-    """MRTPO with SAW: ``c_k`` includes SAW's batch weights before the token weighting.
-
-    Refused for tasks whose reward set changes from prompt to prompt.
-    """
+    """MRTPO with SAW's batch weights in ``c_k``. Refused where the reward set changes per prompt."""
 
     config_name = "mrtpo_saw"
     saw = True
 
 
 class MRTPOShuffle(MRTPO):
-    """Shuffle ablation: MRTPO's weights, randomly permuted within each response.
-
-    Keeps each response's multiset of weights (hence the cap and the per-response mean) but
-    destroys which token is relevant; randomness comes from ``CreditInputs.generator``.
-    """
+    """Shuffle ablation: MRTPO's weights permuted within each response (same multiset, so the
+    cap and per-response mean hold; which token is relevant is lost). ``CreditInputs.generator``."""
 
     config_name = "mrtpo_shuffle"
     shuffle = True
 
 
 class MRTPOJoint(MRTPO):
-    """Joint ablation: one relevance profile (all blocks vs. none) for the summed credit.
-
-    Replay compares two contexts per response instead of one per reward; the weights from
-    ``q [N, 1, T]`` multiply GDPO's ``S(j)``. A response is replayed when any of its rewards
-    would be. Same cap and normalization as MRTPO.
-    """
+    """Joint ablation: one relevance profile (all blocks vs. none, ``q [N, 1, T]``) weights
+    GDPO's summed credit; a response is replayed when any of its rewards would be."""
 
     config_name = "mrtpo_joint"
     relevance: ClassVar[RelevanceRequest | None] = JOINT_JSD
