@@ -57,10 +57,19 @@ def _save_record(to: Path, rec: dict[str, Any]) -> None:
     tmp.replace(to / RECORD)
 
 
+def _key(r: Remote | Archive) -> str:
+    return r.target if isinstance(r, Remote) else r.name
+
+
 def _wanted(r: Remote | Archive, kind: str, rec: dict[str, Any]) -> str | None:
     """The sha256 a file must have: the committed one, else the one pinned in the record."""
-    key = r.target if isinstance(r, Remote) else r.name
-    return r.sha256 or rec[kind].get(key, {}).get("sha256")
+    return r.sha256 or rec[kind].get(_key(r), {}).get("sha256")
+
+
+def _entry(r: Remote | Archive, sha: str, n: int, url: str) -> dict[str, Any]:
+    """What ``FETCHED.json`` records of one download."""
+    how = "committed" if r.sha256 else "pinned"
+    return {"sha256": sha, "bytes": n, "source": url, "checksum": how}
 
 
 def _refuse_unknown(label: str, to: Path) -> FetchError:
@@ -85,8 +94,7 @@ def fetch_file(
         raise already_there(dest) if want else already_there(dest, "no checksum vouches for it")
     url = f"{base_url(r.host, mirrors)}/{r.path}"
     sha, n = download(url, dest, want, r.size, r.max_bytes)
-    how = "committed" if r.sha256 else "pinned"
-    rec["files"][r.target] = {"sha256": sha, "bytes": n, "source": url, "checksum": how}
+    rec["files"][r.target] = _entry(r, sha, n, url)
     return "fetched"
 
 
@@ -127,14 +135,7 @@ def fetch_archive(
         lay_out(out, to, members, replace)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    how = "committed" if a.sha256 else "pinned"
-    rec["archives"][a.name] = {
-        "sha256": sha,
-        "bytes": n,
-        "source": url,
-        "checksum": how,
-        "members": members,
-    }
+    rec["archives"][a.name] = {**_entry(a, sha, n, url), "members": members}
     return "fetched"
 
 
@@ -143,9 +144,8 @@ def _items(names: list[str]) -> list[tuple[str, Remote | Archive]]:
     seen, out = set(), []
     for name in names:
         for item in (*DATASETS[name].files, *DATASETS[name].archives):
-            key = item.target if isinstance(item, Remote) else item.name
-            if key not in seen:
-                seen.add(key)
+            if _key(item) not in seen:
+                seen.add(_key(item))
                 out.append((name, item))
     return out
 

@@ -1,15 +1,11 @@
 """Streaming downloads that land only when whole and right, and zips laid out safely.
 
-A download goes to a new hidden temp file beside its target, is hashed while it streams, and
-is renamed onto the target only when its length matches what the server announced (and the
-registry's size), it stayed under its ``max_bytes``, and its sha256 matches the expected one;
-otherwise the temp file is removed and a :class:`FetchError` says why in one line. Nothing is
-resumed from an old temp file, so a half-written file can never be taken for the real one.
-
-An archive is unpacked into a private staging folder (see :func:`extract`), and its files are
-moved into the data folder by :func:`lay_out` only when all of them are there and none would
-overwrite a different file the user has (unless asked to). Nothing is ever written through a
-symbolic link under the data folder: the command cannot tell where such a link leads.
+A download streams into a new hidden temp file beside its target, hashed as it goes, and is
+renamed onto the target only when its length, ``max_bytes`` and sha256 check out (else a
+:class:`FetchError` in one line). No old temp file is resumed, so a half-written file is never
+taken for the real one. An archive is unpacked into private staging (:func:`extract`) and laid
+out (:func:`lay_out`) only when whole and overwriting no different user file; nothing is written
+through a symbolic link under the data folder (where it leads is unknown).
 """
 
 from __future__ import annotations

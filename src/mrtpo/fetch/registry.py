@@ -1,20 +1,10 @@
-"""What ``python -m mrtpo.data fetch`` can get: data set name -> published files, where each
-lives, what it must hash to, and where it goes under the data folder (the layout the task
-configs read, ``paths.data_dir``).
+"""What ``python -m mrtpo.data fetch`` can get: data set name -> published files, their
+hashes, and where each goes under ``paths.data_dir``.
 
-Each source names a *host* whose base URL can be moved (``--mirror HOST=URL`` or the
-environment variable ``MRTPO_FETCH_<HOST>``; the hub also follows ``HF_ENDPOINT``), so a test
-or a mirror serves the same paths from another address.
-
-A file whose sha256 is committed (``checksums.KNOWN``) is accepted only with that hash. A
-file the project never downloaded has ``sha256=None``: ``fetch`` refuses it unless
-``--trust-first-download``, which records the hash of that download in the folder's
-``FETCHED.json`` so later fetches and ``--check`` hold it to the same bytes.
-
-Each source has a ``max_bytes``: a download that grows past it is stopped and removed, and an
-archive whose laid-out members would add up to more is refused before anything is unpacked.
-The limits are generous guesses above the published sizes, there to stop a runaway server or
-a zip bomb filling the disk, not to describe the data.
+A source's *host* base URL can be moved (``--mirror HOST=URL``, ``MRTPO_FETCH_<HOST>``, or
+``HF_ENDPOINT`` for the hub). A file with no committed sha256 (``checksums.KNOWN``) is refused
+unless ``--trust-first-download``, which pins its hash in ``FETCHED.json``. ``max_bytes`` is a
+generous guess above the published size, there to stop a runaway server or a zip bomb.
 """
 
 from __future__ import annotations
