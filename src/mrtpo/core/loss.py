@@ -18,12 +18,8 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 def token_logprobs(
     logits: Tensor, targets: Tensor, chunk: int = 1024, temperature: float = 1.0
 ) -> Tensor:
-    """log softmax(logits / temperature)[target] per position, in float32, without a full
-    [.., V] float32 copy at once.
-
-    logits: [N, T, V]; targets: [N, T] -> [N, T]. At temperature 1 no division happens (the
-    result is bit for bit the untempered one).
-    """
+    """``log softmax(logits / temperature)[target]`` ``[N, T, V] -> [N, T]`` in float32, without a
+    whole float32 ``[.., V]`` copy; at temperature 1 there is no division (bit for bit)."""
     out = []
     for s in range(0, logits.shape[1], chunk):
         lg = logits[:, s : s + chunk].float()
@@ -34,12 +30,9 @@ def token_logprobs(
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, denom: float | None = None) -> Tensor:
-    """Aggregate per-token ``values`` [N, T] over ``mask``.
-
-    ``denom`` is the normalizer of the *whole* (global) batch when the caller splits it into
-    micro-batches: token-mean divides by the number of valid tokens of the batch, seq-mean by
-    its number of responses, so summing micro-batch losses gives the batch loss.
-    """
+    """Aggregate per-token ``values`` [N, T] over ``mask``. ``denom`` is the whole (global) batch's
+    normalizer (token-mean: its valid tokens, seq-mean: its responses), so micro-batch losses
+    sum to the batch loss."""
     m = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * m).sum() / (denom if denom is not None else m.sum().clamp_min(1.0))
@@ -63,14 +56,10 @@ def policy_loss(
     kl_coef: float = 0.0,
     tis_weights: Tensor | None = None,  # [N, T] detached min(pi_old / pi_engine, cap)
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token clipped surrogate (+ k3 KL), aggregated; and its statistics.
-
-    ``tis_weights`` (truncated importance sampling) multiply each token's surrogate, not the
-    KL term: they correct for the engine having sampled from a slightly different policy than
-    the trainer's ``pi_old``. ``stats["clip_frac"]`` is the share of valid tokens whose
-    *clipped* term is the one the minimum takes (the ones that get no gradient from the
-    surrogate), as TRL and verl count it.
-    """
+    """Per-token clipped surrogate (+ k3 KL), aggregated; and its statistics. ``tis_weights``
+    multiply the surrogate only (the engine sampled from a slightly different policy than
+    ``pi_old``). ``clip_frac``: share of valid tokens where the minimum takes the *clipped* term
+    (no surrogate gradient), as TRL and verl count it."""
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
@@ -99,19 +88,11 @@ def engine_gap(
     tis_cap: float | None = None,
     stale: bool = False,
 ) -> tuple[dict[str, float], Tensor | None]:
-    """How far the engine's sampling distribution is from the trainer's, and the truncated
-    importance-sampling weights that correct for it.
-
-    Returns the step's metrics (logged as ``train/rollout/...``) and, with ``tis_cap``, the
-    per-token weights ``min(pi_trainer / pi_engine, tis_cap)`` (detached; 0 on pads):
-
-    * ``logp_gap/mean``, ``logp_gap/max``: ``|log pi_trainer - log pi_engine|`` over the
-      valid tokens (0 for an exact engine; vLLM in bf16 reads ~1e-2);
-    * ``seq_ratio/{mean,min,max}``: the sequence-level ratio ``pi_trainer(y) / pi_engine(y)``
-      = ``exp(sum_t (log pi_trainer - log pi_engine))`` over the responses;
-    * with TIS: ``tis_weight/mean`` and ``tis_capped_frac`` (tokens whose ratio hit the cap).
-
-    ``EngineGap`` computes the same over row blocks (an update's micro-batches).
+    """How far the engine's sampling distribution is from the trainer's (``train/rollout/...``),
+    and with ``tis_cap`` the detached weights ``min(pi_trainer / pi_engine, tis_cap)`` (0 on pads):
+    ``logp_gap/{mean,max}`` of ``|log pi_trainer - log pi_engine|`` (vLLM bf16 reads ~1e-2),
+    ``seq_ratio/{mean,min,max}`` of ``pi_trainer(y) / pi_engine(y)``, and with TIS
+    ``tis_weight/mean`` and ``tis_capped_frac``. ``EngineGap`` does it over row blocks.
     """
     totals = EngineGap(tis_cap)
     weights = totals.add(trainer_logp, engine_logp, mask)

@@ -59,12 +59,8 @@ def global_row_index(n: int, process_group: Any = None, device=None) -> Tensor:
 def batch_moments(
     x: Tensor, valid: Tensor | None = None, process_group: Any = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Global count, mean and unbiased std of ``x`` over dim 0, in float64.
-
-    ``valid`` (same shape as ``x``, bool) selects the entries that count. The std is 0
-    where fewer than two entries are present; the mean is 0 where none are. Two passes
-    (mean, then centred squares) avoid the cancellation of the one-pass formula.
-    """
+    """Global count, mean and unbiased std of ``x`` over dim 0 where ``valid``, in float64 (two
+    passes, no cancellation); std 0 below two entries, mean 0 with none."""
     x64 = x.to(torch.float64)
     if valid is None:
         valid = torch.ones_like(x, dtype=torch.bool)
@@ -94,15 +90,10 @@ def _pad_groups(group: Tensor) -> tuple[Tensor, Tensor, int, int]:
 def group_advantages(
     rewards: Tensor, group: Tensor, eps: float = 1e-4, process_group: Any = None
 ) -> Tensor:
-    """Per-reward group normalization ``[N, K] -> [N, K]`` (GDPO's first step).
-
-    Each reward is standardized over the present (non-NaN) members of its group with the
-    unbiased std. A NaN reward gets 0; a group with fewer than two present values of a
-    reward, or whose values are all equal, gets 0 for that reward (the equality test is
-    exact, so rounding in the mean cannot leak a tiny non-zero advantage).
-
-    ``process_group`` is accepted for a uniform signature and ignored: a group is always
-    whole on one rank, so there is nothing to reduce.
+    """Per-reward group normalization ``[N, K] -> [N, K]`` (GDPO's first step), unbiased std over
+    the group's present members. NaN, fewer than two present values, or all equal (tested
+    exactly, so rounding cannot leak a tiny advantage) give 0. ``process_group`` is ignored (a
+    group is whole on one rank); it keeps the signature uniform.
     """
     del process_group
     if rewards.dim() != 2:
@@ -165,10 +156,8 @@ def gdpo_parts(
     eps: float = 1e-4,
     process_group: Any = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """GDPO's pieces: ``A_k [N, K]``, ``S [N]``, global ``mu``, ``sigma + eps`` and ``A [N]``.
-
-    MRTPO reuses exactly these tensors, which is what makes β = 0 reproduce GDPO bit for bit.
-    """
+    """GDPO's ``A_k [N, K]``, ``S [N]``, ``mu``, ``sigma + eps`` and ``A [N]``; MRTPO reuses these
+    exact tensors, which is why β = 0 reproduces GDPO bit for bit."""
     a_k = group_advantages(rewards, group, eps)
     c = reward_weight_vector(weights, a_k.shape[1], a_k.dtype, a_k.device)
     s = (a_k * c).sum(-1)
@@ -188,10 +177,7 @@ def gdpo_advantages(
     eps: float = 1e-4,
     process_group: Any = None,
 ) -> Tensor:
-    """GDPO: per-reward group normalization, weighted sum, global batch normalization -> ``[N]``.
-
-    The batch std is unbiased over the global number of responses (0 when there is only one).
-    """
+    """GDPO advantages ``[N]``; the batch std is unbiased over the global count (0 for one)."""
     return gdpo_parts(rewards, group, weights, eps, process_group)[4]
 
 
@@ -202,17 +188,11 @@ def saw_weights(
 ) -> Tensor:
     """SAW reward weights ``[K]`` from each reward's coefficient of variation over the batch.
 
-    ``CV_k = std_k / (|mean_k| + 1e-8)`` over the present values of the global batch; a
-    reward with fewer than two present values has no CV and gets weight 0. The others get
-    ``K' * CV_k / sum CV`` (summing to ``K'``, the number with a CV); if every CV is 0 the
-    batch carries no signal to rebalance and each of them gets 1.
-
-    ``lower_bounds [K]`` are the lowest values each reward can take (``Task.reward_ranges``).
-    A reward whose range reaches below 0 is shifted up by ``-lower`` before its CV, so that
-    its values are non-negative (the official SAW code adds 3 to ToolRL's correctness,
-    range -3..3): otherwise ``|mean|`` can sit near 0 and blow the CV up. The std does not
-    change; only the mean does. Rewards with a non-negative lower bound (the binary ones) are
-    not shifted.
+    ``CV_k = std_k / (|mean_k| + 1e-8)`` over the global batch's present values; fewer than two
+    present values: weight 0. The others get ``K' * CV_k / sum CV``, or 1 each if every CV is 0.
+    A reward whose ``lower_bounds`` (``Task.reward_ranges``) is below 0 is shifted by ``-lower``
+    first, as the official SAW code adds 3 to ToolRL's correctness (-3..3): else ``|mean|`` near 0
+    blows the CV up.
     """
     dtype = compute_dtype(rewards)
     present = ~torch.isnan(rewards)
@@ -237,12 +217,8 @@ def saw_weights(
 
 
 def replay_mask(rewards: Tensor, group: Tensor, has_block: Tensor | None = None) -> Tensor:
-    """bool ``[N, K]``: pairs whose group advantage can be non-zero and that have a block.
-
-    A pair is replayed when the reward is present, its values are not all equal among the
-    present members of the group, and (if ``has_block`` is given) the verifier produced an
-    information block for it. Every other pair keeps weight 1, so replaying it is wasted.
-    """
+    """bool ``[N, K]``: pairs that are present, not all equal within their group and (with
+    ``has_block``) have an information block; any other pair keeps weight 1 anyway."""
     n, k = rewards.shape
     present = ~torch.isnan(rewards)
     if n == 0:

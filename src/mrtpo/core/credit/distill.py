@@ -48,12 +48,8 @@ def _xlogy_ratio(logp: Tensor, logq: Tensor) -> Tensor:
 
 
 def _log_mixture_ratio(d: Tensor, w_other: float) -> Tensor:
-    """``log(m / p)`` for ``m = (1 - w) p + w q``, given ``d = log q - log p``.
-
-    Equals ``log(1 + w (e^d - 1))``: the ``log1p(expm1)`` form near ``d = 0`` is exactly 0 at
-    ``d = 0`` (identical distributions give exactly 0); far from it the ``logaddexp`` form
-    cannot overflow.
-    """
+    """``log(m / p)``, ``m = (1 - w) p + w q``, from ``d = log q - log p``: ``log1p(expm1)`` near
+    0 (exactly 0 for identical inputs), ``logaddexp`` far from it (no overflow)."""
     near = torch.log1p(w_other * torch.expm1(d.clamp(max=1.0)))
     far = torch.logaddexp(torch.full_like(d, math.log1p(-w_other)), d + math.log(w_other))
     return torch.where(d.abs() < 1.0, near, far)
@@ -122,15 +118,10 @@ def generalized_jsd_chunked(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token generalized JSD between ``softmax(student_logits / τ)`` and the teacher's.
 
-    ``student_logits [n, T, V]`` (any dtype; may carry gradient); ``teacher_logits`` is
-    ``[n, T, V]`` or ``f(s, e) -> [n, e - s, V]`` (called under no_grad; a function lets the
-    caller apply an LM head to hidden states a chunk at a time). Positions go ``chunk // n`` at
-    a time through float32 log-softmax and the divergence; with gradient each chunk is
-    checkpointed, so neither its float32 copies nor the teacher's chunk are kept for backward.
-
-    Returns ``(divergence [n, T] float32, teacher log-prob of y_t [n, T], student log-prob of
-    y_t [n, T] (detached), y_t is the teacher's argmax [n, T] bool)``, all 0/False off
-    ``mask``.
+    ``teacher_logits``: ``[n, T, V]`` or ``f(s, e) -> [n, e - s, V]`` (under no_grad, so the caller
+    can apply an LM head per chunk). ``chunk // n`` positions at a time in float32; with gradient
+    each chunk is checkpointed. Returns (divergence, teacher log-prob of y_t, detached student
+    log-prob of y_t, y_t is the teacher's argmax), each ``[n, T]``, 0/False off ``mask``.
     """
     n, t = response_ids.shape
     dev = student_logits.device

@@ -45,24 +45,17 @@ LN2 = math.log(2.0)
 
 
 def _log_ratio_to_mixture(d: Tensor) -> Tensor:
-    """``log(p / m)`` with ``m = (p + q) / 2`` given ``d = log q - log p``.
-
-    Equals ``-log((1 + e^d) / 2)``. Near ``d = 0`` the ``log1p(expm1)`` form keeps full
-    relative precision (it is exactly 0 at ``d = 0``); far from it the softplus form cannot
-    overflow.
-    """
+    """``log(p / m)``, ``m = (p + q) / 2``, from ``d = log q - log p``: ``-log((1 + e^d) / 2)``,
+    ``log1p(expm1)`` near 0 (exactly 0 at 0), softplus far from it (no overflow)."""
     near = -torch.log1p(0.5 * torch.expm1(d.clamp(max=1.0)))
     far = LN2 - F.softplus(d)
     return torch.where(d.abs() < 1.0, near, far)
 
 
 def js_distance(logp_a: Tensor, logp_b: Tensor) -> Tensor:
-    """Jensen–Shannon distance ``sqrt(JSD / ln 2)`` between two log-prob tensors ``[..., V]``.
-
-    Works on any leading shape (call it on chunks of positions to bound memory). Computed in
-    float32, or float64 when an input is float64; equals
-    ``scipy.spatial.distance.jensenshannon(p, q, base=2)``. Identical inputs give exactly 0,
-    disjoint supports give 1, and ``-inf`` log-probs (zero probability) are handled.
+    """Jensen–Shannon distance ``sqrt(JSD / ln 2)`` between log-prob tensors ``[..., V]`` (any
+    leading shape; float32, or float64 for float64 input), as ``scipy``'s ``jensenshannon(p, q,
+    base=2)``: identical inputs give exactly 0, disjoint supports 1; ``-inf`` log-probs are handled.
     """
     dtype = compute_dtype(logp_a, logp_b)
     a = logp_a.to(dtype)
@@ -90,12 +83,9 @@ def js_distance(logp_a: Tensor, logp_b: Tensor) -> Tensor:
 def js_distance_chunked(
     logits_a: Tensor, logits_b: Tensor, chunk: int = 128, temperature: float = 1.0
 ) -> Tensor:
-    """Jensen–Shannon distance between two logit tensors ``[T, V]`` -> ``[T]`` (float32).
-
-    ``log_softmax`` is applied in float32 one chunk of positions at a time, so peak extra
-    memory is a few ``[chunk, V]`` float32 buffers whatever the model's dtype and ``T``.
-    ``temperature`` divides the logits first (use the sampling temperature if relevance
-    should be measured on the sampling distribution).
+    """Jensen–Shannon distance between logit tensors ``[T, V]`` -> ``[T]`` (float32), log-softmax
+    taken a chunk of positions at a time (peak extra memory a few ``[chunk, V]`` float32 buffers).
+    ``temperature`` divides the logits first (the sampling one measures the sampled distribution).
     """
     if logits_a.shape != logits_b.shape:
         raise ValueError(f"shape mismatch {tuple(logits_a.shape)} vs {tuple(logits_b.shape)}")
@@ -113,12 +103,8 @@ def js_distance_chunked(
 
 
 def relevance_weights(q: Tensor, mask: Tensor, replayed: Tensor | None, beta: float) -> Tensor:
-    """Token weights ``[N, K, T]``: ``(1 - β) + β q / qbar`` on replayed pairs' valid tokens.
-
-    ``qbar`` is the mean relevance over the response's valid tokens. The weight is 1 on pads,
-    on pairs that were not replayed, and where ``qbar <= 1e-8`` (no token depended on the
-    block, so there is nothing to reallocate).
-    """
+    """Token weights ``[N, K, T]``: ``(1 - β) + β q / qbar`` (``qbar``: the response's mean) on
+    replayed pairs' valid tokens; 1 on pads, unreplayed pairs and where ``qbar <= 1e-8``."""
     dtype = compute_dtype(q)
     qd = q.to(dtype)
     valid = mask.to(torch.bool)[:, None, :].expand_as(qd)
@@ -141,15 +127,10 @@ def shuffle_weights(
     generator: torch.Generator | None = None,
     row_index: Tensor | None = None,
 ) -> Tensor:
-    """Shuffle ablation: permute each (response, reward)'s weights over its valid tokens.
-
-    The multiset of weights of every pair is kept; only which token gets which weight is
-    lost. Pads (and pairs not replayed, whose weights are all 1) are left as they are.
-
-    Each response's permutation is drawn from its own stream, seeded by one number taken from
-    ``generator`` and the response's index in the global batch (``row_index [N]``; default
-    its row here): it depends on the response, not on which rank holds it or how wide this
-    rank's padding is, so a 2-process run permutes as a 1-process run over the same batch.
+    """Shuffle ablation: permute each (response, reward)'s weights over its valid tokens (the
+    multiset is kept; pads and unreplayed pairs are left). Each response's permutation is seeded
+    by one draw from ``generator`` and its global index (``row_index [N]``; default its row here),
+    so a 2-process run permutes as a 1-process run over the same batch.
     """
     n, k, t = w.shape
     valid_tok = mask.to(device=w.device, dtype=torch.bool)
@@ -285,16 +266,12 @@ def mrtpo_advantages_from_weights(
     return_stats: bool = False,
     cap: str = "batch",
 ) -> Tensor | tuple[Tensor, dict[str, Any]]:
-    """Token advantages ``[N, T]`` from token weights ``w`` (``[N, K, T]`` or joint ``[N, 1, T]``).
-
-    ``joint`` (default: ``w.shape[1] == 1`` while K > 1) applies one weight profile to the
-    summed ``S``; otherwise each reward's ``c_k A_k`` follows its own profile. ``w=None``
-    means uniform weights (GDPO). Pads get 0. ``cap`` (``CAPS``) bounds the reallocated part
-    ``x_t = R_t / (sigma + eps)`` added to GDPO's ``A(j)``: ``batch`` scales every token by
-    one global ``s = min(1, sqrt(sum S^2 / sum R^2))``; ``token`` clips each to ``|A(j)|``;
-    ``response`` scales each response by the largest factor keeping all its tokens within
-    ``|A(j)|``; ``none`` adds it as it is. With ``return_stats`` the statistics include
-    ``realloc`` (``x_t`` before any cap, ``[N, T]``) besides the numbers.
+    """Token advantages ``[N, T]`` from token weights ``w`` (``[N, K, T]`` or joint ``[N, 1, T]``;
+    ``None``: uniform, i.e. GDPO), 0 on pads. ``joint`` (default: ``w.shape[1] == 1`` while K > 1)
+    weights the summed ``S``. ``cap`` bounds ``x_t = R_t / (sigma + eps)`` added to ``A(j)``:
+    ``batch`` scales all by ``s = min(1, sqrt(sum S^2 / sum R^2))``, ``token`` clips each to
+    ``|A(j)|``, ``response`` scales each response to keep its tokens within ``|A(j)|``, ``none``
+    not at all. ``return_stats`` adds ``realloc`` (``x_t`` before any cap) to the statistics.
     """
     check_cap(cap)
     a_k, s_resp, _, denom, adv = gdpo_parts(rewards, group, weights, eps, process_group)
@@ -333,12 +310,9 @@ def mrtpo_advantages(
     joint: bool | None = None,
     cap: str = "batch",
 ) -> Tensor | tuple[Tensor, dict[str, Any]]:
-    """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``[N, K, T]`` or joint ``[N, 1, T]``).
-
-    ``q=None`` (nothing replayed) gives GDPO broadcast to tokens. ``cap``: the form of the
-    cap (``mrtpo_advantages_from_weights``). With ``return_stats`` also returns the cap's
-    statistics: ``norm_denom`` (``sigma + eps``), ``cap_bound_share``, ``sign_flip_share``,
-    ``credit_change``, ``realloc`` and, for ``cap="batch"``, ``cap_s``, ``sum_S2``, ``sum_R2``.
+    """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``None``: GDPO broadcast). With
+    ``return_stats`` also the cap's statistics: ``norm_denom`` (``sigma + eps``), ``cap_bound_share``,
+    ``sign_flip_share``, ``credit_change``, ``realloc`` and for ``batch`` ``cap_s``, ``sum_S2``, ``sum_R2``.
     """
     check_cap(cap)
     w = None if q is None else relevance_weights(q, mask, replayed, beta)
