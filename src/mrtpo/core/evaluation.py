@@ -1,10 +1,5 @@
-"""Scoring of model responses for evaluation: the one scorer that eval and validation share.
-
-``score_responses`` reads ``{"id", "response"}`` lines, scores each with the task's own
-``score`` (the same function that computes training rewards) and writes ``metrics.json``
-and ``results.jsonl``. ``evaluate_examples`` is the common core used by generation-mode
-evaluation and by training-time validation.
-"""
+"""The one scorer evaluation and validation share: each response scored by the task's own
+``score`` (as training rewards are); ``evaluate_examples`` is the common core."""
 
 from __future__ import annotations
 
@@ -57,11 +52,8 @@ def _lone_surrogate(value: Any, where: str = "") -> str | None:
 
 
 def read_jsonl(path: str | Path, objects: bool = True) -> list[Any]:
-    """Read a JSONL file; every bad line raises ``ValueError`` naming the file and line.
-
-    Bad lines: not UTF-8, not JSON, not a JSON object (with ``objects``), or holding an
-    escaped lone surrogate. Blank lines are skipped; a UTF-8 byte-order mark is allowed.
-    """
+    """Read a JSONL file; a bad line (not UTF-8, not JSON, not an object with ``objects``, a lone
+    escaped surrogate) raises ``ValueError`` naming file and line. Blank lines and a BOM pass."""
     rows = []
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
@@ -168,13 +160,8 @@ def write_results(
     scored: dict[str, Any] | None = None,
     inputs: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``results.jsonl`` and ``metrics.json`` into ``output``: both or neither.
-
-    Both files are serialized and written to temporary files first; only then are they
-    renamed into place, ``metrics.json`` last, and it records the SHA-256 of the
-    ``results.jsonl`` it belongs to. ``scored`` (what was evaluated: checkpoint or model,
-    split, sampling, counts) goes into ``metrics.json`` under ``"scored"``.
-    """
+    """Write ``results.jsonl`` and ``metrics.json`` into ``output``: both or neither (temporary
+    files renamed, ``metrics.json`` last, holding the results' SHA-256 and ``scored``)."""
     out = Path(output)
     check_outputs(out, inputs or {})
     out.mkdir(parents=True, exist_ok=True)
@@ -270,12 +257,10 @@ def score_responses(
 ) -> dict[str, float]:
     """Score a JSONL of ``{"id", "response"}`` lines against ``examples`` (matched by id).
 
-    Several lines may share an id (several samples per prompt) when every covered example
-    has the same number of them; metrics are then averaged over all lines, as the benchmarks
-    do for n samples per prompt. Lines of ``beyond_limit`` (examples of the split left out by
-    ``eval.limit``) are skipped with a warning. An empty file is an error; a file that
-    covers only some examples warns, records ``coverage`` (covered examples / examples) and,
-    with ``require_complete``, is an error. ``responses_file`` itself is never written to.
+    An id may repeat (n samples per prompt) if every covered example has as many; metrics average
+    all lines. ``beyond_limit`` lines (left out by ``eval.limit``) are skipped with a warning. An
+    empty file is an error; partial coverage warns and records ``coverage`` (an error with
+    ``require_complete``). ``responses_file`` is never written to.
     """
     check_outputs(output, {"eval.responses": responses_file})
     by_id = {str(e.id): e for e in examples}

@@ -1,9 +1,8 @@
 """Loading policies, and the tiny offline model used by tests, CI and `make train`.
 
-Every model — the tiny one included — is loaded through the same ``from_pretrained`` path,
-so the code that trains a 7B model is the code the tests run. The tiny model is built once
-(random weights, a byte-level BPE tokenizer trained in-process, a Qwen-style chat
-template) and saved into the cache folder.
+Every model, the tiny one included, loads through ``from_pretrained``, so the code that
+trains a 7B model is the code the tests run. The tiny model (random weights, an in-process
+byte-level BPE, a Qwen-style chat template) is built once into the cache folder.
 """
 
 from __future__ import annotations
@@ -251,14 +250,10 @@ def _holds_model(path: Path) -> bool:
 
 
 def may_build_tiny(name_or_path: str | Path, build_root: str | Path | None) -> bool:
-    """Whether the tiny model may be (re)built into ``name_or_path``.
-
-    The tiny model is written only into the project's own cache (``build_root``, the
-    ``model.tiny.build_root`` key, by default under ``paths.cache_dir``), and never over a
-    model that the project did not build itself (a folder with weights but no
-    ``mrtpo_tiny.json`` stamp). Any other path is read as a model like any other: a user who
-    keeps ``model=tiny`` and sets ``model.name_or_path=/my/model`` loads their model, and
-    their folder stays byte for byte as it was.
+    """Whether the tiny model may be (re)built into ``name_or_path``: only inside ``build_root``
+    (``model.tiny.build_root``) and never over a model the project did not build (weights but no
+    ``mrtpo_tiny.json``). Any other path, e.g. ``model=tiny`` with ``model.name_or_path=/my/model``,
+    loads as any model, its folder left byte for byte as it was.
     """
     path = Path(name_or_path)
     ours = (path / "mrtpo_tiny.json").is_file()
@@ -309,13 +304,9 @@ def load_policy(
     attn_implementation: str | None = None,
     lora: Mapping[str, Any] | None = None,
 ):
-    """Load (model, tokenizer) by hub id or local path.
-
-    ``tiny`` (the ``model.tiny`` block) builds the tiny model into ``name_or_path`` first, but
-    only where that cannot destroy anything: see ``may_build_tiny``. A folder the user points
-    at is only ever read. ``lora`` (the ``model.lora`` block) with ``r > 0`` wraps the model
-    in PEFT LoRA adapters: only those train (see ``apply_lora``).
-    """
+    """Load (model, tokenizer) by hub id or local path. ``tiny`` builds the tiny model first where
+    that destroys nothing (``may_build_tiny``); ``lora`` with ``r > 0`` wraps it in PEFT adapters,
+    the only trained weights (``apply_lora``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if tiny is not None:

@@ -221,11 +221,8 @@ class Replayer:
 
     @torch.no_grad()
     def run(self, model, task: Task, batch: ScoredBatch, pairs: Tensor, request) -> ReplayResult:
-        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint) — which pairs to replay.
-
-        ``request`` is the method's ``RelevanceRequest`` (a plain ``"per_reward"`` or
-        ``"joint"`` means JSD on those contexts).
-        """
+        """``pairs``: bool [N, K] (per_reward) or [N, 1] (joint), the pairs to replay; ``request``:
+        the method's ``RelevanceRequest`` (plain ``"per_reward"``/``"joint"`` mean JSD)."""
         if not isinstance(request, RelevanceRequest):
             request = RelevanceRequest(contexts=str(request))
         roll = batch.rollout
@@ -256,15 +253,10 @@ class Replayer:
         return out
 
     def _run_chunks(self, model, batch: ScoredBatch, jobs_by_resp, request, out: ReplayResult):
-        """The forwards and scores of every micro-batch, into ``out``.
-
-        Sharded (trainer=fsdp): the decoder and head cannot be called apart from the root
-        module, whose forward gathers their weights, and every rank must run as many forwards:
-        one root forward per micro-batch (the logits path, no prefix sharing), padded to the
-        busiest rank's count, agreed before the first. Under DDP forwards are local: the same
-        count is agreed after them (an out-of-memory retry stays local). A rank that replays
-        nothing still runs them.
-        """
+        """The forwards and scores of every micro-batch, into ``out``. Sharded: one root forward per
+        micro-batch (logits, no prefix sharing; decoder and head cannot be called apart), padded to
+        the busiest rank's count agreed first. DDP agrees the same count after (an out-of-memory
+        retry stays local). A rank that replays nothing still runs them."""
         roll, mode, names = batch.rollout, request.contexts, batch.reward_names
         device = next(model.parameters()).device
         ranks, sharded = Ranks(lambda: device), is_sharded(model)
@@ -335,11 +327,8 @@ class Replayer:
 
     # -- packing ------------------------------------------------------------------------
     def _pack(self, jobs_by_resp: dict[int, list[_Job]], mask: Tensor) -> list[list[_Job]]:
-        """Micro-batches of whole responses (P_all with its P_\\k) within the token budget.
-
-        A response whose own jobs exceed the budget gets a micro-batch of its own (split
-        further only by ``_forward``'s caller if memory demands: the budget is a target).
-        """
+        """Micro-batches of whole responses (P_all with its P_\\k) within the token budget (a target:
+        a response over it gets a micro-batch of its own)."""
         chunks: list[list[_Job]] = []
         cur: list[_Job] = []
         cur_width = 0
@@ -396,11 +385,9 @@ class Replayer:
         return self.shared_prompt == "always" or worth_sharing(plain_cost - shared_cost, plain_cost)
 
     def _shared_layout(self, chunk: list[_Job], t: int):
-        """The micro-batch's shared-prefix layout (``forward.prefix_layout``): a response's
-        contexts share a prefix, and its P_all context is the ``branch`` layout's base. A
-        hidden token (``method.context=mask``) reads as an id of its row's own, so that a
-        row shares no prefix past its first hidden token: the cached keys after it were
-        computed attending to it."""
+        """The micro-batch's ``forward.prefix_layout`` (P_all the ``branch`` base). A hidden token
+        (``method.context=mask``) reads as an id of its own row, so no row shares a prefix past it
+        (later cached keys attended to it)."""
         ctxs = []
         for i, job in enumerate(chunk):
             hid = set(job.hidden)
@@ -411,10 +398,9 @@ class Replayer:
 
     # -- scoring ------------------------------------------------------------------------
     def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0) -> None:
-        """JSD of every P_\\k row against its response's P_all row, many rows at once, in
-        groups of at most ``jsd_chunk`` (row, position) pairs (few, large ops; the float32
-        working set stays ``jsd_chunk x V``). The P_all rows' log-probs of the sampled tokens
-        go to ``logp`` on the way."""
+        """JSD of every P_\\k row against its P_all row, in groups of at most ``jsd_chunk`` (row,
+        position) pairs (float32 working set ``jsd_chunk x V``); P_all's sampled-token log-probs go
+        to ``logp`` on the way."""
         all_row = {job.response: i for i, job in enumerate(chunk) if job.key == ALL}
         others = [i for i, job in enumerate(chunk) if job.key != ALL]
         # responses stay whole within a group where they fit: their P_all row is shared
@@ -513,11 +499,8 @@ def _check_maskable(model) -> None:
 
 
 def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:
-    """Per reward: mean share of a response's tokens that holds ``frac`` of its distance.
-
-    q [N, K, T], mask [N, T], replayed [N, K] -> K floats (NaN where nothing was replayed).
-    Small values mean the reward's relevance is concentrated on few tokens.
-    """
+    """Per reward: mean share of a response's tokens holding ``frac`` of its distance (q [N, K, T],
+    mask [N, T], replayed [N, K] -> K floats, NaN where none replayed); small: concentrated."""
     k = q.shape[1]
     out = []
     for r in range(k):
