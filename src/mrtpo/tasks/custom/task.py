@@ -1,28 +1,24 @@
 """``task=custom``: your prompts and your reward functions, without writing a Task.
 
-Prompts come from a JSONL / JSON / parquet / CSV file, a saved HF dataset folder or a hub
-dataset id (``task.data``); the prompt column holds text or chat messages. Rewards are
-plain functions named by import strings, in one of two forms::
+Prompts come from JSONL / JSON / parquet / CSV, a saved HF dataset folder or a hub id
+(``task.data``); the prompt column holds text or chat messages. Rewards are functions named by
+import strings, in one of two forms::
 
     def has_yes(prompt, response, **row) -> float | None: ...   # None: does not apply
     def has_yes(prompts, completions, **kwargs) -> list[float | None]: ...   # TRL's
 
-A reward may also return ``RewardResult(value, extras)`` or ``{"value": v, "extras": {...}}``:
-the extras (name -> number) are logged per step as ``train/extra/<reward>/<name>`` means.
-``prompt`` is the row's prompt value as stored (text or messages), ``response`` the sampled
-text, ``row`` every other column of that row. A function with a parameter named
-``completions`` is called TRL's way instead: once per batch, with the prompts, the
-completions (text, or ``[{"role": "assistant", "content": ...}]`` when the prompt is
-messages) and every other column as lists, returning one value (or None) per completion.
-For MRTPO's replay a reward may have a
-verifier-block function of the same signature returning the text its verifier checks
-against (``None``: no block); blocks are appended to the last user message to build the
-leave-one-out contexts, as the base ``Task.contexts`` does. docs/extending.md shows a
-complete example.
+``prompt`` is the stored prompt (text or messages), ``response`` the sampled text, ``row`` the
+other columns. A function with a ``completions`` parameter is called TRL's way, once per batch,
+with lists (completions as text, or ``[{"role": "assistant", "content": ...}]`` for message
+prompts), returning a value (or None) per completion. A reward may return
+``RewardResult(value, extras)`` or ``{"value": v, "extras": {...}}``: extras (name -> number) are
+logged per step as ``train/extra/<reward>/<name>`` means (``tasks.base.reward_value``).
 
-Every call of a user's function (reward, block, success) has ``task.reward_timeout_s``
-seconds (``tasks.deadline``); past it, that value is None with the reason. What a reward may
-return is the rule of every task, ``tasks.base.reward_value``.
+For MRTPO's replay a reward may have a verifier-block function of the same signature returning
+the text its verifier checks (``None``: no block); blocks go after the last user message to build
+the leave-one-out contexts, as ``Task.contexts`` does (example: docs/extending.md). Every call of
+a user's function (reward, block, success) has ``task.reward_timeout_s`` seconds
+(``tasks.deadline``); past it, that value is None with the reason.
 """
 
 from __future__ import annotations

@@ -1,30 +1,24 @@
 """Instruction-following records, the prompt template and the file loaders.
 
-A training record is a base request plus constraints, each an (instruction id, checker
-arguments, sentence stating it) triple. Its prompt is built by ``render_prompt``, and
-``P_\\k`` for replay is the same template with constraint k's sentence left out. Generated
-prompts use one template (the request, a blank line, one sentence per line), so ``P_\\k``
-differs from the prompt by that sentence alone. HIR-16K rows name their own template
-(``extra_info.q_type``, one of HiR's six); we rebuild both contexts with it, as the paper
-does (with the numbered-list template, later items are renumbered).
+A training record is a request plus constraints, each (instruction id, checker arguments,
+sentence stating it). ``render_prompt`` builds the prompt; ``P_\\k`` for replay is the same
+template without constraint k's sentence. Generated prompts use one template (request, blank
+line, one sentence per line). HIR-16K rows name their own (``extra_info.q_type``, one of HiR's
+six) and both contexts are rebuilt with it, as the paper does (numbered lists renumber).
+Benchmark records (IFEval, IFBench) keep their prompts verbatim: constraints woven into prose
+have no sentence to remove (they are never trained on).
 
-Benchmark records (IFEval, IFBench) keep their prompts verbatim: their constraints are
-woven into the prose, so they have no sentences to remove (they are never trained on).
+HIR-16K layouts (``hir_layout`` tells them apart by their fields):
 
-HIR-16K is read in two layouts (``hir_layout`` tells them apart by their fields):
-
-* ``released``: the published file (hub dataset ``sastpg/HIR-16K``, ``HIR_trainv1.jsonl``,
-  16,968 rows), one object per line with ``id``, ``source`` (``type1`` IFEval-style,
-  ``type2`` IFBench-style, ``type3`` MulDimIF-style constraint tables, ``type4`` mixed
-  rule/LLM checkers), ``prompt`` (the bare request), ``criteria`` (one sentence per
-  constraint) and ``ground_truth`` (``instruction_id_list`` + ``kwargs`` for type1/2;
-  ``constraints`` + ``constraint_pattern`` for type3; ``checker`` + ``functions`` for type4);
-* ``verl``: the rows HiR's trainer reads: ``data_source`` (the same ``type*`` names),
-  ``reward_model.ground_truth`` (as above, a dict or its JSON text) and ``extra_info`` with
-  ``question`` (the bare request), ``criteria`` and ``q_type`` (the template).
-
-The released file names no template; its rows are rendered with ``task.data.template``
-(HiR's trainer reads ``extra_info.q_type``, which its own preprocessing adds).
+* ``released``: hub ``sastpg/HIR-16K``, ``HIR_trainv1.jsonl`` (16,968 rows): ``id``, ``source``
+  (``type1`` IFEval-style, ``type2`` IFBench-style, ``type3`` MulDimIF-style tables, ``type4``
+  mixed rule/LLM checkers), ``prompt`` (bare request), ``criteria`` (a sentence per constraint),
+  ``ground_truth`` (``instruction_id_list`` + ``kwargs`` for type1/2; ``constraints`` +
+  ``constraint_pattern`` for type3; ``checker`` + ``functions`` for type4). It names no
+  template: rows use ``task.data.template`` (HiR's own preprocessing adds ``q_type``).
+* ``verl``: what HiR's trainer reads: ``data_source`` (the ``type*`` names),
+  ``reward_model.ground_truth`` (a dict or its JSON) and ``extra_info`` with ``question``,
+  ``criteria`` and ``q_type``.
 """
 
 from __future__ import annotations

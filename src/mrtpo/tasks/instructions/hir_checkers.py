@@ -1,30 +1,22 @@
 """HiR's checker variants, as small adapters around the official checker classes.
 
-The HIR-16K authors score their training constraints with their own copies of the IFEval
-and IFBench checkers (github.com/sastpg/HIR, ``evaluation/IFEval`` and ``evaluation/IFBench``
-at commit a06c51f; the copies under ``HIR/verl/utils/reward_score/if_score`` are what their
-trainer imports). Compared with the checkers this project uses for benchmarks (lm-eval's
-IFEval port, if-verifiable's IFBench port), three differences change a verdict on ordinary
-responses:
+HIR-16K is scored with the authors' own copies of IFEval and IFBench (github.com/sastpg/HIR,
+``evaluation/IFEval``, ``evaluation/IFBench`` at a06c51f; their trainer imports the copies under
+``HIR/verl/utils/reward_score/if_score``). Three differences from the benchmark checkers used
+here (lm-eval's IFEval, if-verifiable's IFBench) change verdicts on ordinary responses:
 
-* ``language:response_language``: HiR's language table adds ``zh`` (Chinese), which the
-  official table lacks (there a ``zh`` constraint cannot even be built); and langdetect labels
-  simplified Chinese ``zh-cn``, which HiR maps to ``zh`` before comparing, so a Chinese answer
-  to "respond in zh" passes.
-* ``detectable_format:constrained_response``: HiR also accepts five Chinese answers
-  ("我的答案是肯定的", ...) besides "My answer is yes./no./maybe.".
-* ``repeat:repeat_change`` (IFBench): HiR's copy is an older version that compares the
-  request and the response with their first *character* dropped (``p[1:] == r[1:]``); the
-  current checker compares them with the first *word* dropped.
+* ``language:response_language``: HiR adds ``zh`` (the official table cannot even build it) and
+  maps langdetect's ``zh-cn`` to ``zh``, so a Chinese answer to "respond in zh" passes.
+* ``detectable_format:constrained_response``: five Chinese answers ("我的答案是肯定的", ...) pass
+  besides "My answer is yes./no./maybe.".
+* ``repeat:repeat_change`` (IFBench): HiR's older copy drops the first *character* of request and
+  response (``p[1:] == r[1:]``); the current checker drops the first *word*.
 
-Each adapter subclasses the official class and changes only ``check_following``, so argument
-handling and descriptions stay official. Other differences between the copies (error
-handling on empty sentences or paragraphs in a few IFBench checkers, where HiR's copy raises
-and the official one returns a verdict) are not reproduced: a checker that raises counts as
-not followed here, which is also what HiR's reward does for the whole response.
-
-These variants are used for HIR-16K training prompts only (``task.data.checkers: hir``);
-benchmark evaluation always uses the official checkers.
+Each adapter overrides only ``check_following``, so arguments and descriptions stay official.
+Not reproduced: a few IFBench copies raise on empty sentences or paragraphs where the official
+one returns a verdict; a raising checker counts as not followed here, as HiR's reward treats the
+whole response. Used for HIR-16K training only (``task.data.checkers: hir``); benchmarks always
+use the official checkers.
 """
 
 from __future__ import annotations

@@ -1,29 +1,24 @@
 """Instruction following: one binary reward per constraint, checked by the benchmarks' code.
 
-Each prompt carries its own 5–13 constraints, so the reward slots are positional
-(``c0 .. c{max_constraints-1}``) and a prompt's unused slots are ``None`` (NaN in the
-reward tensor); the reward set varies per prompt, which SAW refuses. Tables show slot ``c{k}``
-as ``constraint {k+1}`` (``reward_labels``; the metric keys stay ``c{k}``, which checkpoints
-and reports compare), and ``success`` is the all-constraints rate (``prompt_strict``). The information a
-reward depends on is in the prompt itself: ``P_all`` is the sampling prompt and ``P_\\k``
-is the same template rebuilt without constraint ``k`` (no verifier blocks are appended).
+Each prompt carries its own 5–13 constraints, so reward slots are positional (``c0 ..
+c{max_constraints-1}``), unused ones ``None`` (NaN in the tensor); the reward set varies per
+prompt, which SAW refuses. Tables show ``c{k}`` as ``constraint {k+1}`` (``reward_labels``; metric
+keys stay ``c{k}``, which checkpoints and reports compare); ``success`` is the all-constraints
+rate (``prompt_strict``). ``P_all`` is the sampling prompt, ``P_\\k`` the same template without
+constraint ``k`` (no verifier blocks).
 
-Splits: ``train`` (HIR-16K from ``task.data.path``, else the offline generated set),
-``val`` (``task.val_split``, IFEval by default), and the evaluation sets ``ifeval``,
-``ifbench``, ``muldimif`` (the authors' checkers, imported from
-``task.muldimif.checker_dir``), ``advancedif`` (LLM judge, needs ``eval.judge_url``) and
+Splits: ``train`` (HIR-16K from ``task.data.path``, else the generated set), ``val``
+(``task.val_split``, IFEval by default), and ``ifeval``, ``ifbench``, ``muldimif`` (the authors'
+checkers from ``task.muldimif.checker_dir``), ``advancedif`` (LLM judge, ``eval.judge_url``),
 ``generated``/``hir``.
 
-Scoring is the official strict check per constraint (the reward) and, for benchmark
-prompts, the loose check as well (reported by ``summarize``, not used as a reward). HIR-16K
-training prompts are scored with HiR's variants of three checkers (``task.data.checkers``,
-see ``hir_checkers``). Responses longer than ``task.max_response_chars`` fail every
-constraint with that reason: some upstream checkers take time quadratic in the length of
-pathological text (e.g. 16k ``[`` characters), and the cap bounds what reaches them. Below
-the cap they can still take seconds, so each checker call also runs under
-``task.checker_timeout_s`` seconds of CPU time (``mrtpo.tasks.deadline``; CPU time, so the
-verdict does not depend on the machine's load): a call past it fails its constraint,
-with the reason, and is counted (``checks["timeouts"]``, ``n_checker_timeouts``).
+The reward is the official strict check; benchmark prompts also get the loose check (reported by
+``summarize``). HIR-16K uses HiR's variants of three checkers (``task.data.checkers``,
+``hir_checkers``). Responses over ``task.max_response_chars`` fail every constraint with that
+reason: some checkers are quadratic on pathological text (16k ``[``). Below the cap each call
+has ``task.checker_timeout_s`` seconds of CPU time (``mrtpo.tasks.deadline``, load-independent);
+past it the constraint fails with the reason, counted (``checks["timeouts"]``,
+``n_checker_timeouts``).
 """
 
 from __future__ import annotations
