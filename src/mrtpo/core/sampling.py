@@ -11,13 +11,10 @@ from typing import Any
 
 @dataclass
 class SamplingConfig:
-    """``rollout.sampling``: how responses are sampled — the one description of the sampling
-    distribution. It travels with the rollout (``RolloutBatch.sampling``), and everything that
-    needs that distribution (old and reference log-probs, the update's ratio, replay's
-    next-token distributions) reads its temperature from there.
-
-    ``top_p``, ``top_k`` and ``min_p`` truncate the distribution. Evaluation may use them; RL
-    training refuses them (``check_for_training``, docs/rollout.md says why).
+    """``rollout.sampling``: the one description of the sampling distribution. It travels with the
+    rollout (``RolloutBatch.sampling``); old/reference log-probs, the ratio and replay read its
+    temperature there. ``top_p``/``top_k``/``min_p`` truncate: evaluation may use them, RL training
+    refuses them (``check_for_training``, docs/rollout.md).
     """
 
     temperature: float = 1.0
@@ -63,13 +60,10 @@ class SamplingConfig:
         return 1.0 if self.greedy else float(self.temperature)
 
     def check_for_training(self) -> None:
-        """Refuse what an on-policy RL update cannot represent exactly.
-
-        The trainer scores the sampled tokens under ``softmax(z / temperature)`` over the whole
-        vocabulary. A truncated sampler draws from another distribution (renormalized over a
-        nucleus that moves with every update, and that the engine and the trainer would cut at
-        different places in bf16), so the ratio, the KL and replay's relevance would describe
-        a policy that did not sample the batch.
+        """Refuse what an on-policy RL update cannot represent exactly: the trainer scores tokens
+        under the full-vocabulary ``softmax(z / temperature)``, while a truncated sampler draws from
+        a renormalized nucleus that moves every update (and is cut differently in bf16), so the
+        ratio, the KL and replay would describe a policy that did not sample the batch.
         """
         why = (
             "RL training needs the sampling distribution to be softmax(logits / temperature) "
@@ -98,10 +92,9 @@ class SamplingConfig:
 def vllm_sampling_fields(
     sampling: SamplingConfig, n: int, stop_ids, seed: int | None, logprobs: bool
 ) -> dict[str, Any]:
-    """vLLM's ``SamplingParams`` fields for one request (greedy means temperature 0), for the
-    in-process engine and the server alike. Every field that changes the distribution is set,
-    so nothing else applies: no penalties, no minimum length, and top-k / min-p off unless
-    ``sampling`` asks (as the HF engine does; RL training refuses truncation)."""
+    """vLLM ``SamplingParams`` fields for one request (greedy: temperature 0), in-process or
+    server. Every field that changes the distribution is set: no penalties, no minimum length,
+    top-k / min-p off unless ``sampling`` asks (as the HF engine)."""
     greedy = sampling.greedy or sampling.temperature <= 0
     fields: dict[str, Any] = {
         "n": int(n),

@@ -236,10 +236,9 @@ def _times(timings: Mapping[str, float], tokens: float) -> dict[str, Stat]:
 
 
 def combine(stats: Mapping[str, Stat], ranks: Ranks) -> dict[str, float]:
-    """Every rank's step metrics combined into the global batch's, each as it was declared
-    (identity in one process). A key some rank lacks (a reward absent from its samples) is
-    combined over the ranks that have it, so every rank ends with the same keys; except a
-    ``SHARE``, which such a rank holds 0 of, at the total of its other shares in the family."""
+    """Every rank's step metrics combined into the global batch's as declared (identity in one
+    process). A key some rank lacks is combined over those that have it, except a ``SHARE``,
+    which that rank holds 0 of, at its family's total."""
     for k, s in stats.items():
         if not isinstance(s, Stat):
             raise ValueError(

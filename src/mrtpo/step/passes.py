@@ -1,10 +1,7 @@
 """No-grad log-prob passes of the step: pi_old, the KL reference, idle passes that keep
-sharded ranks in step, and the choice of where the engine-trainer gap is measured.
-
-Every forward of a sharded policy all-gathers its weights with all ranks, so a loop whose
-work differs between ranks first agrees on the busiest rank's count (one collective) and
-pads with the cheapest batch there is (one row, one token, result discarded). DDP runs the
-same counts and the same numbers.
+sharded ranks in step, and where the engine-trainer gap is measured. A sharded forward is a
+collective, so uneven loops agree the busiest rank's count first and pad with a one-token
+batch; DDP runs the same counts and numbers.
 """
 
 from __future__ import annotations
@@ -140,11 +137,9 @@ class LogprobPasses:
             self.policy.train()
 
     def gap_in_update(self, several: bool, made: bool) -> bool:
-        """Whether the update's own forward gives pi_old's log-probs for the engine gap: one
-        update per step (``several`` false), pi_old's not already computed (``made``: the
-        method's ``score_inputs`` wanted them) and a policy without dropout (train mode then
-        computes what eval mode does). Decided jointly: under FSDP the old-policy pass is a
-        collective every rank must run or skip alike."""
+        """Whether the update's forward gives pi_old's log-probs for the engine gap: one update per
+        step (``several`` false), pi_old's not computed already (``made``) and no dropout. Decided
+        jointly: under FSDP the old-policy pass is a collective."""
         if self._no_dropout is None:
             found = dropout_in(self.policy)
             self._no_dropout = found is None

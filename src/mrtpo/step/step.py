@@ -173,14 +173,11 @@ class RLStep:
         return out & ~scored.rewards.isnan()
 
     def old_policy(self, roll: RolloutBatch, rel: Relevance, stale: bool = False) -> OldPolicy:
-        """4. What the updates compare against, under P0 at the sampling temperature.
-
-        pi_old's log-probs when more than one update follows (with one they equal the current
-        policy's, so the ratio does not need them). Then the KL reference's, and the method's
-        own no-grad inputs. Where the engine reported its own log-probs, the engine-trainer
-        gap (and, with rl.tis_cap, the weights that correct for it) is measured against pi_old:
-        from these log-probs when they exist, else from the update's own forward, else (a
-        policy with dropout) by a pass of its own.
+        """4. What the updates compare against, under P0 at the sampling temperature: pi_old's
+        log-probs when more than one update follows (with one they equal the policy's), the KL
+        reference's, the method's no-grad inputs, and where the engine reported log-probs the
+        engine-trainer gap (and rl.tis_cap's weights): from pi_old's log-probs, else the update's
+        own forward, else (dropout) a pass of its own.
         """
         rl, micro = self.rl, int(self.rl.micro_batch_size)
         several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
@@ -230,10 +227,9 @@ class RLStep:
         return relevance_weights(rel.q, mask, rel.replayed, 0.0)
 
     def advantages(self, scored: ScoredBatch, rel: Relevance, old: OldPolicy) -> Advantages:
-        """5. Token advantages [N, T] and the method's statistics. Group ids are local to this
-        rank (0..B-1): a group never spans ranks. Under DDP the inputs go to this rank's
-        device, which the collective backend needs (NCCL reduces CUDA tensors only); batch
-        statistics are then global."""
+        """5. Token advantages [N, T] and the method's statistics. Group ids are rank-local (a group
+        never spans ranks); under DDP inputs go to this rank's device (NCCL reduces CUDA tensors
+        only) and batch statistics are global."""
         dev = self.device() if self.ranks.group is not None else torch.device("cpu")
 
         def on_dev(x):
@@ -258,12 +254,8 @@ class RLStep:
         return Advantages(out.advantages.cpu(), dict(out.stats), realloc, weights)
 
     def _replay(self, scored: ScoredBatch, pairs: torch.Tensor):
-        """Run replay; on out-of-memory halve ``replayer.token_budget`` and try again.
-
-        The smaller budget is kept for the rest of the run (the next batch would fail the
-        same way). Replay runs no collectives, so a retry on one rank alone is safe; under
-        sharding every forward is a collective and a rank cannot retry alone: no retry.
-        """
+        """Run replay; on out-of-memory halve ``replayer.token_budget`` for the rest of the run and
+        retry. Replay runs no collectives, so one rank may retry alone; not under sharding."""
         retries = 0 if is_sharded(self.policy) else int(self.rl.replay_oom_retries)
         for attempt in range(retries + 1):
             failed = None
@@ -295,12 +287,8 @@ class RLStep:
 
     # ---- skips and metrics -------------------------------------------------------------
     def skip(self, host: UpdateHost, what: str, scored: ScoredBatch, adv=None) -> StepResult:
-        """Skip this step's update (every rank does, the decision being joint).
-
-        The step still counts: the iteration and the host's step count advance, so the data
-        stream, the β schedule, ``trainer.max_steps`` and the metrics' step column stay
-        aligned, and the learning-rate warm-up counts it as β's does.
-        """
+        """Skip this step's update (every rank does: the decision is joint). The step still counts,
+        so the data stream, β, ``trainer.max_steps``, the metrics' step and the LR warm-up stay aligned."""
         bad = ~torch.isfinite(scored.rewards).all(-1)
         if adv is not None:
             bad = bad | ~torch.isfinite(adv).all(-1)

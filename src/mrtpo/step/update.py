@@ -1,9 +1,7 @@
-"""Phase 6 of the step: clipped-surrogate updates over mini-batches, through an ``UpdateHost``.
-
-The host is whatever owns the optimizer: ``mrtpo.lightning.module.PolicyModule`` under Lightning
-(precision, strategy, step counting), or ``TorchHost`` for a plain loop. The updater only
-decides what to compute: which rows form each mini-batch, the loss of each micro-batch, and
-when the update must stop because a loss was not finite on some rank.
+"""Phase 6 of the step: clipped-surrogate updates over mini-batches, through an ``UpdateHost``
+(``PolicyModule`` under Lightning, ``TorchHost`` in a plain loop) that owns the optimizer. The
+updater decides the mini-batches, each micro-batch's loss, and when a non-finite loss on
+some rank stops the update.
 """
 
 from __future__ import annotations
@@ -93,10 +91,9 @@ class Updater:
         adv: Advantages,
         generator: torch.Generator,
     ) -> Update | None:
-        """The step's update metrics: ``loss`` is the mean over updates of each update's
-        (mini-batch) loss; the per-token statistics are means over every valid token of every
-        update; ``lr`` is this step's learning rate. None when a loss was not finite (on any
-        rank). With ``old.gap_in_update`` the engine gap is measured on the way."""
+        """The update metrics: ``loss`` is the mean over updates, per-token statistics are means over
+        every valid token of every update, ``lr`` this step's. None when a loss was not finite on any
+        rank. With ``old.gap_in_update`` the engine gap is measured on the way."""
         rl, roll = self.rl, scored.rollout
         gap = EngineGap(old.tis_cap) if old.gap_in_update else None
         tis = torch.zeros(roll.response_ids.shape) if gap and gap.tis_cap is not None else None
@@ -174,10 +171,8 @@ class Updater:
         return float(total) / self.ranks.world_size
 
     def _micro_loss(self, inputs: _Inputs, idx, denom: float):
-        """(loss, per-token statistics, valid tokens) of one micro-batch: the surrogate, plus
-        the method's own term (``token_loss``) where it has one. With a gap to measure (one
-        update per step) this forward is pi_old's: it measures the gap and makes the TIS
-        weights."""
+        """(loss, per-token statistics, valid tokens) of one micro-batch: the surrogate plus the
+        method's ``token_loss``. With a gap to measure, this forward is pi_old's (gap, TIS weights)."""
         rl, old, sub = self.rl, inputs.old, inputs.roll.select(idx)
         tau = sub.temperature
         logp, logits = self.policy_logprobs(sub, tau, inputs.method.wants_logits)
