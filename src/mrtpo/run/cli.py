@@ -34,9 +34,6 @@ COMMAND_LINE = False
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
 
-# ---- --help ---------------------------------------------------------------------------------
-
-
 def config_options(group: str) -> str:
     """The options of a config group: the names of ``configs/<group>/*.yaml``."""
     from mrtpo.run.config import CONFIG_DIR
@@ -80,9 +77,6 @@ for _name, _groups in (
 ):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, lambda g=_groups: help_groups(g))
-
-
-# ---- errors -----------------------------------------------------------------------------------
 
 
 def in_sweep() -> bool:
@@ -151,9 +145,6 @@ def run_job(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
         if in_sweep():
             raise JobFailed(f"error: {text}") from None
         raise SystemExit(2) from None
-
-
-# ---- the model --------------------------------------------------------------------------------
 
 
 def _load_failure(name: str, exc: BaseException) -> str:

@@ -33,12 +33,8 @@ PROJECT_ROOT = CONFIG_DIR.parent
 
 
 def unique_dir(base: str) -> str:
-    """Create ``base`` exclusively and return it; on a collision use ``base-1``, ``base-2``...
-
-    Two runs started in the same second with default paths would otherwise share one folder
-    (their metrics interleaved, their checkpoints mixed). Worker processes that Lightning
-    launches for DDP are given the folder explicitly and never come here.
-    """
+    """Create ``base`` exclusively (else ``base-1``, ``base-2``...) and return it: two runs
+    started in the same second would otherwise share one folder. DDP workers never come here."""
     if base in _CLAIMED:
         return _CLAIMED[base]
     path = Path(base)
@@ -74,21 +70,15 @@ def run_dir(resume, base: str) -> str:
 
 
 def hydra_subdir(resume) -> str | None:
-    """``hydra.output_subdir``: ``.hydra`` for a new run; None (nothing written) for a resume.
-
-    A resume must not change its run folder before it has been validated, and Hydra would
-    otherwise overwrite the original ``overrides.yaml`` with the resuming command line.
-    ``mrtpo.run.resume.record_resume`` saves the resume's config once it is accepted.
-    """
+    """``hydra.output_subdir``: ``.hydra``, or None for a resume, which must change nothing
+    before it is validated (``record_resume`` saves its config once accepted)."""
     return None if resume else ".hydra"
 
 
 def job_log(resume, output_dir: str, job_name: str, pending_dir: str | None = None) -> str:
-    """Hydra's job log file: in the run folder, except for a resume not yet validated. That
-    one logs to ``pending_dir`` (``<paths.log_dir>/<job>/resume-logs/``) until
-    ``record_resume`` accepts the resume and moves what was logged into the run's own log (a
-    refused resume's log stays there). Without ``pending_dir`` (an older hydra config): beside
-    the resumed folder's parent."""
+    """Hydra's job log: in the run folder, but a resume logs to ``pending_dir`` (older
+    configs: beside the run folder's parent) until ``record_resume`` accepts it and moves the
+    log into the run's own (a refused resume's stays)."""
     if not resume:
         return str(Path(output_dir) / f"{job_name}.log")
     folder = Path(str(resume)).resolve()
@@ -124,11 +114,9 @@ def swept_keys(overrides) -> list[str]:
 
 
 def sweep_dir(base, overrides) -> str:
-    """``hydra.sweep.dir``: ``base`` (``.../multiruns/<time>``) followed by the swept keys
-    (``..._method-seed``), so a sweep's folder says what it holds; one folder name of at most
-    100 more characters. A job's own overrides sweep nothing: it gets the folder its sweep
-    was given last (sweeps in one process run one after another). Like Hydra's ``${now:...}``
-    folder, two sweeps over the same keys in the same second share one folder."""
+    """``hydra.sweep.dir``: ``base`` then the swept keys (``..._method-seed``, at most 100
+    more characters). A job (sweeping nothing) gets its sweep's last folder; as with Hydra's
+    ``${now:...}``, two sweeps over the same keys in the same second share one."""
     key, keys = str(base), swept_keys(overrides)
     if not keys:
         return _SWEEP_DIRS.get(key, key)
@@ -199,18 +187,12 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
-def _register_schemas() -> None:
-    register_schemas()
-
-
-_register_schemas()
+register_schemas()
 
 
 def compose(config_name: str = "train.yaml", overrides: Sequence[str] = (), config_dir=None):
-    """The real config, composed as the entry points compose it (with the ``hydra`` node).
-
-    Also makes it the current ``HydraConfig``, so ``${hydra:...}`` interpolations resolve.
-    """
+    """The real config as the entry points compose it (``hydra`` node included), made the
+    current ``HydraConfig`` so ``${hydra:...}`` resolves."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -1,20 +1,12 @@
 """Every key of a composed training config is read by something, or the run is refused.
 
-Hydra's ``+key=value`` adds any key, and its own hint for a misspelt group is ``+metod=gdpo``:
-that run trained MRTPO and exited 0, and ``+learning_rate=1e-5`` was ignored the same way.
-``check_keys`` refuses such a config before anything loads, naming the key and the nearest
-real one. What counts as read:
-
-* a top-level key of ``TOP_LEVEL`` (each with what reads it);
-* the keys of the typed sections (``rl``, ``optim``, ``replay``, ``data``, ``stage.sft``:
-  ``mrtpo.run.settings`` refuses the others);
-* in a node with a ``_target_`` (a task, a method, the trainer, a callback, a logger, the
-  stage and the nodes inside it), the arguments its class or function takes; a class that
-  takes ``**kwargs`` takes any key;
-* the keys of ``FIXED`` nodes (``model``: ``mrtpo.core.models.load_policy``'s arguments,
-  ``rollout.sampling``: ``SamplingConfig``'s fields, ``rollout``: what the rollout stage
-  reads, the one list written here);
-* anything under ``paths`` (its keys are read by interpolation) and ``hydra``.
+Hydra's ``+key=value`` adds any key (its own hint for a misspelt group is ``+metod=gdpo``: that
+run trained MRTPO and exited 0). ``check_keys`` refuses such a config before anything loads,
+naming the key and the nearest real one. Read keys are: those of ``TOP_LEVEL``; the fields of
+the typed sections (``mrtpo.run.settings``); in a ``_target_`` node, the arguments its class or
+function takes (any key with ``**kwargs``); the keys of ``FIXED`` nodes (``model``,
+``rollout.sampling``, ``rollout``: the one list written here); anything under ``paths`` and
+``hydra``.
 """
 
 from __future__ import annotations

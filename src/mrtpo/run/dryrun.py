@@ -1,25 +1,16 @@
-"""``python src/train.py <overrides> --check`` (the same as ``dry_run=true``): every check of
-a run at once, then what the run would do. Nothing is trained, no model is loaded, and the run
-folder Hydra made is removed again.
+"""``python src/train.py <overrides> --check`` (= ``dry_run=true``): every check of a run at
+once, then what the run would do. Nothing is trained or loaded; Hydra's run folder is removed.
 
-A plain run stops at its first problem, and on a machine without the GPUs a preset asks for,
-the GPU refusal came first and hid the others (data paths, model files, vLLM, the OPSD
-teacher's refusal). Here each check runs whatever the others found:
-
-- settings: every key read by something (``mrtpo.run.config_keys``), the typed sections and
-  their ranges, values left open (``???``);
-- where it runs: the trainer as on a machine that has the GPUs it asks for (this machine's
-  lack of them is a note), and the global batch divided over those ranks;
-- data: the preset's paper data present and in the paper's layout (``mrtpo.run.paper_data``),
-  then the task's own loader reads the training (and validation) split;
-- the method and the stage against the task and the strategy (OPSD's teacher under FSDP);
-- model files: a local folder holding a config, weights and a tokenizer, or a hub id in
-  this machine's Hugging Face cache; the engine importable (vLLM installed for
-  ``rollout=vllm``); the loggers' packages.
+A plain run stops at its first problem (on a machine without the preset's GPUs, the GPU
+refusal hid the rest). Here every check runs: settings (``mrtpo.run.config_keys``, ranges,
+``???``); placement as on the machine the preset asks for, and the global batch over its
+ranks; the paper data (``mrtpo.run.paper_data``) and the task's loader on its splits; the
+method and stage against task and strategy (OPSD's teacher under FSDP); model files (local
+folder or this machine's HF cache), the engine (vLLM for ``rollout=vllm``) and the loggers.
 
 Then the plan: prompts and responses per step (global and per rank), steps, optimizer steps,
-tokens per step, and memory per GPU by the arithmetic of docs/scaling.md, labelled as
-arithmetic. Problems are listed together and end the command with exit status 2.
+tokens per step and memory per GPU by docs/scaling.md's arithmetic, labelled as such.
+Problems are listed together and exit with status 2.
 """
 
 from __future__ import annotations
@@ -106,9 +97,6 @@ def strategy_problem(cfg: DictConfig) -> str | None:
             "not sharded in lockstep yet: use trainer=ddp (or trainer=gpu), or another method"
         )
     return None
-
-
-# ---- checks ---------------------------------------------------------------------------------
 
 
 def _mandatory(cfg: DictConfig) -> None:
@@ -287,9 +275,6 @@ def check_all(cfg: DictConfig) -> Findings:
     found.notes += leftover_snapshots(cfg)
     _attempt(found, "logger", lambda: check_loggers(cfg.get("logger")))
     return found
-
-
-# ---- the plan -------------------------------------------------------------------------------
 
 
 def model_sizes(cfg: DictConfig) -> dict[str, Any] | None:

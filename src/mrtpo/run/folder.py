@@ -223,11 +223,9 @@ def _only_hydra_start(folder: Path) -> bool:
 
 
 def is_refusal(exc: BaseException) -> bool:
-    """A run refused before it started: a config value that cannot work (``ConfigError``:
-    a bad value, a key nothing reads, the paper's data missing, GPUs the machine lacks) or a
-    file that is not there, as such or wrapped by Hydra's ``instantiate``. Their one line
-    says it all (``mrtpo.run.cli.run_job`` points at no traceback); after any other error (a
-    model that cannot load) the run folder keeps the log holding its traceback."""
+    """A run refused before it started: a ``ConfigError`` or a missing file, maybe wrapped by
+    Hydra's ``instantiate``. Its one line says it all; after any other error the run folder
+    keeps the log holding the traceback."""
     from hydra.errors import InstantiationException
 
     from mrtpo.run.settings import ConfigError
@@ -238,14 +236,11 @@ def is_refusal(exc: BaseException) -> bool:
 
 
 def discard_refused_folder(cfg: DictConfig) -> Path | None:
-    """After a new run that stopped before it trained (refused, or ``dry_run=true``): remove
-    the run folder this process created for it (``mrtpo.run.config.unique_dir``) and the empty
-    folders it created above it, so a refused command leaves nothing on the disk. A folder
-    named with ``hydra.run.dir``/``paths.output_dir`` goes the same way when this run made
-    it, and is emptied of Hydra's files when it was an empty folder before
-    (``check_new_run_folder``). A resume's folder, a sweep's job folder (its ``job.json``
-    records the failure) and a folder holding anything but Hydra's config and log are kept.
-    Returns the removed (or emptied) folder, or None."""
+    """After a new run stopped before training (refused, or ``dry_run=true``): remove the run
+    folder this process made (and the empty parents it made), so a refused command leaves
+    nothing; a user-named folder that was empty before is only emptied. A resume's folder, a
+    sweep job's, and one holding more than Hydra's config and log are kept. Returns the
+    removed (or emptied) folder, or None."""
     from mrtpo.run.config import made_here
 
     if cfg.get("resume") or secondary_process():

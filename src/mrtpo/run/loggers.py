@@ -1,15 +1,9 @@
 """Checking that every configured logger can be built, before anything heavy is loaded.
 
-Lightning's loggers test for their package only when they are constructed, which in a run
-happens after the policy has been loaded (minutes for a real model) and the run folder has
-been created: a missing ``tensorboard`` or ``wandb`` then costs that time and leaves an
-empty folder behind. ``check_loggers`` makes the same test on the config alone and says
-which extra of this project installs what is missing.
-
-``RunCSVLogger`` is Lightning's CSV logger made safe for resuming in place: ``metrics.csv`` is
-never deleted or truncated, only replaced atomically, so a run's history is on disk at every
-instant (``build_loggers`` uses it for ``lightning.pytorch.loggers.CSVLogger``). It never
-writes through a link planted in the run folder (``mrtpo.safe_files``).
+Lightning tests a logger's package only at construction, after the policy loaded (minutes)
+and the run folder exists; ``check_loggers`` tests the config alone and names the extra to
+install. ``RunCSVLogger`` makes Lightning's CSV logger safe to resume in place: ``metrics.csv``
+is only ever replaced atomically, never truncated, and never written through a planted link.
 """
 
 from __future__ import annotations
@@ -142,9 +136,6 @@ def check_loggers(logger_cfg) -> None:
         )
 
 
-# ---- a CSV logger that never loses the history of a run ------------------------------------
-
-
 def _step_of(row: dict[str, str]) -> int | None:
     try:
         return int(float(row.get("step", "")))
@@ -175,16 +166,10 @@ def _write_csv_atomic(path: Path, fields: list[str], rows: list[dict[str, Any]])
 
 
 class KeepingWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that an existing ``metrics.csv`` is never removed or
-    truncated in place.
-
-    Lightning's writer deletes the file when it is created and rewrites it in place when a
-    new column appears; a process killed in between loses every earlier row. Here the file
-    stays as it was until the first rows of this run are saved; then one atomic rename
-    replaces it by its rows of steps before ``start_step`` (the step a resumed run restarts
-    from; 0 for a new run) followed by the new rows. Later saves append, or, when a column
-    is new, rewrite the whole table atomically.
-    """
+    """Lightning's CSV writer, but ``metrics.csv`` is never removed or truncated in place
+    (Lightning's deletes it and rewrites it for a new column: a kill in between loses every
+    row). The first save atomically replaces it by its rows before ``start_step`` plus the
+    new ones; later saves append, or rewrite atomically for a new column."""
 
     def __init__(self, log_dir: str, start_step: int | None = 0) -> None:
         super().__init__(log_dir)
@@ -223,11 +208,8 @@ class KeepingWriter(ExperimentWriter):
 
 
 class RunCSVLogger(CSVLogger):
-    """Lightning's ``CSVLogger`` writing through ``KeepingWriter`` (see above).
-
-    ``resuming``: the run continues from a checkpoint; the step it restarts from is given
-    later (``mrtpo.lightning.callbacks.resume.ResumeMetrics``), and until then the old file is kept.
-    """
+    """Lightning's ``CSVLogger`` writing through ``KeepingWriter``. ``resuming``: the restart
+    step comes later (``callbacks.resume.ResumeMetrics``); the old file is kept until then."""
 
     def __init__(self, *args: Any, resuming: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

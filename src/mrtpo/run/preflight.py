@@ -1,16 +1,12 @@
-"""Checks of a training config that need nothing loaded: each failure is one ``ConfigError``
-line that names what to change (issue 41, item 7).
+"""Checks of a training config that need nothing loaded; each failure is one ``ConfigError``
+line naming what to change (issue 41, item 7). ``check(cfg)`` runs before anything loads:
 
-``check(cfg)`` runs before any warm start, model or data is loaded (``pipeline.train``):
+- a value left open (``???``), e.g. ``task=custom`` without ``task.rewards``;
+- a logger whose package is missing (``logger=wandb`` without ``wandb``);
+- ``rollout=vllm`` without CUDA: vLLM's CPU build must be installed, and its attention has
+  no kernel for heads under 32 wide (tiny/toy have 16; ``model=tiny_wide`` has two of 32).
 
-- a value the config leaves open (``???``), e.g. ``task=custom`` without ``task.rewards``;
-- a logger whose package is not installed (``logger=wandb`` without ``wandb``);
-- ``rollout=vllm`` on a machine without CUDA: vLLM's CPU build must be installed, and its
-  attention has no kernel for heads narrower than 32 (the tiny and toy models have 16):
-  ``model=tiny_wide`` is the tiny model with two heads of 32.
-
-A data file that does not exist is refused where the task reads it
-(``tasks.custom.data.detect_format``), before the model loads and without asking the Hub.
+A missing data file is refused where the task reads it (``tasks.custom.data.detect_format``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Resuming a run in its own folder, without ever losing what the folder already holds.
 
-``+resume=<run folder>`` continues a run in place, with the run's own overrides
-(``resume_overrides``, read as ``mrtpo.run.resume_trust`` allows). Before anything in that folder
-changes (metrics, checkpoints, the saved overrides), the resume is validated: the checkpoint
-must be readable, trained with the same task, method, reward set and model shapes as the
-resuming config, and with the same settings except those of ``RESUME_MAY_CHANGE`` (every
-checkpoint records its run's settings, ``settings_record``). A refused resume leaves the
-folder byte for byte as it was.
-
-Hydra does not write the resuming command's config into the folder (``hydra.output_subdir``
-is null for a resume, see configs/hydra/default.yaml); once the resume is validated it is
-recorded beside the original under ``.hydra/resumes/<time>/`` and appended to
-``.hydra/history.yaml``. The original ``.hydra/overrides.yaml`` is never rewritten.
+``+resume=<run folder>`` continues a run in place with its own overrides (``resume_overrides``,
+as ``mrtpo.run.resume_trust`` allows). Before anything there changes, the checkpoint must be
+readable and trained with the same task, method, reward set, model shapes and settings, but
+for ``RESUME_MAY_CHANGE`` (``settings_record``); a refused resume leaves the folder untouched.
+Hydra writes no config for a resume (``hydra.output_subdir`` is null); a validated one is
+recorded under ``.hydra/resumes/<time>/`` and in ``.hydra/history.yaml``, never over the
+original ``.hydra/overrides.yaml``.
 """
 
 from __future__ import annotations
@@ -76,12 +71,8 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Verify (checksum, finiteness) and load a checkpoint on the CPU, memory-mapped.
-
-    A damaged, truncated or empty file is refused naming it and the earlier checkpoints of
-    its folder (``mrtpo.run.checkpointing``), not with torch's internal messages. The read is
-    weights-only: a pickle that would call a function is refused naming it, and never runs.
-    """
+    """Verify (checksum, finiteness) and load a checkpoint on the CPU, memory-mapped,
+    weights-only; a bad file is refused naming the usable ones beside it."""
     from mrtpo.run.checkpointing import CheckpointError, load_checkpoint
 
     path = Path(path)
@@ -433,18 +424,12 @@ class NothingToTrain(Exception):
 
 
 def check_steps_left(cfg: DictConfig, ckpt_path: str | Path) -> None:
-    """Refuse, before anything loads, a start from ``ckpt_path`` that would train no step
-    (Lightning would train none and call the run completed). The checkpoint's
-    ``global_step`` is read without reading its tensors.
-
-    A ``+resume`` whose checkpoint is at ``trainer.max_steps`` (the run finished) raises
-    ``NothingToTrain`` with the command that trains longer (its settings are checked first,
-    so that command is accepted), unless the run was stopped while it exported its policy
-    (``mrtpo.run.trained_run.pending_export``): then it returns, and the resume trains no
-    step and writes the export. A checkpoint past ``trainer.max_steps`` (a resume), or at
-    or past it for a new run from ``ckpt_path=`` (which counts on from the checkpoint's
-    step), is refused naming both numbers.
-    """
+    """Refuse, before anything loads (``global_step`` is peeked), a start that would train no
+    step, which Lightning would call completed. A ``+resume`` at ``trainer.max_steps`` raises
+    ``NothingToTrain`` with the command that trains longer (settings checked first, so it is
+    accepted), unless it stopped while exporting (``pending_export``): then the resume only
+    exports. A resume past the limit, or a ``ckpt_path=`` start at or past it (it counts on
+    from the checkpoint's step), is refused naming both numbers."""
     from mrtpo.run.checkpointing import peek_checkpoint
     from mrtpo.run.settings import ConfigError
 

@@ -1,24 +1,15 @@
 """The typed settings of a run: every key declared once, on its field.
 
 These dataclasses are the single source of the ``rl``, ``optim``, ``replay``, ``data`` and
-``stage.sft`` sections. They are registered with Hydra's ConfigStore (``schema/<name>``) and
-listed in the defaults of ``configs/train.yaml``, so
+``stage.sft`` sections, registered with Hydra's ConfigStore (``schema/<name>``) and listed in
+``configs/train.yaml``'s defaults: a wrong type fails at composition, a value out of range in
+``__post_init__`` (``mrtpo.run.checks.validate``, before any model or data loads), an unknown
+key naming the valid ones (``mrtpo.run.overrides.check_overrides``, ``from_mapping``).
 
-* every key can be overridden plainly (``rl.replay_oom_retries=8``, ``optim.betas=[0.9,0.95]``);
-* a value of the wrong type fails while Hydra composes the config, naming the key;
-* a value out of range fails in ``__post_init__`` (``mrtpo.run.checks.validate``, called before
-  any model or data is loaded), naming the key, the value and what is allowed;
-* an unknown key fails naming the valid ones (``mrtpo.run.overrides.check_overrides`` for the
-  command line, ``from_mapping`` for library callers).
-
-A field states its type and default as usual, and in its ``setting(...)`` metadata its range
-(``check``/``allowed``), whether a ``+resume`` may change it (``resume``), the keys it replaced
-(``old``) and the words people type for it (``words``). The lists other modules need are read
-from there (``renamed``, ``resumable``, ``setting_words``), never written out by hand, in the
-style of TRL's ``GRPOConfig`` (one field per setting, its facts beside it).
-
-Why structured configs rather than YAML alone: YAML cannot say that ``group_size`` is an
-integer >= 2, and the code that needs the value would have to repeat the default anyway.
+A field's ``setting(...)`` metadata holds its range (``check``/``allowed``), whether ``+resume``
+may change it (``resume``), its replaced keys (``old``) and the words people type for it
+(``words``); ``renamed``, ``resumable`` and ``setting_words`` are read from there, as in TRL's
+``GRPOConfig``. Why not YAML alone: it cannot say ``group_size`` is an integer >= 2.
 """
 
 from __future__ import annotations
@@ -368,9 +359,6 @@ def section(cfg, name: str):
     else:
         out = schema.from_mapping(OmegaConf.to_container(node, resolve=True))
     return out.per_rank(world_size(cfg)) if isinstance(out, RLConfig) else out
-
-
-# ---- the lists read from the fields' declarations -------------------------------------------
 
 
 def declared() -> Iterator[tuple[str, Field]]:

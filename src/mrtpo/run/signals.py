@@ -1,10 +1,6 @@
-"""SIGTERM and SIGINT end a run within a bounded time.
-
-``SignalStop`` is installed by src/train.py through ``run_and_exit``: the run says so in one
-log line, records itself as interrupted (``RunInterrupted``, ``job.json``) and exits with
-128 + the signal's number; threads left running by a reward never keep the process alive
-after its run has ended.
-"""
+"""SIGTERM and SIGINT end a run within a bounded time (``SignalStop``, via ``run_and_exit``):
+one log line, ``job.json`` says interrupted, exit status 128 + the signal's number, and a
+reward's leftover threads never keep the process alive."""
 
 from __future__ import annotations
 
@@ -25,8 +21,6 @@ from mrtpo.core.errors import CompactHydraException
 log = logging.getLogger(__name__)
 
 
-# ---- SIGTERM and SIGINT: a stop within a bounded time ----------------------------------------
-
 #: How long a SIGTERM lets the running step go on: Lightning stops at the end of a step, but a
 #: step held up by a reward that never returns is interrupted after this many seconds.
 STEP_GRACE_S = 15.0
@@ -38,12 +32,8 @@ THREAD_GRACE_S = 5.0
 
 
 class RunInterrupted(CompactHydraException):
-    """The run stopped on SIGTERM or SIGINT.
-
-    An ``Exception``, so Hydra records the job (``job.json`` takes ``job_status``); Hydra prints
-    the message alone, and ``run_and_exit`` turns the exit status into 128 + the signal's number.
-    ``trained`` says whether training had begun (the run folder was written to).
-    """
+    """The run stopped on SIGTERM or SIGINT. An ``Exception`` so Hydra records the job
+    (``job_status``) and prints the message alone; ``trained``: the run folder was written to."""
 
     job_status = "interrupted"
 
@@ -63,22 +53,16 @@ class Interrupt(KeyboardInterrupt):
 
 
 class SignalStop:
-    """What the process does on SIGTERM and SIGINT (one instance: ``STOP``).
+    """What the process does on SIGTERM and SIGINT (one instance: ``STOP``). Each signal, or
+    grace period run out, goes one level further:
 
-    Each signal, or each grace period that runs out, takes the stop one level further:
+    1. SIGTERM while fitting: the step ends, Lightning's ``received_sigterm`` stops the fit;
+    2. SIGINT, a signal outside fitting, a second signal, or a step still running
+       ``STEP_GRACE_S`` later: ``Interrupt`` in the main thread; the run unwinds its records;
+    3. a signal while unwinding, or ``EXIT_GRACE_S`` later: logs flushed, ``os._exit``.
 
-    1. a SIGTERM while the trainer fits lets the running step end: Lightning's own handler
-       (``trainer.received_sigterm``) stops the fit there;
-    2. a SIGINT, a signal before or after fitting, a second signal, or a step still running
-       ``STEP_GRACE_S`` after the SIGTERM: ``Interrupt`` is raised in the main thread, where a
-       reward asleep or looping in Python stops, and the run unwinds writing its records;
-    3. a signal while the run unwinds, or an unwinding not done ``EXIT_GRACE_S`` later: the
-       logs are flushed and the process ends at once (``os._exit``).
-
-    The first signal is said in one log line with the step and how to resume. A watchdog
-    thread, started with the handlers, keeps the time and says it; signal handlers only set
-    fields (starting a thread or logging inside one could deadlock).
-    """
+    A watchdog thread keeps the time and logs; handlers only set fields (starting a thread or
+    logging inside one could deadlock)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -300,13 +284,9 @@ def _status(code: Any) -> int:
 
 
 def run_and_exit(main: Callable[[], Any]) -> NoReturn:
-    """Run an entry point's ``main`` with ``STOP`` installed and end the process.
-
-    The exit status is ``main``'s (0 when it returns), or 128 + the signal's number when a
-    SIGTERM or SIGINT stopped it. Threads that are still running ``THREAD_GRACE_S`` after
-    ``main`` has returned (a reward's own, not marked daemon) are named in a warning and not
-    waited for: the exit handlers run, the streams are flushed, and the process ends.
-    """
+    """Run ``main`` with ``STOP`` installed and end the process with its status (128 + the
+    signal's number after a stop). Non-daemon threads still running ``THREAD_GRACE_S`` later
+    are named in a warning and not waited for."""
     STOP.install()
     try:
         main()

@@ -1,19 +1,12 @@
-"""How many CPU threads torch (and OpenMP under it) uses in a run: the ``threads`` key.
+"""How many CPU threads torch (and OpenMP) uses in a run: the ``threads`` key.
 
-torch starts one thread per core. For the small models this project trains on a CPU (the
-tiny and toy models, ~0.1M parameters) each matrix is so small that handing work between
-threads costs more than it saves, and with other processes on the machine the threads also
-wait for each other: ``python src/train.py`` took 47-154 s with torch's default on 2 busy
-cores and 12-17 s on one thread (issue 41). So:
-
-- ``threads=auto`` (the default): the value of ``OMP_NUM_THREADS`` when it is set; else one
-  thread for a model under ``SMALL_MODEL`` parameters on the CPU trainer; else torch's own
-  choice, divided among the processes a CPU trainer starts on this machine;
-- ``threads=N``: N threads;
-- ``threads=null``: torch's own choice, untouched.
-
-``configure`` runs when a training run starts, before the model loads, and logs the choice.
-``OMP_NUM_THREADS`` is set too (unless already set), so processes the run starts inherit it.
+For the tiny and toy models (~0.1M parameters) handing work between threads costs more than
+it saves: ``python src/train.py`` took 47-154 s with torch's default on 2 busy cores, 12-17 s
+on one thread (issue 41). ``threads=auto`` (default): ``OMP_NUM_THREADS`` if set; else one
+thread for a model under ``SMALL_MODEL`` parameters on the CPU trainer; else torch's choice
+divided among the CPU trainer's processes. ``threads=N``: N. ``threads=null``: untouched.
+``configure`` runs before the model loads, logs the choice and sets ``OMP_NUM_THREADS``
+(unless set) for the processes the run starts.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The training run behind a checkpoint, for evaluating or exporting it.
 
-With ``ckpt_path=<run>/checkpoints/<x>.ckpt`` the model (and with it the tokenizer) and the
-task come from that training run's saved config, ``<run>/.hydra/config.yaml``: the checkpoint
-is scored as it was trained. A group chosen on the command line (``model=...``, ``task=...``)
-replaces the run's; a single key (``model.name_or_path=...``, ``task.num_val=...``) changes
-only that key of the run's group.
+With ``ckpt_path=<run>/checkpoints/<x>.ckpt`` the model, tokenizer and task come from that
+run's ``.hydra/config.yaml``, so it is scored as trained. A group on the command line
+(``task=...``) replaces the run's; a single key (``task.num_val=...``) changes only that key.
 
-A run folder may come from someone else, and its config may name code: a custom task's
-reward modules, a task class. Evaluating it imports that code only when the command line
-names the code itself (``task.rewards=...``, ``task=...``) or says
-``eval.trust_run_code=true``; otherwise the job stops naming the keys and the flag
-(``run_code``).
-
-Used by the evaluation job (``mrtpo.evaluate.job``), the export (``mrtpo.evaluate.export``) and the tables
-(``mrtpo.evaluate.tables``).
+A run folder may come from someone else and name code (reward modules, a task class): it is
+imported only when the command line names it itself or says ``eval.trust_run_code=true``;
+otherwise the job stops naming the keys and the flag (``run_code``).
 """
 
 from __future__ import annotations
@@ -61,16 +54,11 @@ def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
 def from_training_run(
     cfg: DictConfig, overrides: list[str] | None = None, builds_task: bool = True
 ) -> tuple[DictConfig, dict[str, Any]]:
-    """``cfg`` with ``model`` and ``task`` taken from the training run of ``cfg.ckpt_path``.
-
-    The run's groups are resolved as the run resolved them (its own paths); command-line
-    overrides of a whole group win, and overridden keys are applied on top of the run's group.
-    Returns the config and a record of where each group came from. ``overrides``: the
-    command line of a caller that composed ``cfg`` itself (default: Hydra's).
-    ``builds_task``: the caller will build the task, so code that the run's task config
-    names is refused unless trusted (``check_run_code``); export, which never builds it,
-    passes False.
-    """
+    """``cfg`` with ``model`` and ``task`` from ``cfg.ckpt_path``'s training run (resolved
+    with its own paths; a command-line group wins, single keys apply on top), and a record of
+    where each came from. ``overrides``: a self-composing caller's command line (default:
+    Hydra's). ``builds_task``: refuse untrusted task code (``check_run_code``); export, which
+    never builds the task, passes False."""
     ckpt = cfg.get("ckpt_path")
     if not ckpt:
         return cfg, {}
@@ -241,13 +229,9 @@ def _drop_smoke_limits(task: DictConfig, given: list[str]) -> list[str]:
 def load_checkpoint_weights(
     policy, ckpt_path: str, model_source: str = "", use: str = "evaluate one"
 ) -> int | None:
-    """Put the policy weights of a training checkpoint into ``policy``; return its step.
-
-    A checkpoint of another model (other shapes or parameter names) fails naming the first
-    differences and where the model config came from, not with torch's size mismatch. A
-    damaged or refused checkpoint is a one-line ValueError naming it and the other
-    checkpoints of its folder, offered for ``use`` (``"export one"`` for src/export.py).
-    """
+    """Put a training checkpoint's policy weights into ``policy``; return its step. Another
+    model's checkpoint fails naming the first differences and the model config's source; a
+    damaged one is a one-line ValueError offering the others for ``use``."""
     from mrtpo.core.lora import checkpoint_keys
     from mrtpo.run.checkpointing import CheckpointError, load_checkpoint
 
