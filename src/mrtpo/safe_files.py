@@ -1,14 +1,10 @@
 """Writing files without following a link that someone else put in the way.
 
-A run folder can come from elsewhere (copied, unpacked, shared), and any name in it can be a
-symbolic link to a file of the user's, or a FIFO that would block whoever opens it. The
-project never writes through such a name. The helpers here open the last part of a path
-with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and refuse a link, a FIFO, a folder or a device where
-a regular file should be (``UnsafePath``, a ValueError: the entry points print it as one
-line). ``write_atomic`` replaces a file through a temporary file and one rename.
-
-The folders on the way (``check_folders``, ``make_dirs``) are checked with ``lstat``: that
-stops links planted before a run starts, not a process swapping folders while it runs.
+A run folder can come from elsewhere, and any name in it can be a symbolic link to a user's
+file or a FIFO that blocks whoever opens it. The helpers open with ``O_NOFOLLOW`` and
+``O_NONBLOCK`` and refuse anything but a regular file (``UnsafePath``, a ValueError printed as
+one line). Folders on the way are checked with ``lstat``: that stops links planted before a
+run, not a process swapping folders while it runs.
 """
 
 from __future__ import annotations
@@ -115,9 +111,8 @@ def no_follow(path: str, flags: int) -> int:
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:
-    """``data`` into ``path`` through a fsynced temporary file beside it and one rename, so
-    that ``path`` holds the old or the new content at every instant. A ``path`` that is a
-    link (or anything but a regular file) is refused, not replaced."""
+    """``data`` into ``path`` through a fsynced temporary file and one rename (old or new
+    content at every instant); a link or non-regular file is refused, not replaced."""
     path = Path(path)
     refuse_unsafe(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
@@ -140,13 +135,8 @@ class NoFollowFileHandler(logging.FileHandler):
     """``logging.FileHandler`` that opens its file with ``no_follow``."""
 
     def _open(self):
-        return open(
-            self.baseFilename,
-            self.mode,
-            encoding=self.encoding,
-            errors=self.errors,
-            opener=no_follow,
-        )
+        kw = {"encoding": self.encoding, "errors": self.errors}
+        return open(self.baseFilename, self.mode, opener=no_follow, **kw)
 
 
 def pid_alive(pid: int) -> bool:

@@ -23,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def _run_dir(trainer) -> Path:
-    # The run folder itself (as the README says), not a logger's subfolder. Not
-    # `trainer.log_dir`: under DDP it is a collective (a broadcast), and these callbacks write
-    # on rank 0 only, so the other ranks would never join it.
+    # Not `trainer.log_dir`: under DDP it is a collective, and these callbacks write on rank 0
+    # only, so the other ranks would never join it.
     d = Path(trainer.default_root_dir)
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -86,15 +85,10 @@ def _open_records(path: Path) -> int | None:
 
 
 def drop_records_after(path: str | Path, last: int) -> int:
-    """On resume from a checkpoint at step ``last``: take out of the JSONL file ``path`` the
-    records of later steps, written by the run that stopped after that checkpoint (the
-    resumed run writes them again), and a last line cut off by a kill. Returns how many
-    lines went.
-
-    Only when something goes, the kept lines (byte for byte) are written to a new file beside
-    ``path``, which then replaces it in one rename: the earlier records are on disk at every
-    instant. A link at ``path`` is refused, neither read nor replaced.
-    """
+    """On resume from step ``last``: drop from the JSONL ``path`` the later steps' records
+    (the resumed run writes them again) and a last line a kill cut off; return how many went.
+    The kept lines replace the file in one rename, only when something goes; a link is
+    refused, neither read nor replaced."""
     path = Path(path)
     fd = _open_records(path)
     if fd is None:
@@ -151,13 +145,9 @@ def _drop_rerun_records(trainer, pl_module, name: str) -> None:
 def relevance_record(
     scored, j: int, q, w, replayed, names, tokenizer, step: int, beta: float
 ) -> dict:
-    """One line of ``relevance.jsonl``: response ``j`` of ``scored`` with, for each replayed
-    reward, its per-token relevance ``q`` and weight ``w`` (``[N, K, T]`` tensors; ``names``
-    label their K axis, ``replayed [N, K]`` says which pairs have one).
-
-    The one builder of this record: the training callback and the replication harness's
-    direct replay both write it, and the analysis reads both the same way.
-    """
+    """One line of ``relevance.jsonl``: response ``j`` with each replayed reward's per-token
+    relevance ``q`` and weight ``w`` (``[N, K, T]``; ``names`` label K, ``replayed [N, K]``).
+    The one builder: the callback and the replication harness's direct replay both write it."""
     roll = scored.rollout
     t = int(roll.response_mask[j].sum())
     ids = roll.response_ids[j, :t].tolist()
@@ -220,9 +210,8 @@ def sample_table(rows: list[dict], step: int, width: int = 100) -> Table:
 
 
 class SampleTable(L.Callback):
-    """Every ``every`` steps (the first step, then each ``every``-th): ``samples.jsonl`` in the
-    run folder gets prompt, response and each reward of ``num`` responses, and a compact
-    table of them is printed (``print_table``; on by default)."""
+    """Every ``every`` steps from the first: ``num`` responses (prompt, response, rewards) to
+    ``samples.jsonl``, and a compact table of them printed (``print_table``)."""
 
     def __init__(self, every: int = 10, num: int = 4, print_table: bool = True) -> None:
         self.every, self.num, self.print_table = every, num, print_table
