@@ -20,14 +20,10 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLogitsError(FloatingPointError):
-    """The policy's next-token logits hold NaN or infinity where a token is to be drawn.
-
-    The parameters can all be finite and still overflow the logits (``optim.lr=1e10``: each
-    weight ~1e10, the logits past float32's range), which the post-update check of parameters
-    and optimizer state cannot see. The engine stops rather than sample from such a
-    distribution (``torch.multinomial`` would fail naming no setting). Every later step would
-    sample from the same weights, so the run stops instead of skipping the step.
-    """
+    """The policy's logits hold NaN or infinity where a token is to be drawn. Finite parameters
+    can still overflow them (``optim.lr=1e10``), unseen by the post-update check; the engine
+    stops rather than sample (``torch.multinomial`` would fail naming no setting), and since
+    every later step samples from the same weights, the run stops instead of skipping."""
 
     def __init__(self, where: str = "while sampling responses") -> None:
         super().__init__(

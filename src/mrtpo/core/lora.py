@@ -1,9 +1,6 @@
-"""LoRA adapters (PEFT) for the policy: the ``model.lora`` settings, wrapping, and what a
-checkpoint of an adapted policy holds.
-
-With LoRA the base weights stay frozen and exactly as loaded; only the adapter matrices train,
-are checkpointed and resumed. The KL reference is the same model with its adapters switched
-off (``disable_adapter``), so no second copy of the base is kept.
+"""LoRA adapters (PEFT) for the policy: ``model.lora``, wrapping, and what a checkpoint holds.
+Base weights stay frozen as loaded; only adapters train and are checkpointed. The KL
+reference is the same model with adapters off (``disable_adapter``): no second base copy.
 """
 
 from __future__ import annotations
@@ -87,11 +84,8 @@ def _matches(module_name: str, target: str) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings):
-    """``model`` wrapped in LoRA adapters (PEFT); every base parameter frozen.
-
-    Target names that match no layer of this architecture fail here, before training, with
-    the names that do exist (PEFT would accept a list of which only some names match).
-    """
+    """``model`` wrapped in LoRA adapters, every base parameter frozen. Target names matching no
+    layer fail here, naming those that exist (PEFT accepts a list where only some match)."""
     from peft import LoraConfig, get_peft_model
 
     targets = settings.target_modules

@@ -40,11 +40,9 @@ WEIGHTED = (Reduce.MEAN, Reduce.MEAN_BY_TOKENS, Reduce.MEAN_BY_RESPONSES)
 
 @dataclass(frozen=True)
 class Stat:
-    """One rank's value of a step metric and how it combines (``Reduce``).
-
-    ``weight``: the count a mean averages (tokens, responses; 1 for ``MEAN``), the count a
-    pooled std is over, or the total a ``SHARE`` is of; ``mean``: a ``POOLED_STD``'s mean;
-    ``family``: the key prefix of the shares of one total (``SHARE``)."""
+    """One rank's value of a step metric and how it combines (``Reduce``). ``weight``: what a mean
+    averages (1 for ``MEAN``), a pooled std's count or a ``SHARE``'s total; ``mean``: a
+    ``POOLED_STD``'s mean; ``family``: the key prefix of one total's shares (``SHARE``)."""
 
     value: float
     reduce: Reduce = Reduce.MEAN

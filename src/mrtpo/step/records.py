@@ -1,9 +1,5 @@
-"""The frozen records one RL step passes from phase to phase (shapes as in ``mrtpo.core.batch``).
-
-Each phase of ``mrtpo.step.RLStep`` takes the records before it and returns a new one; no
-record is changed after it is made. ``StepRecord`` joins them at the end of the step, for
-the metrics, the callbacks (sample tables, relevance dumps) and tests.
-"""
+"""The frozen records one RL step passes from phase to phase (shapes as in ``mrtpo.core.batch``);
+``StepRecord`` joins them for the metrics, the callbacks and tests."""
 
 from __future__ import annotations
 

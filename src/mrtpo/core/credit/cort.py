@@ -46,13 +46,9 @@ def cort_weights(
     contrast_clip: float = 2.0,
     max_weight: float = 4.0,
 ) -> Tensor:
-    """Token weights ``[N, T]`` from log-likelihood contrasts ``d`` (``[N, 1, T]`` or ``[N, T]``).
-
-    On a replayed response's valid tokens: ``(1 - β) + β v_t / mean(v)`` with
-    ``v_t = 1 + (max_weight - 1) min(|d_t|, clip) / clip``. Each response's weights average 1
-    (up to rounding) and lie in ``[(1 - β) + β / max_weight, (1 - β) + β max_weight]``. The
-    weight is exactly 1 on pads, on responses that were not replayed, and everywhere at β = 0.
-    """
+    """Token weights ``[N, T]`` from contrasts ``d`` (``[N, 1, T]`` or ``[N, T]``): ``(1 - β) + β
+    v_t / mean(v)`` on replayed valid tokens (module docstring), averaging 1 per response, in
+    ``[(1 - β) + β / max_weight, (1 - β) + β max_weight]``; exactly 1 elsewhere and at β = 0."""
     if d.dim() == 3:
         if d.shape[1] != 1:
             raise ValueError(f"CoRT contrasts must be [N, 1, T] (joint), got {tuple(d.shape)}")

@@ -133,11 +133,9 @@ class Teacher:
         )
 
     def logits(self, task, sub, device=None):
-        """``(f(s, e) -> teacher logits [n, e - s, V], rows [n] bool)`` for one micro-batch.
-
-        Rows without a teacher context are run after the sampling prompt (so every row has
-        logits) and flagged False: their tokens must be left out of the loss.
-        """
+        """``(f(s, e) -> teacher logits [n, e - s, V], rows [n] bool)`` for one micro-batch. Rows
+        without a teacher context run after the sampling prompt and are flagged False (left out of
+        the loss)."""
         ctx = self.context_ids(task, sub.examples)
         rows = torch.tensor([c is not None for c in ctx], dtype=torch.bool)
         p0 = [sub.prompt_ids[i][sub.prompt_mask[i]].tolist() for i in range(sub.n)]
