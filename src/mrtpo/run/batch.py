@@ -86,11 +86,10 @@ def _recorded_batch(record: Mapping) -> dict[str, int] | None:
 
 
 def batch_on_resume(theirs: Mapping, mine: Mapping, ckpt_path) -> tuple[tuple[str, ...], str]:
-    """Compare the global batch of a checkpoint's settings record (``theirs``) with a
-    resume's (``mine``). Returns (the batch keys to leave out of the key-by-key comparison,
-    the refusal; '' when there is none): the keys may change form when they make the same
-    global batch, and a resume on another world size that makes another one is refused
-    naming the run's world size and the ``rl.global_*`` keys that keep its batch."""
+    """Compare a checkpoint's global batch (``theirs``) with a resume's (``mine``): returns
+    (batch keys to skip in the key-by-key comparison, refusal or ''). The keys may change form
+    for the same global batch; another world size giving another one is refused naming the
+    ``rl.global_*`` keys that keep it."""
     old, new = _recorded_batch(theirs), _recorded_batch(mine)
     sizes = ("prompts_per_step", "mini_batch_size")
     if old is None or new is None:

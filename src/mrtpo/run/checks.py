@@ -106,10 +106,8 @@ def check_finite(cfg, groups: Sequence[str] = NUMERIC_GROUPS) -> None:
 
 
 def validate(cfg) -> None:
-    """Check every typed section present in ``cfg`` (before any model or data loads), the
-    seed, the trainer's step limit and validation interval, and that no number is NaN/inf.
-    (That every key is read by something is ``mrtpo.run.config_keys.check_keys``, which the
-    pipeline runs first.)"""
+    """Check the typed sections, seed, step limit and validation interval, and that no number
+    is NaN/inf, before anything loads (unread keys: ``config_keys.check_keys``, run first)."""
     from omegaconf import OmegaConf
 
     for name in SCHEMAS:

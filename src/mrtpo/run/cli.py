@@ -1,11 +1,7 @@
-"""What src/train.py and src/eval.py share: the lines of their ``--help`` that say what each
-config group chooses, ending a job on a bad value, missing data or a model that cannot load
-with its message alone (``error: ...``, exit status 2), and loading the model a config names.
-
-Importing this module registers ``mrtpo.train_groups`` and ``mrtpo.eval_groups``, which the
-help templates of configs/hydra/default.yaml and eval.yaml resolve (the entry points import it
-before Hydra runs).
-"""
+"""What src/train.py and src/eval.py share: ``--help``'s config group lines, a user error
+ending the job with its message alone (``error: ...``, exit status 2), loading the model.
+Importing it registers the ``mrtpo.train_groups``/``mrtpo.eval_groups`` resolvers that the
+help templates of configs/hydra/default.yaml and eval.yaml use."""
 
 from __future__ import annotations
 
@@ -124,11 +120,9 @@ def user_error(exc: BaseException) -> BaseException | None:
 
 
 def run_job(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
-    """Run an entry point's job; a ``USER_ERRORS`` ends it with ``error: <message>`` and
-    where its traceback was logged, on stderr: exit status 2, or in a sweep (``-m``) a failed
-    job (``JobFailed``) while the others run. A config value that cannot work
-    (``ConfigError``) or a missing file is that one line alone: its traceback says nothing
-    more. ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
+    """Run a job; a ``USER_ERRORS`` prints ``error: <message>`` (and where its traceback was
+    logged, unless a ``ConfigError`` or missing file) and exits 2, or in a sweep fails the
+    job (``JobFailed``). ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return job(cfg)
     try:

@@ -28,10 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def record_invocation(cfg: DictConfig) -> None:
-    """Append a new run's overrides to ``.hydra/history.yaml`` of its folder.
-
-    Only the launching process writes (DDP workers run with ``hydra.output_subdir=null``).
-    """
+    """Append a new run's overrides to ``.hydra/history.yaml`` (launching process only)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -77,10 +74,9 @@ def run_folder_of(cfg: DictConfig) -> Path | None:
 
 
 def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Path | None:
-    """After a refused resume: write the reason into its pending log (``mrtpo.run.config.job_log``,
-    ``<paths.log_dir>/<job>/resume-logs/``), first moving the log there when an older hydra
-    config put it beside the resumed folder's parent (anywhere on the disk for a folder that
-    is not a run); the emptied folder is removed. Returns the log's path, or None."""
+    """After a refused resume: write the reason into its pending log (``config.job_log``),
+    first moving there a log an older hydra config put beside the folder's parent (removing
+    the emptied folder). Returns the log's path, or None."""
     log_dir = OmegaConf.select(cfg, "paths.log_dir", default=None)
     if not log_dir:
         return None
@@ -132,10 +128,8 @@ def _chosen_folder(cfg: DictConfig, key: str) -> Path | None:
 
 
 def check_new_run_folder(cfg: DictConfig) -> None:
-    """Refuse, before Hydra writes its ``.hydra/`` and log there, a new run whose chosen
-    folder (``hydra.run.dir``, ``paths.output_dir``) already holds anything: it would replace
-    a finished run's metrics and checkpoints, or edit a user's files. A resume continues its
-    run in place (``+resume=<folder>``); a DDP worker runs in its launcher's folder."""
+    """Refuse, before Hydra writes there, a new run whose chosen folder already holds
+    anything (a finished run's checkpoints, a user's files). Resumes and DDP workers pass."""
     from mrtpo.run.checks import check_names
     from mrtpo.run.settings import ConfigError
 

@@ -172,15 +172,10 @@ def check_planted(folder: Path) -> None:
 class RunFolderLock:
     """An exclusive lock on a run folder for the ``with`` block (a no-op in worker ranks).
 
-    Taken with ``flock`` on the folder itself, so the kernel releases it when the process
-    dies however it dies (a stale lock needs no cleaning), and deleting ``run.lock`` does not
-    free it. The holder records itself in ``run.lock``; another process gets
-    ``RunFolderBusy`` naming it. A folder that is read-only, or where a name the run writes
-    is a link, a FIFO or a folder, is refused (``RunFolderUnusable``). Until ``accept()`` is
-    called, leaving the block by an exception puts ``run.lock`` back as it was, so a refused
-    run changes nothing; otherwise ``run.lock`` is removed when the block ends (while the
-    folder is still locked), so no record of a holder outlives its run.
-    """
+    ``flock`` on the folder itself: the kernel drops it however the process dies, and
+    deleting ``run.lock`` does not free it. The holder is named in ``run.lock`` (another
+    process gets ``RunFolderBusy``). Before ``accept()`` an exception puts ``run.lock`` back
+    as it was (a refused run changes nothing); otherwise it is removed while still locked."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)

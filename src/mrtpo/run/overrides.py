@@ -79,12 +79,8 @@ def check_method_keys(argv: Sequence[str]) -> None:
 
 
 def check_overrides(argv: Sequence[str]) -> None:
-    """Refuse ``rl.nope=1`` on the command line, listing the valid keys of that section,
-    and a replaced key (a setting's ``old`` names), naming the one to use.
-
-    Hydra would refuse it too, but says only that the key is not in the config (and suggests
-    ``+rl.nope=1``, which a schema refuses as well).
-    """
+    """Refuse ``rl.nope=1`` listing the section's valid keys, and a replaced key naming its
+    successor (Hydra only says the key is missing, and suggests ``+rl.nope=1``)."""
     check_method_keys(argv)
     for arg in argv:
         if "=" in arg:

@@ -8,14 +8,12 @@ A preset of ``configs/experiment/`` whose paper setting reads data files lists t
         what: HIR-16K as released (HIR_trainv1.jsonl of the hub dataset sastpg/HIR-16K)
         layouts: [[source, prompt, criteria, ground_truth], [data_source, reward_model]]
 
-``what`` says what the file is; ``layouts`` (optional) the fields a row has in each layout the
-paper's data comes in: the file's first row must hold every field of one of them. An entry
-without ``layouts`` may name a folder (``kind: folder``) or a list of them (Spider's database
-folders); ``unless_set`` lists keys that supply the data another way (Spider's questions from
-the hub: ``task.splits.train.hub``), and the entry is not checked when one of them is set. Before anything loads (``mrtpo.lightning.pipeline.prepare``) a key that is unset, names
-nothing, or a file in another layout is refused naming the key, the path and the file the
-preset expects: a paper preset never falls back to other data (the instruction presets
-trained on the generated set without a word). ``dry_run=true`` lists every such problem.
+``layouts`` (optional): the file's first row must hold every field of one of them. Without
+it an entry may name a folder (``kind: folder``) or a list of them; ``unless_set`` keys supply
+the data another way (``task.splits.train.hub``) and skip the entry. Before anything loads
+(``pipeline.prepare``) an unset key, a missing path or another layout is refused naming the
+key, the path and the expected file: a paper preset never falls back to other data (the
+instruction presets trained on the generated set without a word).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What a run or policy folder was trained on: its task and its model, read from what the run
 left (``.hydra/config.yaml``, the export's ``mrtpo_export.json`` and ``config.json``).
 
-``src/table.py`` scored whatever it was given: the synthetic demo runs evaluated on Spider gave
-a table of 0.000 with no warning (issue 40 item 3). ``check_sources`` refuses, before anything
-is evaluated, a folder trained on another task than the table's family, and a row (one
-method, several seeds) whose folders hold different models. A folder that does not say what
-it was trained on (a Hugging Face folder from elsewhere: a base model) is taken as it is.
+The synthetic demo runs scored on Spider gave a table of 0.000 with no warning (issue 40
+item 3): ``check_sources`` refuses a folder trained on another task family and a row whose
+seeds hold different models. A folder that does not say (a base model) is taken as it is.
 """
 
 from __future__ import annotations
