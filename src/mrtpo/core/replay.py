@@ -129,11 +129,9 @@ class ReplayResult:
     forwards: int = 0  # context forwards run
     tokens: int = 0  # tokens through those forwards
     stats: dict[str, float] = field(default_factory=dict)
-    # log pi(y_t | P_all, y_<t) [N, T], valid on ``logp_rows`` [N] bool: the responses whose
-    # P_all is token-for-token their sampling prompt P0 (in-prompt information), where it
-    # equals the old-policy log-prob and can stand in for that forward. In 16-bit forwards only
-    # rows computed without a shared prefix qualify (a cached prefix moves bf16 log-probs by
-    # up to ~1e-2 nats against the plain pass; fp32 agrees to 1e-6).
+    # log pi(y_t | P_all, y_<t) [N, T], valid on ``logp_rows`` [N]: rows whose P_all is their
+    # sampling prompt, so it can stand in for pi_old's forward (in 16-bit only rows without a
+    # shared prefix: a cached prefix moves bf16 log-probs by ~1e-2 nats, fp32 by 1e-6)
     logp: Tensor | None = None
     logp_rows: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
@@ -141,16 +139,13 @@ class ReplayResult:
 
 def _low_precision(model, device: torch.device) -> bool:
     """True when the forwards run in a 16-bit float type (the weights' own, or autocast's)."""
-    param = next(model.parameters())
-    if param.dtype in (torch.bfloat16, torch.float16):
-        return True
-    return torch.is_autocast_enabled(device.type)
+    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return half or torch.is_autocast_enabled(device.type)
 
 
 class Replayer:
-    """Runs the replays of one batch under pi_old, the trainer's weights at the step's
-    start (those that sampled it under sync; older weights may have, under
-    one_step_off/async)."""
+    """Runs the replays of one batch under pi_old, the trainer's weights at the step's start
+    (under one_step_off/async older weights may have sampled it)."""
 
     def __init__(
         self,
@@ -163,8 +158,7 @@ class Replayer:
         self.tokenizer = tokenizer
         self.token_budget = token_budget  # max (rows x padded length) per forward
         self.jsd_chunk = jsd_chunk  # (row, position) pairs per float32 head / log-softmax / JSD
-        # rl.shared_prompt_forward: run a response's common context prefix once when
-        # forward.worth_sharing says it pays (auto), whenever a layout shares (always), or never
+        # rl.shared_prompt_forward: a response's common context prefix runs once (auto, always)
         self.shared_prompt = shared_prompt_mode(shared_prompt)
         if self.shared_prompt is None:
             raise ValueError(f"shared_prompt={shared_prompt!r}: use auto, off or always")
@@ -308,9 +302,8 @@ class Replayer:
 
     @staticmethod
     def _metrics(batch: ScoredBatch, out: ReplayResult, request) -> dict[str, float]:
-        """What the trainer logs under train/replay/: the share of candidate pairs replayed
-        (present (response, reward) pairs, or responses for joint contexts), the work done,
-        and how concentrated each reward's relevance is."""
+        """train/replay/: share of candidate pairs replayed (responses for joint), the work
+        done, and how concentrated each reward's relevance is."""
         per_reward = request.contexts == "per_reward"
         present = int((~batch.rewards.isnan()).sum()) if per_reward else out.q.shape[0]
         metrics = {
@@ -347,8 +340,7 @@ class Replayer:
         return chunks
 
     def _forward(self, model, split, chunk: list[_Job], response_ids: Tensor, response_mask):
-        """(states [rows, t, H or V], LM head or None, tokens computed, prefix shared?) for
-        one micro-batch."""
+        """(states [rows, t, H or V], LM head or None, tokens computed, prefix shared?)."""
         rows = torch.tensor([job.response for job in chunk])
         resp_mask = response_mask[rows]
         t = max(1, int(resp_mask.sum(-1).max()))
@@ -379,9 +371,8 @@ class Replayer:
         return h, head, plain_cost, False
 
     def _worth_sharing(self, plain_cost: int, shared_cost: int) -> bool:
-        """Sharing runs two decoder calls instead of one: the project's one rule for that
-        (``forward.worth_sharing``), unless ``always``. A windowed cache would drop prefix
-        keys, so windowed models keep the plain path (checked by the caller)."""
+        """Two decoder calls instead of one: ``forward.worth_sharing`` decides unless ``always``
+        (windowed models keep the plain path: checked by the caller)."""
         return self.shared_prompt == "always" or worth_sharing(plain_cost - shared_cost, plain_cost)
 
     def _shared_layout(self, chunk: list[_Job], t: int):
@@ -468,8 +459,7 @@ class Replayer:
 
 
 def _hidden_flags(chunk: list[_Job], start: list[int]) -> Tensor:
-    """[rows, width] bool, left-padded as ``pad_left`` pads the contexts from ``start``
-    on: the hidden tokens of each row's context."""
+    """[rows, width] bool: each context's hidden tokens from ``start`` on, left-padded."""
     flags = []
     for job, s in zip(chunk, start):
         hid = set(job.hidden)
@@ -501,9 +491,8 @@ def _check_maskable(model) -> None:
 def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:
     """Per reward: mean share of a response's tokens holding ``frac`` of its distance (q [N, K, T],
     mask [N, T], replayed [N, K] -> K floats, NaN where none replayed); small: concentrated."""
-    k = q.shape[1]
     out = []
-    for r in range(k):
+    for r in range(q.shape[1]):
         vals = []
         for j in replayed[:, r].nonzero().flatten().tolist():
             qj = q[j, r][mask[j]]
