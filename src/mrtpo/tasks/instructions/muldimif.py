@@ -1,24 +1,20 @@
 """MulDimIF evaluation with the authors' own constraint checkers, imported from a folder.
 
-The checkers are not on any package index, and the project does not copy them: they are
-imported from ``task.muldimif.checker_dir`` (a clone of the authors' repository, or the
-unchanged copy in ``../shared/vendor/muldimif``). That folder holds ``evaluation.py`` (the
-constraint-key -> checker mapping ``class_mapping``, ``check`` and ``get_score``) and the
-package ``eval/`` (12 checker modules plus ``utils.py``).
+The checkers are on no package index and not copied here: they are imported from
+``task.muldimif.checker_dir`` (a clone of the authors' repository, or the unchanged copy in
+``../shared/vendor/muldimif``): ``evaluation.py`` (``class_mapping``, ``check``, ``get_score``)
+and the package ``eval/`` (12 checker modules plus ``utils.py``).
 
-How the import avoids what the checkers never use: ``eval/__init__.py`` ends with
-``from .utils import *``, and ``utils.py`` imports pandas and openai at module level for file
-conversions and an API client that scoring never calls. So we register ``eval`` as a bare
-package (its ``__init__`` does not run), import the 12 checker modules into it, expose their
-classes on it, and only then run ``evaluation.py`` (whose ``from eval import *`` then finds
-exactly those classes). Both names are registered under private aliases and the global
-``eval`` / ``evaluation`` entries are restored afterwards, so nothing else is shadowed.
-``evaluation.py`` prints the Python version at import; that line is swallowed.
+``eval/__init__.py`` ends with ``from .utils import *``, and ``utils.py`` imports pandas and openai
+for code scoring never calls. So ``eval`` is registered as a bare package (its ``__init__`` does
+not run), the 12 modules are imported into it with their classes exposed, and only then does
+``evaluation.py`` run (its ``from eval import *`` finds exactly those). Both live under private
+aliases; the global ``eval`` / ``evaluation`` entries are restored after, so nothing is shadowed.
+The Python version ``evaluation.py`` prints at import is swallowed.
 
-Scoring follows ``evaluation.check``: one ``checker.check(constraint_text, response)`` per
-constraint, keyed by ``f"{category}_{sub_category}"``; a reasoning model's text up to the last
-``</think>`` (and the newlines after it) is dropped first, as ``evaluation.pre_process`` does
-for DeepSeek-style outputs. Metrics come from the official ``get_score`` on the judged rows.
+Scoring is ``evaluation.check``: one ``checker.check(constraint_text, response)`` per constraint,
+keyed ``f"{category}_{sub_category}"``, after dropping text up to the last ``</think>`` (and the
+newlines after it), as ``evaluation.pre_process`` does. Metrics: the official ``get_score``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
 """Question files of the Spider family and BIRD, and where their databases live.
 
-Supported layouts (all from paths in the task config, ``task.splits.<name>``):
+Layouts (paths from ``task.splits.<name>``):
 
-* **Spider** (``train_spider.json``, ``dev.json``, Spider-Realistic, Spider-DK, Spider test):
-  a JSON list of ``{"db_id", "query", "question", ...}``; databases at
+* **Spider** (``train_spider.json``, ``dev.json``, Spider-Realistic, Spider-DK, Spider test): a
+  JSON list of ``{"db_id", "query", "question", ...}``; databases at
   ``<db_dir>/<db_id>/<db_id>.sqlite``.
-* **Spider-Syn**: the same, with ``SpiderQuestion`` (original wording) and
-  ``SpiderSynQuestion`` (synonym-substituted) instead of ``question``; pick one with
-  ``question_field``.
+* **Spider-Syn**: the same with ``SpiderQuestion`` / ``SpiderSynQuestion`` instead of
+  ``question``, picked by ``question_field``.
 * **BIRD** (``format: bird``): ``{"question_id", "db_id", "question", "evidence", "SQL",
   "difficulty"}``; databases under ``dev_databases/<db_id>/<db_id>.sqlite``.
 
-``db_dir`` may list several folders, searched in order (Spider-DK's three new databases
-live in its own folder, the others in Spider's). Where a file is absent and a hub dataset
-id is configured (``hub``/``hub_split``), the questions are read with ``datasets`` instead
-(the databases must still be on disk).
-
-An example's id is the 0-based position of the question in its file (BIRD: its
-``question_id``), so predictions can be scored later by id.
+``db_dir`` may list folders searched in order (Spider-DK's three new databases live apart). A
+missing file with ``hub``/``hub_split`` set is read with ``datasets`` (databases still on disk).
+An example's id is the question's 0-based position in its file (BIRD: ``question_id``), so
+predictions can be scored later by id.
 """
 
 from __future__ import annotations

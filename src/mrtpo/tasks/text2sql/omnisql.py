@@ -1,25 +1,19 @@
 """Reference solutions for self-distillation on text-to-SQL (``method=opsd``).
 
-The paper's references for Spider train are OmniSQL's released chain-of-thought solutions
-(Li et al., arXiv 2503.02240). Where they are:
+The paper's references for Spider train are OmniSQL's released chain-of-thought solutions (Li
+et al., arXiv 2503.02240): hub dataset ``seeklhy/OmniSQL-datasets`` (also ModelScope), archive
+``data.zip``, file ``data/spider/train_spider_enhanced_with_cot.json``. As OmniSQL's
+``train_and_evaluate/process_dataset.py`` reads it (``--source spider --mode train``): a JSON list
+of ``train_spider.json`` rows (``db_id``, ``question``, ``query``, ...), each with a ``cot`` that
+ends with the query in a fenced ```` ```sql ```` block (``post_process_cot.py`` takes the last
+one). The archive's ``data/train_spider.json`` (``input_seq``/``output_seq`` only) cannot be
+matched.
 
-* the release is the hub dataset ``seeklhy/OmniSQL-datasets`` (also on ModelScope), one
-  archive ``data.zip``; the file is ``data/spider/train_spider_enhanced_with_cot.json``;
-* layout (as OmniSQL's ``train_and_evaluate/process_dataset.py`` reads it for
-  ``--source spider --mode train``): a JSON list of Spider's ``train_spider.json`` rows
-  (``db_id``, ``question``, ``query``, ...), each with a ``cot`` field — free reasoning text
-  that ends with the solution's query in a fenced ```` ```sql ```` block (their
-  ``post_process_cot.py`` takes the last such block as the query);
-* ``data/train_spider.json`` in the same archive is the pre-processed form
-  (``input_seq``/``output_seq`` only, no ``db_id`` or question): not usable for matching.
-
-``task.reference_solutions`` takes the path of that file. Its rows are matched to the
-training questions by ``(db_id, question)`` (whitespace collapsed, case folded), and each
-solution is rewritten in this task's answer format: the reasoning inside ``<think>``, the
-last SQL block inside ``<answer>`` — so the teacher sees a solution in the format the student
-is asked to write. ``task.reference_solutions=gold`` is the fallback: the gold query written
-in the answer format (``Example.reference``), with a one-line reasoning. Unset (the default),
-``method=opsd`` is refused, naming the key.
+``task.reference_solutions`` is that file's path. Rows match training questions by ``(db_id,
+question)`` (whitespace collapsed, case folded) and are rewritten in the task's answer format
+(reasoning in ``<think>``, last SQL block in ``<answer>``), so the teacher sees the format the
+student writes. ``gold``: the gold query in the answer format (``Example.reference``) with a
+one-line reasoning. Unset (default): ``method=opsd`` is refused, naming the key.
 """
 
 from __future__ import annotations

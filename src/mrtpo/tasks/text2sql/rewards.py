@@ -2,23 +2,18 @@
 
 Rewards (binary, after SQL-R1):
 
-* **format** -- the response is ``<think>…</think>`` followed by ``<answer>…</answer>``,
-  each tag exactly once and in that order, only whitespace outside them, and the answer
-  holds exactly one non-empty ```` ```sql ```` code block.
-* **executability** -- the query of the answer runs on the question's database without an
-  error, within the executor's time budget (``task.executor.timeout_s``; the official
-  evaluator allows 60 s). A query stopped by the time or memory limit counts as not
-  executable; one whose result is over the row or size cap ran without error and counts as
-  executable, but its result is not compared (execution 0).
-* **execution** -- its result matches the reference query's (``match.py``).
+* **format**: ``<think>…</think>`` then ``<answer>…</answer>``, each tag once and in order, only
+  whitespace outside, and the answer holds exactly one non-empty ```` ```sql ```` block.
+* **executability**: the answer's query runs on the question's database without error within
+  ``task.executor.timeout_s`` (the official evaluator allows 60 s). Stopped by the time or memory
+  limit: not executable; a result over the row or size cap ran, so it is executable but not
+  compared (execution 0).
+* **execution**: its result matches the reference query's (``match.py``).
 
-The query is taken from the *last* SQL code block inside the (last) ``<answer>`` even when
-the format is wrong, so executability and execution are judged independently of format.
-A fence labelled ``sql`` is preferred; an unlabelled fence is accepted for execution.
-
-Parsing uses ``str.find``, ``str.count`` and one anchored pattern without nested
-repetition, so any text costs time linear in its length (``tests/unit/test_fuzz_tasks.py``
-times the worst cases).
+The query is the *last* SQL block inside the (last) ``<answer>`` even when the format is wrong,
+so the rewards are judged independently; a fence labelled ``sql`` is preferred, an unlabelled one
+accepted for execution. Parsing is linear in the text's length (``str.find``, ``str.count``, one
+anchored pattern without nested repetition; ``tests/unit/test_fuzz_tasks.py`` times the worst).
 """
 
 from __future__ import annotations

@@ -90,23 +90,21 @@ class Text2SQLTask(Task):
     """Text-to-SQL task. See ``docs/tasks/text2sql.md`` and ``configs/task/text2sql.yaml``.
 
     Args:
-        splits: split name -> settings (:class:`~.data.SplitConfig` fields: ``file``,
-            ``db_dir``, ``question_field``, ``format``, ``match``, ``hub``, ``hub_split``,
-            ``drop_failing_gold``). ``train`` is the training split.
+        splits: split name -> :class:`~.data.SplitConfig` fields (``file``, ``db_dir``,
+            ``question_field``, ``format``, ``match``, ``hub``, ``hub_split``,
+            ``drop_failing_gold``); ``train`` is trained on.
         val_split: the split behind ``examples("val")``.
-        schema_max_chars: character budget of the schema block (None or 0: the full schema,
-            the paper's setting; prompts too long for ``data.max_prompt_tokens`` are then
-            dropped by the DataModule).
-        sample_values: sample values shown per column (0: none).
-        max_examples: keep only the first N usable questions of every split (tests, smoke).
+        schema_max_chars: schema block budget (None or 0: full schema, the paper's setting;
+            prompts over ``data.max_prompt_tokens`` are then dropped by the DataModule).
+        sample_values: sample values per column (0: none).
+        max_examples: keep the first N usable questions per split (tests, smoke).
         keep_distinct: compare results with DISTINCT kept (official default: removed).
         executor: :class:`~.executor.SQLExecutor` settings (``workers``, ``timeout_s``, ...).
         system_prompt: replaces the default system message (None: default; "": none).
-        cache_dir: where the list of failing training references is remembered between
-            runs (None: check them at every start, ~10 s for Spider train).
-        reference_solutions: the self-distillation teacher's references (``method=opsd``):
-            the path of OmniSQL's Spider-train solutions, ``"gold"`` (the gold query in the
-            answer format), or None (``method=opsd`` refused). See ``.omnisql``.
+        cache_dir: remembers failing training references between runs (None: check them
+            at every start, ~10 s for Spider train).
+        reference_solutions: opsd teacher references: OmniSQL's Spider-train solutions
+            file, ``"gold"`` (gold query in answer format) or None (refused). See ``.omnisql``.
     """
 
     name = "text2sql"

@@ -1,25 +1,23 @@
 """BFCL v4 single-turn evaluation (AST categories), scored by BFCL's own checker.
 
-Data: the case files and ``possible_answer/`` files that ship inside the ``bfcl-eval``
-package (no download). Categories, by BFCL's names: Non-Live ``simple_python``,
-``simple_java``, ``simple_javascript``, ``multiple``, ``parallel``, ``parallel_multiple``;
-Live ``live_simple``, ``live_multiple``, ``live_parallel``, ``live_parallel_multiple``.
+Data: the case and ``possible_answer/`` files inside the ``bfcl-eval`` package (no download).
+Categories (BFCL's names): Non-Live ``simple_python``, ``simple_java``, ``simple_javascript``,
+``multiple``, ``parallel``, ``parallel_multiple``; Live ``live_simple``, ``live_multiple``,
+``live_parallel``, ``live_parallel_multiple``.
 
-Prompt: the RLLA system prompt listing the case's functions in the training data's layout
-(after BFCL's language-specific doc processing, which turns Java/JavaScript parameter types
-into "string" with a note, as BFCL does for every model it prompts), plus any system message
-of the case; the user turn in RLLA's dialogue layout.
+Prompt: the RLLA system prompt listing the case's functions in the training layout (after BFCL's
+language-specific doc processing, Java/JavaScript types become "string" with a note, as BFCL
+does for every model), plus any system message of the case; the user turn in RLLA's layout.
 
-Decoding follows ToolRL's BFCL handler: the last ``<tool_call>`` block, one JSON object per
-line, lines that do not parse skipped, calls named "None" dropped; each call becomes BFCL's
-``{name: {argument: value}}``. The checker is ``ast_checker`` with the case's raw function
-docs, exactly as BFCL's runner calls it, on deep copies (it normalizes strings in place).
+Decoding is ToolRL's BFCL handler: the last ``<tool_call>`` block, one JSON object per line,
+unparsable lines skipped, calls named "None" dropped; each call becomes ``{name: {argument:
+value}}``. The checker is ``ast_checker`` with the raw function docs, as BFCL's runner calls it,
+on deep copies (it normalizes strings in place).
 
-Aggregates follow BFCL's leaderboard code: Non-Live simple = unweighted mean of the three
-simple categories; Non-Live AST summary = unweighted mean of (simple, multiple, parallel,
-parallel_multiple); Live AST summary = mean weighted by case count over the four Live
-categories. A summary is reported only when all its categories were evaluated (BFCL shows
-"N/A" otherwise).
+Aggregates are BFCL's leaderboard code: Non-Live simple = unweighted mean of the three simple
+categories; Non-Live AST = unweighted mean of (simple, multiple, parallel, parallel_multiple);
+Live AST = case-weighted mean of the four Live ones. A summary needs all its categories (BFCL
+shows "N/A" otherwise).
 """
 
 from __future__ import annotations
