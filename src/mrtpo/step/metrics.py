@@ -186,7 +186,7 @@ def _advantages(scored: StepRecord) -> dict[str, Stat]:
 
 def _rewards(scored: StepRecord, success_check: str | None) -> dict[str, Stat]:
     """Each reward's mean over the responses it applies to, the summed reward, the success
-    rate (weighted by the counts they are means over), and the rewards' extras."""
+    rate, and the rewards' extras."""
     r = scored.rewards
     out: dict[str, Stat] = {}
     for k, name in enumerate(scored.reward_names):
@@ -207,8 +207,7 @@ def _rewards(scored: StepRecord, success_check: str | None) -> dict[str, Stat]:
 
 
 def _extras(scored: StepRecord) -> dict[str, Stat]:
-    """Each extra metric a reward reported (``Score.extras``): its mean over the responses
-    that have it, ``extra/<reward>/<name>``, weighted by their count."""
+    """``extra/<reward>/<name>``: each ``Score.extras`` value's mean over the responses with it."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for s in scored.scores:
@@ -254,6 +253,9 @@ def merge(parts: list[Mapping[str, Stat]]) -> dict[str, float]:
     return {k: _reduce(k, parts) for k in keys}
 
 
+_PLAIN = {Reduce.SUM: sum, Reduce.MIN: min, Reduce.MAX: max, Reduce.SAME: lambda xs: xs[0]}
+
+
 def _reduce(key: str, parts: list[Mapping[str, Stat]]) -> float:
     """One metric over every rank's ``Stat`` of it, as the ranks declared it."""
     have = [p[key] for p in parts if key in p]
@@ -263,14 +265,8 @@ def _reduce(key: str, parts: list[Mapping[str, Stat]]) -> float:
     xs = [s.value for s in have]
     if how is Reduce.SHARE:
         return _weighted_mean([_share(p, key, have[0].family) for p in parts])
-    if how is Reduce.SUM:
-        return float(sum(xs))
-    if how is Reduce.MIN:
-        return float(min(xs))
-    if how is Reduce.MAX:
-        return float(max(xs))
-    if how is Reduce.SAME:
-        return float(xs[0])
+    if how in _PLAIN:
+        return float(_PLAIN[how](xs))
     if how is Reduce.POOLED_STD:
         return _pooled_std(have)
     return _weighted_mean([(s.value, s.weight) for s in have])
