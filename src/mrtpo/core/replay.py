@@ -320,8 +320,8 @@ class Replayer:
 
     # -- packing ------------------------------------------------------------------------
     def _pack(self, jobs_by_resp: dict[int, list[_Job]], mask: Tensor) -> list[list[_Job]]:
-        """Micro-batches of whole responses (P_all with its P_\\k) within the token budget (a target:
-        a response over it gets a micro-batch of its own)."""
+        """Micro-batches of whole responses (P_all with its P_\\k) within the token budget (a
+        target: a response over it gets a micro-batch of its own)."""
         chunks: list[list[_Job]] = []
         cur: list[_Job] = []
         cur_width = 0

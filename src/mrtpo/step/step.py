@@ -287,8 +287,9 @@ class RLStep:
 
     # ---- skips and metrics -------------------------------------------------------------
     def skip(self, host: UpdateHost, what: str, scored: ScoredBatch, adv=None) -> StepResult:
-        """Skip this step's update (every rank does: the decision is joint). The step still counts,
-        so the data stream, β, ``trainer.max_steps``, the metrics' step and the LR warm-up stay aligned."""
+        """Skip this step's update (every rank does: the decision is joint). The step still
+        counts, so the data stream, β, ``trainer.max_steps``, the metrics' step and the LR
+        warm-up stay aligned."""
         bad = ~torch.isfinite(scored.rewards).all(-1)
         if adv is not None:
             bad = bad | ~torch.isfinite(adv).all(-1)

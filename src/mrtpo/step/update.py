@@ -91,9 +91,9 @@ class Updater:
         adv: Advantages,
         generator: torch.Generator,
     ) -> Update | None:
-        """The update metrics: ``loss`` is the mean over updates, per-token statistics are means over
-        every valid token of every update, ``lr`` this step's. None when a loss was not finite on any
-        rank. With ``old.gap_in_update`` the engine gap is measured on the way."""
+        """The update metrics: ``loss`` is the mean over updates, per-token statistics means over
+        every valid token of every update, ``lr`` this step's. None when a loss was not finite
+        on any rank. With ``old.gap_in_update`` the engine gap is measured on the way."""
         rl, roll = self.rl, scored.rollout
         gap = EngineGap(old.tis_cap) if old.gap_in_update else None
         tis = torch.zeros(roll.response_ids.shape) if gap and gap.tis_cap is not None else None
@@ -172,7 +172,7 @@ class Updater:
 
     def _micro_loss(self, inputs: _Inputs, idx, denom: float):
         """(loss, per-token statistics, valid tokens) of one micro-batch: the surrogate plus the
-        method's ``token_loss``. With a gap to measure, this forward is pi_old's (gap, TIS weights)."""
+        method's ``token_loss``. With a gap to measure, this forward is pi_old's (gap, TIS)."""
         rl, old, sub = self.rl, inputs.old, inputs.roll.select(idx)
         tau = sub.temperature
         logp, logits = self.policy_logprobs(sub, tau, inputs.method.wants_logits)

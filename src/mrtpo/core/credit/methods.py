@@ -54,9 +54,9 @@ class RelevanceRequest:
     """What a method needs from replay; the trainer hands it to the replayer without reading it.
 
     ``contexts``: ``"per_reward"`` (``P_all`` vs ``P_\\k``, ``q [N, K, T]``) or ``"joint"`` (vs no
-    verifier information, ``q [N, 1, T]``). ``score``: ``"jsd"`` (Jensen–Shannon distance, base 2,
-    in [0, 1]) or ``"logp_diff"`` (signed ``log p(y_t | P_all) - log p(y_t | other)``). ``form``
-    (``method.context``): ``"delete"`` the text (the paper's) or ``"mask"`` its tokens from attention.
+    verifier information, ``q [N, 1, T]``). ``score``: ``"jsd"`` (Jensen–Shannon distance, base
+    2, in [0, 1]) or ``"logp_diff"`` (signed ``log p(y_t | P_all) - log p(y_t | other)``).
+    ``form`` (``method.context``): ``"delete"`` the text (the paper's) or ``"mask"`` its tokens.
     """
 
     contexts: str = "per_reward"
@@ -478,7 +478,7 @@ class MRTPO(_BetaRamp, _RewardWeighted):
 
 
 class MRTPOSAW(MRTPO):
-    """MRTPO with SAW's batch weights in ``c_k``. Refused where the reward set changes per prompt."""
+    """MRTPO with SAW's batch weights in ``c_k``; refused where the reward set varies per prompt."""
 
     config_name = "mrtpo_saw"
     saw = True

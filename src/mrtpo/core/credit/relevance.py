@@ -311,8 +311,9 @@ def mrtpo_advantages(
     cap: str = "batch",
 ) -> Tensor | tuple[Tensor, dict[str, Any]]:
     """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``None``: GDPO broadcast). With
-    ``return_stats`` also the cap's statistics: ``norm_denom`` (``sigma + eps``), ``cap_bound_share``,
-    ``sign_flip_share``, ``credit_change``, ``realloc`` and for ``batch`` ``cap_s``, ``sum_S2``, ``sum_R2``.
+    ``return_stats`` also the cap's statistics: ``norm_denom`` (``sigma + eps``),
+    ``cap_bound_share``, ``sign_flip_share``, ``credit_change``, ``realloc`` and for ``batch``
+    ``cap_s``, ``sum_S2``, ``sum_R2``.
     """
     check_cap(cap)
     w = None if q is None else relevance_weights(q, mask, replayed, beta)
