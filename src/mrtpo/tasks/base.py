@@ -1,14 +1,10 @@
 """The task contract: prompts, rewards, verifier blocks, leave-one-out contexts, metrics.
 
-A task is everything the trainer needs to know about one setting (text-to-SQL, instruction
-following, tool calling, the synthetic test bed). The trainer never looks inside
-``Example.data``; it only calls the methods below.
-
-Rewards are pure functions of (example, response). ``None`` means "does not apply to this
-sample" and becomes NaN in the reward tensor. ``reward_value`` is the one rule for what a
-reward may be, for every task. A verifier block is the text its verifier
-scores against (a reference query, an error message, a format requirement); replay appends
-blocks to the prompt to build ``P_all`` and ``P_\\k``.
+The trainer never looks inside ``Example.data``; it only calls the methods below. Rewards are
+pure functions of (example, response); ``None`` means "does not apply to this sample" (NaN in
+the reward tensor), and ``reward_value`` is every task's rule for what a reward may be. A
+verifier block is the text its verifier scores against (a reference query, an error message, a
+format requirement); replay appends blocks to the prompt to build ``P_all`` and ``P_\\k``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """An offline training set: IFEval-registry constraints composed onto plain writing requests.
 
-HIR-16K cannot be downloaded here, so demos and tests train on prompts made from a seed.
-Each prompt takes one of the built-in writing requests below (written for this project, not
-taken from any benchmark) and 5–13 instructions of the IFEval registry. Arguments are drawn
-by the checker library's own ``build_description`` (under a seeded random state), and the
-sentence is the one it returns, so every constraint is exactly what its checker verifies.
+HIR-16K cannot be downloaded here, so demos and tests train on prompts made from a seed: a
+built-in writing request (written for this project, from no benchmark) and 5–13 IFEval
+instructions whose arguments and sentence come from the library's own ``build_description``
+(seeded), so every constraint is exactly what its checker verifies.
 
-Pairs the library's conflict table forbids are never combined. Two more facts the table
-misses are enforced: the section marker ("Section"/"SECTION") is matched case-sensitively,
-so it cannot meet an all-lowercase or all-uppercase rule; and the keyword-type constraints
-(include / count / forbid / first word of a paragraph) never share a word. Numeric
-constraints can still be hard to meet together (say, few words but many sentences): the
-library samples them independently, as IFEval's own generator did.
+Pairs the library's conflict table forbids are never combined, nor two it misses: the section
+marker ("Section"/"SECTION") is case-sensitive, so it cannot meet an all-lower or all-upper rule;
+keyword constraints (include / count / forbid / first word of a paragraph) never share a word.
+Numeric constraints may still be hard together (few words, many sentences): they are sampled
+independently, as IFEval's own generator did.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Import BFCL's official AST checker without the rest of ``bfcl-eval``.
 
-Why this file exists: ``pip install bfcl-eval`` pins ``numpy==1.26.4`` and pulls in a dozen
-API clients, which would break this project's environment. The package itself (data files
-and checker) installs cleanly with ``pip install --no-deps bfcl-eval==2026.3.23``. The only
-obstacle is that ``ast_checker.py`` imports ``bfcl_eval.constants.model_config``, whose
-module imports every model handler (and so every API client). The checker reads a single
-field from it: ``MODEL_CONFIG_MAPPING[model].underscore_to_dot``, consulted only for function
-names that contain a dot, to decide whether a provider replaced "." by "_" in tool names.
-Our model is prompted with the original names, so the answer is always ``False``.
+``pip install bfcl-eval`` pins ``numpy==1.26.4`` and pulls in a dozen API clients, which would
+break this environment; ``pip install --no-deps bfcl-eval==2026.3.23`` installs cleanly. But
+``ast_checker.py`` imports ``bfcl_eval.constants.model_config``, which imports every model
+handler. The checker reads one field of it, ``MODEL_CONFIG_MAPPING[model].underscore_to_dot``,
+for dotted function names (did a provider turn "." into "_"); our model sees the original names,
+so it is always ``False``.
 
-``load_ast_checker`` puts a stand-in for that one module into ``sys.modules`` just for the
-duration of the import and then restores whatever was there, so nothing else in the process
-sees it. No other part of ``bfcl_eval`` is imported (in particular not
+``load_ast_checker`` puts a stand-in for that module into ``sys.modules`` only during the import,
+then restores what was there. No other part of ``bfcl_eval`` is imported (notably not
 ``bfcl_eval.constants.eval_config``, which creates folders inside site-packages on import).
 """
 

@@ -1,13 +1,10 @@
 """Verifier blocks of the tool-calling task (the information each reward is scored against).
 
-MRTPO's replay appends these to the last user message (correctness first, then format) and
-measures, token by token, how much each block changes the policy's predictions. The texts
-state what the verifier checks, and nothing else:
-
-- correctness: the reference calls themselves (after type coercion, i.e. the values the
-  reward compares against). A reference without calls has no correctness block: its reward
-  is a constant 0, so there is no information to attribute.
-- format: the tag layout the reference implies (tool-call, direct-response, or both).
+Replay appends them to the last user message (correctness, then format) and measures, token by
+token, how much each changes the policy's predictions. They state what the verifier checks, no
+more: correctness, the reference calls after type coercion (what the reward compares; a reference
+without calls has none: its reward is a constant 0); format, the tag layout the reference implies
+(tool-call, direct-response, or both).
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Loaders for ToolRL's RLLA data, in either of its two published layouts.
 
-- RL layout (``rlla_4k*``; json, jsonl or parquet): ``prompt`` (chat messages: the system
-  prompt with the tool list, then the dialogue) and ``reward_model.ground_truth`` (the gold
-  answer, whose reasoning is a placeholder).
-- SFT layout (``rlla_sft.json``): ``instruction`` (the system prompt), ``input`` (the
-  dialogue) and ``output`` (the gold answer with distilled reasoning).
+- RL (``rlla_4k*``; json, jsonl or parquet): ``prompt`` (chat messages: system prompt with the
+  tool list, then the dialogue) and ``reward_model.ground_truth`` (gold answer, placeholder
+  reasoning).
+- SFT (``rlla_sft.json``): ``instruction`` (system prompt), ``input`` (dialogue) and ``output``
+  (gold answer with distilled reasoning).
 
-Both become ``Example``s with the same ``data``: the tools parsed from the system prompt
-(``name -> parameter schema``, used to coerce argument types), the
-reference calls (``None`` when the gold answers directly) and the answer tags the gold
-implies. Rows whose gold calls cannot be parsed cannot be scored and are dropped (counted
-in the log).
+Both give the same ``data``: the tools (``name -> parameter schema``, to coerce argument types),
+the reference calls (``None`` when the gold answers directly) and the answer tags the gold
+implies. Rows whose gold calls do not parse cannot be scored and are dropped (counted in the log).
 """
 
 from __future__ import annotations
