@@ -34,117 +34,23 @@ CHAT_TEMPLATE = (
 
 # Text the tokenizer's merges are learned from: the vocabulary of the built-in tasks, so the
 # tiny model sees words as few tokens. Any byte sequence still tokenizes (byte-level BPE).
-_CORPUS_WORDS = [
-    "the",
-    "a",
-    "an",
-    "and",
-    "or",
-    "of",
-    "to",
-    "in",
-    "on",
-    "for",
-    "with",
-    "is",
-    "are",
-    "was",
-    "be",
-    "as",
-    "by",
-    "it",
-    "this",
-    "that",
-    "at",
-    "from",
-    "you",
-    "your",
-    "write",
-    "answer",
-    "response",
-    "reply",
-    "question",
-    "sentence",
-    "word",
-    "words",
-    "first",
-    "last",
-    "must",
-    "not",
-    "include",
-    "end",
-    "start",
-    "begin",
-    "exactly",
-    "contain",
-    "containing",
-    "use",
-    "using",
-    "only",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-    "eight",
-    "nine",
-    "ten",
-    *WORDS,  # the synthetic task's vocabulary, in its order
-    "fast",
-    "slow",
-    "warm",
-    "cold",
-    "old",
-    "new",
-    "good",
-    "think",
-    "answer",
-    "tool_call",
-    "response",
-    "select",
-    "from",
-    "where",
-    "group",
-    "by",
-    "order",
-    "limit",
-    "join",
-    "count",
-    "sum",
-    "avg",
-    "max",
-    "min",
-    "distinct",
-    "as",
-    "on",
-    "inner",
-    "left",
-    "union",
-    "intersect",
-    "except",
-    "having",
-    "desc",
-    "asc",
-    "like",
-    "between",
-    "null",
-    "name",
-    "parameters",
-    "true",
-    "false",
-    "json",
-    "sql",
-    "table",
-    "column",
-    "value",
-    "values",
-    "id",
-    "user",
-    "assistant",
-    "system",
-]
+_CORPUS_TEXT = " ".join(
+    [
+        (
+            "the a an and or of to in on for with is are was be as by it this that at from you "
+            "your write answer response reply question sentence word words first last must not "
+            "include end start begin exactly contain containing use using only one two three four "
+            "five six seven eight nine ten"
+        ),
+        *WORDS,  # the synthetic task's vocabulary, in its order
+        (
+            "fast slow warm cold old new good think answer tool_call response select from where "
+            "group by order limit join count sum avg max min distinct as on inner left union "
+            "intersect except having desc asc like between null name parameters true false json "
+            "sql table column value values id user assistant system"
+        ),
+    ]
+)
 _CORPUS_LINES = [
     "<think> reasoning </think> <answer> ```sql SELECT name FROM singer ; ``` </answer>",
     '<tool_call> {"name": "search", "parameters": {"query": "weather"}} </tool_call>',
@@ -190,7 +96,7 @@ def build_tokenizer(vocab_size: int = 1024, extra_corpus: list[str] | None = Non
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = [" ".join(_CORPUS_WORDS)] * 4 + _CORPUS_LINES + list(extra_corpus or [])
+    corpus = [_CORPUS_TEXT] * 4 + _CORPUS_LINES + list(extra_corpus or [])
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
