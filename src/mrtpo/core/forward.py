@@ -30,9 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def shared_prompt_mode(value: Any) -> str | None:
-    """The shared-prompt switch as written in a config (``rl.shared_prompt_forward``, the one
-    switch of every shared-prompt forward) as ``auto``, ``off`` or ``always``, YAML's ``false`` and
-    ``true`` read as off and auto; None when it is none of them."""
+    """``rl.shared_prompt_forward`` as ``auto``, ``off`` or ``always`` (YAML's ``false``/``true``
+    read as off/auto); None when it is none of them."""
     mode = str(value).lower()
     mode = {"false": "off", "true": "auto"}.get(mode, mode)
     return mode if mode in ("auto", "off", "always") else None
@@ -68,8 +67,8 @@ def response_logits(
     shared_prompt: str = "off",  # "auto": each distinct prompt once where that helps
     hidden: Tensor | None = None,  # [n, P] context tokens no other token attends to
 ) -> Tensor:
-    """Logits predicting each response token: [n, T, V] (in the model's dtype). ``hidden``
-    context tokens keep their positions but are hidden from attention (``_joined``)."""
+    """Logits predicting each response token: [n, T, V] (model dtype); ``hidden`` context tokens
+    keep their positions but are hidden from attention."""
     t = response_ids.shape[1]
     mode = "off" if hidden is not None else shared_prompt
     groups = prompt_groups(model, prompt_ids, prompt_mask, t, mode, packable=True)
@@ -82,8 +81,8 @@ def response_logits(
 
 
 def positions(mask: Tensor) -> Tensor:
-    """Position ids that count only a row's real tokens (``mask`` true): padding, on the left
-    or in the middle of a row, does not shift them (0 on leading padding)."""
+    """Position ids counting only a row's real tokens (``mask``), so padding anywhere does not
+    shift them (0 on leading padding)."""
     return (mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
@@ -110,10 +109,9 @@ def _joined(
 
 
 def hidden_mask(model, real: Tensor, hidden: Tensor, seen: Tensor | None = None) -> Tensor:
-    """[n, 1, S, W + S] attention mask of ``S`` new columns (``real`` [n, S]) where the
-    ``hidden`` ones are keys to no other column (a hidden column still reads the visible ones
-    before it, so its own state stays finite), after ``W`` cached keys of which each row reads
-    ``seen`` [n, W] (W = 0 when None). Every column sees itself (padding only itself)."""
+    """[n, 1, S, W + S] mask of ``S`` new columns (``real`` [n, S]) whose ``hidden`` ones are keys
+    to no other column (they still read earlier visible ones, staying finite), after ``W`` cached
+    keys each row reads per ``seen`` [n, W] (W = 0 when None). Every column sees itself."""
     s = real.shape[1]
     allowed = torch.ones((s, s), dtype=torch.bool, device=real.device).tril()
     return _attention_mask(model, allowed, real & ~hidden, real.device, seen)
@@ -127,10 +125,9 @@ PLAIN_HEAD_MODEL_TYPES = frozenset(
 
 
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """``(decoder, lm_head)`` when logits are the head applied to the decoder's last hidden
-    state and the two may be called apart, else ``None`` (callers then fall back to full
-    logits). Under FSDP they may not: embeddings, final norm and head sit in the root unit,
-    whose weights only a forward of the root gathers."""
+    """``(decoder, lm_head)`` when logits are the head on the decoder's last hidden state and the
+    two may be called apart, else ``None`` (callers use full logits). Not under FSDP: the head
+    sits in the root unit, whose weights only a root forward gathers."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
@@ -215,9 +212,8 @@ def response_logprobs(
     temperature: float = 1.0,
     shared_prompt: str = "off",
 ) -> Tensor:
-    """log pi_tau(y_t | context, y_<t) in float32: [n, T] (0 on pads), where
-    ``pi_tau = softmax(logits / temperature)`` is the distribution the tokens were sampled
-    from (``RolloutBatch.temperature``)."""
+    """log pi_tau(y_t | context, y_<t) in float32: [n, T] (0 on pads), ``pi_tau = softmax(logits
+    / temperature)`` being the sampling distribution (``RolloutBatch.temperature``)."""
     logits = response_logits(
         model, prompt_ids, prompt_mask, response_ids, response_mask, shared_prompt=shared_prompt
     )
@@ -252,9 +248,9 @@ class PromptGroups:
 
 
 def shared_prompt_blocker(model: torch.nn.Module, in_step: bool = False) -> str | None:
-    """Why ``model`` cannot run the shared-prompt forward now (None: it can). Depends on the
-    model and its mode only, never on the data. ``in_step``: the caller agrees with the other
-    ranks before it runs the extra prefix call (the HF engine), so FSDP does not block it."""
+    """Why ``model`` cannot run the shared-prompt forward now (None: it can), from the model and
+    its mode only. ``in_step``: the caller agrees with the other ranks first (HF engine), so FSDP
+    does not block it."""
     reason = _architecture_blocker(model, "key/value cache")
     if reason is not None:
         return reason
@@ -301,8 +297,7 @@ def _architecture_blocker(model, form: str) -> str | None:
 
 
 def windowed(model) -> bool:
-    """True when some attention layer of ``model`` is windowed (a cache would not hold a
-    whole prefix): every shared-prompt form keeps the plain path then."""
+    """True when some attention layer is windowed (a cache would not hold a whole prefix)."""
     return _windowed_config(getattr(model, "config", None))
 
 
@@ -314,8 +309,8 @@ def _windowed_config(cfg) -> bool:
 
 
 def _say_once(reason: str, used: bool = False) -> None:
-    """Log once per reason and process why the key/value-cache form of the shared-prompt
-    forward is not used (``used``: a form of it is, and ``reason`` says which)."""
+    """Log once per reason why the cache form of the shared-prompt forward is not used
+    (``used``: a form of it is, ``reason`` says which)."""
     if reason not in _said:
         _said.add(reason)
         log.info("%s%s", "" if used else "shared-prompt forward not used: ", reason)
@@ -393,9 +388,8 @@ def _packed_groups(model, first, row_prefix, width, n, t, mode, why) -> PromptGr
 
 
 def _token_cost(model) -> float:
-    """What one token's linear layers cost in units of one attention (query, key) pair, per
-    layer: ``2 (4 h^2 + 3 h i)`` FLOPs (projections, gated MLP) against ``4 h`` (scores and
-    values). About 320 for the tiny model, 35,600 for a 7B Qwen2.5."""
+    """One token's linear layers in units of one attention (query, key) pair per layer:
+    ``2 (4 h^2 + 3 h i)`` against ``4 h`` FLOPs. About 320 tiny, 35,600 for a 7B Qwen2.5."""
     cfg = model.config
     h = int(cfg.hidden_size)
     i = int(getattr(cfg, "intermediate_size", None) or 4 * h)
@@ -459,10 +453,9 @@ def prefix_layout(
 
 
 def shared_context_layout(model, contexts: list[list[int]], t: int, pad_id: int, mode="auto"):
-    """``response_hidden_shared_prefix``'s context arguments for token-list contexts (rows
-    with identical contexts share all but the context's last token: ``prefix_layout``), or
-    None where the plain ``response_hidden`` is to run (same rules as ``prompt_groups``).
-    No-grad callers only need this (the teacher); the log-probs are the plain forward's."""
+    """``response_hidden_shared_prefix``'s context arguments for token-list contexts (identical
+    ones share all but their last token), or None for the plain ``response_hidden`` (rules as
+    ``prompt_groups``). For no-grad callers (the teacher)."""
     if mode not in SHARED_PROMPT_MODES:
         raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
     n = len(contexts)
@@ -503,11 +496,9 @@ def _shared_prompt_logits(
 
 
 def _attention_mask(model, allowed: Tensor, key: Tensor, device, seen: Tensor | None = None):
-    """[R, 1, S, S] mask of a packed batch: ``allowed`` column pairs among the columns each
-    row may attend to (``key``); every column sees itself. With ``seen`` [R, W], ``W`` cached
-    keys come first ([R, 1, S, W + S]): every real column reads the ones its row sees. Eager
-    attention adds its mask, so there it is 0 where allowed and the most negative float
-    elsewhere."""
+    """[R, 1, S, S] mask: ``allowed`` column pairs among each row's ``key`` columns, plus itself;
+    with ``seen`` [R, W], ``W`` cached keys first ([R, 1, S, W + S]). Eager attention adds its
+    mask: 0 where allowed, the most negative float elsewhere."""
     s = allowed.shape[0]
     eye = torch.eye(s, dtype=torch.bool, device=allowed.device)
     mask = (allowed[None] & key[:, None, :].to(allowed.device)) | eye[None]
@@ -612,9 +603,8 @@ def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_
 def _continue_cache(
     model, cache, seen: Tensor, seg_ids: Tensor, seg_mask: Tensor, hidden=None, **kwargs
 ):
-    """Run the rows' segments on a prefix cache already reordered to the rows; ``seen`` [n, W]
-    marks the cached keys each row reads. Positions count the visible tokens only, and the
-    ``hidden`` segment tokens [n, S] (None: none), which no other token attends to."""
+    """Run the rows' segments on a prefix cache reordered to the rows (``seen`` [n, W]: cached
+    keys each row reads); positions count visible tokens; ``hidden`` [n, S] are keys to none."""
     device = seen.device
     seg_mask = seg_mask.to(device)
     full = torch.cat([seen, seg_mask], dim=1)
