@@ -1,14 +1,10 @@
 """Python objects handed to a job in memory (``mrtpo.Trainer``), never through the config.
 
-The config names each object by a token: a reward or block function by the import string
-``mrtpo.live.<token>`` (this module answers the attribute), a dataset by the path
-``mrtpo-live:<token>`` (the custom task reads its rows from here), so the composed config,
-its ``.hydra/`` record and the run's command line stay plain text. A loaded model goes
-through ``session``: ``mrtpo.lightning.pipeline.build`` takes it from there instead of loading
-``model.name_or_path``, and leaves the policy and tokenizer it trained with there.
-
-Objects live only in this process: a job whose ranks are started as new processes cannot
-see them (``mrtpo.Trainer`` runs one process). This module imports nothing of the project.
+The config names each by a token, so it and its records stay plain text: a function by the
+import string ``mrtpo.live.<token>``, a dataset by the path ``mrtpo-live:<token>``. A loaded
+model goes through ``session``: ``pipeline.build`` takes it instead of loading
+``model.name_or_path`` and leaves the trained policy there. Objects live only in this process
+(``mrtpo.Trainer`` runs one). This module imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -105,9 +101,8 @@ def current() -> Session | None:
 
 
 def load_model(cfg: Any, load: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, Any]:
-    """``load(cfg)``, unless a session holds a model not yet handed out: then that one
-    (prepared for the run). The first build of a session gets the given model (a warm start
-    is that build); the last build's policy is the one the session keeps."""
+    """``load(cfg)``, or the session's given model (prepared) for its first build (a warm
+    start's); the session keeps the last build's policy."""
     s = _SESSION
     if s is None:
         return load(cfg)

@@ -1,17 +1,11 @@
 """Every use of Lightning's private API in the project, in one place.
 
-Written for the Lightning version in ``WRITTEN_FOR``; ``tests/unit/test_lightning_compat.py``
-fails on another version until these are checked against it (and the constant raised).
-
-- An RL step may run several optimizer updates (PPO epochs, mini-batches), but
-  ``trainer.global_step`` must count RL steps (``trainer.max_steps``, checkpoint intervals
-  and the metrics' step column are in RL steps). Lightning's manual optimization counts
-  every ``optimizer.step()``; the hooks that count it are private.
-- A skipped (non-finite) step counts without an optimizer update: the same hooks.
-- The step's metrics go to the loggers in one call, where Lightning writes what ``self.log``
-  collected (``self.log`` of ~50 keys a step cost more than the rest of the logging); the
-  rows Lightning would write (``trainer.log_every_n_steps``) are decided by its private
-  logger connector.
+Written for Lightning ``WRITTEN_FOR``; ``tests/unit/test_lightning_compat.py`` fails on another
+version until these are checked against it.
+- ``global_step`` must count RL steps, not the several updates of one (PPO epochs,
+  mini-batches), and a skipped step counts without an update: the counting hooks are private.
+- The step's metrics go to the loggers in one call (``self.log`` of ~50 keys a step cost more
+  than the rest of the logging); which rows to write is decided by the private connector.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """DataModule: streams a task's prompts, B per training step, reproducibly and resumably.
 
-The training stream is an endless sequence of seeded permutations of the train split, read
-as a sequence of prompt *positions*. Step ``i`` consumes ``B x world_size`` consecutive
-positions; rank ``r`` takes the ``r``-th slice of ``B``, so every rank gets its own whole
-prompts (all G samples of a prompt are then drawn on one rank) and a 2-rank run with B=2
-sees the prompts of a 1-rank run with B=4. What a step reads depends only on (seed, position),
-so a run resumed from a checkpoint taken after step ``n`` continues at the position where the
-uninterrupted run would be, also when the number of ranks changes between the two.
+The stream is endless seeded permutations of the train split, read by *position*. Step ``i``
+takes ``B x world_size`` consecutive positions, rank ``r`` the ``r``-th slice of ``B``: whole
+prompts per rank (all G samples on one rank), and a 2-rank run with B=2 sees a 1-rank run's
+prompts with B=4. A step's prompts depend only on (seed, position), so a resumed run continues
+where the uninterrupted one would be, also with another number of ranks.
 """
 
 from __future__ import annotations
@@ -69,11 +67,7 @@ class PromptStream(IterableDataset):
 
     def batch_at(self, i: int) -> PromptBatch:
         n = len(self.examples)
-        items = []
-        for pos in self.positions(i):
-            epoch, off = divmod(pos, n)
-            perm = self._perm(epoch)
-            items.append(self.examples[int(perm[off])])
+        items = [self.examples[int(self._perm(p // n)[p % n])] for p in self.positions(i)]
         return PromptBatch(examples=items, index=i)
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -135,34 +129,30 @@ class PromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_examples is not None:
             return
-        train = list(self.task.examples("train"))
-        n_loaded = len(train)
-        train = self._filter_length(train, "train")
-        if not train:
-            raise ValueError(self._empty_message("train", n_loaded))
-        self.train_examples = train
+        self.train_examples = train = self._split("train")
         if self.val_prompts > 0:
-            val = list(self.task.examples("val"))
-            n_val = len(val)
-            val = self._filter_length(val, "val")
-            if not val:
-                raise ValueError(self._empty_message("val", n_val) + "; or set data.val_prompts=0")
+            val = self._split("val", "; or set data.val_prompts=0")
             self.val_examples = val[: self.val_prompts]
         log.info("data: %d train prompts, %d val prompts", len(train), len(self.val_examples))
 
-    def _empty_message(self, split: str, n_loaded: int) -> str:
-        """Why a split ended up empty: the task's loader, or the prompt-length filter."""
+    def _split(self, split: str, hint: str = "") -> list[Example]:
+        """The split's prompts within the length limit; empty: why (loader or filter)."""
+        loaded = list(self.task.examples(split))
+        kept = self._filter_length(loaded, split)
+        if kept:
+            return kept
+        n_loaded = len(loaded)
         if n_loaded == 0:
-            return (
+            raise ValueError(
                 f"task '{self.task.name}': the {split} split is empty: the task loaded no "
                 f"examples (its data files, or its own filters, e.g. references that fail to "
-                f"execute, removed them all); check the task.* data paths and options"
+                f"execute, removed them all); check the task.* data paths and options{hint}"
             )
-        return (
+        raise ValueError(
             f"task '{self.task.name}': the {split} split is empty after filtering: the task "
             f"loaded {n_loaded} examples and the prompt-length filter removed all {n_loaded} "
             f"(longer than data.max_prompt_tokens={self.max_prompt_tokens} tokens); raise "
-            "data.max_prompt_tokens"
+            f"data.max_prompt_tokens{hint}"
         )
 
     def _filter_length(self, examples: list[Example], split: str) -> list[Example]:

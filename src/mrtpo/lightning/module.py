@@ -1,11 +1,9 @@
 """PolicyModule: the Lightning side of multi-reward RL.
 
-The step itself (score, replay, old-policy log-probs, advantages, updates) is
-``mrtpo.step.RLStep``, which knows nothing of Lightning. This module owns what Lightning is
-for: the policy as a registered module (devices, sharding, checkpoints), the optimizer and
-learning-rate schedule (as ``UpdateHost``), logging, and validation. Each training batch
-arrives with its rollout already sampled by the rollout callback
-(``mrtpo.lightning.callbacks.rollout``), which pushes the new weights into the engine after the step.
+The step itself is ``mrtpo.step.RLStep``, which knows nothing of Lightning; this module owns
+the policy as a registered module (devices, sharding, checkpoints), the optimizer and schedule
+(as ``UpdateHost``), logging and validation. Rollouts arrive on the batch from
+``callbacks.rollout``, which also pushes the new weights into the engine after the step.
 """
 
 from __future__ import annotations
@@ -166,10 +164,8 @@ class PolicyModule(L.LightningModule):
         return None
 
     def _publish(self, result: StepResult) -> None:
-        """The step's metrics for everything that reads them, in one go rather than one
-        ``self.log`` a key: ``trainer.callback_metrics`` (as tensors, as ``self.log`` leaves
-        them), the progress bar's metrics, and the loggers, which get them at the end of the
-        batch (``on_train_batch_end``). Every rank holds the same (already global) values."""
+        """The step's (already global) metrics in one go rather than one ``self.log`` a key:
+        ``callback_metrics`` as tensors, the progress bar's, and the loggers' at batch end."""
         bar = dict(result.bar)
         values = {
             k: torch.tensor(v, dtype=torch.float32) for k, v in {**result.metrics, **bar}.items()
@@ -179,9 +175,8 @@ class PolicyModule(L.LightningModule):
         self._unwritten = {k: values[k] for k in result.metrics}  # float32, as self.log wrote
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        """The step's metrics to every logger in one call, where Lightning would write what
-        ``self.log`` had collected: after the callbacks' hooks, on the rows that
-        ``trainer.log_every_n_steps`` selects, with the same step number and ``epoch``."""
+        """The step's metrics to the loggers where Lightning would write ``self.log``'s: after
+        the callbacks' hooks, on ``log_every_n_steps`` rows, with the same step and ``epoch``."""
         metrics, self._unwritten = self._unwritten, None
         if metrics:
             lightning_compat.log_now(self.trainer, metrics)
@@ -276,8 +271,7 @@ class PolicyModule(L.LightningModule):
 
     # ---- sharding ----------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Under ``trainer=fsdp``: ``fully_shard`` the policy (and a reference copy) per decoder
-        layer, then the root (``mrtpo.lightning.sharding``); a no-op under any other strategy."""
+        """Under ``trainer=fsdp``, shard the policy and reference (``lightning.sharding``)."""
         shard_module_policies(self)
 
 

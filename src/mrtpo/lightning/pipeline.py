@@ -49,10 +49,8 @@ def print_config(cfg: DictConfig) -> None:
 
 
 def prepare(cfg: DictConfig, validated: bool = False):
-    """Everything that can fail cheaply, before any model loads: typed settings and their
-    ranges (unless ``train`` has ``validated`` them already), a paper preset's data files
-    (``mrtpo.run.paper_data``), the stage, the task (its data), and what the stage needs from
-    the task."""
+    """Everything that can fail cheaply, before any model loads: settings (unless
+    ``validated``), a paper preset's data files, the stage, the task and what the stage needs."""
     from hydra.utils import instantiate
 
     from mrtpo.run.loggers import check_loggers
@@ -132,10 +130,8 @@ def command_line() -> str:
 def run_warm_starts(cfg: DictConfig) -> DictConfig:
     """Run ``cfg.warm_start``'s entries in order; return ``cfg`` starting from the last policy.
 
-    Each entry is a run of its own, composed (like any command line) from its ``overrides``
-    plus this run's paths, into ``<run>/warm_start/<i>_<name>``. A finished entry (its
-    ``policy/`` holds a saved model) is reused, so rerunning into the same folder does not
-    repeat it.
+    Each entry is a run of its own, composed from its ``overrides`` plus this run's paths,
+    into ``<run>/warm_start/<i>_<name>``; a finished one (a saved ``policy/``) is reused.
     """
     from hydra.core.hydra_config import HydraConfig
 
@@ -176,10 +172,9 @@ def run_warm_starts(cfg: DictConfig) -> DictConfig:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run training (after the config's warm starts, if any); return the last logged metrics.
 
-    The run folder is locked for the whole run (``RunFolderLock``): a second process in the
-    same folder is refused at once, naming the first. A ``+resume`` of a run that already
-    reached ``trainer.max_steps`` raises ``NothingToTrain`` (saying so) before anything loads.
-    A SIGTERM or SIGINT ends it as ``RunInterrupted`` (``mrtpo.run.signals.SignalStop``).
+    The run folder is locked (``RunFolderLock``): a second process there is refused. A
+    ``+resume`` of a finished run raises ``NothingToTrain`` before anything loads; SIGTERM or
+    SIGINT ends it as ``RunInterrupted``.
     """
     if cfg.get("print_config"):
         print_config(cfg)

@@ -2,15 +2,11 @@
 prompt once per tokenizer, not once per job (a text-to-SQL job spent ~55 s on it, again in
 every job of a sweep).
 
-A count is keyed by the prompt's messages (which hold the data and the task's template) and
-stored in a file per tokenizer identity (its serialized vocabulary and rules, and its chat
-template) under the project's cache (``<paths.cache_dir>/prompt_lengths/``), never next to
-the user's data. Only counts are stored. A damaged or unwritable file is said in one warning
-line and the counts are worked out again.
-
-A file only grows (one entry per prompt ever counted with that tokenizer; delete the folder to
-reclaim it). Jobs writing one file at once may lose each other's new entries (the last
-replace wins): those prompts are counted again next time; no count is ever wrong.
+Counts are keyed by the prompt's messages, one file per tokenizer identity (vocabulary, rules,
+chat template) under ``<paths.cache_dir>/prompt_lengths/``, never beside the user's data. A
+damaged or unwritable file is one warning and the counts are redone. A file only grows (delete
+the folder to reclaim it); jobs writing it at once may lose each other's new entries (counted
+again next time): no count is ever wrong.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """The SFT stage: a supervised warm start on a task's reference responses.
 
-``python src/train.py stage=sft task=synthetic model=toy`` trains the policy to produce each
-prompt's ``Example.reference`` (cross-entropy on the response tokens only: the prompt is
-context, not a target) and saves it with ``save_pretrained`` into ``<run>/policy``, so that
-RL starts from it with ``model.name_or_path=<run>/policy model.tiny=null``.
+``stage=sft`` trains on each prompt's ``Example.reference`` (cross-entropy on response tokens
+only) and saves ``<run>/policy``; RL starts from it with ``model.name_or_path=<run>/policy
+model.tiny=null``. Any task whose examples carry references works.
 
-Why a target rate, not only a step count: RL needs headroom. A policy that already meets
-every constraint has nothing left to learn, and comparing methods across settings (K = 2, 4,
-8 rewards) only means something when each starts from a similar success rate. So every
-``eval_every`` steps the policy answers held-out prompts (greedy by default) and training
-stops as soon as the task's ``target_metric`` reaches ``target_success``. With
-``stop_when: below`` it stops once the rate has *fallen* to the target instead: a second SFT
-pass on deliberately imperfect references (the toy replication's warm start) lowers a
-competent policy's success to a chosen level, keeping its ability to read the prompt.
-
-Any task whose examples carry references works (the synthetic task; Spider queries, RLLA
-tool calls where a task ships them).
+Why a target rate, not only a step count: RL needs headroom, and methods compared across K
+only mean something from a similar success rate. Every ``eval_every`` steps the policy answers
+held-out prompts and training stops once ``target_metric`` reaches ``target_success``; with
+``stop_when: below`` once it has *fallen* to it (a second pass on imperfect references, the
+toy replication's warm start, lowers a competent policy's success to a chosen level).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -110,11 +104,8 @@ def sft_loss(model: torch.nn.Module, batch: SFTBatch) -> Tensor:
 
 
 class SFTDataModule(L.LightningDataModule):
-    """Endless seeded batches of the train examples that have a reference.
-
-    Wraps the RL ``PromptDataModule`` so that SFT sees the same prompts, the same prompt
-    length filter (``data.max_prompt_tokens``) and the same resumable stream.
-    """
+    """Endless seeded batches of the train examples that have a reference: the RL
+    ``PromptDataModule``'s prompts, length filter and resumable stream."""
 
     def __init__(self, prompts: PromptDataModule, batch_size: int) -> None:
         super().__init__()
@@ -145,7 +136,7 @@ class SFTDataModule(L.LightningDataModule):
         """The first ``n`` prompts of the val split (length-filtered like the train split)."""
         if n <= 0:
             return []
-        val = list(self.prompts.task.examples("val"))[: max(n * 2, n)]
+        val = list(self.prompts.task.examples("val"))[: n * 2]
         return self.prompts._filter_length(val, "val")[:n]
 
     def train_dataloader(self) -> DataLoader:
@@ -191,7 +182,7 @@ class SFTModule(L.LightningModule):
 
     def callbacks(self) -> list[L.Callback]:
         return [
-            SFTTarget(**{k: self.cfg[k] for k in _TARGET_KEYS}),
+            SFTTarget(**{k: self.cfg[k] for k in inspect.signature(SFTTarget).parameters}),
             SavePolicy(self.cfg["save_dir"]),
         ]
 
@@ -256,19 +247,6 @@ class SFTModule(L.LightningModule):
             return float(sft_loss(self.policy, self.encode([e for e in examples if e.reference])))
         finally:
             self.policy.train(was)
-
-
-_TARGET_KEYS = (
-    "target_success",
-    "target_metric",
-    "stop_when",
-    "eval_every",
-    "min_steps",
-    "eval_prompts",
-    "eval_samples",
-    "eval_temperature",
-    "eval_max_new_tokens",
-)
 
 
 def answer(
@@ -435,10 +413,9 @@ def _is_num(v: Any) -> bool:
 
 
 def _savable_generation_config(model) -> GenerationConfig | None:
-    """The policy's own generation config when ``save_pretrained`` accepts it; otherwise (a
-    starting model's loose one, e.g. ``top_k`` without ``do_sample``, which loading only warns
-    about) one with its token ids alone, so the end of a warm start never fails on a field SFT
-    did not use. RL and evaluation build their own sampling settings either way."""
+    """The policy's generation config, or its token ids alone where ``save_pretrained`` refuses
+    it (a loose one, e.g. ``top_k`` without ``do_sample``): the warm start never fails on a
+    field SFT did not use; RL and evaluation build their own sampling settings."""
     own = getattr(model, "generation_config", None)
     if own is None:
         return None

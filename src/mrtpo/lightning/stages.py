@@ -1,11 +1,8 @@
 """Stages: what a run does with its policy (``stage=rl``, ``stage=sft``, or one of your own).
 
-A stage is instantiated from ``cfg.stage`` (``_target_``) and turns the pieces every run has
-— policy, tokenizer, task, prompt stream — into the LightningModule, the DataModule and the
-callbacks of that kind of training. ``mrtpo.lightning.pipeline`` never asks which stage it holds.
-
-A new stage is a subclass of ``Stage`` plus ``configs/stage/<name>.yaml`` with its
-``_target_``; ``tests/integration/test_extension.py`` adds one from a test file.
+A stage (``cfg.stage._target_``) turns policy, tokenizer, task and prompt stream into the
+LightningModule, DataModule and callbacks of its training; the pipeline never asks which. A new
+one is a ``Stage`` subclass plus ``configs/stage/<name>.yaml`` (``test_extension.py`` adds one).
 """
 
 from __future__ import annotations
@@ -126,7 +123,6 @@ class SFTStage(Stage):
 
     def __init__(self, name: str | None = None, sft: Mapping | None = None) -> None:
         super().__init__(name)
-
         self.sft = SFTConfig.from_mapping(dict(sft or {}))
 
     def build(self, cfg, policy, tokenizer, task, prompts):

@@ -1,11 +1,8 @@
 """A console a person can read: one line per step while training, a summary table at the end.
 
-``StepLine`` prints a line per step with the time left (every step, or at most one line each
-``min_interval_s`` seconds when steps are fast, as in SFT, and always the last step); on a
-terminal a live progress bar sits under the lines. Without a terminal the lines are plain
-(no carriage returns, no colours), so a log file or CI shows the same progress.
-``RunSummary`` prints the means of the rewards and success over blocks of steps when training
-ends (the table ``make train`` shows), and saves a PNG of the curves in the run folder.
+``StepLine``: a line per step with the time left, a live bar under them on a terminal, plain
+text in a log file or CI. ``RunSummary``: at the end, the means of the rewards and success over
+blocks of steps (the table ``make train`` shows) and a PNG of the curves in the run folder.
 """
 
 from __future__ import annotations
@@ -32,21 +29,16 @@ _LINE_KEYS = (
 
 
 def _value(metrics, key) -> float | None:
-    v = metrics.get(key)
-    if v is None:
-        return None
     try:
-        f = float(v)
+        f = float(metrics.get(key))
     except (TypeError, ValueError):
         return None
     return None if math.isnan(f) else f
 
 
 def quiet_libraries() -> None:
-    """Keep the console to what a person reads: no Lightning tips or device banners (each
-    printed twice, by Lightning's handler and by the root one), no weight-loading bars, no
-    deprecation notes from inside Lightning. Warnings and errors still show."""
-
+    """No Lightning tips or device banners (each printed twice), weight-loading bars or
+    deprecation notes from inside Lightning; warnings and errors still show."""
     for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -126,13 +118,9 @@ def _sft_parts(target, step: int) -> list[str]:
 
 
 class StepLine(L.Callback):
-    """The progress of a run: a line per step (at most one each ``min_interval_s`` seconds,
-    and always the last) with the step out of ``trainer.max_steps``, the rewards or loss,
-    seconds per step and the time left; under SFT also its last held-out check.
-
-    ``bar``: ``auto`` (a live bar under the lines when stdout is a terminal), ``true`` or
-    ``false``. Without a terminal (a log file, CI) the lines are plain text, no colours and no
-    carriage returns."""
+    """A line per step (at most one each ``min_interval_s`` seconds, always the last): step,
+    rewards or loss, s/step, time left, SFT's last held-out check. ``bar``: ``auto`` (a live
+    bar when stdout is a terminal), ``true`` or ``false``."""
 
     def __init__(self, min_interval_s: float = 0.0, bar: bool | str = "auto") -> None:
         if bar not in (True, False, "auto"):
@@ -155,9 +143,8 @@ class StepLine(L.Callback):
             self._handlers = _through(sys.stdout, sys.stderr)
 
     def line(self, trainer, step: int, now: float) -> dict[str, str]:
-        """The step's line in parts: ``head`` (step N/M), ``info`` (rewards or loss, SFT's
-        checks), ``rate`` (s/step) and ``eta`` (the time left; ``≤`` when SFT may stop at
-        its target sooner)."""
+        """The step's line as ``head``, ``info``, ``rate`` and ``eta`` (``≤`` when SFT may stop
+        at its target sooner)."""
         m = trainer.callback_metrics
         parts, shown = [], set()
         for key, label in _LINE_KEYS:
@@ -256,9 +243,8 @@ def _natural(key: str) -> list:
 
 
 def column_groups(head: list[str], body: list[list[str]], width: int) -> list[list[int]]:
-    """Column indices split into tables that each fit ``width`` characters, every one
-    starting with the first column (the steps), so no header or value is cut short.
-    ``head`` holds the headers as shown."""
+    """Column indices split into tables that each fit ``width`` characters, each starting
+    with the steps column, so no header or value is cut short."""
 
     def need(c: int) -> int:  # rich's box: a border and one space of padding each side
         return max([len(head[c]), *(len(r[c]) for r in body)]) + 3

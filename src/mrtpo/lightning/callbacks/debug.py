@@ -4,10 +4,9 @@ Enable on the command line (it is in no default callback set):
 
     python src/train.py trainer=ddp +callbacks.batch_dump._target_=mrtpo.lightning.callbacks.debug.BatchDump
 
-Every ``every`` steps each rank writes ``<run folder>/<dirname>/step<NNNNNN>_rank<R>.pt`` with
-the rewards, groups, masks, relevance and token advantages it used. Concatenating the ranks'
-files (with group ids offset per rank: they are local) gives the global batch, over which a
-single process can recompute the advantages.
+Each rank writes ``<run folder>/<dirname>/step<NNNNNN>_rank<R>.pt`` (rewards, groups, masks,
+relevance, advantages); the ranks' files concatenated, group ids offset per rank (they are
+local), give the global batch for one process to recompute the advantages.
 """
 
 from __future__ import annotations

@@ -69,11 +69,10 @@ def _group_file(group: str, choice: str) -> Any:
 
 
 def eval_overrides(saved: Any, task: str) -> list[str]:
-    """The ``src/eval.py`` overrides that score a policy on the task of the run whose config
-    is ``saved`` (its ``.hydra/config.yaml``) and ``task`` its task choice: ``task=``, every
-    task key the run set beyond the group's file (its command line or its experiment, but not
-    the smoke limits of ``SMOKE_LIMITS``: evaluation scores the whole split), and the data
-    folder, token limit and dtype when they are not eval's defaults."""
+    """``src/eval.py`` overrides scoring a policy on the task of the run whose
+    ``.hydra/config.yaml`` is ``saved``: ``task=``, every task key the run set beyond the
+    group's file (not ``SMOKE_LIMITS``: evaluation scores the whole split), and the data folder,
+    token limit and dtype where they are not eval's defaults."""
     from mrtpo.run.trained_run import SMOKE_LIMITS
 
     raw = OmegaConf.to_container(saved.task, resolve=False)
@@ -99,8 +98,7 @@ def eval_overrides(saved: Any, task: str) -> list[str]:
 
 def run_eval_command(policy: str | Path) -> str:
     """The command that evaluates ``policy`` on this run's task (from Hydra's record of the
-    run: its task choice and saved ``.hydra/config.yaml``); ``task=`` alone when the run was
-    composed outside Hydra's command line and saved no config."""
+    run); ``task=`` alone where the run saved no config."""
     words = ["python", "src/eval.py", f"model.name_or_path={_hydra_value(str(policy))}"]
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -129,9 +127,8 @@ _STAGING = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)(?P<pid>\d+)")
 
 
 def remove_stale_exports(out: str | Path) -> list[Path]:
-    """Remove the staging folders of exports to ``out`` whose process is dead (killed while
-    it exported); return them. A live process's folder, and anything that is not a plain
-    folder (a link), is left alone."""
+    """Remove (and return) the staging folders of exports to ``out`` whose process died; a
+    live process's folder and anything but a plain folder (a link) are left alone."""
     out = Path(out)
     removed = []
     try:
@@ -153,11 +150,9 @@ def remove_stale_exports(out: str | Path) -> list[Path]:
 class ExportPolicy(L.Callback):
     """At the end of training, write the policy as a Hugging Face folder (LoRA merged).
 
-    Only the RL module is exported here; the SFT stage saves its own ``<run>/policy``
-    (``mrtpo.lightning.sft.SavePolicy``). A run that stops on an error exports nothing. A run resumed
-    after it finished training but not its export (``pending_export``) trains no step and
-    exports from its last checkpoint when the fit ends; staging folders that a stopped export
-    left are removed when a run starts.
+    RL only (SFT saves its own, ``sft.SavePolicy``); a run stopped by an error exports nothing.
+    A run resumed after training but before its export (``pending_export``) exports from its
+    last checkpoint at fit end; a stopped export's staging folders go when a run starts.
     """
 
     def __init__(self, dirpath: str, sampling: Mapping[str, Any] | None = None) -> None:
@@ -219,11 +214,8 @@ class ExportPolicy(L.Callback):
         if owed and exported_step(Path(self.dirpath)) == int(trainer.global_step):
             return
 
-        info = {
-            "step": int(trainer.global_step),
-            "iteration": int(pl_module.iteration),
-            **pl_module.identity(),
-        }
+        step, iteration = int(trainer.global_step), int(pl_module.iteration)
+        info = {"step": step, "iteration": iteration, **pl_module.identity()}
         self.path = save_policy(
             pl_module.policy,
             pl_module.tokenizer,

@@ -1,15 +1,10 @@
 """Resume in place: a resumed run continues its run folder's ``metrics.csv``, without duplicates.
 
-A run killed after its last checkpoint has logged steps that the resumed run computes again.
-The run's CSV logger (``mrtpo.run.loggers.RunCSVLogger``) keeps the old file untouched until the
-resumed run saves its first rows; this callback tells it, once the checkpoint is restored,
-the step the run restarts from. The first save then replaces the file, in one atomic rename,
-by its rows of earlier steps followed by the new rows: every step appears once, and the
-history is on disk at every instant (a resume killed while it starts loses nothing).
-
-It also records the run's settings in every checkpoint (``mrtpo.run.resume.settings_record``),
-so that a later ``+resume`` can refuse settings that would change the run, and the names of the
-metrics logged so far, so that a resumed step writes NaN where the uninterrupted run did.
+A run killed after its last checkpoint logged steps the resumed run computes again. This
+callback tells ``RunCSVLogger`` the restored step; its first save replaces the file in one
+atomic rename by the earlier rows, then the new: every step once, history on disk throughout.
+It also saves into every checkpoint the run's settings (so ``+resume`` can refuse changes) and
+the metric names logged so far (a resumed step writes NaN where the uninterrupted run did).
 """
 
 from __future__ import annotations

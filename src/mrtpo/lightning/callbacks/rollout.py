@@ -18,11 +18,8 @@ from mrtpo.rollout.source import RolloutSource
 
 
 class RolloutCallback(L.Callback):
-    """Fills ``batch.rollout`` with G samples per prompt (greedy, 1 sample for validation).
-
-    The rollout carries ``sampling`` (``RolloutBatch.sampling``): the trainer takes every
-    log-prob of these samples at its temperature.
-    """
+    """Fills ``batch.rollout`` with G samples per prompt (greedy, 1 for validation); it
+    carries ``sampling``, whose temperature the trainer's log-probs use."""
 
     def __init__(
         self,
