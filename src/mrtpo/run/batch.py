@@ -43,11 +43,9 @@ BATCH_KEYS = tuple(f"rl.{form}{key}" for key in PER_RANK_DEFAULTS for form in ("
 
 
 def global_batch(cfg, ranks: int | None = None) -> dict[str, int] | None:
-    """What one RL step of ``cfg`` takes over all its ranks, whatever form its batch keys
-    have: ``world_size`` (``ranks``, default: the processes ``cfg.trainer`` starts),
-    ``prompts_per_step`` and ``mini_batch_size`` (responses per optimizer step, counted as the
-    update counts them: a mini-batch larger than a rank's responses is all of them). None
-    when ``cfg`` has no usable ``rl`` section or trainer (refused elsewhere, naming the key)."""
+    """One RL step over all ranks, whatever form the batch keys take: ``world_size``
+    (default: ``cfg.trainer``'s processes), ``prompts_per_step`` and ``mini_batch_size`` (as
+    the update counts it: capped at a rank's responses). None without a usable ``rl``/trainer."""
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, "rl")

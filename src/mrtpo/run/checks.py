@@ -190,10 +190,8 @@ def check_engine(cfg) -> None:
 
 
 def check_engine_settings(cfg) -> None:
-    """The rollout engine's own checks of its settings (``rollout.engine.*``), run before
-    anything loads by both the run (``validate``) and ``--check``: the engine built from the
-    config when its class says that costs nothing (``checks_settings_when_built``); the
-    engine names each setting it refuses."""
+    """The engine's own checks of ``rollout.engine.*`` before anything loads (run and
+    ``--check``): built from the config when ``checks_settings_when_built`` says it is free."""
     from hydra.utils import get_class
     from omegaconf import OmegaConf
 
@@ -206,9 +204,8 @@ def check_engine_settings(cfg) -> None:
 
 
 def check_schedule(cfg) -> None:
-    """``rollout.schedule``, ``rollout.max_staleness`` and the engine they need, by the rule
-    the rollout source applies (``mrtpo.rollout.source.check_schedule``), before anything
-    loads."""
+    """``rollout.schedule``/``max_staleness`` against the engine, by the rollout source's own
+    rule (``mrtpo.rollout.source.check_schedule``), before anything loads."""
     from hydra.utils import get_class
     from omegaconf import OmegaConf
 

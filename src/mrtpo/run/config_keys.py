@@ -84,24 +84,11 @@ def synonyms() -> dict[str, str]:
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_partial_", "_recursive_", "_args_"})
 
 
-def _fields(cls_path: str, name: str) -> Callable[[], tuple[str, ...] | None]:
-    def read() -> tuple[str, ...] | None:
-        import importlib
-
-        module = importlib.import_module(cls_path)
-        params = inspect.signature(getattr(module, name)).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return None  # it takes any key (a wrapper): nothing to refuse
-        return tuple(p.name for p in params)
-
-    return read
-
-
 #: Nodes without a ``_target_`` whose keys the code reads by name.
 FIXED: dict[str, Callable[[], tuple[str, ...] | None]] = {
-    "model": _fields("mrtpo.core.models", "load_policy"),
+    "model": lambda: _takes("mrtpo.core.models.load_policy"),
     "rollout": lambda: ("engine", "sampling", "val_max_new_tokens", "schedule", "max_staleness"),
-    "rollout.sampling": _fields("mrtpo.rollout.base", "SamplingConfig"),
+    "rollout.sampling": lambda: _takes("mrtpo.rollout.base.SamplingConfig"),
 }
 
 

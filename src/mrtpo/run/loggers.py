@@ -117,9 +117,8 @@ def _nodes(logger_cfg) -> list[tuple[str, Mapping]]:
 
 
 def check_loggers(logger_cfg) -> None:
-    """Raise ``LoggerPackageMissing`` if any logger of the composed ``logger`` node cannot be
-    built because a package is missing; the message names each such logger and the install
-    command. Reads the config only: no logger is constructed, nothing is written."""
+    """Raise ``LoggerPackageMissing`` naming each logger whose package is missing and the
+    install command; reads the config only (nothing built or written)."""
     problems = []
     for key, node in _nodes(logger_cfg):
         target = node.get("_target_") if isinstance(node, Mapping) else None

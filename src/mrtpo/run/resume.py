@@ -136,9 +136,8 @@ def record_resume(cfg: DictConfig, run: str | Path) -> None:
 
 
 def _log_into(target: Path) -> None:
-    """Hydra's job log of a resume went outside the folder until now (mrtpo.run.config.job_log):
-    move what it holds to the end of ``target`` (the run's own log) and log there from here
-    on."""
+    """Move a resume's pending job log (``config.job_log``) to the end of ``target``, the
+    run's own log, and log there from now on."""
     fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     for h, pending in pending_logs():
         detach(h)
@@ -158,8 +157,7 @@ def _log_into(target: Path) -> None:
 
 
 def given_overrides() -> list[str] | None:
-    """The overrides this Hydra job was given; None outside a Hydra job (a library caller's
-    composed config)."""
+    """The overrides this Hydra job was given; None outside a Hydra job."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -169,16 +167,14 @@ def given_overrides() -> list[str] | None:
 
 
 def append_history(hydra_dir: Path, entry: dict[str, Any]) -> None:
-    """Append ``entry``, stamped with the time, to ``<hydra_dir>/history.yaml`` (not through
-    a link)."""
+    """Append ``entry``, time-stamped, to ``<hydra_dir>/history.yaml`` (never via a link)."""
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), **entry}
     with open(hydra_dir / "history.yaml", "a", encoding="utf-8", opener=no_follow) as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create([entry])))
 
 
 def pending_logs() -> list[tuple[logging.FileHandler, Path]]:
-    """The root logger's handlers that write a resume's pending log (a file in a
-    ``resume-logs/`` folder, ``mrtpo.run.config.job_log``), each with its file."""
+    """The root logger's handlers writing a resume's pending log (in ``resume-logs/``)."""
     return [
         (h, Path(h.baseFilename))
         for h in logging.getLogger().handlers
@@ -197,14 +193,9 @@ def detach(handler: logging.Handler) -> None:
 #: Where a checkpoint keeps the settings of the run that wrote it (``settings_record``).
 SETTINGS_KEY = "mrtpo_settings"
 
-#: Keys (``fnmatch`` patterns over dotted keys) that a ``+resume`` may change: where things go
-#: and how they are shown, how many steps, processes and nodes, and knobs that change memory
-#: or speed but not what is computed. Every other setting must equal the run's (the
-#: checkpoint records them); a resume that changes one is refused before anything is written.
-#: A typed setting (rl, optim, replay, data, stage.sft) says so on its field
-#: (``mrtpo.run.settings.setting(resume=True)``, read by ``may_change``); listed here are the
-#: keys of untyped groups (Lightning's trainer, the model loader, Hydra's paths, callbacks and
-#: loggers, the engine's node), which have no field to carry it.
+#: ``fnmatch`` patterns of keys a ``+resume`` may change (where things go, how they show,
+#: steps, processes, memory/speed knobs); any other change is refused before a write. Typed
+#: settings say so on their field (``setting(resume=True)``); these are the untyped groups'.
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "resume",
     "ckpt_path",
@@ -247,10 +238,8 @@ def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
 
 
 def settings_record(cfg: DictConfig) -> str | None:
-    """The run's resolved settings, one dotted key per leaf, as JSON (saved in checkpoints).
-
-    None when the config cannot be resolved here (a library caller's partial config).
-    """
+    """The run's resolved settings, one dotted key per leaf, as JSON (saved in checkpoints);
+    None when the config cannot be resolved here."""
     try:
         # paths.* may move between invocations: record what is derived from them by name
         # (``<paths.data_dir>/spider``), so that a moved folder is not a changed setting
@@ -273,8 +262,7 @@ def settings_record(cfg: DictConfig) -> str | None:
 
 
 def may_change(key: str) -> bool:
-    """Whether a ``+resume`` may change ``key``: a typed setting declared ``resume=True``, or
-    a key of ``RESUME_MAY_CHANGE``."""
+    """A typed setting declared ``resume=True``, or a key of ``RESUME_MAY_CHANGE``."""
     from mrtpo.run.settings import resumable
 
     return key in resumable() or any(fnmatch.fnmatchcase(key, p) for p in RESUME_MAY_CHANGE)
@@ -283,10 +271,8 @@ def may_change(key: str) -> bool:
 def check_resume_settings(
     ckpt: dict[str, Any], settings: str | None, ckpt_path: str | Path
 ) -> None:
-    """Refuse a resume whose settings (``settings_record`` of its config, taken before the
-    run derives anything from it) differ from the checkpoint's, except ``RESUME_MAY_CHANGE``.
-    The batch keys are compared by the global batch they make on each world size
-    (``mrtpo.run.batch.batch_on_resume``)."""
+    """Refuse a resume whose ``settings_record`` differs from the checkpoint's beyond what
+    ``may_change``; batch keys compare by the global batch they make (``batch_on_resume``)."""
     raw = ckpt.get(SETTINGS_KEY)
     mine_raw = settings
     if raw is None or mine_raw is None:
@@ -328,10 +314,8 @@ def check_resume_settings(
 
 
 def resume_command(folder: str | Path) -> str:
-    """The command that continues the run in ``folder``, as a shell line: ``+resume=<folder>``
-    (the resume takes the run's own overrides from its ``.hydra/overrides.yaml``,
-    ``resume_overrides``) after what this invocation gave beyond those (a resumed run's new
-    ``trainer.max_steps``)."""
+    """The shell line that continues the run in ``folder``: what this invocation gave beyond
+    the run's saved overrides, then ``+resume=<folder>``."""
     import shlex
 
     try:
@@ -358,12 +342,9 @@ _CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def resume_overrides(argv: Sequence[str]) -> list[str]:
-    """The command line of ``+resume=<run>`` completed with the run's own overrides.
-
-    The run's ``.hydra/overrides.yaml`` comes first; an override given beside ``+resume``
-    replaces the run's value of a key a resume may change (``RESUME_MAY_CHANGE``), is dropped
-    when it repeats the run's value, and is refused naming the run's value otherwise. Without
-    ``+resume``, or for a folder that records no overrides, ``argv`` is returned as it is."""
+    """``+resume=<run>``'s command line after the run's saved overrides. An override given
+    beside it replaces a value a resume may change, is dropped when it repeats the run's, and
+    is refused otherwise; ``argv`` is returned as it is without ``+resume`` or saved overrides."""
     from mrtpo.run.batch import BATCH_KEYS
     from mrtpo.run.settings import ConfigError
 

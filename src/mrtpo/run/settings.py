@@ -98,13 +98,8 @@ class _Section:
             if check is None:
                 continue
             value, allowed = getattr(self, f.name), f.metadata["allowed"]
-            _need(
-                check(value),
-                self.section,
-                f.name,
-                value,
-                allowed() if callable(allowed) else allowed,
-            )
+            allowed = allowed() if callable(allowed) else allowed
+            _need(check(value), self.section, f.name, value, allowed)
         self._settle()
 
     def _settle(self) -> None:
@@ -384,6 +379,5 @@ def resumable() -> tuple[str, ...]:
 
 
 def setting_words() -> dict[str, str]:
-    """Words people type for a setting (``learning_rate``), and the setting (the fields'
-    ``words``), for the hint of a key nothing reads."""
+    """Words people type for a setting (``learning_rate``) and the setting, for hints."""
     return {word: key for key, f in declared() for word in f.metadata.get("words", ())}
