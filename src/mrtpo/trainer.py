@@ -13,11 +13,9 @@
     run = trainer.train()        # api.RunResult: run_dir, metrics, history()
     trainer.model, trainer.tokenizer    # the trained policy, in memory
 
-Underneath, ``train()`` composes the same Hydra config as ``python src/train.py task=custom
-...`` (``Config``'s fields are config keys, each named in its metadata) and runs the same job
-through ``mrtpo.api.train``: the same run folder, records, checks and errors. The reward
-functions, the dataset and a loaded model reach the job in memory (``mrtpo.live``); the
-config names them by tokens only.
+``train()`` runs ``python src/train.py task=custom ...``'s job through ``mrtpo.api.train``
+(``Config``'s fields name their config keys); rewards, dataset and a loaded model reach it in
+memory (``mrtpo.live``), the config names them by tokens only.
 """
 
 from __future__ import annotations
@@ -302,8 +300,7 @@ def _precheck(cfg: Any, args: Config, composed: list[bool]) -> None:
 @contextlib.contextmanager
 def _config_errors_named(args: Config) -> Iterator[list[bool]]:
     """A config that does not compose is one line naming the ``Config`` field or key; once it
-    composed (the list it yields is not empty), a composition error is the job's own (a warm
-    start's) and is raised as it is."""
+    composed (the list yielded is not empty), the error is a warm start's: raised as is."""
     from hydra.errors import ConfigCompositionException
 
     composed: list[bool] = []
