@@ -120,12 +120,8 @@ def _why_unbudgeted() -> str | None:
 def call_with_budget(
     fn: Callable[..., T], *args: Any, seconds: float | None, what: str, clock: str = "wall"
 ) -> T:
-    """``fn(*args)``, interrupted with ``CheckTimeout`` after ``seconds`` (None: no budget)
-    on ``clock``: ``"wall"``, or ``"cpu"`` (the calling thread's CPU time, with the wall
-    guard).
-
-    ``what`` names the call in the error (``instruction 'x' checker``).
-    """
+    """``fn(*args)``, interrupted with ``CheckTimeout`` (naming ``what``) after ``seconds``
+    (None: no budget) of ``clock``: ``"wall"``, or ``"cpu"`` (with the wall guard)."""
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: one of {CLOCKS}")
     if seconds is None:

@@ -132,11 +132,8 @@ def _downloads_blocked() -> Iterator[list[str]]:
 
 
 def _import_without_package_init(module: str, package: str) -> types.ModuleType:
-    """Import ``module`` while ``package`` (one of its parents) is a bare namespace.
-
-    The package's ``__init__`` never runs; the modules we import keep their real names in
-    ``sys.modules``, so a later ordinary import of the package still works.
-    """
+    """Import ``module`` while its parent ``package`` is a bare namespace (its ``__init__``
+    never runs); modules keep their real names, so a later ordinary import still works."""
     if module in sys.modules:
         return sys.modules[module]
     if package in sys.modules:  # already imported for real by someone else

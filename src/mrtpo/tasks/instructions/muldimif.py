@@ -67,11 +67,8 @@ def strip_think(response: str) -> str:
 
 @functools.cache
 def load_harness(checker_dir: str, nltk_dir: str) -> types.ModuleType:
-    """The authors' ``evaluation`` module, imported from ``checker_dir`` (cached per folder).
-
-    ``nltk_dir`` is ``task.nltk_data_dir``: Content_Punctuation splits sentences with NLTK's
-    Punkt, which gets the same offline copy as the IFEval checkers.
-    """
+    """The authors' ``evaluation`` module from ``checker_dir`` (cached per folder);
+    ``nltk_dir`` (``task.nltk_data_dir``) gives Content_Punctuation the offline Punkt copy."""
     root = Path(checker_dir).expanduser()
     if not (root / "evaluation.py").is_file() or not (root / "eval").is_dir():
         raise MulDimIFUnavailable(

@@ -556,11 +556,8 @@ class InstructionTask(Task):
 
     def _muldimif_summary(self, rows: Sequence[tuple[Example, Score]]) -> dict[str, float]:
         """The paper's accuracy (all constraints met), per-constraint accuracy, and the
-        official harness's per pattern / category / difficulty scores (``get_score``).
-
-        ``get_score`` lists a group only once one of its prompts is fully met; groups present
-        in the data but never met are reported here as 0.0 rather than left out.
-        """
+        official per pattern / category / difficulty scores (``get_score``, which leaves out
+        groups never fully met: reported here as 0.0)."""
         items = [
             {
                 "constraints": [c["triple"] for c in e.data["constraints"]],

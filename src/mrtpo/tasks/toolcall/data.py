@@ -65,11 +65,8 @@ def _jsonl_rows(p: Path) -> list[dict[str, Any]]:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``.json`` (a list, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file.
-
-    Malformed files fail with a ``ValueError`` that names the file and, where known, the
-    line of the problem.
-    """
+    """Rows of a ``.json`` (a list, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file;
+    a malformed one is a ``ValueError`` naming the file and, where known, the line."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(

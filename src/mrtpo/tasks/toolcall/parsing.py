@@ -159,11 +159,8 @@ def parse_call_lines(block: str) -> list[Any]:
 
 
 def reference_calls(reference: str) -> list[dict[str, Any]] | None:
-    """The calls of a reference answer, or ``None`` when it makes no tool call.
-
-    Read from the last ``<tool_call>`` block after the reasoning. Raises ``ParseError`` when
-    the block is malformed or a call is not ``{"name": str, "parameters": dict}``.
-    """
+    """The calls of a reference's last ``<tool_call>`` block after its reasoning (``None``:
+    no call). ``ParseError`` when a call is not ``{"name": str, "parameters": dict}``."""
     tail = answer_part(reference)
     if "<tool_call>" not in tail:
         return None
@@ -182,12 +179,10 @@ def reference_calls(reference: str) -> list[dict[str, Any]] | None:
 
 
 def response_calls(response: str) -> list[Any]:
-    """Calls of a model response, read exactly as ToolRL's reward reads them.
-
-    The text between the first ``<tool_call>`` and the following ``</tool_call>``, stripped,
-    one JSON value per line. Raises ``ParseError`` when a tag is missing or a line is not
-    JSON. The values are not validated here (the correctness reward decides what a malformed
-    call costs).
+    """Calls of a model response, read exactly as ToolRL's reward reads them: one JSON value
+    per line between the first ``<tool_call>`` and the next ``</tool_call>``. Raises
+    ``ParseError`` on a missing tag or a non-JSON line; values are not validated here (the
+    correctness reward decides what a malformed call costs).
     """
     if "<tool_call>" not in response or "</tool_call>" not in response:
         raise ParseError("no <tool_call> ... </tool_call> block")
@@ -213,12 +208,11 @@ def _base_type(schema: Any) -> str | None:
 
 
 def coerce_value(value: Any, schema: Any) -> Any:
-    """``value`` converted to the schema's declared scalar type when it is a string spelling
-    of that type ("3" for an int, "2.5" for a float, "true" for a bool); otherwise unchanged.
+    """``value`` as the schema's scalar type when it is a string spelling of it ("3" for an
+    int, "2.5" for a float, "true" for a bool); otherwise unchanged.
 
-    Applied to reference values only (the paper's rule): RLLA references often quote numbers
-    ("page": "1" for an ``int`` parameter), and a model that writes the typed value should
-    not be marked wrong for it. Model output is compared as written, as ToolRL does.
+    For reference values only (the paper's rule): RLLA references often quote numbers
+    ("page": "1" for an ``int``), and a model writing the typed value should not lose for it.
     """
     if not isinstance(value, str):
         return value
@@ -238,14 +232,8 @@ def coerce_value(value: Any, schema: Any) -> Any:
 
 
 def coerce_calls(calls: list[Any], tools: dict[str, dict[str, Any]]) -> list[Any]:
-    """Copies of reference ``calls`` with each argument of a known tool coerced to its
-    declared type.
-
-    ``tools`` maps tool names to parameter schemas (``tools_by_name``).
-
-    Anything that is not a well-formed call (or names an unknown tool) is passed through
-    unchanged.
-    """
+    """Copies of reference ``calls``, each argument of a known tool (``tools``, from
+    ``tools_by_name``) coerced to its declared type; anything else passes unchanged."""
     out: list[Any] = []
     for call in calls:
         if (

@@ -49,12 +49,9 @@ _FORMAT_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {
 
 
 def format_reward(response: str, tags: Sequence[str]) -> tuple[float, str | None]:
-    """ToolRL's format reward: 1 if ``response`` is laid out as ``<think>`` then the tags the
-    reference implies, in order, each answer tag exactly once; else 0.
-
-    ``tags`` is what the reference implies (``parsing.reference_tags``). As in ToolRL only
-    the answer tags are counted: a second ``<think>`` block passes. Returns (reward, reason
-    for a 0).
+    """ToolRL's format reward, (1 or 0, reason for a 0): ``<think>`` then the ``tags`` the
+    reference implies (``parsing.reference_tags``), in order, each answer tag exactly once (as
+    in ToolRL, a second ``<think>`` block passes).
     """
     key = tuple(t for t in ("tool_call", "response") if t in tags)
     for tag in key:
@@ -129,12 +126,9 @@ def correctness_reward(
     response: str,
     tools: dict[str, dict[str, Any]],
 ) -> tuple[float, str | None]:
-    """ToolRL correctness of ``response`` (already cleaned) against the reference calls.
-
-    ``gold_calls`` is ``parsing.reference_calls(reference)`` (``None``: no tool call, reward 0).
-    ``tools`` maps tool names to parameter schemas (``parsing.tools_by_name``), for the
-    reference's type conversion. Never raises on model output.
-    Returns (reward, reason when not a perfect 3).
+    """(ToolRL correctness, reason when not a perfect 3) of a cleaned ``response``; never
+    raises on model output. ``gold_calls``: ``parsing.reference_calls`` (``None``: reward 0);
+    ``tools``: ``parsing.tools_by_name``, for the reference's type conversion.
     """
     if gold_calls is None:
         return 0.0, "the reference makes no tool call (ToolRL gives 0)"

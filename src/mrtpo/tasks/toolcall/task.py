@@ -46,12 +46,9 @@ class ToolCallTask(Task):
         limits: Mapping[str, int | None] | None = None,
         bfcl_categories: Sequence[str] | str | None = None,
     ) -> None:
-        """
-        Args:
-            data_files: split name -> RLLA file (.json/.jsonl/.parquet, RL or SFT layout).
-            limits: optional split name -> maximum number of examples (first rows).
-            bfcl_categories: default categories of the ``bfcl`` split (all ten when unset).
-        """
+        """``data_files``: split -> RLLA file (.json/.jsonl/.parquet, RL or SFT layout);
+        ``limits``: split -> first N examples; ``bfcl_categories``: the ``bfcl`` split's
+        default categories (all ten when unset)."""
         self.data_files = dict(data_files or {})
         self.limits = dict(limits or {})
         self.bfcl_categories = bfcl.check_categories(bfcl_categories)
