@@ -30,12 +30,9 @@ def shard_of(trainer) -> tuple[int, int]:
 
 
 class PromptStream(IterableDataset):
-    """Endless batches of ``batch_size`` examples for one rank, starting at batch ``start``.
-
-    Batch ``i`` covers the stream positions ``first + (i - start) * batch_size * world_size
-    + rank * batch_size + [0, batch_size)``, where ``first`` (default ``start * batch_size *
-    world_size``) is the first position not yet consumed when the stream (re)starts.
-    """
+    """Endless batches of ``batch_size`` examples for one rank, from batch ``start``: batch
+    ``i`` is positions ``first + (i - start) * batch_size * world_size + rank * batch_size +
+    [0, batch_size)``, ``first`` the first unread position (default ``start * B * world``)."""
 
     def __init__(
         self,
@@ -173,9 +170,8 @@ class PromptDataModule(L.LightningDataModule):
     def prompt_lengths(
         self, examples: list[Example], chunk: int = 1024, what: str = "prompts"
     ) -> list[int]:
-        """Token counts of the sampling prompts, tokenized in batches (thousands of long
-        text-to-SQL schemas would take minutes one by one), with progress; counts of an
-        earlier job with the same prompts and tokenizer come from the cache."""
+        """Token counts of the sampling prompts, in batches (thousands of long SQL schemas take
+        minutes one by one); an earlier job's counts come from the cache."""
         from mrtpo.lightning.prompt_cache import cached_lengths
 
         def count(messages: list) -> list[int]:

@@ -72,9 +72,8 @@ class PolicyModule(L.LightningModule):
         optimizer: Callable | None = None,
         scheduler: Callable | None = None,
     ) -> None:
-        """``optimizer``: ``params -> torch.optim.Optimizer`` and ``scheduler``: ``optimizer ->
-        LRScheduler`` (``_partial_`` config nodes); by default AdamW and a linear warm-up
-        from the ``optim`` settings."""
+        """``optimizer`` (params -> Optimizer), ``scheduler`` (optimizer -> LRScheduler):
+        ``_partial_`` nodes; by default AdamW and a linear warm-up from ``optim``."""
         super().__init__()
         self.automatic_optimization = False
         self.policy = policy
@@ -276,9 +275,8 @@ class PolicyModule(L.LightningModule):
 
 
 class _Host:
-    """The step's ``UpdateHost`` under Lightning: updates through Lightning's optimizer wrapper
-    (precision, strategy); only the last update of an RL step advances ``global_step``, so
-    ``trainer.max_steps`` and checkpoint intervals count RL steps."""
+    """The step's ``UpdateHost``: updates through Lightning's optimizer wrapper; only an RL
+    step's last update advances ``global_step`` (max_steps and checkpoints count RL steps)."""
 
     def __init__(self, module: PolicyModule) -> None:
         self.module = module

@@ -111,9 +111,8 @@ def cached_lengths(
     what: str = "prompts",
     chunk: int = 1024,
 ) -> tuple[list[int], int]:
-    """Token counts of ``messages`` (one entry per prompt) and how many were counted here
-    (``count`` on a list of prompts); the others come from the cache in ``cache_dir`` (None:
-    no cache). Progress is logged per ``chunk`` when there are more than one."""
+    """Token counts of ``messages`` and how many ``count`` worked out here; the rest come from
+    the cache in ``cache_dir`` (None: none). Progress is logged per ``chunk``."""
     keys = [prompt_key(m) for m in messages]
     path = Path(cache_dir) / FOLDER / f"{tokenizer_key(tokenizer)}.json" if cache_dir else None
     known = _read(path) if path is not None else {}

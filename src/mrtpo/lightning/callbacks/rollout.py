@@ -119,9 +119,8 @@ class RolloutCallback(L.Callback):
             self.engine.close()
 
     def state_dict(self) -> dict:
-        """The source's state with every rank's batches generated ahead: Lightning saves
-        rank 0's state only, and calls this on every rank as it saves a checkpoint, so the
-        ranks' batches are gathered here (each tagged with its rank)."""
+        """The source's state with every rank's batches generated ahead, gathered here:
+        Lightning saves rank 0's state only but calls this on every rank."""
         if not self.source.depth:
             return {}
         state = self.source.state_dict()

@@ -50,9 +50,8 @@ def _step_of(line: bytes) -> int | None:
 
 
 def _keep(line: bytes, last: int) -> bytes | None:
-    """``line`` as it stays in the file (None: dropped). A record of a step after ``last``
-    goes; so does a last line that a kill cut off (no newline, not whole JSON). Other lines
-    are not ours to judge and stay."""
+    """``line`` as it stays (None: dropped): records after ``last`` and a last line a kill cut
+    off go; other lines are not ours to judge and stay."""
     if not line.endswith(b"\n"):
         try:
             json.loads(line)
@@ -179,9 +178,8 @@ def _one_line(text: str, width: int, middle: bool = False) -> str:
 
 
 def sample_table(rows: list[dict], step: int, width: int = 100) -> Table:
-    """A compact table of sampled responses with each reward (``-``: does not apply) within
-    ``width`` characters, one line per response (its rewards wrap when there are many).
-    When every response answers one prompt (a group), the prompt is in the title."""
+    """Sampled responses with each reward (``-``: does not apply), one line each within
+    ``width``; a prompt all of them answer goes in the title."""
     rewards = [
         " ".join(f"{k}={'-' if v is None else f'{v:.3g}'}" for k, v in r["rewards"].items())
         for r in rows
