@@ -35,19 +35,10 @@ from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
 from mrtpo.tasks.instructions.checkers import prepare_nltk_data
 
 CHECKER_MODULES = (
-    "Content_Keywords",
-    "Content_Others",
-    "Content_Punctuation",
-    "Format_Json",
-    "Format_Markdown",
-    "Format_Others",
-    "Format_Table",
-    "Language_Chinese",
-    "Language_English",
-    "Length_Paragraphs",
-    "Length_Sentences",
-    "Length_Words",
-)
+    "Content_Keywords", "Content_Others", "Content_Punctuation", "Format_Json",
+    "Format_Markdown", "Format_Others", "Format_Table", "Language_Chinese", "Language_English",
+    "Length_Paragraphs", "Length_Sentences", "Length_Words",
+)  # fmt: skip
 INSTALL_HINT = "pip install 'mrtpo[muldimif]'"
 _PKG = "_mrtpo_muldimif_eval"  # private alias of the authors' ``eval`` package
 _HARNESS = "_mrtpo_muldimif_evaluation"  # private alias of their ``evaluation.py``

@@ -29,28 +29,11 @@ from dataclasses import dataclass
 
 from mrtpo.tasks.base import Contexts, Example, Messages, Score, Task, joined_spans
 
+# The toy tokenizer's vocabulary is built from this list in this order (core/models.py).
 WORDS = [
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "music",
-    "garden",
-    "light",
-    "forest",
-    "ocean",
-    "winter",
-    "summer",
-    "bright",
-    "quiet",
-    "happy",
-    "green",
-    "blue",
-    "red",
-    "yellow",
-    "small",
-    "large",
-]
+    "apple", "river", "stone", "cloud", "music", "garden", "light", "forest", "ocean", "winter",
+    "summer", "bright", "quiet", "happy", "green", "blue", "red", "yellow", "small", "large",
+]  # fmt: skip
 
 # Order in which reference corruption touches constraints: length first, then the middle.
 _CORRUPT_ORDER = {"count": 0, "include": 1, "exclude": 2, "first": 3, "last": 4, "mark": 5}
