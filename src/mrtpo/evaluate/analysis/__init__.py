@@ -7,7 +7,6 @@
     summary      a sweep's summary.csv/.md, and the formatting the reports share
     report       src/report.py: groups compared over seeds, paired differences, curves
 
-``stats`` and ``runs`` import nothing heavy, so any comparison of runs can use them. The
-harnesses built on them live outside the library, beside the scripts that run them:
-``scripts/replication`` (``make replicate``) and ``scripts/benchmarks`` (``make bench``).
+``stats`` and ``runs`` import nothing heavy; the harnesses on them are ``scripts/replication``
+and ``scripts/benchmarks``.
 """

@@ -1,11 +1,7 @@
-"""A sweep's run folders read back: what each job was started with (``job.json``, else
-``.hydra/``), what it logged (``csv/metrics.csv``), and the groups they form.
-
-``find_runs`` lists the run folders under any folders or globs; ``group_runs`` groups them by
-their overrides minus the seed and the plumbing (paths, callbacks, loggers). "final" is the mean
-of the last ``FINAL_WINDOW`` steps and "best" the highest ``SMOOTH``-step moving average (the toy
-replication's definitions): one step's value is a mean over a handful of sampled responses, too
-noisy to report on its own.
+"""A sweep's run folders read back (``job.json``, else ``.hydra/``; ``csv/metrics.csv``) and
+grouped by overrides minus the seed and plumbing. "final" is the mean of the last
+``FINAL_WINDOW`` steps and "best" the highest ``SMOOTH``-step moving average (the toy
+replication's definitions): one step's value, a mean over a few responses, is too noisy.
 """
 
 from __future__ import annotations
@@ -46,11 +42,8 @@ def is_plumbing(key: str) -> bool:
 
 
 def experiment_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
-    """The overrides that define what a run learns, minus the seed: a group's key.
-
-    The last override of a key wins (as in Hydra), and the result is sorted so that the order
-    they were typed in does not split a group.
-    """
+    """The overrides that define what a run learns, minus the seed: a group's key. The last
+    of a key wins (as in Hydra); sorted, so typing order does not split a group."""
     by_key: dict[str, str] = {}
     for o in overrides:
         k = override_key(o)
@@ -88,9 +81,8 @@ class Run:
 
     @property
     def progress(self) -> str:
-        """Whether an incomplete run is still running: its ``run.lock`` names the process
-        that holds the folder while it runs (the file goes when the run ends), alive on this
-        machine; else it stopped (killed, or interrupted) before its last step."""
+        """Whether an incomplete run still runs: ``run.lock`` (gone when a run ends) names a
+        live process on this machine."""
         holder = _lock_holder(self.path)
         if holder is None:
             return "stopped before its last step"
@@ -109,8 +101,7 @@ class Run:
 
     @property
     def seed_key(self) -> str:
-        """What pairs runs across groups: the seed, or (unknown) the run's own folder, which
-        pairs with nothing."""
+        """What pairs runs across groups: the seed, else the folder (pairs with nothing)."""
         return self.seed if self.seed is not None else f"?{self.path}"
 
     def final_best(self, metric: str) -> tuple[float, float]:
@@ -131,8 +122,7 @@ def _lock_holder(folder: Path) -> tuple[int, str] | None:
 
 def final_best(curve: Sequence[float]) -> tuple[float, float]:
     """(mean of the last ``FINAL_WINDOW`` steps, highest ``SMOOTH``-step moving average) over
-    the steps where the metric is finite (NaN: a reward that applied to no response); NaNs
-    for a curve without a finite value."""
+    the finite steps (NaN: a reward that applied to no response); NaNs when none is."""
     v = finite(curve)
     if not v:
         return math.nan, math.nan
@@ -169,8 +159,7 @@ def _saved_seed(run: Path) -> str | None:
 
 
 def _saved_setting(run: Path, key: str) -> Any:
-    """``key`` of the run's newest start: its latest resume's config
-    (``.hydra/resumes/<time>-<pid>/``), else its own; None when unknown."""
+    """``key`` of the run's newest start (``.hydra/resumes/<time>-<pid>/``, else its own)."""
     hydra = run / ".hydra"
     resumes = sorted((hydra / "resumes").glob("*/config.yaml"), key=lambda p: p.parent.name)
     for p in [*reversed(resumes), hydra / "config.yaml"]:
@@ -191,9 +180,8 @@ def _saved_max_steps(run: Path) -> int | None:
 
 
 def beta_short(run: Path) -> str | None:
-    """A note when the run's logged ``train/beta`` never reached its ``method.beta`` (a
-    warm-up, ``method.beta_warmup_steps``, longer than the run): its relevance share was
-    smaller than the one named, and it differs less from GDPO than the setting says."""
+    """A note when ``train/beta`` never reached ``method.beta`` (a warm-up longer than the
+    run): it then differs less from GDPO than the setting says."""
     beta = _saved_setting(run, "method.beta")
     path = run / METRICS
     if not is_number(beta) or beta <= 0 or not path.is_file():
@@ -240,9 +228,8 @@ def kind_of(value: Any) -> str:
 
 
 def read_job(folder: Path) -> tuple[dict[str, Any], list[str]]:
-    """The keys of a run's ``job.json`` that have the right type, and a warning naming the
-    file and key for each thing left out (the run is then read from ``.hydra/``, as a run
-    without job.json). ({}, []) when the folder holds none."""
+    """The keys of ``job.json`` of the right type, and a warning per key left out (read then
+    from ``.hydra/``). ({}, []) without one."""
     path = folder / RUN_JSON
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
@@ -266,8 +253,7 @@ def read_job(folder: Path) -> tuple[dict[str, Any], list[str]]:
 
 
 def load_run(folder: str | Path) -> Run:
-    """A run folder (one holding ``csv/metrics.csv``): its ``job.json`` when the job wrote one
-    (the keys of the right type), else Hydra's saved overrides and config, and its curves."""
+    """A run folder: its ``job.json``, else Hydra's saved overrides and config, and curves."""
     folder = Path(folder)
     info, warnings = read_job(folder)
     overrides = info.get("overrides")
@@ -288,19 +274,10 @@ def load_run(folder: str | Path) -> Run:
             curves = rl_curves(metrics, warnings)
         except (OSError, ValueError) as exc:  # not a CSV table, unreadable
             warnings.append(f"{exc}; the run's metrics are left out")
-    return Run(
-        path=folder,
-        overrides=overrides,
-        seed=seed,
-        status=info.get("status"),
-        wall_s=None if wall is None else float(wall),
-        run_name=info.get("run_name"),
-        curves=curves,
-        job_num=info.get("job_num"),
-        error=info.get("error"),
-        max_steps=_saved_max_steps(folder),
-        warnings=warnings,
-    )
+    return Run(path=folder, overrides=overrides, seed=seed, status=info.get("status"),
+               wall_s=None if wall is None else float(wall), run_name=info.get("run_name"),
+               curves=curves, job_num=info.get("job_num"), error=info.get("error"),
+               max_steps=_saved_max_steps(folder), warnings=warnings)  # fmt: skip
 
 
 def _natural(path: Path) -> list:
@@ -309,10 +286,8 @@ def _natural(path: Path) -> list:
 
 
 def find_runs(sources: Iterable[str | Path]) -> list[Run]:
-    """Every run folder under the given folders or glob patterns (a folder holding
-    ``csv/metrics.csv``, or the ``job.json`` of a job that failed before logging; a
-    ``metrics.csv`` path names its run too). Runs nested in another run's folder (its warm
-    starts) belong to that run and are not listed."""
+    """Every run folder (``csv/metrics.csv``, or ``job.json`` of a job that failed before
+    logging) under folders or globs; runs nested in another's (its warm starts) are not listed."""
     folders: set[Path] = set()
     for src in sources:
         matches = sorted(glob.glob(str(src))) if glob.has_magic(str(src)) else [str(src)]
@@ -339,8 +314,7 @@ def group_runs(runs: Iterable[Run]) -> dict[tuple[str, ...], list[Run]]:
 
 
 def labels(keys: Sequence[tuple[str, ...]]) -> tuple[dict[tuple[str, ...], str], list[str]]:
-    """A short label per group (the overrides that differ between groups) and the overrides
-    every group shares."""
+    """A label per group (the overrides that differ) and the overrides all groups share."""
     common = [o for o in (keys[0] if keys else ()) if all(o in k for k in keys)]
     out = {}
     for k in keys:
@@ -361,8 +335,7 @@ def headline(names: Iterable[str]) -> str | None:
 
 
 def metric_names(runs: Iterable[Run], metrics: Sequence[str] = ()) -> list[str]:
-    """The metrics named (``--metric``), else the task's headline first, then each reward in
-    the order the runs logged them."""
+    """The ``--metric`` names, else the headline first, then each reward in logged order."""
     names: list[str] = []
     for r in runs:
         names += [m for m in r.curves if m not in names]

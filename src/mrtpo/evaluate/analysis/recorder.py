@@ -1,10 +1,8 @@
 """``RunRecorder``, a Hydra callback (``hydra.callbacks`` in configs/hydra/default.yaml).
 
-It writes ``job.json`` beside each job's metrics — the resolved ``run_name``, task / method /
-model, seed, overrides, status and wall time, which ``.hydra/config.yaml`` leaves unresolved —
-and, in a multirun, rewrites ``summary.csv`` and ``summary.md`` of the sweep folder after every
-job and once more at the end (a failed job makes Hydra stop before ``on_multirun_end``, so the
-summary is never missing the jobs that did finish).
+It writes ``job.json`` beside each job's metrics (what ``.hydra/config.yaml`` leaves
+unresolved: run name, seed, overrides, status, wall time) and rewrites the sweep's summary after
+every job and at the end (a failed job makes Hydra stop before ``on_multirun_end``).
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ def _sweep_dir(config: DictConfig) -> Path | None:
 
 
 def _run_dir(config: DictConfig) -> Path:
-    """Where the job's metrics go: ``paths.output_dir`` (Hydra's output folder unless
-    overridden)."""
+    """Where the job's metrics go: ``paths.output_dir``."""
     try:
         out = OmegaConf.select(config, "paths.output_dir")
     except Exception:
@@ -56,10 +53,9 @@ def _run_dir(config: DictConfig) -> Path:
 
 
 class RunRecorder(Callback):
-    """Writes ``job.json`` for each job (resolved run name, overrides, status, wall time) and a
-    multirun's ``summary.csv`` / ``summary.md``. Hydra turns an exception raised here into a
-    warning, so recording never fails a run. A job stopped by SIGTERM or SIGINT
-    (``mrtpo.run.signals.RunInterrupted``) is recorded as ``"interrupted"`` and ends its sweep."""
+    """Hydra turns an exception here into a warning, so recording never fails a run. A job
+    stopped by SIGTERM/SIGINT (``RunInterrupted``) is recorded ``"interrupted"`` and ends its
+    sweep."""
 
     def __init__(self, summary: bool = True) -> None:
         self.summary = summary

@@ -119,8 +119,7 @@ FEWER = (
 
 
 def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
-    """The report's lines of paired differences (by seed) of each group's final values
-    against its baseline group."""
+    """Paired differences (by seed) of each group's final values against its baseline."""
     keys = list(groups)
     lines: list[str] = []
     rows = []
@@ -170,12 +169,11 @@ def _tables(groups, names, metrics, level) -> list[str]:
 
 
 def _preamble(groups, names, common, skipped, used, level) -> list[str]:
-    """What the report counts: runs, groups, the runs left out and why, the incomplete runs
-    counted (``--incomplete``), and what was ignored of the runs' records."""
+    """What the report counts and leaves out (and why), and what of the records it ignored."""
     pct = f"{100 * level:g}%"
     lines = [
         f"{plural(len(used), 'run')} in {plural(len(groups), 'group')}; mean ± {pct} t interval over "
-        "seeds.",
+        "seeds."
     ]
     if common:
         lines.append(f"Every run: `{' '.join(common)}`.")
@@ -199,9 +197,8 @@ def report(
     only: Sequence[str] = (),
     incomplete: bool = False,
 ) -> Report:
-    """The paper-style table of ``runs`` grouped by their overrides minus the seed. Runs that
-    are incomplete (short of ``trainer.max_steps``, not recorded as completed) are left out
-    and named, unless ``incomplete``; then they are counted and named."""
+    """The paper-style table of ``runs`` grouped by overrides minus the seed; incomplete runs
+    are left out (counted with ``incomplete``), and named either way."""
     skipped = [r for r in runs if r.status == "failed" or not r.steps
                or (r.incomplete and not incomplete)]  # fmt: skip
     used = [r for r in runs if r not in skipped]
@@ -237,8 +234,7 @@ def report(
 
 
 def eval_report(runs: Sequence[Run], level: float = 0.95) -> Report:
-    """Evaluation jobs (``src/eval.py -m``) grouped by their overrides minus the seed: the
-    mean ± t interval of each benchmark headline over the group's jobs."""
+    """Evaluation jobs grouped by overrides minus the seed: each headline's mean ± t interval."""
     found = {r.path: eval_metrics(r.path) for r in runs}
     used = [r for r in runs if found[r.path]]
     metrics = [m for m in EVAL_HEADLINES if m != "coverage" and any(m in found[r.path]
@@ -259,9 +255,8 @@ def eval_report(runs: Sequence[Run], level: float = 0.95) -> Report:
 
 
 def bounds(curves: dict[str, list[list[float]]]) -> tuple[float, float]:
-    """(0, 1) when every finite value of the curves is in [0, 1] (a rate, a binary reward's
-    mean): a t band over a few seeds reaches past them (to 1.6), where no run can be; else
-    no bounds."""
+    """(0, 1) when every finite value of the curves is in [0, 1] (a rate, a binary reward's mean): a
+    t band over a few seeds reaches past them (to 1.6), where no run can be; else no bounds."""
     values = [v for runs in curves.values() for c in runs for v in c if math.isfinite(v)]
     rate = bool(values) and min(values) >= 0 and max(values) <= 1
     return (0.0, 1.0) if rate else (-math.inf, math.inf)
@@ -287,9 +282,8 @@ def curve_band(
 def plot_metric(
     curves: dict[str, list[list[float]]], metric: str, path: Path, level: float = 0.95
 ) -> None:
-    """One metric per step, smoothed: a line per group (mean over its seeds) with the t band
-    (``curve_band``; a rate's band cut at 0 and 1), over the steps every seed of the group
-    reached. The legend goes below the axes, where no curve runs through it."""
+    """One smoothed metric: a line per group (mean over seeds) with its t band (``curve_band``);
+    the legend goes below the axes, where no curve runs through it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,10 +316,9 @@ def plot_metric(
 
 
 def default_out(sources: Sequence[str]) -> Path:
-    """Where report.md and the figures go without ``--out``: the one run or sweep folder
-    given (beside a sweep's summary.md), else ``reports/`` in the current folder. Several
-    folders' common parent is often logs/train/multiruns, which holds one folder per sweep:
-    files there would be picked up by a ``multiruns/*`` glob as if they were sweeps."""
+    """Without ``--out``: the one folder given, else ``reports/`` here (not several folders'
+    common parent, often logs/train/multiruns, where a ``multiruns/*`` glob takes files for
+    sweeps)."""
     dirs = [Path(m) for s in sources for m in (glob.glob(s) if glob.has_magic(s) else [s])]
     dirs = {(d if d.is_dir() else d.parent).resolve() for d in dirs}
     return dirs.pop() if len(dirs) == 1 else Path("reports")

@@ -36,13 +36,12 @@ def source_commit(root: Path = ROOT) -> str:
 
 
 def read_metrics(path: str | Path, warnings: list[str] | None = None) -> list[dict[str, float]]:
-    """Rows of a Lightning metrics.csv, numbers only (empty cells dropped: Lightning writes one
-    row per logging call, so most cells of a row are empty).
-
-    A malformed file is read as far as it makes sense: a column with a cell that is no number
-    (text, a cell of megabytes) is left out whole, and a row with more cells than the header
-    (whose cells cannot be told apart) is left out; each is named in one line appended to
-    ``warnings``. A file the csv module cannot parse raises ``ValueError`` naming it."""
+    """Rows of a Lightning metrics.csv, numbers only (empty cells dropped: Lightning writes one row
+    per logging call, so most cells of a row are empty). A malformed file is read as far as it makes
+    sense: a column with a cell that is no number (text, a cell of megabytes) is left out whole, and
+    a row with more cells than the header (whose cells cannot be told apart) is left out; each is
+    named in one line appended to ``warnings``. A file the csv module cannot parse raises
+    ``ValueError`` naming it."""
     path = Path(path)
     try:
         with (
@@ -172,11 +171,10 @@ def rl_curves(path: str | Path, warnings: list[str] | None = None) -> dict[str, 
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent.
-
-    Lines end at ``\n`` only: the trainer writes text as it is (``ensure_ascii=False``), so a
-    prompt may hold U+2028 or U+0085, which ``str.splitlines`` would take for line ends. A
-    leading BOM is skipped."""
+    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent. Lines
+    end at ``\n`` only: the trainer writes text as it is (``ensure_ascii=False``), so a prompt may
+    hold U+2028 or U+0085, which ``str.splitlines`` would take for line ends. A leading BOM is
+    skipped."""
     path = Path(path)
     if not path.exists():
         return []
@@ -209,13 +207,12 @@ def check_output(path: str | Path) -> None:
 
 
 def write_file(path: str | Path, data: bytes | str) -> Path:
-    """Write ``path`` whole: a new file in the same folder, renamed over ``path``.
-
-    A reader never sees half a file. A link (or a folder, FIFO, device) at ``path`` is refused
-    with ``UnsafeOutput`` naming it, so a file a link points to is never written; were a link
-    put there after that check, the rename replaces the link itself, never its target. The
-    temporary file has a random name and is created exclusively, so it cannot be a planted
-    link either. A failed write removes it and raises an ``OSError`` naming ``path``."""
+    """Write ``path`` whole: a new file in the same folder, renamed over ``path``. A reader never
+    sees half a file. A link (or a folder, FIFO, device) at ``path`` is refused with
+    ``UnsafeOutput`` naming it, so a file a link points to is never written; were a link put there
+    after that check, the rename replaces the link itself, never its target. The temporary file has
+    a random name and is created exclusively, so it cannot be a planted link either. A failed write
+    removes it and raises an ``OSError`` naming ``path``."""
     path = Path(path)
     check_output(path)
     data = data.encode("utf-8") if isinstance(data, str) else data

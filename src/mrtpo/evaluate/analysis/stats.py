@@ -1,10 +1,8 @@
 """Statistics for comparing runs over seeds: t intervals, paired differences, learning-curve
 summaries and a trend test in the number of rewards.
 
-Pure Python (no numpy, no scipy): the report must be reproducible from the run logs alone on
-any install, and these are small samples (a handful of seeds). Everything generic takes plain
-mappings, so that any comparison of runs (the toy replication, a sweep grouped by its
-overrides minus ``seed``) can use it:
+Pure Python (no numpy, no scipy): the report must be reproducible from the run logs on any
+install, and samples are a handful of seeds. Everything takes plain mappings:
 
     intervals({"gdpo": [0.59, 0.60, 0.58], "mrtpo": [0.61, 0.60, 0.62]})
     paired_interval({0: 0.61, 1: 0.60}, {0: 0.59, 1: 0.60})   # keyed by seed
@@ -23,10 +21,8 @@ FINAL_WINDOW = 10
 
 
 class Interval(NamedTuple):
-    """A mean and the half-width of its two-sided t interval over ``n`` finite values.
-
-    ``half`` is NaN for n < 2 (no spread to estimate); ``mean`` is NaN for n = 0.
-    """
+    """A mean and the half-width of its two-sided t interval over ``n`` finite values. ``half`` is
+    NaN for n < 2 (no spread to estimate); ``mean`` is NaN for n = 0."""
 
     mean: float
     half: float
@@ -58,25 +54,21 @@ def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
     tiny, eps = 1e-300, 1e-15
     qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
+
+    def off_zero(v: float) -> float:
+        return v if abs(v) > tiny else tiny
+
+    c, d = 1.0, 1.0 / off_zero(1.0 - qab * x / qap)
     h = d
     for m in range(1, 500):
         m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        step = d * c
-        h *= step
-        if abs(step - 1.0) < eps:
+        even = m * (b - m) * x / ((qam + m2) * (a + m2))
+        odd = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        for aa in (even, odd):
+            d = 1.0 / off_zero(1.0 + aa * d)
+            c = off_zero(1.0 + aa / c)
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
             break
     return h
 
@@ -105,10 +97,8 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (exact to ~1e-12).
-
-    Bisection on the CDF: slow by numerical standards, instant for a report's few calls.
-    """
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (exact to ~1e-12). Bisection
+    on the CDF: slow by numerical standards, instant for a report's few calls."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
     if p < 0.5:
@@ -162,11 +152,9 @@ def intervals(
 def paired_differences(
     a: Mapping[Hashable, float], b: Mapping[Hashable, float]
 ) -> dict[Hashable, float]:
-    """``a[s] - b[s]`` for every key (seed) in both, in ``a``'s order.
-
-    Pairing by seed removes what two runs with the same seed share (prompts, first batch,
-    starting policy), which is most of the seed-to-seed noise.
-    """
+    """``a[s] - b[s]`` for every key (seed) in both, in ``a``'s order. Pairing by seed removes what
+    two runs with the same seed share (prompts, first batch, starting policy), which is most of the
+    seed-to-seed noise."""
     return {s: a[s] - b[s] for s in a if s in b}
 
 
@@ -197,14 +185,11 @@ class Trend(NamedTuple):
 
 
 def trend(points: Mapping[float, Sequence[float | None]], level: float = 0.95) -> Trend:
-    """Does ``y`` grow with ``x``? ``{x: [y per seed]}`` (e.g. ``{K: [paired Δ AUC per seed]}``)
-    -> the ordinary least-squares slope over every (x, y) point and its t interval
-    (``n - 2`` degrees of freedom).
-
-    Each seed's paired difference at each K is one observation: runs at different K come from
-    different warm starts, so they are independent, and using every point (not the per-K means)
-    lets the seed-to-seed spread set the interval.
-    """
+    """Does ``y`` grow with ``x``? ``{x: [y per seed]}`` (e.g. ``{K: [paired Δ AUC per seed]}``) ->
+    the ordinary least-squares slope over every (x, y) point and its t interval (``n - 2`` degrees
+    of freedom). Each seed's paired difference at each K is one observation: runs at different K
+    come from different warm starts, so they are independent, and using every point (not the per-K
+    means) lets the seed-to-seed spread set the interval."""
     xy = [(float(x), y) for x, ys in points.items() for y in finite(ys)]
     n = len(xy)
     xs = {x for x, _ in xy}

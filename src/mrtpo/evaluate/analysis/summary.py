@@ -66,8 +66,7 @@ LONGEST_NAME = 100
 
 
 def shown(metric: str) -> str:
-    """A metric's name as tables and titles show it: on one line, and a name longer than
-    ``LONGEST_NAME`` cut, with the hash its PNG's name carries (``figure_names``)."""
+    """A metric's name on one line; past ``LONGEST_NAME`` cut, with its PNG's hash."""
     text = one_line(metric)
     if len(text) <= LONGEST_NAME:
         return text
@@ -133,8 +132,7 @@ def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[
 
 
 def sweep_command(root: Path) -> str | None:
-    """``python src/<train|eval>.py -m <the sweep's overrides>``, from Hydra's
-    ``multirun.yaml``."""
+    """``python src/<train|eval>.py -m <the sweep's overrides>``, from Hydra's ``multirun.yaml``."""
     p = root / "multirun.yaml"
     if not p.is_file():
         return None
@@ -164,8 +162,7 @@ def eval_metrics(folder: Path) -> dict[str, Any] | None:
 
 
 def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
-    """``summary.csv`` / ``summary.md`` of an evaluation sweep: split, examples and the
-    headline metrics of each job."""
+    """An evaluation sweep's summary: split, examples and headline metrics of each job."""
     found = {r.path: eval_metrics(r.path) or {} for r in runs}
     metrics = [m for m in EVAL_HEADLINES if any(m in v for v in found.values())]
     names, common = labels([r.group for r in runs])
