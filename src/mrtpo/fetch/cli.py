@@ -4,11 +4,9 @@
     python -m mrtpo.data fetch spider ifeval --to data/       # then paths.data_dir=data
     python -m mrtpo.data fetch --check data/ [NAME...]        # present, missing or wrong
 
-Every file is checked against its committed sha256; a file the project has never downloaded
-(no committed checksum) is refused unless ``--trust-first-download``, which pins the hash of
-that download in ``<dir>/FETCHED.json``. A file already in the folder that is not the one
-fetch would lay out is refused by name unless ``--replace``. Exit status: 0 all good, 1 something refused,
-missing or wrong (one line each), 2 a usage error.
+Checksums as ``registry`` says; a different file already in the folder is refused by name
+unless ``--replace``. Exit status: 0 all good, 1 something refused, missing or wrong (one line
+each), 2 a usage error.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ def _refuse_unknown(label: str, to: Path) -> FetchError:
 def fetch_file(
     r: Remote, to: Path, rec: dict, mirrors: dict, trust: bool, replace: bool = False
 ) -> str:
-    """Get one file unless it is already there and right; what happened, in a word. A file
-    there with other content (or none to vouch for it) is replaced only with ``replace``."""
+    """Get one file unless it is already there and right; what happened, in a word."""
     dest, want = to / r.target, _wanted(r, "files", rec)
     if want and dest.is_file() and sha256_of(dest) == want:
         return "present"
@@ -113,9 +110,8 @@ def _staging(to: Path, a: Archive) -> Path:
 def fetch_archive(
     a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool, replace: bool = False
 ) -> str:
-    """Get, check and lay out one archive unless what it gives is already there. It is
-    downloaded and unpacked in a staging folder; its files move into ``to`` only when all is
-    good (see ``lay_out``), and the staging folder is removed whatever happens."""
+    """Get, check and lay out one archive (via a staging folder, always removed) unless what it
+    gives is already there."""
     want, old = _wanted(a, "archives", rec), rec["archives"].get(a.name)
     if old and want and not _archive_problems(a, to, rec):
         return "present"
@@ -211,8 +207,8 @@ def _states(d: DataSet, to: Path, rec: dict) -> dict[str, list[str]]:
 
 
 def run_check(names: list[str], to: Path, every: bool = False) -> int:
-    """One line per data set, then one per file that is wrong, missing or unverified. With
-    ``every`` (no names given) a data set of which nothing is there is only "not fetched"."""
+    """One line per data set, then one per file wrong, missing or unverified; with ``every``
+    (no names given) a data set wholly absent is only "not fetched"."""
     rec, bad = _load_record(to), 0
     for name in names:
         states = _states(DATASETS[name], to, rec)
