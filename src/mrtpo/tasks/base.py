@@ -194,13 +194,13 @@ def token_segments(
     for piece in pieces:
         starts.append(pos)
         pos += len(piece)
-    out = {}
-    for name, ranges in spans.items():
-        out[name] = [
+    return {
+        name: [
             any(s < b + len(p) and b < e for s, e in ranges) if p else False
             for b, p in zip(starts, pieces)
         ]
-    return out
+        for name, ranges in spans.items()
+    }
 
 
 #: (message index, first character, end character) of a stretch of a message's content.
@@ -241,11 +241,10 @@ def joined_spans(message: int, start: int, texts: Sequence[str], sep: str) -> li
 def append_to_last_user(messages: Messages, text: str) -> Messages:
     """Copy of ``messages`` with ``text`` appended to the last user message (blank-line separated)."""
     out = [dict(m) for m in messages]
-    for m in reversed(out):
-        if m.get("role") == "user":
-            m["content"] = f"{m['content']}\n\n{text}" if text else m["content"]
-            return out
-    raise ValueError("cannot append verifier information: the prompt has no user message")
+    m = out[last_user_index(out)]
+    if text:
+        m["content"] = f"{m['content']}\n\n{text}"
+    return out
 
 
 class Task(ABC):
