@@ -1,10 +1,9 @@
 """The command line of ``src/eval.py``: its job, which ends a bad value, missing data or a
 model that cannot load with one line.
 
-This is an entry point's module: library code never imports it. The evaluation itself is
-``mrtpo.evaluate.job.run``, the training run behind a checkpoint ``mrtpo.run.trained_run``; the
-resolvers eval's configs use are registered by ``mrtpo.run.config`` (the run folder's name and
-``.hydra`` folder) and ``mrtpo.run.cli`` (the groups its ``--help`` lists).
+An entry point's module: library code never imports it. The evaluation is
+``mrtpo.evaluate.job.run``; eval's config resolvers are registered by ``mrtpo.run.config`` and
+``mrtpo.run.cli``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The trained policy as a Hugging Face folder: what vLLM, lm-eval, ``src/eval.py`` and the hub read.
 
-``save_policy`` writes ``save_pretrained`` weights (LoRA adapters merged into the base
-weights), the tokenizer, a ``generation_config.json`` holding the sampling settings the
-policy was trained with (``rollout.sampling``), and ``mrtpo_export.json`` (where it came
-from). Every RL run does this at its end (``mrtpo.lightning.callbacks.export.ExportPolicy``, into
-``<run>/policy/``); ``src/export.py`` does it for any checkpoint (``run``).
-
-The folder is written beside its target and renamed into place, so a crash never leaves a
-half-written export; an existing folder is replaced only when it is a previous export.
+``save_policy`` writes merged weights, the tokenizer, ``generation_config.json`` (the trained
+``rollout.sampling``) and ``mrtpo_export.json`` (provenance); every RL run does it at its end
+(``callbacks.export.ExportPolicy``), ``src/export.py`` for any checkpoint. It is written beside
+the target and renamed into place (a crash never leaves half an export); an existing folder is
+replaced only when it is a previous export.
 """
 
 from __future__ import annotations
@@ -36,12 +33,10 @@ log = logging.getLogger(__name__)
 def merged_state_dict(
     model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The policy's weights under the base model's checkpoint names, LoRA merged.
-
-    The merged tensors are new ones (``W + scale * B @ A``): the policy itself is not
-    touched, so its frozen base weights stay bit-identical (an in-place merge followed by
-    an unmerge would leave rounding residue in them).
-    """
+    """The policy's weights under the base model's checkpoint names, LoRA merged. The merged tensors
+    are new ones (``W + scale * B @ A``): the policy itself is not touched, so its frozen base
+    weights stay bit-identical (an in-place merge followed by an unmerge would leave rounding
+    residue in them)."""
     peft = is_lora(model)
     merged = merged_weights(model) if peft else {}
     out: dict[str, torch.Tensor] = {}
@@ -54,8 +49,7 @@ def merged_state_dict(
 
 
 def hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (whose ``save_pretrained`` knows the
-    architecture's config and tied weights)."""
+    """The transformers model under a PEFT wrapper (its ``save_pretrained`` knows tied weights)."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
 
@@ -92,18 +86,12 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def check_destination(out: str | Path, protected: Iterable[tuple[str, str | Path]]) -> Path:
-    """``out`` as a Path, or an error if writing there could destroy something.
-
-    ``protected`` is (what, folder) pairs: the user's model folder, the run's checkpoints.
-    A folder that exists must be empty or a previous export (it holds ``MARKER``).
-    """
+    """``out`` as a Path, or an error if writing there could destroy something. ``protected`` is
+    (what, folder) pairs: the user's model folder, the run's checkpoints. A folder that exists must
+    be empty or a previous export (it holds ``MARKER``)."""
     out = Path(out)
     for what, folder in protected:
-        if (
-            folder
-            and Path(folder).exists()
-            and (_inside(out, Path(folder)) or _inside(Path(folder), out))
-        ):
+        if folder and (f := Path(folder)).exists() and (_inside(out, f) or _inside(f, out)):
             raise ValueError(
                 f"out={out} would write into (or over) {what} {folder}; choose another out="
             )
@@ -129,11 +117,9 @@ def save_policy(
     card: str | None = None,
 ) -> Path:
     """Write ``model`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``out``.
-
-    ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full
-    state dict of a sharded ``model`` (``mrtpo.lightning.sharding.full_state_dict``); ``card`` is the
-    folder's ``README.md`` (``mrtpo.evaluate.model_card``). Returns ``out``.
-    """
+    ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full state
+    dict of a sharded ``model`` (``mrtpo.lightning.sharding.full_state_dict``); ``card`` is the
+    folder's ``README.md`` (``mrtpo.evaluate.model_card``). Returns ``out``."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ValueError(f"{out} is not empty and is no previous export; refusing to replace it")

@@ -1,8 +1,7 @@
 """The evaluation job of ``src/eval.py``: score given responses, or generate and score.
 
-The checkpoint's model and task come from its training run (``mrtpo.run.trained_run``). This is
-what code calls to evaluate (``mrtpo.evaluate.tables``, ``mrtpo.api``, tests); ``mrtpo.evaluate.cli`` is
-only the command line's job around it.
+The checkpoint's model and task come from its training run (``mrtpo.run.trained_run``). Code
+calls this to evaluate; ``mrtpo.evaluate.cli`` is only the command line around it.
 """
 
 from __future__ import annotations
@@ -53,10 +52,8 @@ def _positive_int(ev, key: str, allow_null: bool = False) -> int | None:
 
 
 def eval_sampling(cfg: DictConfig, n: int):
-    """The complete sampling description of an evaluation: greedy (``eval.greedy`` with one
-    sample), or ``n`` samples at ``eval.temperature`` (null: ``rollout.sampling``'s), with
-    ``rollout.sampling``'s top-p / top-k / min-p. The engine samples with this alone, none of
-    the checkpoint's generation defaults (mrtpo.rollout.hf)."""
+    """The whole sampling of an evaluation (greedy for ``eval.greedy`` and one sample), from
+    ``rollout.sampling`` and ``eval.temperature``: none of the checkpoint's defaults apply."""
     from mrtpo.rollout.base import SamplingConfig
 
     ev = cfg.eval
@@ -84,9 +81,8 @@ def _split_examples(task, ev, limit: int | None) -> tuple[list, list[str]]:
 
 
 def _policy(cfg: DictConfig, source: dict, models: dict | None):
-    """(tokenizer, bound engine, eos ids, checkpoint step) of the model (or checkpoint) the
-    config names. ``models``: the ones loaded so far, by config, for a caller that evaluates a
-    policy on several splits (src/table.py); the engines seed each call: the same numbers."""
+    """(tokenizer, bound engine, eos ids, checkpoint step); ``models`` caches them by config for
+    several splits (src/table.py); engines seed each call, so the numbers are the same."""
     from hydra.utils import instantiate
 
     from mrtpo.core.models import eos_token_ids
@@ -111,8 +107,7 @@ def _policy(cfg: DictConfig, source: dict, models: dict | None):
 
 def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict, name: str,
               models: dict | None = None):  # fmt: skip
-    """The generate mode: ``n`` samples per example with the configured engine, from the
-    model (or checkpoint) the config names; returns (examples, texts, sampling)."""
+    """``n`` samples per example: (examples, texts, sampling)."""
     import torch
     from rich.progress import Progress
 
@@ -178,24 +173,16 @@ def _score_given(task, examples, ev, out: Path, scored: dict, beyond: list[str],
     from mrtpo.core.evaluation import score_responses
 
     scored["mode"] = "responses"
-    metrics = score_responses(
-        task,
-        examples,
-        ev.responses,
-        out,
-        require_complete=bool(ev.get("require_complete", False)),
-        scored=scored,
-        beyond_limit=beyond,
-        limit=limit,
-    )
+    metrics = score_responses(task, examples, ev.responses, out,
+                              require_complete=bool(ev.get("require_complete", False)),
+                              scored=scored, beyond_limit=beyond, limit=limit)  # fmt: skip
     _show(metrics, f"{task.name} / {ev.split} (scored {ev.responses})")
     return metrics
 
 
 def _generate_and_score(cfg, task, examples, sizes: tuple[int, int], out: Path, scored: dict,
                         source: dict, models: dict | None) -> dict[str, float]:  # fmt: skip
-    """The generate mode: ``n`` samples per example (``sizes``: n, prompts per call), scored
-    and written to ``out``."""
+    """The generate mode (``sizes``: n, prompts per call), scored and written to ``out``."""
     from mrtpo.core.evaluation import evaluate_examples, write_results
 
     n, batch_size = sizes
@@ -206,15 +193,9 @@ def _generate_and_score(cfg, task, examples, sizes: tuple[int, int], out: Path, 
     for i, row in enumerate(rows):
         row["sample"] = i % n
     metrics["coverage"] = 1.0
-    scored.update(
-        mode="generate",
-        model=str(cfg.model.get("name_or_path")),
-        n_samples=n,
-        sampling=asdict(sampling),
-        examples=len(examples),
-        responses_scored=len(texts),
-        coverage=1.0,
-    )
+    scored.update(mode="generate", model=str(cfg.model.get("name_or_path")), n_samples=n,
+                  sampling=asdict(sampling), examples=len(examples), responses_scored=len(texts),
+                  coverage=1.0)  # fmt: skip
     write_results(out, metrics, rows, scored)
     _show(metrics, f"{task.name} / {cfg.eval.split} ({n} sample(s) per prompt)")
     log.info("wrote %s", out / "metrics.json")

@@ -1,11 +1,7 @@
-"""The model card (``README.md``) of an exported policy: what it was trained from, on which
-task, with which method and settings, its rewards, steps and final metrics, and the commands
-that made it (issue 41, item 6).
-
-Everything comes from the training run's own records: ``.hydra/config.yaml`` and
-``hydra.yaml`` (the groups chosen, the method and its settings), ``job.json`` (the command's
-overrides) and ``csv/metrics.csv`` (rewards and the metrics of the checkpoint's step). A
-record that is missing or unreadable leaves its part of the card out, saying so.
+"""The model card (``README.md``) of an exported policy: base model, task, method and settings,
+rewards, steps, final metrics and the commands that made it (issue 41, item 6), all from the
+run's own records (``.hydra/``, ``job.json``, ``csv/metrics.csv``). A missing or unreadable
+record leaves its part of the card out, saying so.
 """
 
 from __future__ import annotations

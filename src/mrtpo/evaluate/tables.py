@@ -1,20 +1,13 @@
 """The paper's tables: every benchmark of a task family, for several runs, in one command.
 
-``src/table.py <family> <run or policy folder>...`` evaluates each folder on each benchmark of
-the family with the evaluation job of ``src/eval.py`` (``mrtpo.evaluate.job.run``: the same
-generation and scoring, one call per split; each folder's policy is loaded once and kept for
-all its splits, and the engines seed each call, so the numbers are those of separate
-``src/eval.py`` runs), then writes ``table.md`` and ``table.csv``:
-methods x benchmarks, the mean over seeds with its 95% interval, and an average column.
-A benchmark whose data is absent is listed as absent; the other cells are still scored.
-A folder trained on another task than the family's, or a row whose seeds hold different
-models, is refused before anything is evaluated (``mrtpo.run.provenance``).
-
-A training run folder is evaluated from ``checkpoints/last.ckpt`` (its model; the family's
-task config, not the run's, so a smoke run's ``task.max_examples`` does not shrink the
-benchmark) or, without checkpoints, from its ``policy/`` folder; any other folder is a Hugging
-Face policy folder. Its method is the run's overrides minus the seed (as ``src/report.py``
-groups runs), its seed the run's ``seed``.
+``src/table.py <family> <folder>...`` runs ``mrtpo.evaluate.job.run`` per folder and split (a
+policy is loaded once for all its splits; engines seed each call, so the numbers equal separate
+``src/eval.py`` runs) and writes ``table.md``/``table.csv``: methods x benchmarks, mean over
+seeds with its 95% interval, and an average. Absent data is listed as absent. A folder trained
+on another task, or a row whose seeds hold different models, is refused first
+(``mrtpo.run.provenance``). A run folder is evaluated from ``checkpoints/last.ckpt`` with the
+family's task config (so a smoke run's ``task.max_examples`` does not shrink the benchmark),
+else its ``policy/``; its method is its overrides minus the seed (as ``src/report.py``).
 """
 
 from __future__ import annotations
@@ -193,8 +186,7 @@ def evaluate_cell(
     prefer: list[str],
     models: dict | None = None,
 ) -> Cell:
-    """One split of one folder, through the evaluation job of ``src/eval.py``; ``models``
-    keeps the folder's loaded policy for its next splits."""
+    """One split of one folder via ``job.run``; ``models`` keeps its policy for the next."""
     from mrtpo.evaluate.job import SplitDataMissing, run
     from mrtpo.run.config import compose
 
@@ -247,8 +239,8 @@ def counted(cells: list[Cell]) -> str:
 
 
 def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table:
-    """Evaluate every folder on every benchmark of ``family``; results under ``out``. Folder
-    by folder: its policy is loaded once for all the splits, then let go."""
+    """Every folder on every benchmark of ``family`` (a folder's policy loaded once, then let
+    go); results under ``out``."""
     from mrtpo.run.provenance import check_sources
 
     task, benches = FAMILIES[family]
@@ -315,20 +307,12 @@ def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]
                 cells = [table.cells[i, j] for i in members]
             iv = mean_ci(vals)
             line.append(fmt_ci(iv) + (counted(cells) if j is not None else ""))
-            recs.append(
-                {
-                    "method": names[key],
-                    "benchmark": column,
-                    "metric": metric,
-                    "mean": iv.mean,
-                    "ci95_half": iv.half,
-                    "n": iv.n,
-                    "values": json.dumps(vals),
-                    "examples": json.dumps([c.examples for c in cells]),
-                    "split_examples": json.dumps([c.split_examples for c in cells]),
-                    "partial": any(c.partial for c in cells),
-                }
-            )
+            recs.append({"method": names[key], "benchmark": column, "metric": metric,
+                         "mean": iv.mean, "ci95_half": iv.half, "n": iv.n,
+                         "values": json.dumps(vals),
+                         "examples": json.dumps([c.examples for c in cells]),
+                         "split_examples": json.dumps([c.split_examples for c in cells]),
+                         "partial": any(c.partial for c in cells)})  # fmt: skip
         md.append(line)
     return head, md, recs
 
@@ -434,15 +418,9 @@ def parser() -> argparse.ArgumentParser:
         "folders", nargs="+", help="training run folders, sweep folders or policy folders"
     )
     p.add_argument("--out", default=None, help="output folder (default: tables/<family>)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an eval.py override for every split (e.g. eval.limit=50, rollout=vllm, "
-        "eval.judge_url=...); repeat for several",
-    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an eval.py override for every split (e.g. eval.limit=50, rollout=vllm, "
+                   "eval.judge_url=...); repeat for several")  # fmt: skip
     return p
 
 
