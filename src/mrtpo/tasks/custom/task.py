@@ -483,11 +483,9 @@ class CustomTask(Task):
     ) -> tuple[Any, str | None]:
         """``fn(*args, **kwargs)`` and None, or None and why it failed.
 
-        The call runs under ``task.reward_timeout_s`` (``tasks.deadline``); past it, it is a
-        failure of that call, logged once per function. A ``SystemExit`` from a user's
-        function (``sys.exit()`` in a reward) is a failure of that call, not the end of the
-        run. A ``KeyboardInterrupt`` (Ctrl-C, or raised by the function) stops the run, with
-        the function named in the log and on the exception.
+        Running past ``task.reward_timeout_s`` (logged once per function) or a ``SystemExit``
+        (``sys.exit()`` in a reward) fails that call only. A ``KeyboardInterrupt`` (Ctrl-C, or
+        raised by the function) stops the run, the function named in the log and exception.
         """
         budget = self.reward_timeout_s
         try:
@@ -555,10 +553,8 @@ def _refuse_batched(fn: Callable, key: str) -> None:
 
 def _batch_values(values: Any, n: int) -> tuple[list[Any], str | None]:
     """A batched reward's return value as one value per completion, or what is wrong with it.
-
-    A 0-d tensor or array is one value, not ``n`` (it is refused, not copied to every
-    completion); anything that cannot be listed is refused with its type. Nothing here
-    raises, so a bad return costs only that reward of the batch."""
+    A 0-d tensor or array is one value (refused, not copied to every completion); what cannot
+    be listed is refused with its type. Never raises: a bad return costs only that reward."""
     want = f"not a list of {n} values (one per completion, None where the reward does not apply)"
     if getattr(values, "ndim", None) == 0 or getattr(values, "shape", None) == ():
         return [], f"returned a 0-d {type(values).__name__} (one value), {want}"

@@ -351,10 +351,9 @@ def check(
 ) -> Check:
     """Strict (and optionally loose) verdict of one instruction on one response.
 
-    ``budget_s`` bounds the strict check, and the loose variants together, to that many
-    seconds of CPU time each (``deadline.call_with_budget``, so the verdict does not depend on
-    the machine's load); a check that runs past it fails, with the reason. The loose variants
-    are not tried after the strict check ran out of time.
+    ``budget_s`` seconds of CPU time (``deadline.call_with_budget``, load-independent) bound
+    the strict check and, separately, the loose variants together; past it the check fails,
+    with the reason, and the loose variants are not tried after a strict timeout.
     """
     checker = reg.build(instruction_id, kwargs, prompt)
     what = f"the {reg.name} checker of {instruction_id!r}"

@@ -100,11 +100,9 @@ def _words(kwargs: dict[str, Any]) -> set[str]:
 def sample_constraint(
     reg: Registry, instruction_id: str, rng: random.Random, tries: int = 20
 ) -> Constraint | None:
-    """Arguments drawn by the library; kept only if they fully determine the checker.
-
-    Rebuilding from the drawn arguments must not draw anything else at random. (The
-    library's draw for "nth paragraph" can exceed the paragraph count, and rebuilding then
-    draws it again: such draws are rejected, so the stored arguments are what is checked.)
+    """Arguments drawn by the library, kept only if rebuilding from them draws nothing else
+    at random (its "nth paragraph" can exceed the paragraph count and is then drawn again:
+    such draws are rejected, so the stored arguments are what is checked).
     """
     cls = reg.instructions[instruction_id]
     for _ in range(tries):

@@ -143,11 +143,9 @@ def verdicts(
     budget_s: float | None = None,
 ) -> list[Verdict]:
     """One official verdict per constraint, in order (``evaluation.check``'s inner loop),
-    each with the reason it failed (None when met).
-
-    A checker that raises (``RecursionError`` on deeply nested JSON, ...) or runs past
-    ``budget_s`` seconds of CPU time fails that constraint: the response stays in the
-    denominator, as a response the checker cannot accept.
+    with why it failed (None when met). A checker that raises (``RecursionError`` on deep
+    JSON, ...) or runs past ``budget_s`` CPU seconds fails that constraint: the response stays
+    in the denominator, as one the checker cannot accept.
     """
     out: list[Verdict] = []
     for category, sub, text in constraints:

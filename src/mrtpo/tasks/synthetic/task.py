@@ -377,17 +377,14 @@ class SyntheticTask(Task):
 
     # ---- analysis: where each checker looks ----------------------------------------------
     def decisive_words(self, example: Example, response: str) -> dict[str, list[int]]:
-        """For each constraint, the indices of the response words its check turns on.
-
-        ``first``/``last``: that word; ``include``/``exclude``: every occurrence of the word
-        (none when absent); ``count``: ``[len(words)]``, standing for the end of the response
-        (the EOS token), since where the response stops decides the count; ``mark``: also
-        ``[len(words)]`` — the checker reads the final character, i.e. the last token before
-        the end (``mrtpo.evaluate.analysis.relevance`` adds that token). Used to measure
+        """For each constraint, the indices of the response words its check turns on, to see
         whether replay relevance lands where the verifier looks (docs/replication.md).
-        With a free part, indices still count every word of the response (the free part's
-        and its markers' too), and only answer words are ever decisive; a response without
-        an answer part has no decisive words.
+
+        ``first``/``last``: that word; ``include``/``exclude``: every occurrence (none when
+        absent); ``count`` and ``mark``: ``[len(words)]``, the end of the response (EOS), since
+        where it stops decides the count, and the mark is the last token before it
+        (``mrtpo.evaluate.analysis.relevance`` adds that token). Indices count every word,
+        free part and markers included, but only answer words are decisive (none without one).
         """
         answer = self.answer_part(response)
         if answer is None:

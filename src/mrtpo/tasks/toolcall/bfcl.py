@@ -408,13 +408,12 @@ def _param_candidates(options: list[Any], schema: dict[str, Any], required: bool
 
 
 def oracle_calls(example: Example) -> list[dict[str, Any]] | None:
-    """Calls (our JSON layout) built from a case's possible answer that BFCL's checker accepts.
+    """Calls (our JSON layout) from a case's possible answer that BFCL's checker accepts.
 
-    Each parameter takes, in order of preference: leaving it out when the answer allows that,
-    then each listed option (at most 4,096 combinations per call). The first combination the
-    checker accepts is used; ``None`` if none passes (a case that cannot be met as written).
-    Each call also carries ``_values`` (the chosen values before Java/JS rendering), which
-    ``corrupt_calls`` uses and ``calls_to_response`` leaves out.
+    Per parameter, in order: left out when allowed, then each listed option (at most 4,096
+    combinations per call); the first accepted combination wins, ``None`` if none does (a case
+    that cannot be met as written). ``_values`` holds the values before Java/JS rendering, for
+    ``corrupt_calls`` (``calls_to_response`` leaves it out).
     """
     d = example.data
     lang = language_of(d["category"])

@@ -121,12 +121,10 @@ def _messages_and_reference(row: dict[str, Any]) -> tuple[list[dict[str, str]], 
 
 
 def typed_reference(reference: str, calls: list[dict[str, Any]] | None, tools: dict) -> str:
-    """``reference`` with each call whose quoted numbers or booleans the schema types rewritten
-    as the typed JSON the correctness reward compares with (other lines kept verbatim).
-
-    The reward converts the reference's values and keeps the model's as written, so the
-    published text (``"page": "1"`` for an int) would not score full marks against itself;
-    this text does, and an SFT warm start on it teaches the form the reward wants.
+    """``reference`` with calls whose quoted numbers or booleans the schema types rewritten as
+    the typed JSON the correctness reward compares with (other lines verbatim). The published
+    text (``"page": "1"`` for an int) would not score full marks against itself; this does, so
+    an SFT warm start on it teaches the form the reward wants.
     """
     if not calls:
         return reference
