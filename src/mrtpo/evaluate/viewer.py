@@ -183,8 +183,7 @@ def clean(rec: Any) -> dict | None:
 
 
 def _diagnostic_fields(rec: dict, n: int) -> dict:
-    """The optional ``realloc`` (one number per token) and ``segments`` (name -> token
-    indices) a newer trainer writes; a ValueError names what is wrong with them."""
+    """The optional ``realloc`` (a number per token) and ``segments`` (name -> token indices)."""
     out: dict[str, Any] = {}
     if rec.get("realloc") is not None:
         out["realloc"] = _rows({"realloc": rec["realloc"]}, "realloc", n)["realloc"]
@@ -224,10 +223,8 @@ def parse_line(raw: bytes, first: bool = False) -> dict | None:
 
 
 def _lines(f) -> Iterator[tuple[int, int, bytes | None]]:
-    """(line number, byte offset, the line) for each line of the binary file ``f``, the line
-    None when longer than ``MAX_LINE`` (then skipped unread). Lines end at ``\\n`` only: the
-    trainer writes text as it is, so a prompt may hold U+2028 or U+0085, which
-    ``str.splitlines`` takes for line ends."""
+    """(line number, byte offset, line or None past ``MAX_LINE``) of binary ``f``. Lines end at
+    ``\\n`` only: a prompt may hold U+2028 or U+0085, which ``str.splitlines`` splits at."""
     n = offset = 0
     while raw := f.readline(MAX_LINE + 1):
         n, start = n + 1, offset
@@ -243,8 +240,7 @@ def _lines(f) -> Iterator[tuple[int, int, bytes | None]]:
 
 @dataclass
 class Scan:
-    """One pass over the file: where each step's drawable records start, and each line
-    left out with why (naming the file and line)."""
+    """Where each step's drawable records start, and each line left out with why."""
 
     offsets: dict[int, list[int]] = field(default_factory=dict)  # step -> byte offsets
     problems: list[str] = field(default_factory=list)
@@ -305,9 +301,8 @@ def load_records(
 def choose_steps(
     have: list[int], steps: Sequence[int] | None = None, max_steps: int = 25
 ) -> tuple[set[int], str]:
-    """Of the file's steps ``have`` (sorted): ``steps`` (all when None, thinned to
-    ``max_steps`` evenly spaced steps including the first and last); and a note saying
-    what was left out ('' when nothing)."""
+    """``steps`` of ``have`` (else all, thinned to ``max_steps`` evenly spaced from first to
+    last), and a note of what was left out."""
     if steps:
         missing = sorted(set(steps) - set(have))
         if missing:
@@ -391,8 +386,7 @@ def q_ratios(rec: dict) -> dict[str, list[float]]:
 
 
 def profile_cosine(rec: dict) -> float | None:
-    """The mean pairwise cosine between the record's rewards' q profiles (None: fewer than two
-    with any relevance)."""
+    """Mean pairwise cosine of the rewards' q profiles (None: fewer than two non-zero)."""
     rows = [r for r in rec["q"].values() if any(v > 0 for v in r)]
     norms = [math.sqrt(sum(v * v for v in r)) for r in rows]
     pairs = [
@@ -404,8 +398,7 @@ def profile_cosine(rec: dict) -> float | None:
 
 
 def energy(rec: dict) -> dict[str, float]:
-    """The reallocated credit's energy (sum of squares) on each segment and ``other``; {}
-    for a record without ``realloc`` or ``segments``."""
+    """The reallocated credit's energy (sum of squares) per segment and ``other``."""
     realloc, segs = rec.get("realloc"), rec.get("segments")
     if realloc is None or segs is None:
         return {}
@@ -419,8 +412,7 @@ def energy(rec: dict) -> dict[str, float]:
 
 
 def diagnostics(records: list[dict]) -> dict[str, Any]:
-    """Over ``records``: q / mean q quantiles (p50, p99, max) per reward, the mean profile
-    cosine, and each segment's share of the summed energy (empty parts left out)."""
+    """q / mean q quantiles (p50, p99, max) per reward, mean profile cosine, energy shares."""
     ratios: dict[str, list[float]] = {}
     cosines, energies = [], {}
     for rec in records:
@@ -531,8 +523,7 @@ def pick(records: list[dict]) -> dict:
 
 
 def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: int = 240) -> None:
-    """One response: a q row and a w row per reward, ``width`` tokens a line (at most
-    ``limit`` tokens), shaded on the page's scales, with both colour bars."""
+    """One response, a q and a w row per reward, ``width`` tokens a line, on the page's scales."""
     import matplotlib
 
     matplotlib.use("Agg")
