@@ -18,9 +18,8 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 def source_commit(root: Path = ROOT) -> str:
-    """Short hash of HEAD, with ``+dirty`` when ``configs/``, ``src/`` or ``scripts/`` (the
-    harnesses) have uncommitted changes, untracked files included: what a reader needs to
-    rerun the same code."""
+    """Short hash of HEAD, ``+dirty`` when ``configs/``, ``src/`` or ``scripts/`` have changes
+    (untracked files too): what a reader needs to rerun the same code."""
     try:
 
         def git(*a: str) -> str:
@@ -152,10 +151,9 @@ def _step_rows(path: str | Path, warnings: list[str] | None = None) -> list[dict
 
 
 def rl_curves(path: str | Path, warnings: list[str] | None = None) -> dict[str, list[float]]:
-    """Per-step series of an RL run: ``success`` (where the task logs it), each reward's
-    mean, by reward name, and each extra metric a reward reported, ``extra/<reward>/<name>``
-    (``train/extra/...``: those of a step that had none are NaN). What of the file is left
-    out (``read_metrics``) is named in ``warnings``."""
+    """Per-step series of an RL run: ``success``, each reward's mean by name, and each extra
+    metric as ``extra/<reward>/<name>`` (NaN at a step without it); what was left out goes to
+    ``warnings``."""
     rows = _step_rows(path, warnings)
     out: dict[str, list[float]] = {}
     if any("train/success" in r for r in rows):

@@ -104,8 +104,7 @@ def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[str, Any]]]:
-    """Columns and one row per run: job, folder, status, seed, overrides (all, and one column
-    per experiment key), steps, wall time, final and best value of each metric."""
+    """Columns and one row per run (overrides also one column per experiment key)."""
     metrics = metric_names(runs)
     keys: list[str] = []
     for r in runs:
