@@ -1,10 +1,7 @@
-"""Turning the import strings of a config (``mymod.r1``, ``pkg.mod:Scorer.check``,
-``path/to/mymod.py:r1``) into callables, with errors that name the config key and say what
-could not be found.
-
-A module is looked for where Python looks, then in the folder the command was started in
-(``launch_dir``), so ``python src/train.py ... task.rewards=[myrewards.r1]`` run from the
-folder that holds ``myrewards.py`` finds it without ``PYTHONPATH=.``."""
+"""Config import strings (``mymod.r1``, ``pkg.mod:Scorer.check``, ``path/to/mymod.py:r1``) as
+callables, with errors naming the config key and what was not found. A module is looked for
+where Python looks, then in the launch folder (``launch_dir``), so ``python src/train.py ...
+task.rewards=[myrewards.r1]`` run beside ``myrewards.py`` finds it without ``PYTHONPATH=.``."""
 
 from __future__ import annotations
 
@@ -37,10 +34,7 @@ def on_import_path(folder: str | Path, *, first: bool) -> Path:
     by spawn (which copy ``sys.path``) import the same module by name."""
     folder = Path(folder).expanduser().resolve()
     if str(folder) not in sys.path:
-        if first:
-            sys.path.insert(0, str(folder))
-        else:
-            sys.path.append(str(folder))
+        sys.path.insert(0 if first else len(sys.path), str(folder))
     return folder
 
 
@@ -106,12 +100,11 @@ def _candidates(text: str, key: str) -> list[tuple[str, list[str]]]:
 
 def _import(module_name: str, text: str, key: str) -> Any:
     """The module; ModuleNotFoundError when that very module is absent (the caller tries a
-    shorter prefix); any other failure to import it is an ImportError naming the key."""
+    shorter prefix); any other failure to import it, a missing dependency *inside* the user's
+    module included, is an ImportError naming the key."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        # Only "this very module is absent" means "try a shorter prefix"; a missing
-        # dependency *inside* the user's module is the real error and is reported.
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise
         raise ImportError(

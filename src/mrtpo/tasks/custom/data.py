@@ -1,9 +1,8 @@
 """Reading a user's prompts: JSONL / JSON / parquet / CSV files, saved or hub HF datasets.
 
-Every source becomes a list of plain dict rows. Files are opened read-only and nothing is
-written next to them: JSONL, JSON and CSV are parsed directly, parquet with pyarrow, and
-only a hub id or a ``save_to_disk`` folder goes through ``datasets`` (whose caches live in
-the user's HF cache, never beside the data).
+Every source becomes plain dict rows, read-only, nothing written beside them: JSONL, JSON and
+CSV parsed directly, parquet with pyarrow; only a hub id or a ``save_to_disk`` folder goes
+through ``datasets`` (its caches live in the user's HF cache).
 """
 
 from __future__ import annotations

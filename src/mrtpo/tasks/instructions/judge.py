@@ -1,12 +1,10 @@
 """AdvancedIF: rubric verdicts from an LLM judge at an OpenAI-compatible endpoint (optional).
 
-AdvancedIF has no programmatic checkers: experts wrote a rubric list per conversation and
-a judge model decides each item. This client sends one request per response (the
-conversation, the response, the numbered rubrics) and expects a JSON list of booleans
-back. Only the standard library is used; nothing runs unless ``eval.split=advancedif`` and
-``eval.judge_url`` are set. Data rows (the public CSV or a JSONL export) carry
-``conversation_history`` (chat messages, or their JSON text) and ``prompt_metadata``
-holding ``rubrics``.
+AdvancedIF has no programmatic checkers: experts wrote rubrics per conversation and a judge
+model decides each. One request per response (conversation, response, numbered rubrics), a
+JSON list of booleans back; standard library only, and nothing runs unless
+``eval.split=advancedif`` and ``eval.judge_url`` are set. Rows (the public CSV or a JSONL
+export) carry ``conversation_history`` (messages or their JSON) and ``prompt_metadata.rubrics``.
 """
 
 from __future__ import annotations
