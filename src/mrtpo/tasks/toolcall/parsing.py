@@ -65,12 +65,10 @@ class ParseError(ValueError):
 
 # ---- tool lists ------------------------------------------------------------------------------
 def parse_tools(system_prompt: str) -> list[dict[str, Any]]:
-    """Tools listed in an RLLA-style system prompt, in order.
-
-    Each is ``{"name", "description", "parameters"}``; ``parameters`` maps parameter names to
-    their schema (``type``, ``description``, ``default``). Text is kept exactly as written,
-    so ``render_tools`` gives the list back verbatim. A prompt without a tool list gives
-    ``[]``; an entry whose ``Parameters`` line is not a JSON object raises ``ParseError``.
+    """Tools of an RLLA-style system prompt, in order, as ``{"name", "description",
+    "parameters"}`` (parameter name -> ``type``, ``description``, ``default``), text as written
+    so ``render_tools`` gives the list back verbatim. No tool list: ``[]``; a ``Parameters``
+    line that is not a JSON object: ``ParseError``.
     """
     start = system_prompt.find(_TOOLS_HEADING)
     if start < 0:
@@ -127,11 +125,8 @@ def clean_response(text: str) -> str:
 
 
 def answer_part(reference: str) -> str:
-    """The part of a reference after its reasoning (``</think>``), where its tags live.
-
-    Reference reasoning sometimes mentions ``<tool_call>`` or ``<response>`` in prose (17 of
-    the 400 RLLA SFT rows do); reading tags from the whole text would misjudge them.
-    """
+    """The part of a reference after its reasoning (``</think>``), where its tags live: the
+    reasoning of 17 of the 400 RLLA SFT rows names ``<tool_call>`` or ``<response>`` in prose."""
     _, sep, tail = reference.partition("</think>")
     return tail if sep else reference
 

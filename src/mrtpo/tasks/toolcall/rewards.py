@@ -91,10 +91,8 @@ def _names(pred: list[Any]) -> list[Hashable]:
 
 def tool_call_score(gold: list[dict[str, Any]], pred: list[Any]) -> float:
     """Correctness in [-3, 3] of predicted calls (as written) against reference calls.
-
-    Raises ``ParseError`` where ToolRL's comparison would fail on a malformed prediction (a
-    call that is not an object with a name; a same-named call whose parameters are not an
-    object); the caller turns that into -3.
+    ``ParseError`` (the caller's -3) where ToolRL's comparison fails on a malformed prediction:
+    a call that is not an object with a name, or same-named with non-object parameters.
     """
     if gold == pred:
         return CORRECTNESS_MAX
