@@ -21,7 +21,7 @@ from mrtpo.evaluate.analysis.stats import mean_ci
 from replication import claims as C
 from replication import credit as X
 from replication.harness import ROOT
-from replication.jobs import quieted
+from replication.jobs import quieted, run_folder
 from replication.long import (
     DRAWN_RANGE,
     SFT_PHASES,
@@ -326,12 +326,9 @@ def main(opts: LongOptions) -> int:
     from rich.console import Console
 
     console = Console()
-    if opts.logdir is None:
-        if opts.report_only:
-            raise ValueError("report_only needs the log folder of a run (--logdir)")
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        opts.logdir = ROOT / "logs" / "replicate_long" / f"{stamp}_credit"
-    opts.logdir = Path(opts.logdir).resolve()
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    default = ROOT / "logs" / "replicate_long" / f"{stamp}_credit"
+    opts.logdir = run_folder(opts.logdir, opts.report_only, default, "a run")
     opts = X.credit_options(opts)
     if opts.dry_run:
         for line in X.plan(opts):

@@ -74,6 +74,16 @@ def quieted():
                 hf.enable_progress_bar()
 
 
+def run_folder(logdir: Path | None, report_only: bool, default: Path, what: str) -> Path:
+    """The run folder a harness writes to (``default`` when none is given), resolved; a report
+    of an earlier run must name its folder (``what`` says which kind of run folder)."""
+    if logdir is None:
+        if report_only:
+            raise ValueError(f"report_only needs the log folder of {what} (--logdir)")
+        logdir = default
+    return Path(logdir).resolve()
+
+
 def _worker_init(threads: int) -> None:
     import torch
 

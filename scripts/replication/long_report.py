@@ -34,7 +34,7 @@ from mrtpo.evaluate.analysis.stats import (
 from mrtpo.run.config import compose
 from replication import claims as C
 from replication.harness import ROOT
-from replication.jobs import quieted
+from replication.jobs import quieted, run_folder
 from replication.long import (
     ABLATIONS,
     DRAWN,
@@ -890,12 +890,8 @@ def main(opts: LongOptions) -> int:
     from rich.console import Console
 
     console = Console()
-    if opts.logdir is None:
-        if opts.report_only:
-            raise ValueError("report_only needs the log folder of a run (--logdir)")
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        opts.logdir = ROOT / "logs" / "replicate_long" / stamp
-    opts.logdir = Path(opts.logdir).resolve()
+    default = ROOT / "logs" / "replicate_long" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    opts.logdir = run_folder(opts.logdir, opts.report_only, default, "a run")
     run_file, wall_file = opts.logdir / "run.json", opts.logdir / "wall_s.json"
     t0 = time.perf_counter()
     if opts.report_only:

@@ -60,7 +60,7 @@ from replication.harness import (
     schedule_of,
     sync_spec,
 )
-from replication.jobs import quieted, run_all
+from replication.jobs import quieted, run_all, run_folder
 from replication.plots import plot_gain_vs_k, plot_replay_share
 
 
@@ -913,11 +913,7 @@ def main(opts: Options) -> int:
     from rich.console import Console
 
     console = Console()
-    if opts.logdir is None:
-        if opts.report_only:
-            raise ValueError("report_only needs the log folder of a replication (--logdir)")
-        opts.logdir = default_logdir()
-    opts.logdir = Path(opts.logdir).resolve()
+    opts.logdir = run_folder(opts.logdir, opts.report_only, default_logdir(), "a replication")
     opts.docs = Path(opts.docs)
     t0 = time.perf_counter()
     wall_file = opts.logdir / "wall_s.json"
