@@ -5,6 +5,7 @@ ranks, gradient checkpointing, and two FSDP2 ranks where the forward packs each 
 from __future__ import annotations
 
 import csv
+import gc
 import math
 import os
 import socket
@@ -171,33 +172,43 @@ class _Scored(torch.nn.Module):
 def _two_rank_worker(rank: int, world: int, port: int, out: str, wrap: str) -> None:
     _init(rank, world, port)
     try:
-        from tests.unit.test_shared_prompt_forward import _batch
-
-        from mrtpo.core.forward import prompt_groups
-
-        model = _small_model(world, sharded=wrap == "fsdp")
-        cfg = model.config
-        scored = _Scored(model)
-        if wrap == "ddp":
-            scored = torch.nn.parallel.DistributedDataParallel(scored)
-        model.train()
-        batch = _batch(cfg.vocab_size, 0, seed=10 + rank)  # each rank its own rows
-        groups = prompt_groups(model, *batch[:2], batch[2].shape[1], "always", packable=True)
-        form = None if groups is None else "packed" if groups.packed else "cache"
-        found = {"form": form, "passes": []}
-        for modes in MODES:
-            model.zero_grad(set_to_none=True)
-            lp = scored(batch, modes[rank])
-            weights = torch.linspace(-1.0, 2.0, lp.numel()).reshape(lp.shape)
-            (lp * weights).sum().backward()
-            grads = {
-                n: p.grad.full_tensor() if wrap == "fsdp" else p.grad.clone()
-                for n, p in model.named_parameters()
-            }
-            found["passes"].append({"logp": lp.detach(), "grads": grads})
-        torch.save(found, Path(out) / f"rank{rank}.pt")
+        _two_rank_passes(rank, world, out, wrap)
+        # The DDP wrapper and its reducer go with the helper's frame (and the collection
+        # below), while the group still lives; both ranks then meet before it goes. A reducer
+        # freed after destroy_process_group once hung here for good, in ~ProcessGroupGloo
+        # joining gloo's worker thread (seen in a full run on the loaded machine).
+        gc.collect()
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _two_rank_passes(rank: int, world: int, out: str, wrap: str) -> None:
+    from tests.unit.test_shared_prompt_forward import _batch
+
+    from mrtpo.core.forward import prompt_groups
+
+    model = _small_model(world, sharded=wrap == "fsdp")
+    cfg = model.config
+    scored = _Scored(model)
+    if wrap == "ddp":
+        scored = torch.nn.parallel.DistributedDataParallel(scored)
+    model.train()
+    batch = _batch(cfg.vocab_size, 0, seed=10 + rank)  # each rank its own rows
+    groups = prompt_groups(model, *batch[:2], batch[2].shape[1], "always", packable=True)
+    form = None if groups is None else "packed" if groups.packed else "cache"
+    found = {"form": form, "passes": []}
+    for modes in MODES:
+        model.zero_grad(set_to_none=True)
+        lp = scored(batch, modes[rank])
+        weights = torch.linspace(-1.0, 2.0, lp.numel()).reshape(lp.shape)
+        (lp * weights).sum().backward()
+        grads = {
+            n: p.grad.full_tensor() if wrap == "fsdp" else p.grad.clone()
+            for n, p in model.named_parameters()
+        }
+        found["passes"].append({"logp": lp.detach(), "grads": grads})
+    torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
