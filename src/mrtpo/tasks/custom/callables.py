@@ -34,7 +34,10 @@ def on_import_path(folder: str | Path, *, first: bool) -> Path:
     by spawn (which copy ``sys.path``) import the same module by name."""
     folder = Path(folder).expanduser().resolve()
     if str(folder) not in sys.path:
-        sys.path.insert(0 if first else len(sys.path), str(folder))
+        if first:
+            sys.path.insert(0, str(folder))
+        else:
+            sys.path.append(str(folder))
     return folder
 
 
