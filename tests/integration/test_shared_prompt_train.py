@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,21 @@ class _Scored(torch.nn.Module):
         return response_logprobs(self.model, *batch, temperature=0.8, shared_prompt=mode)
 
 
+def _spawn_two(fn, args: tuple, limit_s: float = 900.0) -> None:
+    """Two ranks of ``fn``; a rank that hangs (even in teardown, after the collectives' own
+    5-minute limit) fails the test after ``limit_s`` instead of holding the suite. The pair
+    takes under a minute here; the limit is sized for a loaded 2-core machine."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"two-rank {fn.__name__} still running after {limit_s:.0f} s")
+
+
 def _two_rank_worker(rank: int, world: int, port: int, out: str, wrap: str) -> None:
     _init(rank, world, port)
     try:
@@ -217,12 +233,10 @@ def test_shared_prompt_on_two_ranks_matches_plain(tmp_path, wrap):
     plain forward's, also when one rank shares and the other does not. Under FSDP the cache
     form is off and each group is packed (a data-dependent choice may not change the
     collectives); under DDP forwards are local and the cache form runs."""
-    import torch.multiprocessing as mp
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_two_rank_worker, args=(2, port, str(tmp_path), wrap), nprocs=2, join=True)
+    _spawn_two(_two_rank_worker, (2, port, str(tmp_path), wrap))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [r["form"] for r in ranks] == 2 * ["packed" if wrap == "fsdp" else "cache"]
     for r in ranks:
@@ -281,12 +295,10 @@ def test_hf_shared_prefill_under_fsdp_is_agreed_by_the_ranks(tmp_path):
     when every rank's does (an idle call never does), and samples what the plain prefill
     samples. Rank 0's calls: idle, then its two prompts; rank 1's: a prompt, a one-token
     prompt, a prompt. Only the third call of each rank shares."""
-    import torch.multiprocessing as mp
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_hf_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    _spawn_two(_hf_worker, (2, port, str(tmp_path)))
     for r in (0, 1):
         found = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         plain, shared = found["off"], found["always"]
