@@ -230,6 +230,28 @@ def test_report_from_made_up_runs(tmp_path):
     assert R.DESIGN_HISTORY[-1][:60] in text
 
 
+def test_a_p5_cell_whose_warm_start_missed_is_named_and_p5_read_without_it(tmp_path):
+    """Issue 42's rule: K = 8's clean pass stopped at its limit short of its target, so the
+    report says where it stopped and reads P5 over K = 2 and 4 as well."""
+    opts = _opts(tmp_path, steps=30, commit="abc1234")
+    _made_up_experiment(opts)
+    _made_up_warm_start(opts, X.CELL)
+    summary = L.cell_dir(opts.logdir, X.CELL) / "sft" / "policy" / "mrtpo_sft.json"
+    missed = {"steps": 5000, "reached": False, "history": [{"success": 0.469}]}
+    summary.write_text(json.dumps(missed))
+    assert list(R.missed_starts(opts)) == [X.CELL]
+    text = R.write_report(X.read_runs(opts), opts, 600.0, opts.docs / "out.md").read_text()
+    assert (
+        "did not reach its start: its clean pass stopped at its step limit (5000 steps) at "
+        "held-out success 0.469" in text
+    )
+    over = next(x for x in text.splitlines() if "P5 over the cells that did" in x)
+    assert "K 2:" in over and "K 4:" in over and "K 8:" not in over
+    assert "warm start missed its target" in text
+    # the fixed cell's closing-tag share (0.55) is above the bar: no caveat on the drawn check
+    assert "cannot tell what drawing the length changes" not in text
+
+
 def test_drawn_check_fails_when_the_closing_tag_keeps_most_energy(tmp_path):
     opts = _opts(tmp_path)
     for spec in X.CHECK_ARMS.values():
