@@ -233,7 +233,7 @@ def test_unsafe_archives_are_refused_and_nothing_lands_outside(server, tmp_path,
 
 @pytest.mark.skipif(not (SHARED / "toolrl_rlla").is_dir(), reason="shared/data is absent")
 def test_committed_checksum_accepts_the_published_file_and_check_reports(server, tmp_path, capsys):
-    from mrtpo.tasks.toolcall.data import load_rlla
+    from mrtpo.tasks.toolcall.parsing import load_rlla
 
     server.files[f"{RLLA_PATH}/rlla_sft.json"] = (SHARED / "toolrl_rlla/rlla_sft.json").read_bytes()
     server.files[f"{IFEVAL_PATH}/input_data.jsonl"] = (

@@ -12,14 +12,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from tests.bfcl_oracle import calls_to_response, corrupt_calls, oracle_calls
 from tests.conftest import ROOT
 
 from mrtpo.core.evaluation import read_jsonl, score_responses
-from mrtpo.tasks.toolcall import ToolCallTask, bfcl, bfcl_compat
+from mrtpo.tasks.toolcall import ToolCallTask, bfcl
 
 needs_bfcl = pytest.mark.skipif(
     importlib.util.find_spec("bfcl_eval") is None,
-    reason=f"bfcl-eval not installed ({bfcl_compat.INSTALL_HINT})",
+    reason=f"bfcl-eval not installed ({bfcl.INSTALL_HINT})",
 )
 
 
@@ -34,8 +35,8 @@ def test_eval_cli_scores_bfcl_responses(tmp_path: Path) -> None:
     cases = bfcl.load_cases(["simple_python"])[:6]
     rows = []
     for i, e in enumerate(cases):
-        calls = bfcl.oracle_calls(e)
-        text = bfcl.calls_to_response(calls if i < 4 else bfcl.corrupt_calls(e, calls))
+        calls = oracle_calls(e)
+        text = calls_to_response(calls if i < 4 else corrupt_calls(e, calls))
         rows.append({"id": e.id, "response": text})
     # a second sample of every example (evaluation refuses uneven numbers per example)
     rows += [{"id": e.id, "response": "no tags, no calls"} for e in cases]
@@ -92,12 +93,12 @@ def test_every_bfcl_case_through_the_official_checker(tmp_path: Path) -> None:
     examples = task.eval_examples("bfcl", {"categories": None})
     good, bad, unmeetable = [], [], []
     for e in examples:
-        calls = bfcl.oracle_calls(e)
+        calls = oracle_calls(e)
         if calls is None:
             unmeetable.append(e.id)
             continue
-        good.append({"id": e.id, "response": bfcl.calls_to_response(calls)})
-        bad.append({"id": e.id, "response": bfcl.calls_to_response(bfcl.corrupt_calls(e, calls))})
+        good.append({"id": e.id, "response": calls_to_response(calls)})
+        bad.append({"id": e.id, "response": calls_to_response(corrupt_calls(e, calls))})
     assert sorted(unmeetable) == sorted(bfcl.UNMEETABLE_CASES)
     m_good = score_responses(
         task, examples, write_jsonl(tmp_path / "g.jsonl", good), tmp_path / "g"

@@ -25,7 +25,7 @@ from mrtpo.core.credit import (
 from mrtpo.core.loss import aggregate
 from mrtpo.tasks.base import Example, Score, Task
 from mrtpo.tasks.synthetic.task import SyntheticTask
-from mrtpo.tasks.text2sql.omnisql import ReferenceSolutions, load_solutions, to_answer_format
+from mrtpo.tasks.text2sql.task import ReferenceSolutions, load_solutions, to_answer_format
 
 # ---- the divergence -----------------------------------------------------------------------
 

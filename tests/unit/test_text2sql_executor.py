@@ -141,7 +141,8 @@ def test_parallel_batch_in_order(executor, db):
 
 
 def test_hung_worker_is_killed_and_replaced(db):
-    # progress_steps=0 disables the in-SQLite budget: only the parent's hard deadline can stop it
+    # progress_steps=0 disables the in-SQLite budget: only the CPU-time timer can stop it (the wall
+    # clock's backstop is 30 s away, past the bound below)
     ex = SQLExecutor(workers=1, timeout_s=0.5, hard_margin_s=0.5, progress_steps=0)
     try:
         ex.check(str(db), "SELECT 1")  # warm
@@ -150,9 +151,83 @@ def test_hung_worker_is_killed_and_replaced(db):
         took = time.monotonic() - t0
         assert out.pred_ok is False and out.killed
         assert "process was stopped" in out.pred_error and out.pred_error_kind == "time"
-        assert took < 0.5 + 0.5 + 10.0
-        assert ex.stats["killed"] == 1
+        assert took < 25.0
+        assert ex.stats["killed"] == 1 and ex.stats["crashed"] == 0  # not retried as a crash
         assert ex.check(str(db), "SELECT count(*) FROM t").pred_ok  # the pool healed
+    finally:
+        ex.close()
+
+
+COUNT_TO = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < {n}) "
+COUNT_TO += "SELECT count(*) FROM c"
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU clock ticks of ``pid`` so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _starve_mid_statement(pid: int, seconds: float) -> threading.Thread:
+    """SIGSTOP ``pid`` once it has used 5 more clock ticks of CPU (it is inside the
+    statement, whatever the machine's load) and SIGCONT it ``seconds`` later: a worker that
+    gets no CPU, as on a machine loaded far beyond its cores."""
+    start = _cpu_ticks(pid)
+
+    def pause():
+        give_up = time.monotonic() + 120.0  # a hang guard only: the statement ended first
+        while _cpu_ticks(pid) < start + 5:
+            if time.monotonic() > give_up:
+                return
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=pause)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
+def test_the_time_budget_counts_cpu_seconds_not_a_loaded_machines_wall_clock(db):
+    """A statement that needs well under its budget of CPU still finishes when the worker is
+    starved of CPU for longer than the budget (it was stopped as timed out when the budget
+    was wall-clock time: the result then depended on the machine's load)."""
+    ex = SQLExecutor(workers=1, timeout_s=4.0)
+    try:
+        ex.check(str(db), "SELECT 1")  # warm
+        sql = COUNT_TO.format(n=1_500_000)  # 0.25 s of CPU here
+        pid = ex._workers[0].proc.pid
+        before = _cpu_ticks(pid)
+        assert ex.check(str(db), sql).pred_ok
+        cpu = (_cpu_ticks(pid) - before) / os.sysconf("SC_CLK_TCK")  # CPU: load-independent
+        assert cpu < 2.0, f"the statement took {cpu:.2f} CPU seconds here: make it smaller"
+        thread = _starve_mid_statement(pid, seconds=5.0)
+        out = ex.check(str(db), sql)
+        thread.join(timeout=300)
+        assert not thread.is_alive()
+        assert out.seconds > 4.0  # wall time past the budget ...
+        assert out.pred_ok, out.pred_error  # ... and still not stopped
+        assert ex.stats["killed"] == 0
+    finally:
+        ex.close()
+
+
+def test_a_worker_that_stops_using_cpu_is_killed_by_the_wall_clock_backstop(db):
+    ex = SQLExecutor(workers=1, timeout_s=0.5, hard_margin_s=0.5, wall_margin_s=1.0)
+    try:
+        ex.check(str(db), "SELECT 1")  # warm
+        time.sleep(5.0)  # past the start-up grace of a fresh worker
+        (w,) = ex._workers
+        os.kill(w.proc.pid, signal.SIGSTOP)  # no CPU used: neither CPU budget ever fires
+        t0 = time.monotonic()
+        out = ex.check(str(db), "SELECT 2")
+        assert out.pred_ok is False and out.pred_error_kind == "time" and out.killed
+        assert "process was stopped" in out.pred_error
+        assert 2.0 <= time.monotonic() - t0 < 30.0
+        assert ex.stats["killed"] == 1 and w.proc.poll() is not None
+        assert ex.check(str(db), "SELECT 3").pred_ok
     finally:
         ex.close()
 

@@ -16,13 +16,14 @@ from collections import defaultdict
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.bfcl_oracle import calls_to_response, corrupt_calls, oracle_calls
 
-from mrtpo.tasks.toolcall import ToolCallTask, bfcl, bfcl_compat
+from mrtpo.tasks.toolcall import ToolCallTask, bfcl
 from mrtpo.tasks.toolcall.parsing import parse_tools
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("bfcl_eval") is None,
-    reason=f"bfcl-eval not installed ({bfcl_compat.INSTALL_HINT})",
+    reason=f"bfcl-eval not installed ({bfcl.INSTALL_HINT})",
 )
 
 SAMPLE_PER_CATEGORY = 25
@@ -64,15 +65,15 @@ def test_possible_answers_pass_and_one_wrong_value_fails(sample: list) -> None:
     wrong = defaultdict(list)
     for e in sample:
         before = copy.deepcopy(e.data)
-        calls = bfcl.oracle_calls(e)
+        calls = oracle_calls(e)
         if e.id in bfcl.UNMEETABLE_CASES:
             assert calls is None, e.id
             continue
         assert calls is not None, e.id
-        score = task.score(e, bfcl.calls_to_response(calls))
+        score = task.score(e, calls_to_response(calls))
         assert score.rewards["format"] == 1.0
         results[e.data["category"]].append(score.checks["bfcl_valid"])
-        bad = task.score(e, bfcl.calls_to_response(bfcl.corrupt_calls(e, calls)))
+        bad = task.score(e, calls_to_response(corrupt_calls(e, calls)))
         wrong[e.data["category"]].append(bad.checks["bfcl_valid"])
         assert not bad.checks["bfcl_valid"] and "bfcl" in bad.reasons
         assert e.data == before  # the checker worked on copies
@@ -181,16 +182,16 @@ print(json.dumps([simple["accuracy"], non_live["accuracy"], live["accuracy"]]))
 def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        bfcl_compat.importlib.util,
+        bfcl.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "bfcl_eval" else real(name, *a),
     )
-    with pytest.raises(bfcl_compat.BFCLMissingError, match="pip install --no-deps bfcl-eval"):
+    with pytest.raises(bfcl.BFCLMissingError, match="pip install --no-deps bfcl-eval"):
         bfcl.load_cases(["simple_python"])
 
 
 def test_checker_import_leaves_no_stand_in_behind() -> None:
-    bfcl_compat.load_ast_checker()
+    bfcl.load_ast_checker()
     mod = sys.modules.get("bfcl_eval.constants.model_config")
     assert mod is None or "Stand-in" not in (mod.__doc__ or "")
 

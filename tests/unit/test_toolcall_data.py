@@ -11,8 +11,13 @@ import pytest
 from tests.task_fixtures import RLLA_TOOLS, make_rlla
 
 from mrtpo.tasks.toolcall import ToolCallTask
-from mrtpo.tasks.toolcall.data import load_rlla, read_rows
-from mrtpo.tasks.toolcall.parsing import parse_tools, system_prompt, tools_by_name
+from mrtpo.tasks.toolcall.parsing import (
+    load_rlla,
+    parse_tools,
+    read_rows,
+    system_prompt,
+    tools_by_name,
+)
 
 
 # ---- rows built here: the loaders and rewards without ../shared ---------------------------------

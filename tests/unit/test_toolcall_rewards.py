@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from mrtpo.tasks.base import Example
 from mrtpo.tasks.toolcall import ToolCallTask
-from mrtpo.tasks.toolcall.blocks import correctness_block, format_block
 from mrtpo.tasks.toolcall.parsing import (
     ParseError,
     clean_response,
@@ -24,7 +23,9 @@ from mrtpo.tasks.toolcall.parsing import (
     tools_by_name,
 )
 from mrtpo.tasks.toolcall.rewards import (
+    correctness_block,
     correctness_reward,
+    format_block,
     format_reward,
     match_score,
 )

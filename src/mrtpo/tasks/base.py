@@ -9,6 +9,7 @@ format requirement); replay appends blocks to the prompt to build ``P_all`` and 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import numbers
@@ -41,25 +42,19 @@ class Score:
     """What a task says about one (example, response) pair."""
 
     rewards: dict[str, float | None]  # one entry per reward name; None = does not apply
-    blocks: dict[str, str | None] = field(
-        default_factory=dict
-    )  # verifier info Z_k; None = no block
+    blocks: dict[str, str | None] = field(default_factory=dict)  # verifier info Z_k; None: none
     reasons: dict[str, str] = field(default_factory=dict)  # why a reward is 0 / None (logged)
     checks: dict[str, Any] = field(default_factory=dict)  # evaluation-only extras (loose acc, ...)
     error: str | None = None  # why scoring failed (all rewards None) or partly failed
-    # reward name -> {metric name: number}: what a reward measured besides its value (a
-    # sub-score, the length of the SQL it ran); logged per step as the mean over the
-    # responses that have it, train/extra/<reward>/<name>. Never part of the reward.
+    # reward name -> {metric: number} a reward measured besides its value (the length of the SQL
+    # it ran): logged as train/extra/<reward>/<name>, the mean over responses; never a reward.
     extras: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RewardResult:
-    """A reward's value and the extra metrics it measured on the way (``Score.extras``).
-
-    A custom reward function may return one instead of a number, or the same as a mapping,
-    ``{"value": 1.0, "extras": {"sql_len": 42}}``; ``value`` follows ``reward_value``.
-    """
+    """A reward's value and the extra metrics it measured on the way (``Score.extras``); a
+    reward function may return one, or ``{"value": 1.0, "extras": {"sql_len": 42}}``."""
 
     value: Any
     extras: Mapping[str, Any] = field(default_factory=dict)
@@ -74,16 +69,10 @@ def split_reward(returned: Any) -> tuple[Any, Mapping[str, Any] | None, str | No
     if not isinstance(returned, Mapping):
         return returned, None, None
     unknown = sorted(str(k) for k in returned if k not in ("value", "extras"))
-    if "value" not in returned or unknown:
-        return (
-            None,
-            None,
-            (
-                "a mapping without the shape {'value': number, 'extras': {name: number}}"
-                + (f" (unknown key(s) {unknown})" if unknown else " (no 'value')")
-            ),
-        )
-    return returned["value"], returned.get("extras"), None
+    if "value" in returned and not unknown:
+        return returned["value"], returned.get("extras"), None
+    shape = "a mapping without the shape {'value': number, 'extras': {name: number}}"
+    return None, None, shape + (f" (unknown key(s) {unknown})" if unknown else " (no 'value')")
 
 
 def clean_extras(extras: Any) -> tuple[dict[str, float], list[str]]:
@@ -109,15 +98,12 @@ def clean_extras(extras: Any) -> tuple[dict[str, float], list[str]]:
 
 
 def reward_value(value: Any) -> tuple[float | None, str | None]:
-    """A reward as a float (or None), and what was wrong with it (None: nothing).
-
-    One rule for every type: a reward is a real number (bool, int, float, Fraction, Decimal,
-    a numpy or torch scalar) whose value fits the float32 reward tensor. Text is never read
-    as a number; a complex value is refused, not cut to its real part; a value too large for
-    float32 (``10**400``, ``Fraction(10**400, 3)``, ``Decimal('1e999999')``, ``1e308``) is
-    refused with the same reason whatever its type. NaN is None ("does not apply"); a true
-    infinity (``inf``, ``Decimal('Infinity')``) is kept, and the step's update is skipped.
-    """
+    """A reward as a float (or None), and what was wrong with it (None: nothing). One rule for
+    every type: a real number (bool, int, float, Fraction, Decimal, a numpy or torch scalar)
+    that fits the float32 reward tensor. Text is never read as a number; a complex value is
+    refused, not cut to its real part; one too large for float32 (``10**400``, ``1e308``, ...)
+    is refused with the same reason whatever its type. NaN is None ("does not apply"); a true
+    infinity (``inf``, ``Decimal('Infinity')``) is kept, and the step's update is skipped."""
     if value is None:
         return None, None
     if isinstance(value, (str, bytes, bytearray)):
@@ -134,10 +120,13 @@ def reward_value(value: Any) -> tuple[float | None, str | None]:
         return None, f"{_kind(value)}, not a number or None"
     if math.isnan(f):
         return None, None
-    if math.isinf(f) and not _is_infinite(value, f):  # Decimal or longdouble beyond float
-        return None, _too_large(value)
-    if math.isfinite(f) and abs(f) > F32_MAX:
-        return None, _too_large(value)
+    if abs(f) > F32_MAX:  # beyond float32, or a Decimal or longdouble beyond float (then inf)
+        try:  # only a value that is itself infinite stays inf
+            infinite = math.isinf(f) and bool(value == f)
+        except Exception:
+            infinite = False
+        if not infinite:
+            return None, _too_large(value)
     return f, None
 
 
@@ -147,14 +136,6 @@ def _is_complex(value: Any) -> bool:
     dtype = getattr(value, "dtype", None)
     torch_says = getattr(dtype, "is_complex", None)  # torch.dtype has it, numpy's has kind
     return torch_says if isinstance(torch_says, bool) else getattr(dtype, "kind", "") == "c"
-
-
-def _is_infinite(value: Any, f: float) -> bool:
-    """Whether ``value`` itself is infinite (not a finite number that overflowed to ``f``)."""
-    try:
-        return bool(value == f)
-    except Exception:
-        return False
 
 
 def _too_large(value: Any) -> str:
@@ -190,10 +171,7 @@ def token_segments(
     """Token masks of character ``spans`` over a text made of the tokens' ``pieces`` (their
     decoded strings, in order): a token belongs to a segment when its characters overlap one
     of the segment's spans (a token without characters, such as the end of sequence, to none)."""
-    starts, pos = [], 0
-    for piece in pieces:
-        starts.append(pos)
-        pos += len(piece)
+    starts = [0, *itertools.accumulate(len(p) for p in pieces)]
     return {
         name: [
             any(s < b + len(p) and b < e for s, e in ranges) if p else False
@@ -214,9 +192,8 @@ class Contexts:
     all: Messages  # P_all
     without: dict[str, Messages]  # reward name -> P_\k (only for rewards that have information)
     none: Messages  # every block (or every in-prompt item) removed; used by the joint ablation
-    #: Where each item sits in ``all``: reward name -> [(message index, first character, end
-    #: character)] of the text ``without[name]`` leaves out; ``none_spans``: every item's.
-    #: ``method.context=mask`` hides those characters' tokens instead of deleting the text.
+    #: Reward name -> the ``Span``s in ``all`` of the text ``without[name]`` leaves out
+    #: (``none_spans``: every item's), whose tokens ``method.context=mask`` hides instead.
     spans: dict[str, list[Span]] = field(default_factory=dict)
     none_spans: list[Span] = field(default_factory=list)
 
@@ -231,11 +208,8 @@ def last_user_index(messages: Messages) -> int:
 
 def joined_spans(message: int, start: int, texts: Sequence[str], sep: str) -> list[Span]:
     """Spans of ``texts`` in ``sep.join(texts)`` written from character ``start`` on."""
-    out = []
-    for text in texts:
-        out.append((message, start, start + len(text)))
-        start += len(text) + len(sep)
-    return out
+    starts = itertools.accumulate([len(t) + len(sep) for t in texts], initial=start)
+    return [(message, s, s + len(t)) for s, t in zip(starts, texts)]
 
 
 def append_to_last_user(messages: Messages, text: str) -> Messages:
@@ -257,28 +231,23 @@ class Task(ABC):
     block_order: tuple[str, ...] | None = None
     #: True when each prompt has its own reward set (instruction constraints): SAW refuses it.
     rewards_vary_per_prompt: bool = False
-    #: True when the verifier information Z_k is part of the prompt itself (instruction
-    #: constraints, the synthetic task): replay then asks ``contexts`` for the prompt without
-    #: item k, every reward has information, and ``Score.blocks`` stays empty. False: the
-    #: information comes as per-response blocks (``Score.blocks``) appended to the prompt.
+    #: True when the verifier information Z_k is part of the prompt itself (``contexts`` then
+    #: leaves item k out of the prompt); False: it comes as blocks (``Score.blocks``).
     info_in_prompt: bool = False
     #: The ``Score.checks`` key that says whether a response fully succeeded (logged as
     #: ``train/success``, and the default target of SFT's stopping rule); None: no such check.
     success_check: str | None = None
-    #: Reward name -> (lowest, highest) value it can take; names left out range over [0, 1].
-    #: SAW shifts a reward whose range reaches below 0 to non-negative values before its
-    #: coefficient of variation (ToolRL's correctness: -3..3).
+    #: Reward name -> (lowest, highest) value it can take; names left out range over [0, 1]
+    #: (SAW shifts one reaching below 0 before its coefficient of variation, method.md).
     reward_ranges: ClassVar[Mapping[str, tuple[float, float]]] = {}
-    #: Longest verifier block kept, in characters; a longer one is cut to this length with a
-    #: note saying so (``mrtpo.core.scoring``): replay tokenizes every block for every pair, and
-    #: a runaway block function must not cost gigabytes. None: no cap.
+    #: Longest verifier block kept, in characters (None: no cap); a longer one is cut, with a
+    #: note (``mrtpo.core.scoring``): a runaway block must not cost replay gigabytes.
     max_block_chars: int | None = 16384
 
     @property
     def reward_labels(self) -> dict[str, str]:
-        """Reward name -> the name a person reads in tables and plots. Metric keys,
-        checkpoints and reports keep ``reward_names``; only what is shown changes. Default:
-        the names themselves."""
+        """Reward name -> the name a person reads in tables and plots (metric keys, checkpoints
+        and reports keep ``reward_names``). Default: the names themselves."""
         return {n: n for n in self.reward_names}
 
     # ---- data -------------------------------------------------------------------------
@@ -322,20 +291,15 @@ class Task(ABC):
         blocks = {k: score.blocks.get(k) for k in order if score.blocks.get(k)}
 
         def join(keys: Sequence[str]) -> Messages:
-            text = "\n\n".join(blocks[k] for k in keys)
-            return append_to_last_user(example.messages, text)
+            return append_to_last_user(example.messages, "\n\n".join(blocks[k] for k in keys))
 
         keys = list(blocks)
         m = last_user_index(example.messages)
         start = len(example.messages[m]["content"]) + 2  # after the blank line
         spans = joined_spans(m, start, [blocks[k] for k in keys], "\n\n")
-        return Contexts(
-            all=join(keys),
-            without={k: join([j for j in keys if j != k]) for k in keys},
-            none=[dict(m) for m in example.messages],
-            spans={k: [span] for k, span in zip(keys, spans)},
-            none_spans=spans,
-        )
+        without = {k: join([j for j in keys if j != k]) for k in keys}
+        none = [dict(m) for m in example.messages]
+        return Contexts(join(keys), without, none, {k: [s] for k, s in zip(keys, spans)}, spans)
 
     # ---- teacher context (self-distillation) ---------------------------------------------
     def teacher_messages(self, example: Example) -> Messages | None:
@@ -349,18 +313,14 @@ class Task(ABC):
             raise ValueError(
                 f"example {example.id}: the prompt has no user message to ask the teacher again"
             )
-        return [
-            *(dict(m) for m in example.messages),
-            {"role": "assistant", "content": example.reference},
-            dict(last_user),
-        ]
+        answer = {"role": "assistant", "content": example.reference}
+        return [*(dict(m) for m in example.messages), answer, dict(last_user)]
 
     # ---- diagnostics --------------------------------------------------------------------
     def segments(self, response: str) -> dict[str, list[tuple[int, int]]] | None:
-        """Named parts of a response, as character spans ``[start, end)`` of ``response``
-        (e.g. the reasoning and the answer): the step logs the share of the reallocated credit's
-        energy on each (``train/replay/energy_share/<name>``; ``token_segments`` turns spans
-        into token masks). None (the default): the task declares none."""
+        """Named parts of a response as character spans ``[start, end)`` (e.g. reasoning and
+        answer): the step logs the share of the reallocated credit's energy on each
+        (``train/replay/energy_share/<name>``). None (the default): the task declares none."""
         return None
 
     # ---- evaluation -----------------------------------------------------------------------
@@ -368,8 +328,7 @@ class Task(ABC):
         """Aggregate metrics of scored responses (evaluation). Default: mean of each reward."""
         out: dict[str, float] = {}
         for name in self.reward_names:
-            vals = [s.rewards.get(name) for s in scores]
-            vals = [v for v in vals if v is not None]
+            vals = [v for s in scores if (v := s.rewards.get(name)) is not None]
             if vals:
                 out[f"reward/{name}"] = sum(vals) / len(vals)
         return out

@@ -1,25 +1,14 @@
-"""A time budget for one call of a verifier we do not own.
+"""A time budget for one call of a verifier we do not own (docs/tasks/instructions.md, time
+budget per checker call).
 
-Some official checkers we import unchanged (lm-eval's IFEval, if-verifiable's IFBench, MulDimIF)
-take seconds on text a policy can write (``number_placeholders`` on 16k ``[``,
-``number_bullet_lists`` on long runs of newlines, MulDimIF's ``Length_Sentences``). Each call
-runs under a ``SIGALRM`` deadline (the interpreter and ``re`` both stop for signals) and the
-check scores as failed, with the reason. The interrupt is a ``BaseException``, so a checker's
-``except Exception`` cannot swallow it; the caller sees ``CheckTimeout``. No process is started.
-
-``clock="cpu"`` (``task.checker_timeout_s``) counts the calling thread's CPU time, so verdicts
-barely depend on load (issue 47: 6,412/6,413 MulDimIF verdicts agreed loaded vs quiet). Barely:
-busy caches or a hyperthread sibling can add tens of per cent, so the budget should sit several
-times above an ordinary check (the load test uses five). The wall timer drives it: when it
-fires, the CPU time left is armed again; a call that waits without computing is cut after
-``WALL_GUARD_FACTOR`` times the budget of wall time (a thread on 2 cores at load 7 gets about a
-third of a core). ``clock="wall"`` budgets a custom task's reward, block and success functions
-(``task.reward_timeout_s``): one that hangs gets reward None for that call, with the reason.
-
-Signals reach only the main thread. Off it, without ``SIGALRM``, or while another timer of the
-process runs (never moved), the call runs unbudgeted, logged once. ``budget_seconds`` checks a
-budget at build time: seconds in (0, ``MAX_BUDGET_S``] or None (the timer overflows near 1e9 s;
-a day or more is better written as null).
+Each call runs under a ``SIGALRM`` timer (the interpreter and ``re`` both stop for signals; no
+process is started). The interrupt is a ``BaseException``, so a checker's ``except Exception``
+cannot swallow it; the caller sees ``CheckTimeout``. ``clock="cpu"`` (``task.checker_timeout_s``)
+counts the calling thread's CPU time, so verdicts barely depend on load (issue 47); the wall
+timer is re-armed with the CPU time left, and a call that waits without computing is cut after
+``WALL_GUARD_FACTOR`` times the budget. ``clock="wall"`` budgets a custom task's functions
+(``task.reward_timeout_s``). Off the main thread, without ``SIGALRM``, or while another timer
+runs, a call runs unbudgeted, logged once. The timer overflows near 1e9 s: ``MAX_BUDGET_S``.
 """
 
 from __future__ import annotations

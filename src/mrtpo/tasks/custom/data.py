@@ -14,22 +14,15 @@ import stat
 from pathlib import Path
 from typing import Any
 
-FILE_FORMATS = {
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
+FILE_FORMATS = {f".{f}": f for f in ("jsonl", "json", "parquet", "csv")} | {".ndjson": "jsonl"}
 FORMATS = ("jsonl", "json", "parquet", "csv", "hf")
 CSV_FIELD_LIMIT = 1 << 30  # characters in one CSV field
 
 
 def detect_format(path: str, given: str | None, key: str, path_key: str = "task.data.path") -> str:
-    """The reader for ``path``: ``given`` if set, else from the extension; a path that is
-    not on disk is taken to be a hub dataset id, unless it can only be a file or folder
-    (``looks_local``): that one is refused at once, without asking the Hub. ``key`` /
-    ``path_key`` are the config keys of the format and of the path, for error messages."""
+    """The reader for ``path``: ``given`` if set, else from the extension; a path not on disk
+    is a hub dataset id, unless it can only be a file or folder (``looks_local``: refused at
+    once). ``key`` / ``path_key``: the config keys of the format and the path, for errors."""
     if given:
         if given not in FORMATS:
             raise ValueError(f"{key}={given!r} is not a supported format; use one of {FORMATS}")
@@ -69,9 +62,8 @@ def looks_local(path: str) -> bool:
 def _refuse_special(path: str, key: str) -> None:
     """A FIFO, socket or device is on disk but is no data file: say so (never open it: a
     FIFO blocks until something writes to it)."""
-    p = Path(path)
     try:
-        mode = p.stat().st_mode
+        mode = Path(path).stat().st_mode
     except OSError:
         return
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
@@ -83,12 +75,7 @@ def _refuse_special(path: str, key: str) -> None:
 
 
 def read_rows(
-    path: str,
-    fmt: str,
-    *,
-    split: str | None,
-    name: str | None,
-    key: str,
+    path: str, fmt: str, *, split: str | None, name: str | None, key: str
 ) -> list[dict[str, Any]]:
     """All rows of one source. ``split`` / ``name`` apply to HF datasets only; ``key`` is the
     config key that set ``path``, for error messages. Text files are UTF-8, with or without a
@@ -98,10 +85,8 @@ def read_rows(
         if not Path(path).is_file():
             what = "a folder, not a file" if Path(path).is_dir() else "no such file"
             raise FileNotFoundError(f"{key}={path}: {what}")
-    if fmt == "jsonl":
-        return _check_dicts(_read_jsonl(path), path)
-    if fmt == "json":
-        return _check_dicts(_read_json(path), path)
+    if fmt in ("jsonl", "json"):
+        return _check_dicts((_read_jsonl if fmt == "jsonl" else _read_json)(path), path)
     if fmt == "csv":
         return _read_csv(path)
     if fmt == "parquet":
@@ -213,7 +198,4 @@ def _read_hf(path: str, *, split: str | None, name: str | None, key: str) -> lis
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
     """Column names, in first-seen order (rows of a JSONL file may differ in their keys)."""
-    seen: dict[str, None] = {}
-    for r in rows[:1000]:
-        seen.update(dict.fromkeys(r))
-    return list(seen)
+    return list(dict.fromkeys(k for r in rows[:1000] for k in r))

@@ -1,24 +1,10 @@
 """``task=custom``: your prompts and your reward functions, without writing a Task.
 
-Prompts come from JSONL / JSON / parquet / CSV, a saved HF dataset folder or a hub id
-(``task.data``); the prompt column holds text or chat messages. Rewards are functions named by
-import strings, in one of two forms::
-
-    def has_yes(prompt, response, **row) -> float | None: ...   # None: does not apply
-    def has_yes(prompts, completions, **kwargs) -> list[float | None]: ...   # TRL's
-
-``prompt`` is the stored prompt (text or messages), ``response`` the sampled text, ``row`` the
-other columns. A function with a ``completions`` parameter is called TRL's way, once per batch,
-with lists (completions as text, or ``[{"role": "assistant", "content": ...}]`` for message
-prompts), returning a value (or None) per completion. A reward may return
-``RewardResult(value, extras)`` or ``{"value": v, "extras": {...}}``: extras (name -> number) are
-logged per step as ``train/extra/<reward>/<name>`` means (``tasks.base.reward_value``).
-
-For MRTPO's replay a reward may have a verifier-block function of the same signature returning
-the text its verifier checks (``None``: no block); blocks go after the last user message to build
-the leave-one-out contexts, as ``Task.contexts`` does (example: docs/extending.md). Every call of
-a user's function (reward, block, success) has ``task.reward_timeout_s`` seconds
-(``tasks.deadline``); past it, that value is None with the reason.
+Prompts come from a data file, a saved HF dataset folder or a hub id (``task.data``); rewards
+are functions named by import strings, called per response as ``fn(prompt, response, **row)``
+or, with a ``completions`` parameter, TRL's way once per batch; a reward may have a block
+function of the per-response signature (its verifier's text, appended as ``Task.contexts``
+does). Each call has ``task.reward_timeout_s`` seconds. How to write each: docs/extending.md, 1.
 """
 
 from __future__ import annotations
@@ -35,9 +21,9 @@ from mrtpo import live
 from mrtpo.tasks.base import Example, Messages, Score, Task, reward_value, split_reward
 from mrtpo.tasks.custom.callables import (
     label,
+    launch_dir,
     on_import_path,
     resolve,
-    search_launch_dir,
     short_name,
 )
 from mrtpo.tasks.custom.data import columns, detect_format, read_rows
@@ -138,7 +124,7 @@ class CustomTask(Task):
         self.cfg = CustomDataConfig.from_mapping(data)
         for d in import_dirs or ():  # so that 'mymod.r1' is found in the user's folder
             on_import_path(d, first=True)
-        search_launch_dir()  # and in the folder the command was started in
+        on_import_path(launch_dir(), first=False)  # and in the launch folder, after installed ones
         self._rewards = self._resolve_rewards(rewards, reward_names)
         self.reward_names = tuple(r.name for r in self._rewards)
         self._blocks = self._resolve_blocks(blocks or {})
@@ -171,15 +157,13 @@ class CustomTask(Task):
                     f"function(s) in task.rewards; give one name per function"
                 )
         else:
-            names = []
-            for i, fn in enumerate(fns):
-                n = short_name(fn)
-                if n is None:
-                    raise ValueError(
-                        f"task.rewards[{i}] ({label(fn)}) has no usable name; set "
-                        "task.reward_names=[...] (one per reward)"
-                    )
-                names.append(n)
+            names = [short_name(fn) for fn in fns]
+            if None in names:
+                i = names.index(None)
+                raise ValueError(
+                    f"task.rewards[{i}] ({label(fns[i])}) has no usable name; set "
+                    "task.reward_names=[...] (one per reward)"
+                )
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(
@@ -202,14 +186,10 @@ class CustomTask(Task):
 
     def _resolve_blocks(self, specs: Mapping) -> dict[str, _Fn]:
         self._refuse_unknown_rewards(specs, "task.blocks")
-        out = {}
-        for k, spec in specs.items():
-            if spec is None:
-                continue
-            fn = resolve(spec, f"task.blocks.{k}")
+        fns = {str(k): resolve(v, f"task.blocks.{k}") for k, v in specs.items() if v is not None}
+        for k, fn in fns.items():
             _refuse_batched(fn, f"task.blocks.{k}")
-            out[str(k)] = _Fn(str(k), fn, label(fn))
-        return out
+        return {k: _Fn(k, fn, label(fn)) for k, fn in fns.items()}
 
     def _ranges(self, raw: Mapping) -> dict[str, tuple[float, float]]:
         self._refuse_unknown_rewards(raw, "task.reward_ranges")
@@ -251,14 +231,12 @@ class CustomTask(Task):
         elif split in c.splits:
             rows, source = self._split_rows(split), c.splits[split]
         else:
-            hint = (
-                "; add it as task.data.splits.val=<file> or hold out train rows with "
-                "task.data.val_size=N"
-                if split == "val"
-                else f"; add it as task.data.splits.{split}=<file or HF split>"
-            )
+            hint = f"task.data.splits.{split}=<file or HF split>"
+            if split == "val":
+                hint += " or hold out train rows with task.data.val_size=N"
             raise ValueError(
-                f"task {self.name} has splits {['train', *sorted(c.splits)]}, not {split!r}{hint}"
+                f"task {self.name} has splits {['train', *sorted(c.splits)]}, not {split!r}; "
+                f"add it as {hint}"
             )
         if c.max_examples is not None:
             rows = rows[: int(c.max_examples)]
@@ -285,11 +263,8 @@ class CustomTask(Task):
         cols = columns(rows)
         if not rows:
             raise ValueError(f"{source}: no rows (split {split!r})")
-        for key, col in (
-            ("prompt_column", c.prompt_column),
-            ("id_column", c.id_column),
-            ("reference_column", c.reference_column),
-        ):
+        for key in ("prompt_column", "id_column", "reference_column"):
+            col = getattr(c, key)
             if col is not None and col not in cols:
                 raise ValueError(
                     f"task.data.{key}={col!r} is not a column of {source}; its columns are {cols}"
@@ -315,17 +290,8 @@ class CustomTask(Task):
             seen.add(uid)
             raw = row.get(c.prompt_column)
             kwargs = {k: v for k, v in row.items() if k != c.prompt_column and k not in _RESERVED}
-            ref = (
-                self._reference(row.get(c.reference_column), where) if c.reference_column else None
-            )
-            out.append(
-                Example(
-                    id=uid,
-                    messages=self._messages(raw, where),
-                    data={"prompt": raw, "row": kwargs},
-                    reference=ref,
-                )
-            )
+            data, ref = {"prompt": raw, "row": kwargs}, self._reference(row, where)
+            out.append(Example(uid, self._messages(raw, where), data, ref))
         return out
 
     def _messages(self, raw: Any, where: str) -> Messages:
@@ -333,14 +299,13 @@ class CustomTask(Task):
         if isinstance(raw, str):
             msgs = [{"role": "user", "content": raw}]
         elif isinstance(raw, list) and raw and all(isinstance(m, Mapping) for m in raw):
-            msgs = []
             for m in raw:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError(
                         f"{where}: column {col!r} holds chat messages, but {dict(m)!r} is not "
                         "a {'role': str, 'content': str} message"
                     )
-                msgs.append({"role": m["role"], "content": m["content"]})
+            msgs = [{"role": m["role"], "content": m["content"]} for m in raw]
             if not any(m["role"] == "user" for m in msgs):
                 raise ValueError(
                     f"{where}: the messages in column {col!r} have no user message (verifier "
@@ -359,8 +324,10 @@ class CustomTask(Task):
             msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
         return msgs
 
-    def _reference(self, raw: Any, where: str) -> str | None:
-        what = f"column {self.cfg.reference_column!r}"
+    def _reference(self, row: Mapping[str, Any], where: str) -> str | None:
+        if not self.cfg.reference_column:
+            return None
+        raw, what = row.get(self.cfg.reference_column), f"column {self.cfg.reference_column!r}"
         if raw is None or isinstance(raw, str):
             _check_text(raw or "", where, what)
             return raw or None
@@ -370,8 +337,7 @@ class CustomTask(Task):
                 _check_text("".join(said), where, what)
                 return "".join(said)
         raise ValueError(
-            f"{where}: column {self.cfg.reference_column!r} must hold text (or assistant "
-            f"messages), got {type(raw).__name__}"
+            f"{where}: {what} must hold text (or assistant messages), got {type(raw).__name__}"
         )
 
     # ---- rewards ------------------------------------------------------------------------
@@ -398,21 +364,20 @@ class CustomTask(Task):
         errors: list[str] = []
         for r in self._rewards:
             who = f"reward {r.name} ({r.label})"
-            if r.name in given:
-                value, failed = given[r.name]
-            else:
-                value, failed = self._call(r.fn, who, example, response)
+            value, failed = given.get(r.name) or self._call(r.fn, who, example, response)
+            rewards[r.name] = None
             if failed:  # costs this reward of this sample only
-                rewards[r.name] = None
                 errors.append(f"{who} {failed}")
                 continue
             value, measured, problem = split_reward(value)  # a value, or one with extras
             if measured is not None:
                 extras[r.name] = measured  # cleaned with the score (mrtpo.core.scoring)
-            if problem is None:
-                rewards[r.name], problem = _as_reward(value)
-            else:
-                rewards[r.name] = None
+            if problem is None:  # every task's rule (tasks.base.reward_value)
+                rewards[r.name], problem = reward_value(value)
+                if problem and isinstance(value, (list, tuple)):
+                    problem += (
+                        "; a function that scores a batch takes (prompts, completions, **kwargs)"
+                    )
             if problem:
                 errors.append(f"{who} returned {problem}")
         for name, b in self._blocks.items():
@@ -430,14 +395,7 @@ class CustomTask(Task):
         checks: dict[str, Any] = {}
         if self._success is not None:
             checks["success"] = self._succeeded(example, response, rewards)
-        return Score(
-            rewards=rewards,
-            blocks=blocks,
-            reasons=reasons,
-            checks=checks,
-            error="; ".join(errors) or None,
-            extras=extras,
-        )
+        return Score(rewards, blocks, reasons, checks, "; ".join(errors) or None, extras)
 
     def _batched_values(
         self, examples: Sequence[Example], responses: Sequence[str]
@@ -454,12 +412,9 @@ class CustomTask(Task):
             [{"role": "assistant", "content": t}] if isinstance(e.data["prompt"], list) else t
             for e, t in zip(examples, responses, strict=True)
         ]
-        names = dict.fromkeys(k for e in examples for k in e.data["row"])
-        cols = {
-            k: [e.data["row"].get(k) for e in examples]
-            for k in names
-            if k not in ("prompts", "completions")
-        }
+        rows = [e.data["row"] for e in examples]
+        names = dict.fromkeys(k for row in rows for k in row if k not in ("prompts", "completions"))
+        cols = {k: [row.get(k) for row in rows] for k in names}
         where = f"a batch of {n} (first example {examples[0].id})"
         out = {}
         for r in fns:
@@ -481,12 +436,9 @@ class CustomTask(Task):
     def _guarded(
         self, fn: Callable, args: tuple, kwargs: Mapping[str, Any], who: str, where: str
     ) -> tuple[Any, str | None]:
-        """``fn(*args, **kwargs)`` and None, or None and why it failed.
-
-        Running past ``task.reward_timeout_s`` (logged once per function) or a ``SystemExit``
-        (``sys.exit()`` in a reward) fails that call only. A ``KeyboardInterrupt`` (Ctrl-C, or
-        raised by the function) stops the run, the function named in the log and exception.
-        """
+        """``fn(*args, **kwargs)`` and None, or None and why it failed. Running past
+        ``task.reward_timeout_s`` (logged once per function) or a ``SystemExit`` fails that call
+        only; a ``KeyboardInterrupt`` stops the run, the function named in log and exception."""
         budget = self.reward_timeout_s
         try:
             call = functools.partial(fn, *args, **kwargs)
@@ -536,8 +488,7 @@ class CustomTask(Task):
 
     def summarize(self, examples, scores) -> dict[str, float]:
         out = super().summarize(examples, scores)
-        succ = [s.checks.get("success") for s in scores]
-        succ = [bool(x) for x in succ if x is not None]
+        succ = [bool(s.checks["success"]) for s in scores if s.checks.get("success") is not None]
         if succ:
             out["success"] = sum(succ) / len(succ)
         return out
@@ -567,16 +518,6 @@ def _batch_values(values: Any, n: int) -> tuple[list[Any], str | None]:
     if len(items) != n:
         return [], f"returned {len(items)} values for {n} completions (one per completion)"
     return items, None
-
-
-def _as_reward(value: Any) -> tuple[float | None, str | None]:
-    """A reward function's return value as a float or None, and what was wrong with it: the
-    rule of every task (``tasks.base.reward_value``), with a hint for a per-sample function
-    that returns a list."""
-    f, problem = reward_value(value)
-    if problem and isinstance(value, (list, tuple)):
-        problem += "; a function that scores a batch takes (prompts, completions, **kwargs)"
-    return f, problem
 
 
 def _check_text(text: str, where: str, what: str) -> None:

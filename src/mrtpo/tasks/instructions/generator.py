@@ -1,15 +1,10 @@
 """An offline training set: IFEval-registry constraints composed onto plain writing requests.
 
-HIR-16K cannot be downloaded here, so demos and tests train on prompts made from a seed: a
-built-in writing request (written for this project, from no benchmark) and 5–13 IFEval
-instructions whose arguments and sentence come from the library's own ``build_description``
-(seeded), so every constraint is exactly what its checker verifies.
-
-Pairs the library's conflict table forbids are never combined, nor two it misses: the section
-marker ("Section"/"SECTION") is case-sensitive, so it cannot meet an all-lower or all-upper rule;
-keyword constraints (include / count / forbid / first word of a paragraph) never share a word.
-Numeric constraints may still be hard together (few words, many sentences): they are sampled
-independently, as IFEval's own generator did.
+Demos and tests train on prompts made from a seed: a built-in writing request (written for
+this project) and 5–13 IFEval instructions whose arguments and sentence come from the
+library's own ``build_description`` (seeded), so every constraint is exactly what its checker
+verifies. Incompatible pairs are never combined (``conflict_table``, ``_words``; which and why:
+docs/tasks/instructions.md, Data).
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ EXCLUDED = {
     "detectable_format:constrained_response": "conflicts with every other instruction",
     "detectable_format:json_format": "conflicts with all but two instructions",
 }
+# The section marker ("Section"/"SECTION") is case-sensitive: no all-lower/upper rule with it.
 EXTRA_CONFLICTS = (
     ("change_case:english_lowercase", "detectable_format:multiple_sections"),
     ("change_case:english_capital", "detectable_format:multiple_sections"),
@@ -100,10 +96,8 @@ def _words(kwargs: dict[str, Any]) -> set[str]:
 def sample_constraint(
     reg: Registry, instruction_id: str, rng: random.Random, tries: int = 20
 ) -> Constraint | None:
-    """Arguments drawn by the library, kept only if rebuilding from them draws nothing else
-    at random (its "nth paragraph" can exceed the paragraph count and is then drawn again:
-    such draws are rejected, so the stored arguments are what is checked).
-    """
+    """Arguments drawn by the library, kept only if rebuilding from them draws nothing else at
+    random (an "nth paragraph" beyond the count is drawn again), so they are what is checked."""
     cls = reg.instructions[instruction_id]
     for _ in range(tries):
         with seeded_random(rng.getrandbits(64)):
@@ -143,9 +137,7 @@ def generate_records(
         base = rng.choice(list(base_prompts))
         best: list[Constraint] = []
         for _ in range(50):  # random greedy maximal sets; keep the first that is big enough
-            chosen = _compose(reg, pool, conflicts, want, rng)
-            if len(chosen) > len(best):
-                best = chosen
+            best = max(best, _compose(reg, pool, conflicts, want, rng), key=len)  # first if tied
             if len(best) >= want:
                 break
         if len(best) < min_constraints:
@@ -172,9 +164,7 @@ def _compose(
     for iid in order:
         if len(chosen) == want:
             break
-        if any(
-            iid in conflicts.get(c.id, {c.id}) or c.id in conflicts.get(iid, {iid}) for c in chosen
-        ):
+        if any(iid in conflicts.get(c.id, {c.id}) for c in chosen):  # the table is symmetric
             continue
         for _ in range(5):  # redraw arguments whose words clash with earlier constraints
             con = sample_constraint(reg, iid, rng)

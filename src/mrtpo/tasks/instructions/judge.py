@@ -2,8 +2,8 @@
 
 AdvancedIF has no programmatic checkers: experts wrote rubrics per conversation and a judge
 model decides each. One request per response (conversation, response, numbered rubrics), a
-JSON list of booleans back; standard library only, and nothing runs unless
-``eval.split=advancedif`` and ``eval.judge_url`` are set. Rows (the public CSV or a JSONL
+JSON list of booleans back; nothing runs unless ``eval.split=advancedif`` and
+``eval.judge_url`` are set. Rows (the public CSV or a JSONL
 export) carry ``conversation_history`` (messages or their JSON) and ``prompt_metadata.rubrics``.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import requests
 
 from mrtpo.tasks.base import Messages
 from mrtpo.tasks.instructions.data import Constraint, Record, read_rows
@@ -55,72 +55,45 @@ class RubricJudge:
             f"Conversation so far:\n{convo}\n\nAssistant's final reply:\n{response}\n\n"
             f"Rubric ({len(rubrics)} items):\n{items}"
         )
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [
-                {"role": "system", "content": JUDGE_SYSTEM},
-                {"role": "user", "content": user},
-            ],
-        }
-        if self.structured:
-            body["response_format"] = verdict_response_format(len(rubrics))
+        messages = [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.structured:  # OpenAI's response_format for exactly len(rubrics) booleans
+            n = len(rubrics)
+            verdicts = {"type": "array", "items": {"type": "boolean"}, "minItems": n, "maxItems": n}
+            schema = {
+                "type": "object",
+                "properties": {"verdicts": verdicts},
+                "required": ["verdicts"],
+                "additionalProperties": False,
+            }
+            named = {"name": "verdicts", "schema": schema}
+            body["response_format"] = {"type": "json_schema", "json_schema": named}
         return body
 
     def verdicts(self, conversation: Messages, response: str, rubrics: Sequence[str]) -> list[bool]:
-        body = json.dumps(self.request_body(conversation, response, rubrics)).encode()
-        headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(self.endpoint, data=body, headers=headers, method="POST")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        body = self.request_body(conversation, response, rubrics)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                payload = json.loads(r.read().decode("utf-8"))
+            r = requests.post(self.endpoint, json=body, headers=headers, timeout=self.timeout_s)
+            if not r.ok:  # the server refused the request
+                raise JudgeError(
+                    f"judge at {self.endpoint} refused the request (HTTP {r.status_code}): "
+                    f"{r.text[:300]}"
+                )
+            payload = r.json()
             text = payload["choices"][0]["message"]["content"]
-        except urllib.error.HTTPError as exc:  # the server refused the request
-            raise JudgeError(
-                f"judge at {self.endpoint} refused the request (HTTP {exc.code}): "
-                f"{_error_detail(exc)}"
-            ) from exc
-        except (urllib.error.URLError, TimeoutError, KeyError, IndexError, ValueError) as exc:
+        except (requests.RequestException, KeyError, IndexError, TypeError, ValueError) as exc:
             raise JudgeError(f"judge request to {self.endpoint} failed: {exc}") from exc
         if not isinstance(text, str):  # e.g. a refusal with content null
             raise JudgeError(f"judge at {self.endpoint} gave no verdict text: {payload!r:.200}")
         return parse_verdicts(text, len(rubrics))
 
 
-def verdict_response_format(n: int) -> dict[str, Any]:
-    """OpenAI's ``response_format`` for exactly ``n`` boolean verdicts."""
-    schema = {
-        "type": "object",
-        "properties": {
-            "verdicts": {
-                "type": "array",
-                "items": {"type": "boolean"},
-                "minItems": n,
-                "maxItems": n,
-            }
-        },
-        "required": ["verdicts"],
-        "additionalProperties": False,
-    }
-    return {"type": "json_schema", "json_schema": {"name": "verdicts", "schema": schema}}
-
-
-def _error_detail(exc: Exception) -> str:
-    try:
-        return exc.read().decode("utf-8", "replace")[:300]
-    except Exception:
-        return str(exc)
-
-
 def parse_verdicts(text: str, n: int) -> list[bool]:
-    """The booleans of a judge reply: ``{"verdicts": [...]}`` or a bare JSON list.
-
-    Tried in order: the whole reply, then each span from an opening ``{`` or ``[`` to the
-    last matching closer after it (what a greedy ``\\{.*\\}|\\[.*\\]`` search finds,
-    found here in linear time). JSON nested too deeply to parse is not an answer.
-    """
+    """The booleans of a judge reply: ``{"verdicts": [...]}`` or a bare JSON list. Tried in
+    order: the whole reply, then each span ``_json_spans`` finds. JSON nested too deeply to
+    parse is not an answer."""
     for candidate in (text, *_json_spans(text)):
         try:
             obj = json.loads(candidate)
@@ -138,18 +111,13 @@ def _json_spans(text: str) -> list[str]:
     its quadratic backtracking on many openers with no closer: each span runs from an opener
     to the last closer of its kind, and the search goes on after that closer."""
     last = {"{": text.rfind("}"), "[": text.rfind("]")}
-    nxt = {"{": -1, "[": -1}  # the next opener of each kind at or after i (found once each)
     spans, i = [], 0
-    while True:
-        for kind in nxt:
-            if nxt[kind] != len(text) and nxt[kind] < i:
-                found = text.find(kind, i)
-                nxt[kind] = found if found != -1 and found < last[kind] else len(text)
-        j = min(nxt.values())
-        if j == len(text):
+    while True:  # at most twice: past a kind's last closer, no opener of that kind matches
+        found = [j for j in (text.find("{", i), text.find("[", i)) if -1 < j < last[text[j]]]
+        if not found:
             return spans
-        end = last[text[j]]
-        spans.append(text[j : end + 1])
+        end = last[text[min(found)]]
+        spans.append(text[min(found) : end + 1])
         i = end + 1
 
 
@@ -164,13 +132,8 @@ def judge_from_options(options: Mapping[str, Any], defaults: Mapping[str, Any]) 
     model = options.get("judge_model") or defaults.get("model")
     if not model:
         raise ValueError("AdvancedIF judge: set eval.judge_model (or task.judge.model)")
-    return RubricJudge(
-        url=str(url),
-        model=str(model),
-        api_key_env=defaults.get("api_key_env", "OPENAI_API_KEY"),
-        timeout_s=float(defaults.get("timeout_s", 120.0)),
-        structured=bool(defaults.get("structured", False)),
-    )
+    opts = (defaults.get("api_key_env", "OPENAI_API_KEY"), float(defaults.get("timeout_s", 120.0)))
+    return RubricJudge(str(url), str(model), *opts, bool(defaults.get("structured")))
 
 
 def load_advancedif(path: str | Path) -> list[Record]:

@@ -1,20 +1,10 @@
 """MulDimIF evaluation with the authors' own constraint checkers, imported from a folder.
 
-The checkers are on no package index and not copied here: they are imported from
-``task.muldimif.checker_dir`` (a clone of the authors' repository, or the unchanged copy in
-``../shared/vendor/muldimif``): ``evaluation.py`` (``class_mapping``, ``check``, ``get_score``)
-and the package ``eval/`` (12 checker modules plus ``utils.py``).
-
-``eval/__init__.py`` ends with ``from .utils import *``, and ``utils.py`` imports pandas and openai
-for code scoring never calls. So ``eval`` is registered as a bare package (its ``__init__`` does
-not run), the 12 modules are imported into it with their classes exposed, and only then does
-``evaluation.py`` run (its ``from eval import *`` finds exactly those). Both live under private
-aliases; the global ``eval`` / ``evaluation`` entries are restored after, so nothing is shadowed.
-The Python version ``evaluation.py`` prints at import is swallowed.
-
-Scoring is ``evaluation.check``: one ``checker.check(constraint_text, response)`` per constraint,
-keyed ``f"{category}_{sub_category}"``, after dropping text up to the last ``</think>`` (and the
-newlines after it), as ``evaluation.pre_process`` does. Metrics: the official ``get_score``.
+The checkers are on no package index and not copied here: ``task.muldimif.checker_dir`` holds
+``evaluation.py`` and the package ``eval/``, whose ``__init__`` imports pandas and openai for
+nothing scoring calls; so its 12 modules go into a bare package under a private alias before
+``evaluation.py`` runs (docs/tasks/instructions.md, MulDimIF). Scoring is the inner loop of
+``evaluation.check`` after its ``</think>`` pre-processing; metrics are the official ``get_score``.
 """
 
 from __future__ import annotations
@@ -24,15 +14,15 @@ import functools
 import importlib
 import importlib.util
 import io
-import json
 import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from mrtpo.tasks.deadline import CheckTimeout, call_with_budget
-from mrtpo.tasks.instructions.checkers import prepare_nltk_data
+from mrtpo.tasks.instructions.checkers import Check, prepare_nltk_data
+from mrtpo.tasks.instructions.data import read_rows
 
 CHECKER_MODULES = (
     "Content_Keywords", "Content_Others", "Content_Punctuation", "Format_Json",
@@ -112,28 +102,17 @@ def load_harness(checker_dir: str, nltk_dir: str) -> types.ModuleType:
 
 def load_test(path: str | Path) -> list[dict[str, Any]]:
     """``test.json``: a list of ``{id, conversations, constraints, constraint_pattern, ...}``."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"MulDimIF data not found at {p}: set task.eval_files.muldimif")
-    data = json.loads(p.read_text(encoding="utf-8"))
-    if not isinstance(data, list):
-        raise ValueError(f"{p}: expected a JSON list of MulDimIF items")
+    data = read_rows(path)
     for i, item in enumerate(data):
         missing = {"id", "conversations", "constraints"} - set(item)
         if missing:
-            raise ValueError(f"{p}: item {i} lacks {sorted(missing)}")
+            raise ValueError(f"{path}: item {i} lacks {sorted(missing)}")
         for c in item["constraints"]:
             if not (isinstance(c, list) and len(c) == 3):
                 raise ValueError(
-                    f"{p}: item {item['id']}: constraint {c!r} is not [category, sub, text]"
+                    f"{path}: item {item['id']}: constraint {c!r} is not [category, sub, text]"
                 )
     return data
-
-
-class Verdict(NamedTuple):
-    ok: bool
-    reason: str | None  # why the constraint failed; None when met
-    timed_out: bool = False  # the checker ran past its time budget
 
 
 def verdicts(
@@ -141,36 +120,24 @@ def verdicts(
     constraints: Sequence[Sequence[str]],
     response: str,
     budget_s: float | None = None,
-) -> list[Verdict]:
-    """One official verdict per constraint, in order (``evaluation.check``'s inner loop),
-    with why it failed (None when met). A checker that raises (``RecursionError`` on deep
-    JSON, ...) or runs past ``budget_s`` CPU seconds fails that constraint: the response stays
-    in the denominator, as one the checker cannot accept.
-    """
-    out: list[Verdict] = []
+) -> list[Check]:
+    """One official verdict per constraint, in order (``evaluation.check``'s inner loop). A
+    checker that raises (``RecursionError`` on deep JSON, ...) or runs past ``budget_s`` CPU
+    seconds fails that constraint: the response stays in the denominator."""
+    out: list[Check] = []
     for category, sub, text in constraints:
         key = f"{category}_{sub}"
-        checker = harness.class_mapping.get(key)
-        if checker is None:
-            raise KeyError(f"MulDimIF constraint key {key} has no checker")
+        checker = harness.class_mapping[key]  # every key was checked when the data loaded
         try:
-            ok = bool(
-                call_with_budget(
-                    checker.check,
-                    text,
-                    response,
-                    seconds=budget_s,
-                    what=f"checker {key}",
-                    clock="cpu",
-                )
-            )
+            budget = {"seconds": budget_s, "what": f"checker {key}", "clock": "cpu"}
+            ok = bool(call_with_budget(checker.check, text, response, **budget))
         except CheckTimeout as exc:
-            out.append(Verdict(False, f"{key}: {exc}", timed_out=True))
-            continue
+            out.append(Check(False, None, f"{key}: {exc}", timed_out=True))
         except Exception as exc:  # a crash on this text is a constraint it does not meet
-            out.append(Verdict(False, f"{key}: checker raised {type(exc).__name__}: {exc}"[:200]))
-            continue
-        out.append(Verdict(ok, None if ok else f"{key}: not followed"))
+            why = f"{key}: checker raised {type(exc).__name__}: {exc}"[:200]
+            out.append(Check(False, None, why))
+        else:
+            out.append(Check(ok, None, None if ok else f"{key}: not followed"))
     return out
 
 
@@ -179,30 +146,16 @@ def _ratio(text: str) -> float:
     return float(str(text).rsplit("=", 1)[-1])
 
 
-def official_metrics(
-    harness: types.ModuleType, items: Sequence[Mapping[str, Any]], judges: Sequence[list[bool]]
-) -> dict[str, float]:
-    """``get_score`` on the judged items, its ``"a/b=c"`` strings turned into numbers."""
-    rows = []
-    for item, judged in zip(items, judges, strict=True):
-        rows.append(
-            {
-                "constraints": [list(c) for c in item["constraints"]],
-                "judges": [int(j) for j in judged],
-                "constraint_pattern": item.get("constraint_pattern", "unknown"),
-                "difficulty": item.get("difficulty", "unknown"),
-            }
-        )
+def official_metrics(harness: types.ModuleType, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``get_score`` on judged rows (``constraints``, ``judges``, ``constraint_pattern``,
+    ``difficulty``), its ``"a/b=c"`` strings as numbers; a pattern, category or difficulty it
+    leaves out (listed only once a prompt meets all of its constraints there) is 0.0."""
+    out = {f"pattern/{row['constraint_pattern']}": 0.0 for row in rows}
+    out.update({f"difficulty/{row['difficulty']}": 0.0 for row in rows})
     score = harness.get_score(rows)  # map_constraint rewrites each row's constraints in place
-    out = {"muldimif_overall": _ratio(score["Overall"])}
-    # get_score lists a category only once a prompt meets all of its constraints in it
+    out["muldimif_overall"] = _ratio(score["Overall"])
     out.update({f"category/{c[0]}": 0.0 for row in rows for c in row["constraints"]})
-    for key, prefix in (
-        ("constraint_pattern_list", "pattern"),
-        ("constraint_category_list", "category"),
-        ("constraint_category_second_list", "category_second"),
-        ("constraint_difficulty_list", "difficulty"),
-    ):
-        for name, value in score.get(key, {}).items():
+    for prefix in ("pattern", "category", "category_second", "difficulty"):
+        for name, value in score.get(f"constraint_{prefix}_list", {}).items():
             out[f"{prefix}/{name}"] = _ratio(value)
     return out

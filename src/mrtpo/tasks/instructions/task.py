@@ -1,24 +1,12 @@
 """Instruction following: one binary reward per constraint, checked by the benchmarks' code.
 
-Each prompt carries its own 5–13 constraints, so reward slots are positional (``c0 ..
-c{max_constraints-1}``), unused ones ``None`` (NaN in the tensor); the reward set varies per
-prompt, which SAW refuses. Tables show ``c{k}`` as ``constraint {k+1}`` (``reward_labels``; metric
-keys stay ``c{k}``, which checkpoints and reports compare); ``success`` is the all-constraints
-rate (``prompt_strict``). ``P_all`` is the sampling prompt, ``P_\\k`` the same template without
-constraint ``k`` (no verifier blocks).
-
-Splits: ``train`` (HIR-16K from ``task.data.path``, else the generated set), ``val``
-(``task.val_split``, IFEval by default), and ``ifeval``, ``ifbench``, ``muldimif`` (the authors'
-checkers from ``task.muldimif.checker_dir``), ``advancedif`` (LLM judge, ``eval.judge_url``),
-``generated``/``hir``.
-
-The reward is the official strict check; benchmark prompts also get the loose check (reported by
-``summarize``). HIR-16K uses HiR's variants of three checkers (``task.data.checkers``,
-``hir_checkers``). Responses over ``task.max_response_chars`` fail every constraint with that
-reason: some checkers are quadratic on pathological text (16k ``[``). Below the cap each call
-has ``task.checker_timeout_s`` seconds of CPU time (``mrtpo.tasks.deadline``, load-independent);
-past it the constraint fails with the reason, counted (``checks["timeouts"]``,
-``n_checker_timeouts``).
+Reward slots are positional (``c0 .. c{max_constraints-1}``, shown as ``constraint {k+1}``),
+a prompt's unused ones ``None``: the reward set varies per prompt, which SAW refuses.
+``success`` is ``prompt_strict``. ``P_all`` is the sampling prompt, ``P_\\k`` the same
+template without constraint ``k`` (no verifier blocks). Splits: ``train`` (HIR-16K at
+``task.data.path``, else ``generated``), ``val`` (``task.val_split``), ``ifeval``, ``ifbench``,
+``muldimif``, ``advancedif``, ``hir``; they, the length cap and the per-call time budget are
+described in docs/tasks/instructions.md.
 """
 
 from __future__ import annotations
@@ -26,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +24,7 @@ from mrtpo.tasks.instructions import checkers, muldimif
 from mrtpo.tasks.instructions.data import (
     HIR_SUBSETS,
     TRAINABLE_SUBSETS,
+    Constraint,
     Record,
     load_benchmark,
     load_hir,
@@ -58,6 +48,8 @@ DEFAULT_EVAL_FILES = {
     "muldimif": "../shared/data/muldimif/test.json",
 }
 DEFAULT_MULDIMIF_DIR = "../shared/vendor/muldimif"
+DATA_DEFAULTS = {"path": None, "subsets": ["ifeval", "ifbench"], "template": "type6"}
+GENERATOR_DEFAULTS = {"num_prompts": 2048, "seed": 0, "min_constraints": 5, "max_constraints": 13}
 
 
 class InstructionTask(Task):
@@ -87,7 +79,12 @@ class InstructionTask(Task):
             raise ValueError("task.unavailable_checkers must be 'error' or 'skip'")
         self.max_constraints = int(max_constraints)
         self.reward_names = tuple(f"c{i}" for i in range(self.max_constraints))
-        self.data_cfg = _data_config(data)
+        self.data_cfg = {**DATA_DEFAULTS, "checkers": "hir", **dict(data or {})}
+        if self.data_cfg["checkers"] not in checkers.CHECKER_VARIANTS:
+            raise ValueError(
+                f"task.data.checkers must be one of {list(checkers.CHECKER_VARIANTS)}, "
+                f"got {self.data_cfg['checkers']!r}"
+            )
         if max_response_chars is not None and int(max_response_chars) < 1:
             raise ValueError("task.max_response_chars must be >= 1 (or null for no cap)")
         self.max_response_chars = None if max_response_chars is None else int(max_response_chars)
@@ -95,7 +92,12 @@ class InstructionTask(Task):
         self.n_timeouts = 0  # checker calls that ran past the budget (logged once)
         self.muldimif_cfg = {"checker_dir": DEFAULT_MULDIMIF_DIR, **dict(muldimif or {})}
         self.n_over_length = 0  # responses refused by the length cap (logged once)
-        self.gen_cfg = _generator_config(generator, self.max_constraints)
+        self.gen_cfg = {**GENERATOR_DEFAULTS, **dict(generator or {})}
+        if int(self.gen_cfg["max_constraints"]) > self.max_constraints:  # it may not draw more
+            raise ValueError(
+                f"task.generator.max_constraints ({self.gen_cfg['max_constraints']}) exceeds "
+                f"task.max_constraints ({self.max_constraints})"
+            )
         self.eval_files = {**DEFAULT_EVAL_FILES, **dict(eval_files or {})}
         self.val_split = val_split
         self.nltk_data_dir = str(nltk_data_dir)
@@ -149,34 +151,30 @@ class InstructionTask(Task):
         """Refuse, naming them, evaluated prompts whose checkers cannot run on this machine
         (their NLTK data is missing): never a silent 0."""
         unique = list({e.id: e for e in examples}.values())
-        bad = self._unavailable(unique)
-        if not bad:
-            return
-        hit = [e.id for e in unique if any(c["id"] in bad for c in e.data["constraints"])]
-        raise checkers.CheckerUnavailable(
-            f"{len(hit)} of the {len(unique)} prompts evaluated (ids {hit[:5]}"
-            f"{' ...' if len(hit) > 5 else ''}) use instructions whose checkers cannot run here "
-            f"({sorted(bad)}): {next(iter(bad.values()))}. Or leave those prompts out of the "
-            "evaluation, or set task.unavailable_checkers=skip (reported as n_prompts_skipped)"
-        )
+        hit, why = self._unavailable(unique)
+        if hit:
+            raise checkers.CheckerUnavailable(
+                f"{len(hit)} of the {len(unique)} prompts evaluated (ids {hit[:5]}"
+                f"{' ...' if len(hit) > 5 else ''}) {why}. Or leave those prompts out of the "
+                "evaluation, or set task.unavailable_checkers=skip (reported as n_prompts_skipped)"
+            )
 
     def _load(self, split: str) -> list[Example]:
         if split == "train":
-            split_from = "hir" if self.data_cfg.get("path") else "generated"
-            return self._load(split_from)
-        if split == "generated":
-            return self._load_generated()
+            return self._load("hir" if self.data_cfg.get("path") else "generated")
+        if split == "generated":  # drawn by the constraint generator (task.generator)
+            g = self.gen_cfg
+            kw = {k: int(g[k]) for k in ("seed", "min_constraints", "max_constraints")}
+            recs = generate_records(self._registry("ifeval"), int(g["num_prompts"]), **kw)
+            return self._examples("generated", recs, is_eval=False)
         if split == "hir":
             return self._load_hir()
         if split in ("ifeval", "ifbench"):
             recs = load_benchmark(self._eval_file(split), split)
-            unknown = Counter(
-                c.id for r in recs for c in r.constraints if c.id not in self._registry(split)
-            )
+            reg = self._registry(split)
+            unknown = dict(Counter(c.id for r in recs for c in r.constraints if c.id not in reg))
             if unknown:
-                raise ValueError(
-                    f"{split}: instruction ids unknown to its checkers: {dict(unknown)}"
-                )
+                raise ValueError(f"{split}: instruction ids unknown to its checkers: {unknown}")
             return self._examples(split, recs, is_eval=True)
         if split == "advancedif":
             return self._examples(split, load_advancedif(self._eval_file(split)), is_eval=True)
@@ -186,18 +184,6 @@ class InstructionTask(Task):
             f"unknown split {split!r} for task ifeval: use train, val, generated, hir, ifeval, "
             "ifbench, muldimif or advancedif"
         )
-
-    def _load_generated(self) -> list[Example]:
-        """Prompts drawn by the constraint generator (task.generator)."""
-        g = self.gen_cfg
-        recs = generate_records(
-            self._registry("ifeval"),
-            int(g["num_prompts"]),
-            seed=int(g["seed"]),
-            min_constraints=int(g["min_constraints"]),
-            max_constraints=int(g["max_constraints"]),
-        )
-        return self._examples("generated", recs, is_eval=False)
 
     def _load_hir(self) -> list[Example]:
         """HIR-16K prompts from task.data.path, of the subsets the checkers score."""
@@ -215,18 +201,9 @@ class InstructionTask(Task):
             raise FileNotFoundError(f"HIR-16K file not found: {path} (task.data.path)")
         recs, skipped = load_hir(path, subsets, str(self.data_cfg["template"]))
         recs = self._known_and_fitting(recs, skipped)
-        self.hir_counts = {
-            "prompts": len(recs),
-            "constraints": sum(len(r.constraints) for r in recs),
-            **{f"skipped/{k}": v for k, v in skipped.items()},
-        }
-        log.info(
-            "HIR-16K %s: kept %d prompts (%d constraints); skipped %s",
-            path,
-            len(recs),
-            self.hir_counts["constraints"],
-            dict(skipped),
-        )
+        kept = {"prompts": len(recs), "constraints": sum(len(r.constraints) for r in recs)}
+        self.hir_counts = {**kept, **{f"skipped/{k}": v for k, v in skipped.items()}}
+        log.info("HIR-16K %s: kept %s; skipped %s", path, kept, dict(skipped))
         if not recs:
             raise ValueError(f"no usable HIR-16K prompts in {path} (skipped: {dict(skipped)})")
         return self._examples("hir", recs, is_eval=False)
@@ -237,33 +214,24 @@ class InstructionTask(Task):
     def _muldimif_examples(self) -> list[Example]:
         harness = self._muldimif()  # fail before reading data when the checkers are missing
         items = muldimif.load_test(self._eval_file("muldimif"))
-        unknown = Counter(
-            f"{c[0]}_{c[1]}"
-            for it in items
-            for c in it["constraints"]
-            if f"{c[0]}_{c[1]}" not in harness.class_mapping
-        )
+        keys = Counter(f"{c[0]}_{c[1]}" for it in items for c in it["constraints"])
+        unknown = {k: n for k, n in keys.items() if k not in harness.class_mapping}
         if unknown:
-            raise ValueError(f"muldimif: constraint keys without a checker: {dict(unknown)}")
-        out = []
+            raise ValueError(f"muldimif: constraint keys without a checker: {unknown}")
+        recs = []
         for it in items:
             messages = [{"role": m["role"], "content": m["content"]} for m in it["conversations"]]
-            data = {
-                "split": "muldimif",
-                "source": "muldimif",
-                "registry": "muldimif",
-                "base": None,
-                "template": None,
-                "prompt": messages[-1]["content"],
-                "constraints": [
-                    {"id": f"{c[0]}_{c[1]}", "kwargs": {}, "text": c[2], "triple": list(c)}
-                    for c in it["constraints"]
-                ],
-                "constraint_pattern": it.get("constraint_pattern", "unknown"),
-                "difficulty": it.get("difficulty", "unknown"),
-                "eval": True,
-            }
-            out.append(Example(id=str(it["id"]), messages=messages, data=data))
+            cons = [Constraint(f"{c[0]}_{c[1]}", {}, c[2]) for c in it["constraints"]]
+            uid, prompt, meta = str(it["id"]), messages[-1]["content"], {"messages": messages}
+            recs.append(
+                Record(uid, prompt, cons, "muldimif", source="muldimif", template=None, meta=meta)
+            )
+        out = self._examples("muldimif", recs, is_eval=True)
+        for e, it in zip(out, items):  # what the official metrics group by, and read
+            e.data["constraint_pattern"] = it.get("constraint_pattern", "unknown")
+            e.data["difficulty"] = it.get("difficulty", "unknown")
+            for c, triple in zip(e.data["constraints"], it["constraints"]):
+                c["triple"] = list(triple)
         return out
 
     def _eval_file(self, split: str) -> str:
@@ -334,8 +302,8 @@ class InstructionTask(Task):
             out.append(Example(id=r.uid, messages=messages, data=data))
         return out
 
-    def _unavailable(self, examples: Sequence[Example]) -> dict[str, str]:
-        """Instruction id -> why its checker cannot run here, over these prompts."""
+    def _unavailable(self, examples: Sequence[Example]) -> tuple[list[str], str]:
+        """The ids of the prompts whose checkers cannot run here, and why (for a message)."""
         cases: dict[tuple[str, str], dict[str, tuple[Any, str]]] = defaultdict(dict)
         for e in examples:
             d = e.data
@@ -346,18 +314,16 @@ class InstructionTask(Task):
         bad: dict[str, str] = {}
         for (name, variant), reg_cases in cases.items():
             bad.update(checkers.unavailable_instructions(self._registry(name, variant), reg_cases))
-        return bad
+        hit = [e.id for e in examples if any(c["id"] in bad for c in e.data["constraints"])]
+        first = next(iter(bad.values()), "")
+        return hit, f"use instructions whose checkers cannot run here ({sorted(bad)}): {first}"
 
     def _drop_unavailable(self, split: str, examples: list[Example]) -> list[Example]:
         """Fail (or, if asked, skip those prompts) when a checker cannot run on this machine."""
-        bad = self._unavailable(examples)
-        if not bad:
+        hit, why = self._unavailable(examples)
+        if not hit:
             return examples
-        hit = {e.id for e in examples if any(c["id"] in bad for c in e.data["constraints"])}
-        msg = (
-            f"split {split}: {len(hit)} of {len(examples)} prompts use instructions whose "
-            f"checkers cannot run here ({sorted(bad)}): {next(iter(bad.values()))}"
-        )
+        msg, hit = f"split {split}: {len(hit)} of {len(examples)} prompts {why}", set(hit)
         if self.unavailable_checkers == "error":
             raise checkers.CheckerUnavailable(
                 msg + ". Or set task.unavailable_checkers=skip to leave those prompts out "
@@ -371,82 +337,62 @@ class InstructionTask(Task):
     # ---- rewards ------------------------------------------------------------------------
     def score(self, example: Example, response: str) -> Score:
         d = example.data
-        cons = d["constraints"]
         limit = self.max_response_chars
-        if limit is not None and len(response) > limit and d["registry"] != "judge":
-            return self._over_length(example, response, limit)
-        if d["registry"] == "judge":
-            strict, loose, reasons = self._judge_verdicts(example, response)
-            timeouts = 0
+        over = limit is not None and len(response) > limit and d["registry"] != "judge"
+        if over:
+            judged = self._over_length(example, response, limit)
+        elif d["registry"] == "judge":
+            judged = self._judge_verdicts(example, response)
         elif d["registry"] == "muldimif":
-            judged = muldimif.verdicts(
-                self._muldimif(),
-                [c["triple"] for c in cons],
-                muldimif.strip_think(response),
-                self.checker_timeout_s,
-            )
-            strict, loose = [v.ok for v in judged], None
-            reasons = {f"c{i}": v.reason for i, v in enumerate(judged) if v.reason}
-            timeouts = sum(v.timed_out for v in judged)
+            triples = [c["triple"] for c in d["constraints"]]
+            answer = muldimif.strip_think(response)
+            judged = muldimif.verdicts(self._muldimif(), triples, answer, self.checker_timeout_s)
         else:
-            strict, loose, reasons, timeouts = self._checker_verdicts(example, response)
+            judged = self._checker_verdicts(example, response)
+        strict, loose = [v.strict for v in judged], [v.loose for v in judged]
         rewards: dict[str, float | None] = dict.fromkeys(self.reward_names)
         for i, ok in enumerate(strict[: self.max_constraints]):
             rewards[f"c{i}"] = 1.0 if ok else 0.0
         result: dict[str, Any] = {
-            "instruction_ids": [c["id"] for c in cons],
+            "instruction_ids": [c["id"] for c in d["constraints"]],
             "strict": strict,
-            "prompt_strict": all(strict),
+            "prompt_strict": all(strict) and not over,
         }
-        if loose is not None:
+        if over:
+            result["over_length"] = True
+        if None not in loose:  # computed (evaluation, task.loose_in_training)
             result["loose"] = loose
-            result["prompt_loose"] = all(loose)
+            result["prompt_loose"] = all(loose) and not over
+        timeouts = sum(v.timed_out for v in judged)
         if timeouts:
             result["timeouts"] = timeouts
-            self._note_timeouts(example, timeouts)
-        return Score(rewards=rewards, blocks={}, reasons=reasons, checks=result)
+            self.n_timeouts += timeouts
+            if self.n_timeouts == timeouts:  # the first time in this process
+                log.warning(
+                    "example %s: %d checker call(s) ran past task.checker_timeout_s=%s s and "
+                    "count as failed constraints (the reason is in Score.reasons; evaluation "
+                    "reports n_checker_timeouts); further ones are not logged",
+                    example.id,
+                    timeouts,
+                    self.checker_timeout_s,
+                )
+        reasons = {f"c{i}": v.reason for i, v in enumerate(judged) if v.reason}
+        return Score(rewards=rewards, reasons=reasons, checks=result)
 
-    def _checker_verdicts(
-        self, example: Example, response: str
-    ) -> tuple[list[bool], list[bool] | None, dict[str, str], int]:
+    def _checker_verdicts(self, example: Example, response: str) -> list[checkers.Check]:
         """The IFEval / IFBench checkers (strict, and loose when wanted), each call under
-        ``task.checker_timeout_s``."""
+        ``task.checker_timeout_s``; a reason names its instruction."""
         d = example.data
         reg = self._registry(d["registry"], d.get("checkers", "official"))
-        want_loose = bool(d.get("eval")) or self.loose_in_training
-        strict, loose, reasons, timeouts = [], [], {}, 0
-        for i, c in enumerate(d["constraints"]):
-            res = checkers.check(
-                reg,
-                c["id"],
-                c["kwargs"],
-                d["prompt"],
-                response,
-                want_loose,
-                budget_s=self.checker_timeout_s,
-            )
-            strict.append(res.strict)
-            loose.append(res.loose)
-            timeouts += res.timed_out
-            if not res.strict or res.timed_out:
-                reasons[f"c{i}"] = f"{c['id']}: {res.reason}"
-        return strict, (loose if want_loose else None), reasons, timeouts
+        want_loose, out = bool(d.get("eval")) or self.loose_in_training, []
+        for c in d["constraints"]:
+            args = (c["id"], c["kwargs"], d["prompt"], response, want_loose)
+            res = checkers.check(reg, *args, budget_s=self.checker_timeout_s)
+            out.append(replace(res, reason=res.reason and f"{c['id']}: {res.reason}"))
+        return out
 
-    def _note_timeouts(self, example: Example, n: int) -> None:
-        self.n_timeouts += n
-        if self.n_timeouts == n:  # the first time in this process
-            log.warning(
-                "example %s: %d checker call(s) ran past task.checker_timeout_s=%s s and count "
-                "as failed constraints (the reason is in Score.reasons; evaluation reports "
-                "n_checker_timeouts); further ones are not logged",
-                example.id,
-                n,
-                self.checker_timeout_s,
-            )
-
-    def _over_length(self, example: Example, response: str, limit: int) -> Score:
+    def _over_length(self, example: Example, response: str, limit: int) -> list[checkers.Check]:
         """Every constraint fails: the text is longer than the checkers are trusted to run on."""
-        cons = example.data["constraints"]
         self.n_over_length += 1
         if self.n_over_length == 1:
             log.warning(
@@ -457,25 +403,11 @@ class InstructionTask(Task):
                 limit,
             )
         why = f"response longer than task.max_response_chars={limit} ({len(response)} chars)"
-        rewards: dict[str, float | None] = dict.fromkeys(self.reward_names)
-        for i in range(min(len(cons), self.max_constraints)):
-            rewards[f"c{i}"] = 0.0
-        strict = [False] * len(cons)
-        checks: dict[str, Any] = {
-            "instruction_ids": [c["id"] for c in cons],
-            "strict": strict,
-            "prompt_strict": False,
-            "over_length": True,
-        }
-        if example.data.get("eval") and example.data["registry"] != "muldimif":
-            checks["loose"] = list(strict)
-            checks["prompt_loose"] = False
-        reasons = {f"c{i}": why for i in range(len(cons))}
-        return Score(rewards=rewards, blocks={}, reasons=reasons, checks=checks)
+        d = example.data
+        loose = False if d.get("eval") and d["registry"] != "muldimif" else None
+        return [checkers.Check(False, loose, why)] * len(d["constraints"])
 
-    def _judge_verdicts(
-        self, example: Example, response: str
-    ) -> tuple[list[bool], list[bool], dict[str, str]]:
+    def _judge_verdicts(self, example: Example, response: str) -> list[checkers.Check]:
         rubrics = [c["text"] for c in example.data["constraints"]]
         if not response.strip():
             verdicts = [False] * len(rubrics)
@@ -483,12 +415,8 @@ class InstructionTask(Task):
             if self._judge is None:
                 raise JudgeError("AdvancedIF needs a judge: set eval.judge_url")
             verdicts = self._judge.verdicts(example.messages, response, rubrics)
-        reasons = {
-            f"c{i}": f"rubric not met: {r[:80]}"
-            for i, (r, ok) in enumerate(zip(rubrics, verdicts))
-            if not ok
-        }
-        return verdicts, list(verdicts), reasons
+        why = [None if ok else f"rubric not met: {r[:80]}" for ok, r in zip(verdicts, rubrics)]
+        return [checkers.Check(ok, ok, w) for ok, w in zip(verdicts, why)]
 
     # ---- replay contexts ----------------------------------------------------------------
     def contexts(self, example: Example, score: Score) -> Contexts:
@@ -507,13 +435,8 @@ class InstructionTask(Task):
         m = last_user_index(messages)
         found = sentence_spans(messages[m]["content"], d["base"], texts[:n], d["template"])
         spans = {f"c{k}": [(m, *se)] for k, se in enumerate(found) if se is not None}
-        return Contexts(
-            all=messages,
-            without=without,
-            none=prompt([]),
-            spans=spans,
-            none_spans=[(m, *se) for se in found if se is not None],
-        )
+        none_spans = [(m, *se) for se in found if se is not None]
+        return Contexts(messages, without, prompt([]), spans, none_spans)
 
     # ---- evaluation ---------------------------------------------------------------------
     def summarize(self, examples: Sequence[Example], scores: Sequence[Score]) -> dict[str, float]:
@@ -543,12 +466,10 @@ class InstructionTask(Task):
                     per_id[iid].append(ok)
         for iid, oks in sorted(per_id.items()):
             out[f"inst_strict/{iid}"] = sum(oks) / len(oks)
-        over = sum(bool(s.checks.get("over_length")) for _, s in rows)
-        if over:
-            out["n_over_length"] = float(over)
-        slow = sum(int(s.checks.get("timeouts", 0)) for _, s in rows)
-        if slow:
-            out["n_checker_timeouts"] = float(slow)
+        for key, check in (("n_over_length", "over_length"), ("n_checker_timeouts", "timeouts")):
+            n = sum(int(s.checks.get(check, 0)) for _, s in rows)
+            if n:
+                out[key] = float(n)
         md = [(e, s) for e, s in rows if e.data.get("registry") == "muldimif"]
         if md:
             out.update(self._muldimif_summary(md))
@@ -558,57 +479,19 @@ class InstructionTask(Task):
         """The paper's accuracy (all constraints met), per-constraint accuracy, and the
         official per pattern / category / difficulty scores (``get_score``, which leaves out
         groups never fully met: reported here as 0.0)."""
-        items = [
-            {
-                "constraints": [c["triple"] for c in e.data["constraints"]],
-                "constraint_pattern": e.data.get("constraint_pattern", "unknown"),
-                "difficulty": e.data.get("difficulty", "unknown"),
-            }
-            for e, _ in rows
-        ]
         judges = [list(s.checks["strict"]) for _, s in rows]
         flat = [ok for j in judges for ok in j]
         out = {
             "accuracy": sum(all(j) for j in judges) / len(judges),
             "constraint_accuracy": sum(flat) / max(len(flat), 1),
         }
-        official = muldimif.official_metrics(self._muldimif(), items, judges)
-        groups = {f"pattern/{it['constraint_pattern']}" for it in items}
-        groups |= {f"difficulty/{it['difficulty']}" for it in items}
-        out.update(dict.fromkeys(groups, 0.0))
-        out.update(official)
-        return out
-
-
-def _data_config(data: Mapping[str, Any] | None) -> dict[str, Any]:
-    """task.data with its defaults; an unknown checker variant is refused."""
-    cfg = {
-        "path": None,
-        "subsets": ["ifeval", "ifbench"],
-        "template": "type6",
-        "checkers": "hir",
-        **dict(data or {}),
-    }
-    if cfg["checkers"] not in checkers.CHECKER_VARIANTS:
-        raise ValueError(
-            f"task.data.checkers must be one of {list(checkers.CHECKER_VARIANTS)}, "
-            f"got {cfg['checkers']!r}"
-        )
-    return cfg
-
-
-def _generator_config(generator: Mapping[str, Any] | None, max_constraints: int) -> dict[str, Any]:
-    """task.generator with its defaults; it may not draw more than task.max_constraints."""
-    cfg = {
-        "num_prompts": 2048,
-        "seed": 0,
-        "min_constraints": 5,
-        "max_constraints": 13,
-        **dict(generator or {}),
-    }
-    if int(cfg["max_constraints"]) > max_constraints:
-        raise ValueError(
-            f"task.generator.max_constraints ({cfg['max_constraints']}) exceeds "
-            f"task.max_constraints ({max_constraints})"
-        )
-    return cfg
+        items = [
+            {
+                "constraints": [list(c["triple"]) for c in e.data["constraints"]],
+                "judges": [int(ok) for ok in j],
+                "constraint_pattern": e.data.get("constraint_pattern", "unknown"),
+                "difficulty": e.data.get("difficulty", "unknown"),
+            }
+            for (e, _), j in zip(rows, judges)
+        ]
+        return {**out, **muldimif.official_metrics(self._muldimif(), items)}

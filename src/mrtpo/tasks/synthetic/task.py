@@ -3,25 +3,20 @@
 Each prompt asks for a short word sequence under K checked constraints, each decided by a
 different part of the response (first word, last word, a word that must / must not appear, the
 word count). Constraints are stated in the prompt, so ``P_\\k`` is the prompt without constraint
-k. Generated from a seed: no data files.
+k. Generated from a seed: no data files. References exist for SFT; ``reference_success < 1``
+breaks some on purpose, the headroom the toy's RL runs need (docs/replication.md). With
+``model=toy`` every word is one token (``decisive_words``).
 
-References exist for SFT; ``reference_success < 1`` breaks some on purpose, so a warm start can
-meet each constraint but only part of the time, the headroom the toy's RL runs need
-(docs/replication.md). With ``model=toy`` every word is one token (``decisive_words``).
-
-``closing_mark=True`` turns one constraint per layout (``with_mark``) into ``mark``: the response
-must end with ``!``, ``?`` or ``.``, a reward decided by one or two tokens, the toy's stand-in for
-a format reward. ``free_tokens`` (the long toy, docs/replication_long.md) opens every response
-with ``<think> w1 ... wn </think>`` (``FILLER`` words the checkers never read), as the paper's
-think blocks; without that opening and its close there is no answer and every constraint scores
-0, with the reason. ``mark_success`` gives ``mark`` its own reference rate (``mark_break="none"``:
-a broken mark is always left out). All off by default, leaving prompts, references and rewards
-unchanged.
+Off by default (prompts, references and rewards then unchanged): ``closing_mark`` turns one
+constraint into ``mark`` (end with ``!``, ``?`` or ``.``: a reward decided by one or two tokens,
+the toy's format reward; ``mark_success`` / ``mark_break``: how references break it);
+``free_tokens`` (docs/replication_long.md) opens every response with ``<think> w1 ... wn
+</think>`` (``FILLER`` words the checkers never read); without that part there is no answer and
+every constraint scores 0, with the reason.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 from collections.abc import Sequence
@@ -56,17 +51,10 @@ THINK_PROMPT = f"Write {OPEN} {CLOSE} first."
 #: Reason given for every constraint of a response without an answer part.
 NO_ANSWER = f"no answer part: the response must open with {OPEN} and close it with {CLOSE}"
 
-# Which constraint types a prompt carries, for each supported K (slot order = reward order).
-LAYOUTS: dict[int, tuple[str, ...]] = {
-    1: ("include_1",),
-    2: ("first", "last"),
-    3: ("first", "last", "include_1"),
-    4: ("first", "last", "include_1", "count"),
-    5: ("first", "last", "include_1", "count", "exclude_1"),
-    6: ("first", "last", "include_1", "count", "exclude_1", "include_2"),
-    7: ("first", "last", "include_1", "count", "exclude_1", "include_2", "exclude_2"),
-    8: ("first", "last", "include_1", "count", "exclude_1", "include_2", "exclude_2", "include_3"),
-}
+# Which constraint types a prompt carries, for each supported K (slot order = reward order):
+# the first K of this list (K = 1: include_1 alone).
+_KINDS = ("first", "last", "include_1", "count", "exclude_1", "include_2", "exclude_2", "include_3")
+LAYOUTS: dict[int, tuple[str, ...]] = {1: ("include_1",)} | {k: _KINDS[:k] for k in range(2, 9)}
 
 
 @dataclass(frozen=True)
@@ -91,30 +79,23 @@ class Constraint:
         base = self.kind.split("_")[0]
         if base == "mark":  # the last visible character, nothing else
             end = text.rstrip()[-1:]
-            ok = end == self.value
-            return ok, "" if ok else f"ends with {end or 'nothing'!r}, not {self.value!r}"
-        if base == "first":
-            ok = bool(words) and words[0] == self.value
-            return ok, "" if ok else f"first word is {words[0] if words else 'missing'!r}"
-        if base == "last":
-            ok = bool(words) and words[-1] == self.value
-            return ok, "" if ok else f"last word is {words[-1] if words else 'missing'!r}"
-        if base == "include":
-            ok = self.value in words
-            return ok, "" if ok else f"{self.value!r} missing"
-        if base == "exclude":
-            ok = self.value not in words
-            return ok, "" if ok else f"{self.value!r} used"
-        ok = len(words) == int(self.value)
-        return ok, "" if ok else f"{len(words)} words instead of {self.value}"
+            ok, why = end == self.value, f"ends with {end or 'nothing'!r}, not {self.value!r}"
+        elif base in ("first", "last"):
+            got = (words[0] if base == "first" else words[-1]) if words else "missing"
+            ok, why = bool(words) and got == self.value, f"{base} word is {got!r}"
+        elif base in ("include", "exclude"):
+            ok = (self.value in words) == (base == "include")
+            why = f"{self.value!r} {'missing' if base == 'include' else 'used'}"
+        else:
+            ok, why = len(words) == int(self.value), f"{len(words)} words instead of {self.value}"
+        return ok, "" if ok else why
 
 
 def with_mark(kinds: tuple[str, ...]) -> tuple[str, ...]:
     """The layout with its last ``include`` constraint (or, with none, its last constraint)
     replaced by ``mark``, in the same slot: K stays K, and the word count (which tells the
     policy where to stop, hence where the last word goes) is kept where the layout has it."""
-    slots = [i for i, k in enumerate(kinds) if k.startswith("include")] or [len(kinds) - 1]
-    i = slots[-1]
+    i = ([j for j, k in enumerate(kinds) if k.startswith("include")] or [len(kinds) - 1])[-1]
     return (*kinds[:i], "mark", *kinds[i + 1 :])
 
 
@@ -142,14 +123,11 @@ def free_range(free_tokens) -> tuple[int, int] | None:
 
 
 def split_free(response: str) -> tuple[str, str] | None:
-    """``(free part, answer part)`` of a response with a free part: the free part runs from
-    the opening ``<think>`` (leading spaces aside) through the first ``</think>``, the answer
-    is everything after it. None when the response does not open with ``<think>`` or never
-    closes it."""
+    """``(free part, answer part)``: from the opening ``<think>`` (leading spaces aside)
+    through the first ``</think>``, and everything after it. None when the response does not
+    open with ``<think>`` or never closes it."""
     start = len(response) - len(response.lstrip())
-    if not response.startswith(OPEN, start):
-        return None
-    end = response.find(CLOSE, start + len(OPEN))
+    end = response.find(CLOSE, start + len(OPEN)) if response.startswith(OPEN, start) else -1
     if end < 0:
         return None
     cut = end + len(CLOSE)
@@ -193,24 +171,18 @@ class SyntheticTask(Task):
         self.system_prompt = system_prompt
         if not 0.0 < reference_success <= 1.0:
             raise ValueError(f"task.reference_success must be in (0, 1], got {reference_success}")
-        # Share of references that meet every constraint (1: all of them). Below 1, each
-        # constraint is broken independently with probability 1 - reference_success^(1/K), so
-        # the share is the same for every K. SFT on such references gives a policy that can
-        # meet every constraint but often does not, which RL with the verifiers then fixes:
-        # the starting point of the toy replication.
-        self.reference_success = float(reference_success)
-        self.reference_noise = 1.0 - self.reference_success ** (1.0 / len(self.kinds))
         self.free = free_range(free_tokens)
-        self.mark_noise: float | None = None
-        if mark_success is not None:
-            if not self.closing_mark:
-                raise ValueError("task.mark_success needs task.closing_mark=true (no mark)")
-            if not 0.0 <= mark_success <= 1.0:
-                raise ValueError(f"task.mark_success must be in [0, 1], got {mark_success}")
-            # mark has its own rate; the others share reference_success among themselves
-            self.mark_noise = 1.0 - float(mark_success)
-            others = max(len(self.kinds) - 1, 1)
-            self.reference_noise = 1.0 - self.reference_success ** (1.0 / others)
+        if mark_success is not None and not self.closing_mark:
+            raise ValueError("task.mark_success needs task.closing_mark=true (no mark)")
+        if mark_success is not None and not 0.0 <= mark_success <= 1.0:
+            raise ValueError(f"task.mark_success must be in [0, 1], got {mark_success}")
+        # Each constraint of a reference breaks independently with probability
+        # 1 - reference_success^(1/K): the share meeting all is the same for every K. With
+        # mark_success, mark has its own rate and the others share reference_success.
+        self.reference_success = float(reference_success)
+        self.mark_noise = None if mark_success is None else 1.0 - float(mark_success)
+        shared = max(len(self.kinds) - (mark_success is not None), 1)
+        self.reference_noise = 1.0 - self.reference_success ** (1.0 / shared)
         # How a noisy reference breaks `mark`: no mark or one of the other two at random
         # ("none_or_other"), or no mark at all ("none": a policy then learns to leave the mark
         # out instead of learning to avoid the asked one, which needs reading the prompt).
@@ -229,18 +201,13 @@ class SyntheticTask(Task):
             rng = random.Random(f"{self.seed}-{offset}")
             noise = random.Random(f"{self.seed}-{offset}-noise")
             made = [self._make(f"{split}-{i}", rng, noise) for i in range(n)]
-            if self.free is not None:  # its own stream: the prompts stay those without it
-                free = random.Random(f"{self.seed}-{offset}-free")
-                made = [self._with_free(e, free) for e in made]
+            if self.free is not None:  # references behind a free part of filler words
+                free = random.Random(f"{self.seed}-{offset}-free")  # prompts stay as without
+                for e in made:
+                    words = [free.choice(FILLER) for _ in range(free.randint(*self.free))]
+                    e.reference = " ".join([OPEN, *words, CLOSE, e.reference])
             self._cache[split] = made
         return self._cache[split]
-
-    def _with_free(self, ex: Example, rng: random.Random) -> Example:
-        """The example's reference behind a free part of filler words."""
-        lo, hi = self.free
-        words = [rng.choice(FILLER) for _ in range(rng.randint(lo, hi))]
-        free = " ".join([OPEN, *words, CLOSE])
-        return dataclasses.replace(ex, reference=f"{free} {ex.reference}")
 
     def _make(self, uid: str, rng: random.Random, noise: random.Random) -> Example:
         words = WORDS[:]
@@ -256,39 +223,29 @@ class SyntheticTask(Task):
         ref = self._reference(cons, count if "count" in self.kinds else None, rng, words)
         if self.reference_noise > 0:
             ref = self._corrupt(ref, cons, words, noise)
-        data = {"constraints": cons, "order": order}
-        return Example(
-            id=uid, messages=self._messages([cons[i] for i in order]), data=data, reference=ref
-        )
+        msgs = self._messages([cons[i] for i in order])
+        return Example(uid, msgs, {"constraints": cons, "order": order}, ref)
 
     def _messages(self, constraints: Sequence[Constraint]) -> Messages:
-        msgs: Messages = []
-        if self.system_prompt:
-            msgs.append({"role": "system", "content": self.system_prompt})
-        msgs.append({"role": "user", "content": render(constraints, self.free is not None)})
-        return msgs
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": render(constraints, self.free is not None)}]
 
     def _reference(self, cons, count, rng, spare) -> str:
         by = {c.kind: c.value for c in cons if c.kind != "mark"}
         middle = [v for k, v in by.items() if k.startswith("include")]
         banned = {v for k, v in by.items() if k.startswith("exclude")}
         fillers = [w for w in spare if w not in banned]
-        n_fixed = len(middle) + ("first" in by) + ("last" in by)
-        n = (
-            count
-            if count is not None
-            else max(n_fixed, rng.randint(self.min_words, self.max_words))
-        )
-        while len(middle) < n - ("first" in by) - ("last" in by):
+        ends = ("first" in by) + ("last" in by)
+        n = count
+        if n is None:
+            n = max(len(middle) + ends, rng.randint(self.min_words, self.max_words))
+        while len(middle) < n - ends:
             middle.append(rng.choice(fillers))
         rng.shuffle(middle)
-        text = " ".join(
-            ([by["first"]] if "first" in by else [])
-            + middle
-            + ([by["last"]] if "last" in by else [])
-        )
+        head = [by["first"]] if "first" in by else []
+        tail = [by["last"]] if "last" in by else []
         marks = [c.value for c in cons if c.kind == "mark"]
-        return text + (marks[0] if marks else "")
+        return " ".join(head + middle + tail) + (marks[0] if marks else "")
 
     def _corrupt(self, ref: str, cons, fillers, rng: random.Random) -> str:
         """Break each constraint of a reference with probability ``reference_noise``, each in
@@ -300,15 +257,11 @@ class SyntheticTask(Task):
         by = {c.kind: c.value for c in cons if c.kind != "mark"}
         lo, hi = int("first" in by), int("last" in by)  # words held by first / last
         taken = set(by.values())
-
-        def free() -> list[int]:  # filler positions, safe to change
-            return [i for i in range(lo, len(words) - hi) if words[i] not in taken]
-
         for kind in sorted(by, key=lambda k: _CORRUPT_ORDER[k.split("_")[0]]):
             if rng.random() >= self.reference_noise:
                 continue
             base, value = kind.split("_")[0], by[kind]
-            spots = free()
+            spots = [i for i in range(lo, len(words) - hi) if words[i] not in taken]  # fillers
             if base == "count":  # one word fewer, or one more
                 if spots and rng.random() < 0.5:
                     words.pop(rng.choice(spots))
@@ -327,10 +280,8 @@ class SyntheticTask(Task):
                 words[-1] = rng.choice(fillers)
         mark_noise = self.reference_noise if self.mark_noise is None else self.mark_noise
         if mark is not None and rng.random() < mark_noise:
-            if self.mark_break == "none":
-                mark = ""
-            else:
-                mark = rng.choice(["", *(m for m in MARKS if m != mark)])  # none, or another
+            others = [] if self.mark_break == "none" else [m for m in MARKS if m != mark]
+            mark = rng.choice(["", *others]) if others else ""  # none, or another
         return " ".join(words) + (mark or "")
 
     # ---- rewards ------------------------------------------------------------------------
@@ -364,48 +315,34 @@ class SyntheticTask(Task):
         cons = example.data["constraints"]
         shown = [cons[i] for i in example.data["order"]]
         messages = [dict(m) for m in example.messages]
-        # each sentence's characters in the prompt, as ``render`` joins them
-        head = " ".join([BASE_PROMPT, THINK_PROMPT] if self.free is not None else [BASE_PROMPT])
-        spans = joined_spans(len(messages) - 1, len(head) + 1, [c.sentence() for c in shown], " ")
-        return Contexts(
-            all=messages,
-            without={c.kind: self._messages([x for x in shown if x is not c]) for c in shown},
-            none=self._messages([]),
-            spans={c.kind: [span] for c, span in zip(shown, spans)},
-            none_spans=spans,
-        )
+        head = len(render([], self.free is not None)) + 1  # where ``render`` puts the sentences
+        spans = joined_spans(len(messages) - 1, head, [c.sentence() for c in shown], " ")
+        without = {c.kind: self._messages([x for x in shown if x is not c]) for c in shown}
+        by_kind = {c.kind: [span] for c, span in zip(shown, spans)}
+        return Contexts(messages, without, self._messages([]), by_kind, spans)
 
     # ---- analysis: where each checker looks ----------------------------------------------
     def decisive_words(self, example: Example, response: str) -> dict[str, list[int]]:
         """For each constraint, the indices of the response words its check turns on, to see
-        whether replay relevance lands where the verifier looks (docs/replication.md).
-
-        ``first``/``last``: that word; ``include``/``exclude``: every occurrence (none when
-        absent); ``count`` and ``mark``: ``[len(words)]``, the end of the response (EOS), since
-        where it stops decides the count, and the mark is the last token before it
-        (``mrtpo.evaluate.analysis.relevance`` adds that token). Indices count every word,
-        free part and markers included, but only answer words are decisive (none without one).
-        """
+        whether replay relevance lands where the verifier looks (docs/replication.md): that
+        word (first/last), every occurrence (include/exclude), or ``[len(words)]``, the end of
+        the response, for count and mark (``mrtpo.evaluate.analysis.relevance`` adds the mark's
+        token). Indices count every word, free part included; only answer words are decisive."""
         answer = self.answer_part(response)
         if answer is None:
             return {c.kind: [] for c in example.data["constraints"]}
         skip = len(response_words(response[: len(response) - len(answer)]))
-        return {k: [skip + i for i in v] for k, v in self._decisive(example, answer).items()}
-
-    def _decisive(self, example: Example, response: str) -> dict[str, list[int]]:
-        words = response_words(response)
+        words = response_words(answer)
         out: dict[str, list[int]] = {}
         for c in example.data["constraints"]:
             base = c.kind.split("_")[0]
-            if base == "first":
-                out[c.kind] = [0] if words else []
-            elif base == "last":
-                out[c.kind] = [len(words) - 1] if words else []
+            if base in ("first", "last"):
+                out[c.kind] = ([0] if base == "first" else [len(words) - 1]) if words else []
             elif base in ("include", "exclude"):
                 out[c.kind] = [i for i, w in enumerate(words) if w == c.value]
             else:  # count, mark: the end of the response
                 out[c.kind] = [len(words)]
-        return out
+        return {k: [skip + i for i in v] for k, v in out.items()}
 
     def segments(self, response: str) -> dict[str, list[tuple[int, int]]]:
         """``free`` (the free part up to its closing tag), ``close`` (the ``</think>`` tag),

@@ -1,32 +1,31 @@
-"""Question files of the Spider family and BIRD, and where their databases live.
+"""Question files of the Spider family and BIRD, where their databases live, and the
+databases' schema text for prompts.
 
-Layouts (paths from ``task.splits.<name>``):
+Spider-family files are JSON lists of ``{"db_id", "query", "question", ...}`` (Spider-Syn's
+question field is ``SpiderQuestion`` / ``SpiderSynQuestion``); BIRD's (``format: bird``) rows
+are ``{"question_id", "db_id", "question", "evidence", "SQL", "difficulty"}``. Databases are
+``<db_dir>/<db_id>/<db_id>.sqlite``; ``db_dir``, ``hub``, ids: docs/tasks/text2sql.md, "Data".
 
-* **Spider** (``train_spider.json``, ``dev.json``, Spider-Realistic, Spider-DK, Spider test): a
-  JSON list of ``{"db_id", "query", "question", ...}``; databases at
-  ``<db_dir>/<db_id>/<db_id>.sqlite``.
-* **Spider-Syn**: the same with ``SpiderQuestion`` / ``SpiderSynQuestion`` instead of
-  ``question``, picked by ``question_field``.
-* **BIRD** (``format: bird``): ``{"question_id", "db_id", "question", "evidence", "SQL",
-  "difficulty"}``; databases under ``dev_databases/<db_id>/<db_id>.sqlite``.
-
-``db_dir`` may list folders searched in order (Spider-DK's three new databases live apart). A
-missing file with ``hub``/``hub_split`` set is read with ``datasets`` (databases still on disk).
-An example's id is the question's 0-based position in its file (BIRD: ``question_id``), so
-predictions can be scored later by id.
+The schema text is CREATE TABLE statements read from the SQLite file itself, so the model sees
+exactly the names and types its query will run against, plus sample values that tell it how
+data is spelled (``'USA'`` or ``'United States'``). An opt-in character budget drops sample
+values, then whole tables.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
+import math
 import os
+import sqlite3
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from .executor import readonly_uri
 
 QUESTION_FIELDS = ("question", "SpiderQuestion", "SpiderSynQuestion")
 QUERY_FIELDS = ("query", "SQL", "sql_query")
@@ -49,24 +48,20 @@ class SplitConfig:
     @classmethod
     def from_mapping(cls, name: str, raw: Mapping[str, Any]) -> SplitConfig:
         raw = dict(raw)
-        unknown = set(raw) - {f for f in cls.__dataclass_fields__ if f != "name"}
-        if unknown:
+        valid = sorted(f for f in cls.__dataclass_fields__ if f != "name")
+        if unknown := set(raw) - set(valid):
             raise ValueError(
-                f"task.splits.{name}: unknown keys {sorted(unknown)}; valid keys are "
-                f"{sorted(f for f in cls.__dataclass_fields__ if f != 'name')}"
+                f"task.splits.{name}: unknown keys {sorted(unknown)}; valid keys are {valid}"
             )
         db_dir = raw.pop("db_dir", None) or []
         if isinstance(db_dir, (str, os.PathLike)):
             db_dir = [db_dir]
         cfg = cls(name=name, db_dir=[str(d) for d in db_dir], **raw)
-        if cfg.format not in ("spider", "bird"):
-            raise ValueError(
-                f"task.splits.{name}.format must be 'spider' or 'bird', not {cfg.format!r}"
-            )
-        if cfg.match not in (None, "spider", "bird"):
-            raise ValueError(
-                f"task.splits.{name}.match must be 'spider' or 'bird', not {cfg.match!r}"
-            )
+        for key, value in (("format", cfg.format), ("match", cfg.match)):
+            if value not in ("spider", "bird") and (key, value) != ("match", None):
+                raise ValueError(
+                    f"task.splits.{name}.{key} must be 'spider' or 'bird', not {value!r}"
+                )
         return cfg
 
     @property
@@ -155,3 +150,112 @@ def find_database(db_dirs: Sequence[str], db_id: str) -> Path | None:
         if p.is_file():
             return p
     return None
+
+
+# ---- schema text ----------------------------------------------------------------------
+_SAMPLE_TIME_S = 2.0  # per database; big tables (BIRD) may make DISTINCT scans slow
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    name: str
+    create_sql: str
+    columns: tuple[str, ...]
+    samples: tuple[tuple[str, ...], ...]  # per column, rendered sample values
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def render_value(value: object, max_chars: int = 40) -> str:
+    """A sample value as it would be written in SQL, shortened if long."""
+    if isinstance(value, bytes):
+        return "<blob>"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\n", " ")
+    if len(text) > max_chars:
+        text = text[: max_chars - 1] + "…"
+    return "'" + text.replace("'", "''") + "'"
+
+
+@functools.lru_cache(maxsize=512)
+def read_tables(db_path: str, max_samples: int = 3) -> tuple[TableInfo, ...]:
+    """Tables of a database with up to ``max_samples`` distinct non-empty values per column."""
+    con = sqlite3.connect(readonly_uri(db_path), uri=True)
+    con.text_factory = lambda b: b.decode(errors="ignore")
+    deadline = time.monotonic() + _SAMPLE_TIME_S
+    try:
+        rows = con.execute(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'table' "
+            "AND name NOT LIKE 'sqlite_%' ORDER BY rowid"
+        ).fetchall()
+        tables = []
+        for name, create_sql in rows:
+            columns = tuple(r[1] for r in con.execute(f"PRAGMA table_info({_quote_ident(name)})"))
+            samples = []
+            for col in columns:
+                values: list[str] = []
+                if max_samples > 0 and time.monotonic() < deadline:
+                    q = (
+                        f"SELECT DISTINCT {_quote_ident(col)} FROM {_quote_ident(name)} "
+                        f"WHERE {_quote_ident(col)} IS NOT NULL AND {_quote_ident(col)} != '' "
+                        f"LIMIT {int(max_samples)}"
+                    )
+                    con.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+                    try:
+                        values = [render_value(r[0]) for r in con.execute(q)]
+                    except sqlite3.Error:  # interrupted (too slow) or odd column: no samples
+                        values = []
+                    finally:
+                        con.set_progress_handler(None, 0)
+                samples.append(tuple(values))
+            create_sql = (create_sql or f"CREATE TABLE {_quote_ident(name)} (...)").strip()
+            tables.append(TableInfo(name, create_sql, columns, tuple(samples)))
+        return tuple(tables)
+    finally:
+        con.close()
+
+
+def _table_text(table: TableInfo, n_samples: int) -> str:
+    text = table.create_sql.rstrip(";") + ";"
+    if n_samples <= 0:
+        return text
+    lines = [
+        f"{col}: {', '.join(vals[:n_samples])}"
+        for col, vals in zip(table.columns, table.samples)
+        if vals
+    ]
+    if lines:
+        text += f"\n/* Sample values of {table.name}:\n" + "\n".join(lines) + "\n*/"
+    return text
+
+
+def render_schema(db_path: str, max_chars: int = 10_000, max_samples: int = 3) -> str:
+    """The schema block of the prompt, at most ``max_chars`` characters when possible."""
+    tables = read_tables(str(db_path), max_samples)
+    if max_chars <= 0:
+        max_chars = math.inf  # type: ignore[assignment]
+    for n in range(max_samples, -1, -1):
+        text = "\n\n".join(_table_text(t, n) for t in tables)
+        if len(text) <= max_chars:
+            return text
+    # Even bare CREATE statements are too long: keep the first tables that fit.
+    kept: list[str] = []
+    used = 0
+    for t in tables:
+        piece = _table_text(t, 0)
+        if used + len(piece) + 2 > max_chars - 60 and kept:
+            break
+        kept.append(piece)
+        used += len(piece) + 2
+    left_out = len(tables) - len(kept)
+    if left_out:
+        kept.append(f"/* {left_out} more tables are not shown (schema too long). */")
+    return "\n\n".join(kept)
+
+
+def table_names(db_path: str) -> tuple[str, ...]:
+    """Names of the tables (used to describe a reference query in SFT responses)."""
+    return tuple(t.name for t in read_tables(str(db_path), 0))

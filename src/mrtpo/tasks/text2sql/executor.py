@@ -1,43 +1,21 @@
 """Safe, parallel execution of model-written SQL against SQLite files.
 
-A policy under RL will eventually write every kind of query: ones that try to change the
-database, attach new files, load extensions, or never finish. Scoring must stay correct
-and the training process must survive all of them. The defences, from the outside in:
+A policy under RL will eventually write queries that try to change the database, attach
+files, load extensions or never finish; scoring must stay correct and the trainer must survive
+them all. The defences, outside in (docs/tasks/text2sql.md, "Safety model", gives each one's
+limits): ``precheck`` in the parent; worker processes started as ``python -S -E executor.py``
+(standard library only) under ``memory_mb``, ``RLIMIT_FSIZE = 0`` and ``PR_SET_PDEATHSIG``; a
+read-only immutable connection; the authorizer (reads only); SQLite's own limits; a
+progress-handler budget of ``timeout_s`` CPU seconds per statement, backed by a CPU-time
+timer (``hard_margin_s`` CPU seconds later its ``SIGPROF`` ends the worker) and by the parent's
+wall-clock deadline ``wall_margin_s`` after that (the worker is killed and replaced, a crashed
+one's job retried once); row and byte caps on results. The budgets count CPU time, so a
+loaded machine does not turn a query that finishes into one that timed out.
 
-1. **Parent-side checks** (no process hop): empty queries, queries longer than
-   ``max_query_chars`` and statements that do not start with ``SELECT``/``WITH``/``VALUES``
-   fail at once with a reason.
-2. **Worker processes.** Queries run in a small pool of separate Python processes started
-   with ``python executor.py`` (standard library only: nothing of the trainer -- torch, CUDA,
-   the model -- is imported or forked). Each worker limits its own address space
-   (``memory_mb``), may not write any file (``RLIMIT_FSIZE = 0``) and, on Linux, dies with
-   its parent (``PR_SET_PDEATHSIG``).
-3. **Read-only connection**: ``file:<path>?mode=ro&immutable=1`` opened with ``uri=True``;
-   SQLite never writes to the file and creates no journal, WAL or lock file.
-4. **Authorizer**: only ``SELECT``, reads, recursive CTEs and ordinary functions are
-   allowed; every write, DDL, ``ATTACH``/``DETACH``, ``PRAGMA``, transaction, ``VACUUM``
-   and the functions ``load_extension`` (and similar) are denied.
-5. **SQLite limits**: ``SQLITE_LIMIT_ATTACHED = 0`` (no attached databases at all),
-   ``SQLITE_LIMIT_LENGTH = max_value_bytes`` (``randomblob(1e9)`` fails immediately),
-   ``SQLITE_LIMIT_SQL_LENGTH``.
-6. **Time budget**: a progress handler interrupts a statement after ``timeout_s``
-   (checked every ``progress_steps`` virtual-machine steps). Some single steps cannot be
-   interrupted (``printf('%.*c', 1e9, 'x')`` loops inside one step for seconds, and so does
-   sorting a huge intermediate result), so the parent also enforces a **hard deadline** of
-   ``timeout_s + hard_margin_s`` per statement: it kills the worker and starts a fresh one.
-   A crashed worker is replaced the same way (its job is retried once).
-7. **Result caps**: at most ``max_rows`` rows and ``max_result_bytes`` bytes are fetched.
-
-Every failure carries a *kind* (``ExecOutcome.pred_error_kind``, one of ``ERROR_KINDS``) so
-that the task can word it honestly: SQLite's own errors, the sqlite3 module's, and each of
-the executor's limits (time, memory, rows, bytes), refusals and crashes are told apart.
-
-Results never travel back to the trainer: a worker executes the reference and the
-prediction, compares them itself (``match.results_match``) and returns a small summary.
-Each worker keeps an LRU cache of reference results, so the ``G`` samples of one prompt
-execute the reference once per worker.
-
-Unix only (``poll`` on pipes, ``resource`` limits).
+Every failure carries a kind (``ExecOutcome.pred_error_kind``, one of ``ERROR_KINDS``) so that
+the task words it honestly. Results never travel back to the trainer: a worker compares them
+(``match.results_match``) and returns a summary; its LRU cache of reference results runs the
+reference of a prompt's ``G`` samples once per worker. Unix only (``poll``, ``resource``).
 """
 
 from __future__ import annotations
@@ -69,17 +47,16 @@ if __package__:
 else:  # started as a script inside a worker process: only this folder is on sys.path
     from match import results_match  # type: ignore[no-redef]
 
-# ---------------------------------------------------------------------------------------
-# Shared settings and data types
-# ---------------------------------------------------------------------------------------
+# ---- Shared settings and data types -----------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Limits:
     """Resource limits of one executor (all of them configurable from the task config)."""
 
-    timeout_s: float = 5.0  # per statement (soft: progress handler)
-    hard_margin_s: float = 0.5  # the worker is killed this long after the soft budget
+    timeout_s: float = 5.0  # CPU seconds per statement (soft: progress handler)
+    hard_margin_s: float = 0.5  # CPU seconds past timeout_s before a CPU timer ends the worker
+    wall_margin_s: float = 30.0  # then wall seconds before the parent kills a silent worker
     max_rows: int = 100_000
     max_result_bytes: int = 64 * 2**20
     max_value_bytes: int = 16 * 2**20  # SQLITE_LIMIT_LENGTH: longest string/blob/row
@@ -107,27 +84,22 @@ class ExecJob:
     mode: str = "spider"
 
 
-#: Why a statement did not give a result (``ExecOutcome.pred_error_kind``):
-#: ``sqlite`` SQLite raised an error (syntax, unknown column, the authorizer's denial);
-#: ``driver`` Python's sqlite3 module refused the text (a NUL character, two statements);
-#: ``time``, ``memory`` the executor's time budget or memory cap stopped the statement;
-#: ``rows``, ``bytes`` the statement ran without error, but its result is over the row or
-#: size cap and was not read to the end; ``refused`` refused before running (empty, too
-#: long, a writing statement); ``crash`` the worker process died; ``database`` the database
-#: file is missing or cannot be opened.
-ERROR_KINDS = (
-    "sqlite",
-    "driver",
-    "time",
-    "memory",
-    "rows",
-    "bytes",
-    "refused",
-    "crash",
-    "database",
-)
+#: Why a statement did not give a result (``ExecOutcome.pred_error_kind``): kind -> meaning.
+ERROR_KINDS = {
+    "sqlite": "SQLite raised an error (syntax, unknown column, the authorizer's denial)",
+    "driver": "Python's sqlite3 module refused the text (a NUL character, two statements)",
+    "time": "the executor's time budget stopped the statement",
+    "memory": "the executor's memory cap stopped the statement",
+    "rows": "it ran without error, but its result is over the row cap (not read to the end)",
+    "bytes": "it ran without error, but its result is over the size cap (not read to the end)",
+    "refused": "refused before running (empty, too long, a writing statement)",
+    "crash": "the worker process died",
+    "database": "the database file is missing or cannot be opened",
+}
 #: Kinds whose query ran without error: only its result was too large to read in full.
 RESULT_CAP_KINDS = frozenset({"rows", "bytes"})
+#: A statement's rows, or ``None`` with the error and its kind.
+Result = tuple[list[tuple] | None, str | None, str | None]
 
 
 @dataclass
@@ -147,9 +119,11 @@ class ExecOutcome:
     killed: bool = False  # the worker had to be killed (hard deadline) or crashed
 
 
-# ---------------------------------------------------------------------------------------
-# Worker side (runs in the child process)
-# ---------------------------------------------------------------------------------------
+#: The fields a prediction-only run fills (merged into an outcome decided before it ran).
+_PRED_FIELDS = ("pred_ok", "pred_error", "pred_error_kind", "pred_rows", "seconds", "killed")
+
+
+# ---- Worker side (runs in the child process) --------------------------------------------
 
 _ALLOWED_ACTIONS = {
     sqlite3.SQLITE_SELECT,
@@ -174,8 +148,7 @@ def _authorize(action: int, arg1: Any, arg2: Any, db_name: Any, trigger: Any) ->
 
 def readonly_uri(path: str) -> str:
     """``file:`` URI that opens ``path`` read-only and immutable (no locks, no journal)."""
-    quoted = urllib.parse.quote(os.path.abspath(path))
-    return f"file:{quoted}?mode=ro&immutable=1"
+    return f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro&immutable=1"
 
 
 def _setlimit(con: sqlite3.Connection, name: str, value: int) -> None:
@@ -184,11 +157,9 @@ def _setlimit(con: sqlite3.Connection, name: str, value: int) -> None:
 
 
 def open_guarded(path: str, limits: Limits) -> tuple[sqlite3.Connection, list[float]]:
-    """A read-only connection with the authorizer, limits and a deadline progress handler.
-
-    Returns the connection and a one-element list holding the current deadline
-    (``time.monotonic()`` value); set it before each statement.
-    """
+    """A read-only connection with the authorizer, limits and a deadline progress handler,
+    and a one-element list holding the deadline (``time.thread_time()``, the CPU time of the
+    thread running SQLite) of each statement."""
     con = sqlite3.connect(readonly_uri(path), uri=True, isolation_level=None)
     # The official evaluator decodes text leniently; so do we (also avoids decode errors).
     con.text_factory = lambda b: b.decode(errors="ignore")
@@ -201,7 +172,7 @@ def open_guarded(path: str, limits: Limits) -> tuple[sqlite3.Connection, list[fl
     con.set_authorizer(_authorize)
     deadline = [math.inf]
     if limits.progress_steps > 0:
-        con.set_progress_handler(lambda: time.monotonic() > deadline[0], limits.progress_steps)
+        con.set_progress_handler(lambda: time.thread_time() > deadline[0], limits.progress_steps)
     return con, deadline
 
 
@@ -211,6 +182,14 @@ def _value_size(v: Any) -> int:
 
 def time_limit_message(limits: Limits) -> str:
     return f"the query did not finish within the executor's {limits.timeout_s:g} s time limit"
+
+
+def _cpu_cap(limits: Limits | None) -> None:
+    """Worker only: a profiling timer (``ITIMER_PROF``, which counts this process's CPU time)
+    whose ``SIGPROF`` ends the process once it has used ``timeout_s + hard_margin_s`` more CPU
+    seconds; ``None`` disarms it."""
+    seconds = 0.0 if limits is None else limits.timeout_s + limits.hard_margin_s
+    signal.setitimer(signal.ITIMER_PROF, seconds)
 
 
 def _friendly_error(exc: BaseException, limits: Limits) -> tuple[str, str]:
@@ -233,37 +212,23 @@ def _friendly_error(exc: BaseException, limits: Limits) -> tuple[str, str]:
 
 def execute_guarded(
     con: sqlite3.Connection, deadline: list[float], sql: str, limits: Limits
-) -> tuple[list[tuple] | None, str | None, str | None]:
-    """Run one statement under the time budget and result caps.
-
-    Returns ``(rows, None, None)`` or ``(None, error, kind)`` with ``kind`` from
-    ``ERROR_KINDS``.
-    """
-    deadline[0] = time.monotonic() + limits.timeout_s
+) -> Result:
+    """Run one statement under the time budget and result caps (``Result``)."""
+    deadline[0] = time.thread_time() + limits.timeout_s
     cur = None
     try:
         cur = con.execute(sql)
         rows: list[tuple] = []
         size = 0
-        while True:
-            chunk = cur.fetchmany(1024)
-            if not chunk:
-                break
+        while chunk := cur.fetchmany(1024):
             rows.extend(chunk)
             if len(rows) > limits.max_rows:
-                return (
-                    None,
-                    f"the result has more than the executor's limit of {limits.max_rows} rows",
-                    "rows",
-                )
+                error = f"the result has more than the executor's limit of {limits.max_rows} rows"
+                return None, error, "rows"
             size += sum(_value_size(v) for row in chunk for v in row)
-            if size > limits.max_result_bytes:
-                return (
-                    None,
-                    f"the result is larger than the executor's limit of "
-                    f"{limits.max_result_bytes} bytes",
-                    "bytes",
-                )
+            if size > (cap := limits.max_result_bytes):
+                error = f"the result is larger than the executor's limit of {cap} bytes"
+                return None, error, "bytes"
         return rows, None, None
     except (sqlite3.Error, MemoryError, OverflowError, ValueError, RecursionError) as exc:
         return None, *_friendly_error(exc, limits)
@@ -274,54 +239,53 @@ def execute_guarded(
                 cur.close()
 
 
+def _file_key(path: str) -> tuple | None:
+    """The file's identity (path, mtime, size): a replaced file gets a new key."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
+
+
 class _WorkerState:
     """Connections (by file identity) and the reference-result cache of one worker."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.connections: OrderedDict[tuple, tuple[sqlite3.Connection, list[float]]] = OrderedDict()
-        self.gold_cache: OrderedDict[tuple, tuple[list[tuple] | None, str | None, str | None]] = (
-            OrderedDict()
-        )
+        self.gold_cache: OrderedDict[tuple, Result] = OrderedDict()
 
-    def connection(self, path: str) -> tuple[sqlite3.Connection, list[float]] | str:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return f"database file not found: {path}"
-        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    def run(self, db: str, sql: str) -> Result:
+        key = _file_key(db)
+        if key is None:
+            return None, f"database file not found: {db}", "database"
         if key in self.connections:
             self.connections.move_to_end(key)
-            return self.connections[key]
+        else:
+            try:
+                self.connections[key] = open_guarded(db, self.limits)
+            except sqlite3.Error as exc:
+                return None, f"cannot open database {db}: {exc}", "database"
+            while len(self.connections) > 64:
+                self.connections.popitem(last=False)[1][0].close()
+        con, deadline = self.connections[key]
+        _cpu_cap(self.limits)
         try:
-            pair = open_guarded(path, self.limits)
-        except sqlite3.Error as exc:
-            return f"cannot open database {path}: {exc}"
-        self.connections[key] = pair
-        while len(self.connections) > 64:
-            _, (old, _) = self.connections.popitem(last=False)
-            old.close()
-        return pair
+            return execute_guarded(con, deadline, sql, self.limits)
+        finally:
+            _cpu_cap(None)
 
-    def run(self, db: str, sql: str) -> tuple[list[tuple] | None, str | None, str | None]:
-        got = self.connection(db)
-        if isinstance(got, str):
-            return None, got, "database"
-        con, deadline = got
-        return execute_guarded(con, deadline, sql, self.limits)
-
-    def gold(self, db: str, sql: str, tick) -> tuple[list[tuple] | None, str | None, str | None]:
-        try:
-            st = os.stat(db)
-        except OSError:
-            return None, f"database file not found: {db}", "database"
-        key = (os.path.abspath(db), st.st_mtime_ns, st.st_size, sql)  # a replaced file: miss
+    def gold(self, db: str, sql: str, tick) -> Result:
+        key = (_file_key(db), sql)
         if key in self.gold_cache:
             self.gold_cache.move_to_end(key)
             return self.gold_cache[key]
         tick("gold")
         result = self.run(db, sql)
         rows = result[0]
+        if key[0] is None:  # no such file: nothing to remember
+            return result
         if rows is None or len(rows) <= self.limits.gold_cache_max_rows:
             self.gold_cache[key] = result
             while len(self.gold_cache) > self.limits.gold_cache_size:
@@ -353,30 +317,21 @@ class _WorkerState:
         return out
 
 
-def _read_exact(stream, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = stream.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
+def _frame(obj: Any) -> bytes:
+    """A length-prefixed pickle: the pipe protocol in both directions."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack(">I", len(data)) + data
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent goes away, even in the middle of a long step.
-
-    (Without it, a worker stuck in an uninterruptible step would outlive a killed trainer
-    until the step ends; on other systems it exits at the next read of its closed pipe.)
-    """
+    """Linux: get SIGKILL when the parent goes away, even in the middle of a long step
+    (elsewhere a worker exits at the next read of its closed pipe)."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             import ctypes
 
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(0)
 
@@ -391,16 +346,17 @@ def _apply_process_limits(limits: Limits) -> None:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     # No file may be written by this process; writes fail with EFBIG instead of a signal.
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-    except (ValueError, OSError, AttributeError):
-        pass
 
 
 def serve(limits: Limits) -> None:
     """Worker main loop: length-prefixed pickled jobs on stdin, replies on stdout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
+    # The CPU timer's SIGPROF must end this process, whatever the trainer passed on.
+    signal.signal(signal.SIGPROF, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGPROF})
     _die_with_parent()
     out_fd = os.dup(1)
     os.dup2(2, 1)  # anything printed by mistake goes to stderr, not into the protocol
@@ -409,19 +365,14 @@ def serve(limits: Limits) -> None:
     _apply_process_limits(limits)
     state = _WorkerState(limits)
 
-    def send(obj: Any) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        out.write(struct.pack(">I", len(data)) + data)
-
     def tick(stage: str) -> None:
-        send(("tick", stage))
+        out.write(_frame(("tick", stage)))
 
-    while True:
-        header = _read_exact(inp, 4)
-        if header is None:
-            return  # the parent closed the pipe (or died)
-        payload = _read_exact(inp, struct.unpack(">I", header)[0])
-        if payload is None:
+    # A buffered pipe's read(n) returns fewer than n bytes only at end of file: the parent
+    # closed the pipe (or died).
+    while len(header := inp.read(4)) == 4:
+        n = struct.unpack(">I", header)[0]
+        if len(payload := inp.read(n)) < n:
             return
         try:
             outcome = state.handle(ExecJob(**pickle.loads(payload)), tick)
@@ -430,12 +381,10 @@ def serve(limits: Limits) -> None:
                 pred_ok=False, pred_error=f"executor error: {exc!r}", pred_error_kind="crash"
             )
         # Only built-in types cross the pipe: the two sides name these classes differently.
-        send(("done", asdict(outcome)))
+        out.write(_frame(("done", asdict(outcome))))
 
 
-# ---------------------------------------------------------------------------------------
-# Parent side
-# ---------------------------------------------------------------------------------------
+# ---- Parent side ------------------------------------------------------------------------
 
 _FIRST_WORD = re.compile(r"[A-Za-z]+")
 _LEADING_NOISE = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/|\()*", re.DOTALL)
@@ -443,43 +392,19 @@ _LEADING_NOISE = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/|\()*", re.DOTALL
 # them here saves a process round trip and gives a clearer reason. Anything else (a
 # typo such as "SELEC" included) goes to SQLite, whose own error message is more useful.
 _WRITING_STATEMENTS = frozenset(
-    [
-        "insert",
-        "update",
-        "delete",
-        "replace",
-        "upsert",
-        "merge",
-        "drop",
-        "create",
-        "alter",
-        "attach",
-        "detach",
-        "pragma",
-        "vacuum",
-        "reindex",
-        "analyze",
-        "begin",
-        "commit",
-        "end",
-        "rollback",
-        "savepoint",
-        "release",
-    ]
+    {"insert", "update", "delete", "replace", "upsert", "merge"}  # rows
+    | {"drop", "create", "alter", "attach", "detach", "pragma", "vacuum", "reindex", "analyze"}
+    | {"begin", "commit", "end", "rollback", "savepoint", "release"}  # transactions
 )
 
 
 def precheck(sql: str, limits: Limits) -> str | None:
     """Reasons to refuse a query without running it (None: go ahead)."""
-    if len(sql) > limits.max_query_chars:
-        return (
-            f"the query is {len(sql)} characters long, over the {limits.max_query_chars}-"
-            "character limit"
-        )
+    if (n := len(sql)) > (cap := limits.max_query_chars):
+        return f"the query is {n} characters long, over the {cap}-character limit"
     if not sql.strip():
         return "the query is empty"
-    rest = sql[_LEADING_NOISE.match(sql).end() :]
-    m = _FIRST_WORD.match(rest)
+    m = _FIRST_WORD.match(sql, _LEADING_NOISE.match(sql).end())
     word = m.group(0).lower() if m else ""
     if word in _WRITING_STATEMENTS:
         return f"not authorized: only read-only SELECT queries may run here, not {word.upper()}"
@@ -492,10 +417,8 @@ class _Worker:
     def __init__(self, limits: Limits) -> None:
         # -S -E: no site-packages, no PYTHON* variables; the worker needs only the standard
         # library and match.py (found next to this file, the script's folder).
-        script = os.path.abspath(__file__)
-        cmd = [sys.executable, "-S", "-E", script, json.dumps(asdict(limits))]
         self.proc = subprocess.Popen(
-            cmd,
+            [sys.executable, "-S", "-E", os.path.abspath(__file__), json.dumps(asdict(limits))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=os.path.sep,  # relative paths in a query point nowhere writable
@@ -504,11 +427,6 @@ class _Worker:
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.started = time.monotonic()
-
-    @staticmethod
-    def encode(job: ExecJob) -> bytes:
-        data = pickle.dumps(asdict(job), protocol=pickle.HIGHEST_PROTOCOL)
-        return struct.pack(">I", len(data)) + data
 
     def send(self, frame: bytes) -> None:
         self.proc.stdin.write(frame)
@@ -623,37 +541,18 @@ class SQLExecutor:
                 results[i] = out
         if work:
             with self._lock:
-                self._run_pool(work, results, partial)
+                _PoolRound(self, work, results, partial).run()
         for i, out in partial.items():
-            got = results[i]
-            if got is not None:
-                out.pred_ok, out.pred_error, out.pred_error_kind, out.pred_rows = (
-                    got.pred_ok,
-                    got.pred_error,
-                    got.pred_error_kind,
-                    got.pred_rows,
-                )
-                out.seconds, out.killed = got.seconds, got.killed
+            if (got := results[i]) is not None:
+                for name in _PRED_FIELDS:
+                    setattr(out, name, getattr(got, name))
             results[i] = out
-        return [
-            r
-            if r is not None
-            else ExecOutcome(pred_ok=False, pred_error="lost", pred_error_kind="crash")
-            for r in results
-        ]
+        lost = ExecOutcome(pred_ok=False, pred_error="lost", pred_error_kind="crash")
+        return [r if r is not None else dataclasses.replace(lost) for r in results]
 
     def check(self, db: str, sql: str) -> ExecOutcome:
         """Executability of one query."""
         return self.run([ExecJob(db=db, pred=sql)])[0]
-
-    # -- internals ---------------------------------------------------------------------
-    def _run_pool(
-        self,
-        work: dict[int, ExecJob],
-        results: list[ExecOutcome | None],
-        partial: dict[int, ExecOutcome],
-    ) -> None:
-        _PoolRound(self, work, results, partial).run()
 
 
 class _PoolRound:
@@ -673,13 +572,13 @@ class _PoolRound:
     ) -> None:
         self.ex, self.work, self.results, self.partial = ex, work, results, partial
         self.lim = ex.limits
-        self.stage_s = self.lim.timeout_s + self.lim.hard_margin_s
-        while len(ex._workers) < min(ex.n_workers, len(work)):
-            ex._workers.append(_Worker(self.lim))
+        self.stage_s = self.lim.timeout_s + self.lim.hard_margin_s + self.lim.wall_margin_s
         self.by_fd = {w.fd: w for w in ex._workers}
+        self.queue: dict[int, deque[tuple[int, int]]] = {w.fd: deque() for w in ex._workers}
+        while len(ex._workers) < min(ex.n_workers, len(work)):
+            self._spawn()
         self.pending = deque((i, 0) for i in work)  # (job index, attempt)
         self.frames: dict[int, bytes] = {}  # encoded jobs
-        self.queue: dict[int, deque[tuple[int, int]]] = {w.fd: deque() for w in ex._workers}
         self.head: dict[int, list[Any]] = {}  # fd -> [deadline, start time, stage]
 
     def run(self) -> None:
@@ -699,24 +598,21 @@ class _PoolRound:
         for i, attempt in reversed(self.queue.pop(w.fd, deque())):
             self.pending.appendleft((i, attempt))  # not started: no attempt used
         self.head.pop(w.fd, None)
-        nw = _Worker(self.lim)
-        self.ex._workers.append(nw)
-        self.by_fd[nw.fd] = nw
-        self.queue[nw.fd] = deque()
+        self._spawn()
         self.ex.stats["restarts"] += 1
 
-    def _fail_or_retry(self, i: int, attempt: int, reason: str, t0: float) -> None:
-        if attempt < 1:
-            self.pending.appendleft((i, attempt + 1))
-        else:
-            self.results[i] = _failed(self.work[i], reason, "crash", t0)
+    def _spawn(self) -> None:
+        w = _Worker(self.lim)
+        self.ex._workers.append(w)
+        self.by_fd[w.fd] = w
+        self.queue[w.fd] = deque()
 
     def _feed(self, w: _Worker) -> None:
         """Send pending jobs to ``w`` until its pipeline is full."""
         q, pending = self.queue[w.fd], self.pending
         while pending and len(q) < self.ex.PIPELINE:
             i, attempt = pending[0]
-            frame = self.frames.get(i) or self.frames.setdefault(i, _Worker.encode(self.work[i]))
+            frame = self.frames.get(i) or self.frames.setdefault(i, _frame(asdict(self.work[i])))
             if q and len(frame) > self.ex.PIPELINE_MAX_BYTES:
                 # A busy worker does not read its pipe: a large write would block
                 # the parent (and its deadlines) until the running query ends.
@@ -753,11 +649,19 @@ class _PoolRound:
         except OSError:
             msgs = None
         if msgs is None:  # the worker died under its head job
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=2)
+            if w.proc.returncode == -signal.SIGPROF:  # its CPU budget ran out
+                self._stop(fd)
+                return
             i, attempt = queue[fd].popleft()
             t0 = head[fd][1]
             self.ex.stats["crashed"] += 1
             self._replace(w)
-            self._fail_or_retry(i, attempt, "the executor process crashed", t0)
+            if attempt < 1:  # retried once
+                self.pending.appendleft((i, attempt + 1))
+            else:
+                self.results[i] = _failed(self.work[i], "the executor process crashed", "crash", t0)
             return
         for kind, payload in msgs:
             now = time.monotonic()
@@ -775,22 +679,27 @@ class _PoolRound:
     def _expire(self) -> None:
         """Stop the workers whose head job passed its deadline."""
         now = time.monotonic()
-        for fd, (deadline, t0, stage) in list(self.head.items()):
-            if now < deadline:
-                continue
-            i, attempt = self.queue[fd].popleft()
-            self.ex.stats["killed"] += 1
-            self._replace(self.by_fd[fd])
-            reason = time_limit_message(self.lim) + " (its worker process was stopped)"
-            job = self.work[i]
-            if stage == "gold" and job.pred is not None:
-                # The reference hung: record that, then still check the prediction.
-                self.partial[i] = ExecOutcome(gold_ok=False, gold_error=reason, match=False)
-                self.work[i] = dataclasses.replace(job, gold=None, pred_match=None)
-                self.frames.pop(i, None)
-                self.pending.append((i, attempt))
-            else:
-                self.results[i] = _failed(job, reason, "time", t0)
+        for fd, (deadline, _t0, _stage) in list(self.head.items()):
+            if now >= deadline:
+                self._stop(fd)
+
+    def _stop(self, fd: int) -> None:
+        """The head job of worker ``fd`` ran out of time: replace the worker, fail the job
+        (a hung reference: record it and still run the prediction)."""
+        _deadline, t0, stage = self.head[fd]
+        i, attempt = self.queue[fd].popleft()
+        self.ex.stats["killed"] += 1
+        self._replace(self.by_fd[fd])
+        reason = time_limit_message(self.lim) + " (its worker process was stopped)"
+        job = self.work[i]
+        if stage == "gold" and job.pred is not None:
+            # The reference hung: record that, then still check the prediction.
+            self.partial[i] = ExecOutcome(gold_ok=False, gold_error=reason, match=False)
+            self.work[i] = dataclasses.replace(job, gold=None, pred_match=None)
+            self.frames.pop(i, None)
+            self.pending.append((i, attempt))
+        else:
+            self.results[i] = _failed(job, reason, "time", t0)
 
 
 def _failed(job: ExecJob, reason: str, kind: str, t0: float) -> ExecOutcome:

@@ -1,24 +1,9 @@
 """Execution match: when do two query results count as the same answer?
 
-Follows Spider's official execution evaluation (``test-suite-sql-eval``, ``exec_eval.py``) so
-numbers compare with published ones:
-
-* Both queries get the evaluator's clean-up (``> =`` to ``>=``, MySQL's ``YEAR(CURDATE())`` to
-  2020) and, unless ``keep_distinct``, lose every ``DISTINCT`` (the official default).
-* Results are bags of rows; order matters only when the *reference* text contains ``order by``
-  (a plain substring test, as upstream). Columns match under some permutation.
-* Values compare by Python equality on what ``sqlite3`` returns: ``NULL == NULL``,
-  ``1 == 1.0``, ``1 != '1'``, floats exactly. Two empty results match whatever their widths.
-
-Deliberate differences, each removing only false negatives or non-determinism: ``IS [NOT]
-DISTINCT FROM`` is kept (upstream's deletion makes a syntax error); permutations are pruned by
-each column's bag of values, exactly (upstream samples 20 rows), giving up after
-``MAX_PERMUTATIONS``; upstream's sorted-string quick reject (wrong on ``(1, 1.0)`` rows) is not
-reproduced; only the question's own database is used (plain Spider execution accuracy).
-
-BIRD's evaluation, ``mode="bird"``: ``set(predicted rows) == set(reference rows)``.
-
-Standard library only: the executor's worker processes run it.
+Spider's official execution evaluation (``test-suite-sql-eval``, ``exec_eval.py``), so that
+numbers compare with published ones, and BIRD's rule (``mode="bird"``); the rules and the
+deliberate differences (each removing only false negatives or non-determinism) are in
+docs/tasks/text2sql.md, "Execution match". Standard library only: the executor's workers run it.
 """
 
 from __future__ import annotations
@@ -35,17 +20,18 @@ MAX_PERMUTATIONS = 20_000
 
 _SPACED_OPERATORS = (("> =", ">="), ("< =", "<="), ("! =", "!="))
 _CURRENT_YEAR = re.compile(r"YEAR\s*\(\s*CURDATE\s*\(\s*\)\s*\)\s*", re.IGNORECASE)
-# String literals, quoted identifiers and comments: DISTINCT inside them is left alone.
-_PROTECTED = re.compile(
-    r"'(?:[^']|'')*'?"  # 'string' ('' escapes a quote); an unterminated one runs to the end
+# Group 1: a string literal, quoted identifier or comment (DISTINCT inside is left alone);
+# else DISTINCT, with group 2 the IS [NOT] of ``IS [NOT] DISTINCT FROM`` (kept too).
+_PROTECTED_OR_DISTINCT = re.compile(
+    r"('(?:[^']|'')*'?"  # 'string' ('' escapes a quote); an unterminated one runs to the end
     r'|"(?:[^"]|"")*"?'  # "identifier"
     r"|`[^`]*`?"  # `identifier`
     r"|\[[^\]]*\]?"  # [identifier]
     r"|--[^\n]*"  # line comment
-    r"|/\*.*?(?:\*/|\Z)",  # block comment
-    re.DOTALL,
+    r"|/\*.*?(?:\*/|\Z))"  # block comment
+    r"|\b(is\s+(?:not\s+)?)?distinct\b",
+    re.DOTALL | re.IGNORECASE,
 )
-_DISTINCT = re.compile(r"\b(is\s+(?:not\s+)?)?distinct\b", re.IGNORECASE)
 
 
 def clean_query(sql: str) -> str:
@@ -55,20 +41,9 @@ def clean_query(sql: str) -> str:
     return _CURRENT_YEAR.sub("2020", sql)
 
 
-def _drop_distinct(text: str) -> str:
-    return _DISTINCT.sub(lambda m: m.group(0) if m.group(1) else "", text)
-
-
 def strip_distinct(sql: str) -> str:
     """Remove the ``DISTINCT`` set quantifier outside literals, identifiers and comments."""
-    out: list[str] = []
-    pos = 0
-    for m in _PROTECTED.finditer(sql):
-        out.append(_drop_distinct(sql[pos : m.start()]))
-        out.append(m.group(0))
-        pos = m.end()
-    out.append(_drop_distinct(sql[pos:]))
-    return "".join(out)
+    return _PROTECTED_OR_DISTINCT.sub(lambda m: m[0] if m[1] or m[2] else "", sql)
 
 
 def order_matters(reference_sql: str) -> bool:
@@ -89,25 +64,16 @@ def _column_candidates(reference: Sequence[Row], predicted: Sequence[Row], n_col
     return [[j for j in range(n_cols) if pred_bags[j] == ref_bags[i]] for i in range(n_cols)]
 
 
-def _permutations(candidates: list[list[int]]) -> Iterator[tuple[int, ...]]:
+def _permutations(
+    candidates: list[list[int]], chosen: tuple[int, ...] = ()
+) -> Iterator[tuple[int, ...]]:
     """Injective assignments reference column -> predicted column, by backtracking."""
-    n = len(candidates)
-    chosen: list[int] = []
-    used: set[int] = set()
-
-    def walk(i: int) -> Iterator[tuple[int, ...]]:
-        if i == n:
-            yield tuple(chosen)
-            return
-        for j in candidates[i]:
-            if j not in used:
-                used.add(j)
-                chosen.append(j)
-                yield from walk(i + 1)
-                chosen.pop()
-                used.discard(j)
-
-    return walk(0)
+    if len(chosen) == len(candidates):
+        yield chosen
+        return
+    for j in candidates[len(chosen)]:
+        if j not in chosen:
+            yield from _permutations(candidates, (*chosen, j))
 
 
 def result_eq(reference: Sequence[Row], predicted: Sequence[Row], ordered: bool) -> bool:

@@ -1,25 +1,16 @@
-"""Reading a response, the three binary rewards and their verifier blocks.
-
-Rewards (binary, after SQL-R1):
-
-* **format**: ``<think>…</think>`` then ``<answer>…</answer>``, each tag once and in order, only
-  whitespace outside, and the answer holds exactly one non-empty ```` ```sql ```` block.
-* **executability**: the answer's query runs on the question's database without error within
-  ``task.executor.timeout_s`` (the official evaluator allows 60 s). Stopped by the time or memory
-  limit: not executable; a result over the row or size cap ran, so it is executable but not
-  compared (execution 0).
-* **execution**: its result matches the reference query's (``match.py``).
+"""Reading a response, the three binary rewards (format, executability, execution) and their
+verifier blocks, after SQL-R1; the rules are in docs/tasks/text2sql.md, "Rewards".
 
 The query is the *last* SQL block inside the (last) ``<answer>`` even when the format is wrong,
 so the rewards are judged independently; a fence labelled ``sql`` is preferred, an unlabelled one
-accepted for execution. Parsing is linear in the text's length (``str.find``, ``str.count``, one
-anchored pattern without nested repetition; ``tests/unit/test_fuzz_tasks.py`` times the worst).
+accepted for execution. Parsing is linear in the text's length (``str.find``, ``str.count``,
+anchored patterns without nested repetition; ``tests/unit/test_fuzz_tasks.py`` times the worst).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -31,11 +22,10 @@ FORMAT_BLOCK = (
     "query inside <answer> </answer> as a ```sql code block, with nothing outside these tags."
 )
 NO_SQL_BLOCK = "This response contains no SQL code block inside <answer>."
-ERROR_BLOCK = "When this query was executed on this database, SQLite raised: {error}."
 #: The executability block by the executor's error kind (``executor.ERROR_KINDS``): each
 #: says who stopped the query, so a limit of the executor is never passed off as SQLite's.
 ERROR_BLOCKS = {
-    "sqlite": ERROR_BLOCK,
+    "sqlite": "When this query was executed on this database, SQLite raised: {error}.",
     "driver": "This query could not be given to SQLite: Python's sqlite3 module raised: {error}.",
     "time": "When this query was executed on this database, the executor stopped it: {error}.",
     "memory": "When this query was executed on this database, the executor stopped it: {error}.",
@@ -45,7 +35,9 @@ ERROR_BLOCKS = {
 }
 REFERENCE_BLOCK = "The reference query for this question is: {query}."
 
-_LABEL_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-")
+# After a fence's backticks: blanks, a label (group 1), blanks, a line break (group 2). Every
+# part is optional, so the first, greedy try matches: no backtracking.
+_FENCE_HEADER = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)[ \t]*(\r?\n)?")
 _MAX_ERROR_CHARS = 300
 
 
@@ -77,42 +69,26 @@ class _Fence:
     body: str
 
 
-def _skip(text: str, i: int, chars: str | frozenset[str]) -> int:
-    n = len(text)
-    while i < n and text[i] in chars:
-        i += 1
-    return i
-
-
 def _fence_spans(text: str) -> list[_Fence]:
     """Fenced code blocks, left to right, in one linear pass.
 
     A fence opens with three backticks; a label (letters, digits, ``_+-``) counts only when
     a line break follows it ("```SELECT 1```" is unlabelled); otherwise spaces and one line
-    break after the backticks are skipped. The block ends at the next three backticks. This
-    replaces a regular expression whose lazy body backtracked over the header, which made
-    an unclosed fence followed by spaces cost quadratic time.
+    break after the backticks are skipped. The block ends at the next three backticks. (A
+    regular expression's lazy body made an unclosed fence followed by spaces quadratic.)
     """
     out: list[_Fence] = []
-    n = len(text)
     pos = 0
     while True:
         start = text.find("```", pos)
         if start < 0:
             return out
-        head = _skip(text, start + 3, " \t")
-        label_end = _skip(text, head, _LABEL_CHARS)
-        label, body_start = "", -1
-        if label_end > head:
-            i = _skip(text, label_end, " \t")
-            if text.startswith("\r\n", i):
-                body_start = i + 2
-            elif i < n and text[i] == "\n":
-                body_start = i + 1
-            if body_start >= 0:
-                label = text[head:label_end].lower()
-        if body_start < 0:  # unlabelled: optional carriage return, optional line break
-            body_start = head + (text.startswith("\r", head))
+        header = _FENCE_HEADER.match(text, start + 3)
+        if header[1] and header[2]:
+            label, body_start = header[1].lower(), header.end()
+        else:  # unlabelled: optional carriage return, optional line break
+            head = header.start(1)
+            label, body_start = "", head + text.startswith("\r", head)
             body_start += text.startswith("\n", body_start)
         close = text.find("```", body_start)
         if close < 0:
@@ -122,14 +98,13 @@ def _fence_spans(text: str) -> list[_Fence]:
         pos = close + 3
 
 
-def _fences(text: str) -> list[tuple[str, str]]:
-    """(label, body) of each fenced code block; "```sql SELECT 1```" counts as labelled."""
+def _fences(text: str) -> list[_Fence]:
+    """Fenced code blocks; "```sql SELECT 1```" counts as labelled."""
     out = []
     for f in _fence_spans(text):
-        label, body = f.label, f.body
-        if not label and (inline := _INLINE_LABEL.match(body)):
-            label, body = inline.group(1).lower(), body[inline.end() :]
-        out.append((label, body))
+        if not f.label and (inline := _INLINE_LABEL.match(f.body)):
+            f = replace(f, label=inline.group(1).lower(), body=f.body[inline.end() :])
+        out.append(f)
     return out
 
 
@@ -139,8 +114,8 @@ def extract_sql(response: str) -> tuple[str | None, str | None]:
     if answer is None:
         return None, "no <answer> tag"
     blocks = _fences(answer)
-    sql_blocks = [body for lang, body in blocks if lang in ("sql", "sqlite")]
-    candidates = sql_blocks or [body for lang, body in blocks if lang == ""]
+    sql_blocks = [f.body for f in blocks if f.label in ("sql", "sqlite")]
+    candidates = sql_blocks or [f.body for f in blocks if f.label == ""]
     candidates = [c.strip() for c in candidates if c.strip()]
     if not candidates:
         return None, "no SQL code block inside <answer>"
@@ -169,12 +144,11 @@ def check_format(response: str) -> str | None:
     blocks = _fences(answer)
     if len(blocks) != 1:
         return f"<answer> holds {len(blocks)} code blocks (exactly one ```sql block required)"
-    lang, body = blocks[0]
-    if lang != "sql":
-        return f"the code block is labelled {lang or 'nothing'!r}, not 'sql'"
-    if not body.strip():
+    m = blocks[0]
+    if m.label != "sql":
+        return f"the code block is labelled {m.label or 'nothing'!r}, not 'sql'"
+    if not m.body.strip():
         return "the SQL code block is empty"
-    m = _fence_spans(answer)[0]
     if answer[: m.start].strip() or answer[m.end :].strip():
         return "text inside <answer> outside the SQL code block"
     return None
@@ -208,7 +182,11 @@ def reference_response(question: str, query: str, tables: list[str]) -> str:
         f"The question asks: {question.strip()} The answer comes from {used}; "
         "the query below selects it."
     )
-    sql = query.strip().rstrip(";").strip()
+    return answer_response(think, query.strip().rstrip(";").strip())
+
+
+def answer_response(think: str, sql: str) -> str:
+    """A response in the task's format: ``think`` as the reasoning, ``sql`` the answer's query."""
     return (
         f"{THINK_OPEN}\n{think}\n{THINK_CLOSE}\n{ANSWER_OPEN}\n```sql\n{sql}\n```\n{ANSWER_CLOSE}"
     )

@@ -3,15 +3,9 @@
 The model reads a question and its database's schema, reasons in ``<think>`` and writes one
 SQLite query in ``<answer>`` (SQL-R1's format). Rewards: format, executability, execution
 match (``rewards.py``, ``match.py``); queries run in the sandboxed worker pool of
-``executor.py``.
-
-Verifier blocks, appended in this order by the default ``Task.contexts`` (method.md):
-
-1. format -- always: the format requirement.
-2. executability -- why this response's own query gave no result: SQLite's error, or the
-   executor's limit or refusal, each worded as what it is; the "no SQL code block" sentence
-   when there is no query; no block when the query runs (or runs into the row or size cap).
-3. execution -- always: the reference query.
+``executor.py``. Verifier blocks, in this order (docs/tasks/text2sql.md): format (always),
+executability (why this response's own query gave no result; none when it ran), execution
+(always: the reference query).
 """
 
 from __future__ import annotations
@@ -30,24 +24,25 @@ from typing import Any
 
 from mrtpo.tasks.base import Example, Score, Task, tag_spans
 
-from .data import Question, SplitConfig, find_database, read_questions
-from .executor import RESULT_CAP_KINDS, ExecJob, ExecOutcome, SQLExecutor
+from .data import Question, SplitConfig, find_database, read_questions, render_schema, table_names
+from .executor import RESULT_CAP_KINDS, ExecJob, ExecOutcome, Limits, SQLExecutor
 from .match import clean_query, order_matters, prepare_for_match
-from .omnisql import ReferenceSolutions
 from .rewards import (
     FORMAT_BLOCK,
     NO_SQL_BLOCK,
     ParsedResponse,
+    answer_response,
     error_block,
     parse_response,
     reference_block,
     reference_response,
 )
-from .schema import render_schema, table_names
 
 log = logging.getLogger(__name__)
 
-_GOLD_CHECK_VERSION = 1  # bump when the executor's notion of "runs" changes
+_GOLD_CHECK_VERSION = 2  # bump when the executor's notion of "runs" changes (2: CPU-time budget)
+_Usable = list[tuple[Question, Path]]  # questions whose database was found
+_Failed = list[tuple[str, str]]  # (question id, why its reference query failed)
 
 SYSTEM_PROMPT = (
     "You are an expert in SQLite. Given a database schema and a question, you write one "
@@ -77,34 +72,11 @@ def _prepared(query: str, keep_distinct: bool) -> str:
     return prepare_for_match(query, keep_distinct)
 
 
-def _plain(obj: Any) -> Any:
-    """Hydra DictConfig/ListConfig (or plain containers) as plain dicts and lists."""
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) or type(obj).__name__ == "ListConfig":
-        return [_plain(v) for v in obj]
-    return obj
-
-
 class Text2SQLTask(Task):
-    """Text-to-SQL task. See ``docs/tasks/text2sql.md`` and ``configs/task/text2sql.yaml``.
-
-    Args:
-        splits: split name -> :class:`~.data.SplitConfig` fields (``file``, ``db_dir``,
-            ``question_field``, ``format``, ``match``, ``hub``, ``hub_split``,
-            ``drop_failing_gold``); ``train`` is trained on.
-        val_split: the split behind ``examples("val")``.
-        schema_max_chars: schema block budget (None or 0: full schema, the paper's setting;
-            prompts over ``data.max_prompt_tokens`` are then dropped by the DataModule).
-        sample_values: sample values per column (0: none).
-        max_examples: keep the first N usable questions per split (tests, smoke).
-        keep_distinct: compare results with DISTINCT kept (official default: removed).
-        executor: :class:`~.executor.SQLExecutor` settings (``workers``, ``timeout_s``, ...).
-        system_prompt: replaces the default system message (None: default; "": none).
-        cache_dir: remembers failing training references between runs (None: check them
-            at every start, ~10 s for Spider train).
-        reference_solutions: opsd teacher references: OmniSQL's Spider-train solutions
-            file, ``"gold"`` (gold query in answer format) or None (refused). See ``.omnisql``.
+    """Text-to-SQL task. Every argument is a key of ``configs/task/text2sql.yaml``, which
+    says what it does; ``splits`` maps a split name to :class:`~.data.SplitConfig` fields
+    (``train`` is trained on), ``executor`` holds :class:`~.executor.Limits` and ``workers``.
+    See ``docs/tasks/text2sql.md``.
     """
 
     name = "text2sql"
@@ -123,15 +95,14 @@ class Text2SQLTask(Task):
         cache_dir: str | None = None,
         reference_solutions: str | None = None,
     ) -> None:
-        self.splits = {
-            name: SplitConfig.from_mapping(name, cfg or {}) for name, cfg in _plain(splits).items()
-        }
+        # (a DictConfig works too: from_mapping and Limits read only its scalars and lists)
+        self.splits = {str(k): SplitConfig.from_mapping(str(k), c or {}) for k, c in splits.items()}
         self.val_split = val_split
         self.schema_max_chars = int(schema_max_chars or 0)  # 0: no budget
         self.sample_values = int(sample_values)
         self.max_examples = None if max_examples in (None, 0) else int(max_examples)
         self.keep_distinct = bool(keep_distinct)
-        self.executor_options = _plain(executor or {})
+        self.executor_options = dict(executor or {})
         self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self._executor: SQLExecutor | None = None
@@ -142,9 +113,7 @@ class Text2SQLTask(Task):
 
     # ---- pickling: the worker pool stays behind -----------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_executor"] = None
-        return state
+        return {**self.__dict__, "_executor": None}
 
     @property
     def executor(self) -> SQLExecutor:
@@ -180,8 +149,7 @@ class Text2SQLTask(Task):
         (``mrtpo.evaluate.job``), which counts the whole split before taking its first N."""
         examples = list(self.examples(split))
         options = options or {}
-        categories = options.get("categories")
-        if categories:
+        if categories := options.get("categories"):
             wanted = {str(c) for c in ([categories] if isinstance(categories, str) else categories)}
             examples = [e for e in examples if e.data["db_id"] in wanted]
             if not examples:
@@ -196,7 +164,7 @@ class Text2SQLTask(Task):
         questions = read_questions(cfg)
         stats: dict[str, Any] = {"read": len(questions)}
         missing: Counter[str] = Counter()
-        usable: list[tuple[Question, Path]] = []
+        usable: _Usable = []
         for q in questions:
             path = find_database(cfg.db_dir, q.db_id)
             if path is None:
@@ -210,7 +178,7 @@ class Text2SQLTask(Task):
             )
         stats["missing_database"] = sum(missing.values())
         stats["missing_databases"] = dict(missing)
-        failed: list[tuple[str, str]] = []
+        failed: _Failed = []
         if cfg.drop_failing_gold:
             usable, failed = self._drop_failing_cached(cfg, usable)
         elif self.max_examples is not None:
@@ -234,10 +202,9 @@ class Text2SQLTask(Task):
         )
         return examples
 
-    def _gold_cache_file(
-        self, cfg: SplitConfig, usable: list[tuple[Question, Path]]
-    ) -> Path | None:
-        """Cache file named by the question file and every database used (path, size, mtime)."""
+    def _gold_cache_file(self, cfg: SplitConfig, usable: _Usable) -> Path | None:
+        """Cache file named by the question file, every database used (path, size, mtime) and
+        the executor's limits."""
         if self.cache_dir is None or self.max_examples is not None or not cfg.file:
             return None
         try:
@@ -246,23 +213,15 @@ class Text2SQLTask(Task):
             db_ids = [[d, os.stat(d).st_size, os.stat(d).st_mtime_ns] for d in dbs]
         except OSError:
             return None
-        key = json.dumps(
-            [
-                str(Path(cfg.file).resolve()),
-                st.st_size,
-                st.st_mtime_ns,
-                db_ids,
-                cfg.question_field,
-                self.keep_distinct,
-                _GOLD_CHECK_VERSION,
-            ]
-        )
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        key = [str(Path(cfg.file).resolve()), st.st_size, st.st_mtime_ns, db_ids]
+        # the limits decide whether a reference runs (built here: no executor for a cache hit)
+        options = {k: v for k, v in self.executor_options.items() if k != "workers"}
+        limits = dataclasses.asdict(Limits(**options))
+        key += [cfg.question_field, self.keep_distinct, limits, _GOLD_CHECK_VERSION]
+        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
         return self.cache_dir / "text2sql" / f"gold_check_{cfg.name}_{digest}.json"
 
-    def _drop_failing_cached(
-        self, cfg: SplitConfig, usable: list[tuple[Question, Path]]
-    ) -> tuple[list[tuple[Question, Path]], list[tuple[str, str]]]:
+    def _drop_failing_cached(self, cfg: SplitConfig, usable: _Usable) -> tuple[_Usable, _Failed]:
         """:meth:`_drop_failing`, remembered in ``cache_dir`` for the same question file."""
         cache = self._gold_cache_file(cfg, usable)
         if cache is not None and cache.is_file():
@@ -282,15 +241,13 @@ class Text2SQLTask(Task):
                 log.warning("text2sql: cannot write %s (%s)", cache, exc)
         return kept, failed
 
-    def _drop_failing(
-        self, usable: list[tuple[Question, Path]]
-    ) -> tuple[list[tuple[Question, Path]], list[tuple[str, str]]]:
+    def _drop_failing(self, usable: _Usable) -> tuple[_Usable, _Failed]:
         """Run every reference query (and its DISTINCT-free form); keep those that run.
 
         With ``max_examples`` only as many chunks are checked as needed to fill it.
         """
-        kept: list[tuple[Question, Path]] = []
-        failed: list[tuple[str, str]] = []
+        kept: _Usable = []
+        failed: _Failed = []
         want = self.max_examples
         chunk = len(usable) if want is None else max(4 * want, 64)
         for start in range(0, len(usable), chunk):
@@ -316,9 +273,8 @@ class Text2SQLTask(Task):
         schema = render_schema(str(db_path), self.schema_max_chars, self.sample_values)
         evidence = f"\nExternal knowledge: {q.evidence.strip()}" if q.evidence.strip() else ""
         user = USER_TEMPLATE.format(schema=schema, question=q.question.strip(), evidence=evidence)
-        messages = [{"role": "user", "content": user}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": user})
         tables = [
             t
             for t in table_names(str(db_path))
@@ -336,12 +292,8 @@ class Text2SQLTask(Task):
             data["evidence"] = q.evidence
         if q.difficulty is not None:
             data["difficulty"] = str(q.difficulty)
-        return Example(
-            id=q.id,
-            messages=messages,
-            data=data,
-            reference=reference_response(q.question, q.query, tables),
-        )
+        reference = reference_response(q.question, q.query, tables)
+        return Example(id=q.id, messages=messages, data=data, reference=reference)
 
     def teacher_messages(self, example: Example):
         """The base class's teacher context around ``task.reference_solutions``' solution."""
@@ -366,30 +318,27 @@ class Text2SQLTask(Task):
             except Exception as exc:  # defensive: parsing is pure string work
                 log.warning("text2sql: could not parse a response: %r", exc)
                 parsed.append(None)
-        jobs: list[ExecJob] = []
-        job_index: dict[int, int] = {}
+        jobs: dict[int, ExecJob] = {}  # by response
         max_chars = self.executor.limits.max_query_chars
         for i, (ex, p) in enumerate(zip(examples, parsed, strict=True)):
             if p is None or p.sql is None:
                 continue
             gold = _prepared(ex.data["query"], self.keep_distinct)
-            job_index[i] = len(jobs)
             if len(p.sql) > max_chars:  # refused unread by the executor: skip the clean-up
                 pred, pred_match = p.sql, None
             else:
                 pred, pred_match = clean_query(p.sql), prepare_for_match(p.sql, self.keep_distinct)
-            jobs.append(
-                ExecJob(
-                    db=ex.data["db_path"],
-                    pred=pred,
-                    pred_match=pred_match,
-                    gold=gold,
-                    ordered=order_matters(gold),
-                    mode=ex.data.get("match", "spider"),
-                )
+            jobs[i] = ExecJob(
+                db=ex.data["db_path"],
+                pred=pred,
+                pred_match=pred_match,
+                gold=gold,
+                ordered=order_matters(gold),
+                mode=ex.data.get("match", "spider"),
             )
         try:
-            outcomes = self.executor.run(jobs) if jobs else []
+            ran = self.executor.run(list(jobs.values())) if jobs else []
+            outcomes = dict(zip(jobs, ran, strict=True))
         except Exception as exc:  # the pool itself failed: no reward can be trusted
             msg = f"executor failure: {type(exc).__name__}: {exc}"
             log.error("text2sql: %s", msg)
@@ -399,8 +348,7 @@ class Text2SQLTask(Task):
             try:
                 if p is None:
                     raise ValueError("response could not be parsed")
-                out = outcomes[job_index[i]] if i in job_index else None
-                scores.append(self._assemble(ex, p, out))
+                scores.append(self._assemble(ex, p, outcomes.get(i)))
             except Exception as exc:
                 msg = f"{type(exc).__name__}: {exc}"
                 log.warning("text2sql: scoring failed for example %s: %s", ex.id, msg)
@@ -408,19 +356,15 @@ class Text2SQLTask(Task):
         return scores
 
     def _assemble(self, ex: Example, p: ParsedResponse, out: ExecOutcome | None) -> Score:
-        rewards: dict[str, float | None] = {"format": 1.0 if p.format_ok else 0.0}
-        reasons: dict[str, str] = {}
+        rewards = {"format": 1.0 if p.format_ok else 0.0, "executability": 0.0, "execution": 0.0}
+        reasons = {"format": p.format_reason} if p.format_reason else {}
         blocks: dict[str, str | None] = {
             "format": FORMAT_BLOCK,
             "executability": None,
             "execution": reference_block(ex.data["query"]),
         }
         checks: dict[str, Any] = {"db": ex.data["db_id"]}
-        if p.format_reason:
-            reasons["format"] = p.format_reason
         if out is None:  # no query in the answer
-            rewards["executability"] = 0.0
-            rewards["execution"] = 0.0
             reasons["executability"] = p.sql_reason or "no SQL code block inside <answer>"
             reasons["execution"] = "no query to execute"
             blocks["executability"] = NO_SQL_BLOCK
@@ -432,21 +376,18 @@ class Text2SQLTask(Task):
         }
         if out.gold_error:
             checks["gold_error"] = out.gold_error
+        if not out.pred_ok:
+            checks["error_kind"] = out.pred_error_kind
         if not out.pred_ok and out.pred_error_kind in RESULT_CAP_KINDS:
             # SQLite ran it without error; the executor stopped reading a result too large
             # to compare. Executable (as the official evaluator would find it), not matched.
             rewards["executability"] = 1.0
-            rewards["execution"] = 0.0
             reasons["execution"] = f"not compared: {out.pred_error}"
-            checks["error_kind"] = out.pred_error_kind
         elif not out.pred_ok:
             error = out.pred_error or "unknown error"
-            rewards["executability"] = 0.0
-            rewards["execution"] = 0.0
             reasons["executability"] = error
             reasons["execution"] = "the query did not run"
             blocks["executability"] = error_block(error, out.pred_error_kind)
-            checks["error_kind"] = out.pred_error_kind
         else:
             rewards["executability"] = 1.0
             rewards["execution"] = 1.0 if out.match else 0.0
@@ -486,3 +427,100 @@ class Text2SQLTask(Task):
         out.update({k: sum(v) / len(v) for k, v in sorted(groups.items())})
         out["n_databases"] = float(len({ex.data.get("db_id") for ex in examples}))
         return out
+
+
+# ---- reference solutions (method=opsd) -----------------------------------------------------
+# OmniSQL's chain-of-thought solutions (Li et al., arXiv 2503.02240; docs/tasks/text2sql.md,
+# "Prompt"), whose last ```sql block is the answer (as OmniSQL's ``post_process_cot.py`` reads
+# it). The archive's ``data/train_spider.json`` (``input_seq``/``output_seq`` only) cannot be
+# matched to questions.
+
+GOLD = "gold"
+KEY = "task.reference_solutions"
+RELEASE = "data/spider/train_spider_enhanced_with_cot.json of seeklhy/OmniSQL-datasets (data.zip)"
+
+_SQL_BLOCK = re.compile(r"```sql\s*(.*?)\s*```", re.DOTALL | re.IGNORECASE)
+
+
+def question_key(db_id: str, question: str) -> tuple[str, str]:
+    return str(db_id), " ".join(str(question).split()).casefold()
+
+
+def to_answer_format(cot: str) -> str | None:
+    """An OmniSQL solution in this task's format: ``<think>reasoning</think>`` then the last
+    ```` ```sql ```` block inside ``<answer>``. None when the text has no SQL block."""
+    blocks = list(_SQL_BLOCK.finditer(cot or ""))
+    if not blocks:
+        return None
+    last = blocks[-1]
+    sql = last.group(1).strip()
+    if not sql:
+        return None
+    return answer_response(cot[: last.start()].strip(), sql)
+
+
+def load_solutions(path: str | Path) -> tuple[dict[tuple[str, str], str], dict[str, int]]:
+    """``{(db_id, question key): solution in the answer format}`` and counts (rows read,
+    kept, without a usable SQL block, duplicates)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"{KEY}={str(path)!r}: no such file. Point it at OmniSQL's Spider-train "
+            f"solutions ({RELEASE}), set {KEY}=gold for the gold-query fallback, or leave it "
+            "null (then method=opsd is refused)"
+        )
+    with open(p, encoding="utf-8") as f:
+        rows: Any = json.load(f)
+    if not isinstance(rows, list):
+        raise ValueError(f"{KEY}: {p} is not a JSON list of rows (expected {RELEASE})")
+    out: dict[tuple[str, str], str] = {}
+    stats = {"read": len(rows), "kept": 0, "no_sql_block": 0, "duplicates": 0}
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not {"db_id", "question", "cot"} <= set(row):
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(
+                f"{KEY}: row {i} of {p} lacks db_id/question/cot (has {keys}); expected the "
+                f"rows of {RELEASE}"
+            )
+        text = to_answer_format(str(row["cot"]))
+        if text is None:
+            stats["no_sql_block"] += 1
+            continue
+        key = question_key(row["db_id"], row["question"])
+        if key in out:
+            stats["duplicates"] += 1  # the same question twice in Spider train: keep the first
+            continue
+        out[key] = text
+        stats["kept"] += 1
+    return out, stats
+
+
+class ReferenceSolutions:
+    """The teacher's reference for each training question, from ``task.reference_solutions``
+    (None: none configured; ``"gold"``: the gold query in the answer format; else a path)."""
+
+    def __init__(self, setting: str | None) -> None:
+        self.setting = None if setting in (None, "") else str(setting)
+        self.stats: dict[str, int] = {}
+
+    @functools.cached_property
+    def _solutions(self) -> dict[tuple[str, str], str]:
+        table, self.stats = load_solutions(self.setting or "")
+        log.info(
+            "text2sql: %(kept)d OmniSQL reference solutions read from %(path)s (%(read)d "
+            "rows, %(no_sql_block)d without a SQL block, %(duplicates)d duplicates)",
+            {**self.stats, "path": self.setting},
+        )
+        return table
+
+    def reference(self, db_id: str, question: str, gold_reference: str | None) -> str | None:
+        if self.setting is None:
+            raise ValueError(
+                f"method=opsd on task=text2sql needs a reference solution per question for the "
+                f"teacher's context, and {KEY} is not set: set it to the path of OmniSQL's "
+                f"Spider-train solutions ({RELEASE}), or {KEY}=gold for the fallback (the "
+                "gold query in the answer format; not the paper's setting)"
+            )
+        if self.setting == GOLD:
+            return gold_reference
+        return self._solutions.get(question_key(db_id, question))

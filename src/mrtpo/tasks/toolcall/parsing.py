@@ -1,4 +1,5 @@
-"""Text formats of the tool-calling task: tool lists in the system prompt, tags, tool calls.
+"""Text formats and data of the tool-calling task: tool lists in the system prompt, tags, tool
+calls, and the RLLA loaders.
 
 The response format is ToolRL's: ``<think> ... </think>``, then a ``<tool_call>`` block with
 one JSON object ``{"name": ..., "parameters": {...}}`` per line and/or a
@@ -6,13 +7,25 @@ one JSON object ``{"name": ..., "parameters": {...}}`` per line and/or a
 ``Name`` / ``Description`` / ``Parameters`` entries (the RLLA data's own layout), which
 ``parse_tools`` reads back and ``render_tools`` writes (the BFCL prompts reuse it, so a model
 trained on RLLA sees the same layout at evaluation).
+
+ToolRL's RLLA data comes in two published layouts, RL (``rlla_4k*``: ``prompt``,
+``reward_model.ground_truth``) and SFT (``rlla_sft.json``: ``instruction``, ``input``,
+``output``); both load into the same ``data``: tools, reference calls and answer tags. Rows
+whose gold calls do not parse cannot be scored and are dropped (counted in the log).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from mrtpo.tasks.base import Example
+
+log = logging.getLogger(__name__)
 
 TAGS = ("think", "tool_call", "response")
 
@@ -66,10 +79,8 @@ class ParseError(ValueError):
 # ---- tool lists ------------------------------------------------------------------------------
 def parse_tools(system_prompt: str) -> list[dict[str, Any]]:
     """Tools of an RLLA-style system prompt, in order, as ``{"name", "description",
-    "parameters"}`` (parameter name -> ``type``, ``description``, ``default``), text as written
-    so ``render_tools`` gives the list back verbatim. No tool list: ``[]``; a ``Parameters``
-    line that is not a JSON object: ``ParseError``.
-    """
+    "parameters"}``, text as written (``render_tools`` gives the list back verbatim). No tool
+    list: ``[]``; a ``Parameters`` line that is not a JSON object: ``ParseError``."""
     start = system_prompt.find(_TOOLS_HEADING)
     if start < 0:
         return []
@@ -137,6 +148,14 @@ def reference_tags(reference: str) -> tuple[str, ...]:
     return tuple(t for t in ("tool_call", "response") if f"<{t}>" in tail)
 
 
+def call_lines(calls: Sequence[dict[str, Any]]) -> str:
+    """The lines of a ``<tool_call>`` block making ``calls``: one JSON object each."""
+    return "\n".join(
+        json.dumps({"name": c["name"], "parameters": c["parameters"]}, ensure_ascii=False)
+        for c in calls
+    )
+
+
 def parse_call_lines(block: str) -> list[Any]:
     """JSON values of the lines of a ``<tool_call>`` block (ToolRL: strip, split on newlines)."""
     out = []
@@ -164,21 +183,23 @@ def reference_calls(reference: str) -> list[dict[str, Any]] | None:
         raise ParseError("reference <tool_call> block is not closed")
     calls = parse_call_lines(block.split("</tool_call>")[0])
     for i, c in enumerate(calls, 1):
-        if not (
-            isinstance(c, dict)
-            and isinstance(c.get("name"), str)
-            and isinstance(c.get("parameters"), dict)
-        ):
+        if not _is_call(c):
             raise ParseError(f"reference call {i} is not {{'name': str, 'parameters': dict}}")
     return calls
 
 
+def _is_call(c: Any) -> bool:
+    return (
+        isinstance(c, dict)
+        and isinstance(c.get("name"), str)
+        and isinstance(c.get("parameters"), dict)
+    )
+
+
 def response_calls(response: str) -> list[Any]:
-    """Calls of a model response, read exactly as ToolRL's reward reads them: one JSON value
-    per line between the first ``<tool_call>`` and the next ``</tool_call>``. Raises
-    ``ParseError`` on a missing tag or a non-JSON line; values are not validated here (the
-    correctness reward decides what a malformed call costs).
-    """
+    """Calls of a model response as ToolRL's reward reads them: one JSON value per line
+    between the first ``<tool_call>`` and the next ``</tool_call>`` (not validated here).
+    ``ParseError`` on a missing tag or a non-JSON line."""
     if "<tool_call>" not in response or "</tool_call>" not in response:
         raise ParseError("no <tool_call> ... </tool_call> block")
     return parse_call_lines(response.split("<tool_call>")[1].split("</tool_call>")[0])
@@ -204,11 +225,8 @@ def _base_type(schema: Any) -> str | None:
 
 def coerce_value(value: Any, schema: Any) -> Any:
     """``value`` as the schema's scalar type when it is a string spelling of it ("3" for an
-    int, "2.5" for a float, "true" for a bool); otherwise unchanged.
-
-    For reference values only (the paper's rule): RLLA references often quote numbers
-    ("page": "1" for an ``int``), and a model writing the typed value should not lose for it.
-    """
+    int, "2.5" for a float, "true" for a bool); otherwise unchanged. For reference values only
+    (the paper's rule, docs/tasks/toolcall.md "Argument types")."""
     if not isinstance(value, str):
         return value
     t = _base_type(schema)
@@ -231,14 +249,166 @@ def coerce_calls(calls: list[Any], tools: dict[str, dict[str, Any]]) -> list[Any
     ``tools_by_name``) coerced to its declared type; anything else passes unchanged."""
     out: list[Any] = []
     for call in calls:
-        if (
-            isinstance(call, dict)
-            and isinstance(call.get("name"), str)
-            and isinstance(call.get("parameters"), dict)
-            and call["name"] in tools
-        ):
+        if _is_call(call) and call["name"] in tools:
             schema = tools[call["name"]] or {}
             params = {k: coerce_value(v, schema.get(k)) for k, v in call["parameters"].items()}
             call = {**call, "parameters": params}
         out.append(call)
+    return out
+
+
+# ---- RLLA data -------------------------------------------------------------------------------
+def _jsonl_rows(p: Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a bad line fails naming ``file:line`` and the problem."""
+    rows = []
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{p}:{lineno}: not valid UTF-8 (byte {exc.start + 1} of the line); RLLA "
+                    "files are UTF-8 JSON lines (task.data_files.<split>)"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{p}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); each "
+                    "line of an RLLA .jsonl file must be one JSON object"
+                ) from None
+            except (ValueError, RecursionError) as exc:  # e.g. an integer too long to convert
+                raise ValueError(f"{p}:{lineno}: cannot be decoded ({exc})") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{p}:{lineno}: a JSON {type(row).__name__}, not an object; each line of an "
+                    "RLLA .jsonl file must be one row object"
+                )
+            rows.append(row)
+    return rows
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``.json`` (a list, or ``{"data": [...]}``), ``.jsonl`` or ``.parquet`` file;
+    a malformed one is a ``ValueError`` naming the file and, where known, the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"RLLA data file not found: {p} (set task.data_files.<split> or paths.data_dir)"
+        )
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # comes with `datasets`; imported only when needed
+
+        return pq.read_table(p).to_pylist()
+    if suffix == ".jsonl":
+        return _jsonl_rows(p)
+    if suffix == ".json":
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{p}: not valid UTF-8 (byte offset {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{p}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise ValueError(f"{p}: expected a JSON list of rows")
+        bad = next((i for i, row in enumerate(data) if not isinstance(row, dict)), None)
+        if bad is not None:
+            raise ValueError(f"{p}: row {bad} is a JSON {type(data[bad]).__name__}, not an object")
+        return data
+    raise ValueError(f"{p}: unsupported data file type {suffix!r} (use .json, .jsonl, .parquet)")
+
+
+def _messages_and_reference(row: dict[str, Any]) -> tuple[list[dict[str, str]], str]:
+    if "prompt" in row:  # RL layout
+        msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["prompt"]]
+        rm = row.get("reward_model") or {}
+        ref = rm.get("ground_truth") if isinstance(rm, dict) else None
+        if ref is None:
+            ref = (row.get("extra_info") or {}).get("output")
+        if not isinstance(ref, str):
+            raise ParseError("RL row has no reward_model.ground_truth string")
+        return msgs, ref
+    if "instruction" in row and "output" in row:  # SFT layout
+        msgs = []
+        if row["instruction"]:
+            msgs.append({"role": "system", "content": str(row["instruction"])})
+        msgs.append({"role": "user", "content": str(row.get("input") or "")})
+        return msgs, str(row["output"])
+    raise ParseError(
+        "row is neither RL layout (prompt, reward_model) nor SFT layout (instruction, input, output)"
+    )
+
+
+def typed_reference(reference: str, calls: list[dict[str, Any]] | None, tools: dict) -> str:
+    """``reference`` with the calls whose values ``coerce_calls`` converts rewritten as typed
+    JSON (other lines verbatim), so that it scores full marks against itself and an SFT warm
+    start teaches the typed form (docs/tasks/toolcall.md, "Argument types")."""
+    if not calls:
+        return reference
+    typed = coerce_calls(calls, tools)
+    # coerce_value returns the very same object for a value it leaves alone
+    changed = [
+        any(t["parameters"][k] is not v for k, v in c["parameters"].items())
+        for c, t in zip(calls, typed, strict=True)
+    ]
+    if not any(changed):
+        return reference
+    # the calls' block is the last one, after the reasoning (``reference_calls``)
+    start = reference.rfind("<tool_call>") + len("<tool_call>")
+    end = reference.find("</tool_call>", start)
+    block = reference[start:end]
+    lead = block[: len(block) - len(block.lstrip())]
+    trail = block[len(block.rstrip()) :]
+    new = [
+        json.dumps(t, ensure_ascii=False) if ch else line
+        for line, t, ch in zip(block.strip().split("\n"), typed, changed, strict=True)
+    ]
+    return reference[:start] + lead + "\n".join(new) + trail + reference[end:]
+
+
+def example_from_row(row: dict[str, Any], example_id: str) -> Example:
+    """One RLLA row (either layout) as an ``Example``; raises ``ParseError`` if unusable."""
+    messages, reference = _messages_and_reference(row)
+    system = next((m["content"] for m in messages if m["role"] == "system"), "")
+    tools = tools_by_name(parse_tools(system))
+    calls = reference_calls(reference)
+    reference = typed_reference(reference, calls, tools)
+    data = {
+        "source": "rlla",
+        "tools": tools,
+        "reference_calls": calls,
+        "tags": reference_tags(reference),
+    }
+    return Example(id=example_id, messages=messages, data=data, reference=reference)
+
+
+def load_rlla(path: str | Path, limit: int | None = None) -> list[Example]:
+    """Examples of one RLLA file; ids are ``<file stem>-<row index>``."""
+    rows = read_rows(path)
+    stem = Path(path).stem
+    out: list[Example] = []
+    dropped: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            out.append(example_from_row(row, f"{stem}-{i}"))
+        except ParseError as exc:
+            dropped[str(exc)] = dropped.get(str(exc), 0) + 1
+    if dropped:
+        log.warning(
+            "%s: dropped %d of %d rows whose reference cannot be scored: %s",
+            path,
+            sum(dropped.values()),
+            len(rows),
+            dropped,
+        )
+    log.info("loaded %d tool-calling examples from %s", len(out), path)
     return out

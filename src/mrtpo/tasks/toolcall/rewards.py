@@ -1,24 +1,11 @@
-"""ToolRL's two rewards: format (0/1) and tool-call correctness (-3..3).
+"""ToolRL's two rewards, format (0/1) and tool-call correctness (-3..3), and their blocks.
 
-Both follow ToolRL's verl fork (``verl/utils/reward_score/rlla.py``, defaults: no reward
-scheduling, fine-grained matching); departures are commented with why.
-
-Correctness, reference calls ``G`` against response calls ``P``: ``-3`` with no ``<tool_call>``
-block, a non-JSON line, or calls malformed where compared; ``+3`` when ``P == G`` (same calls,
-order, arguments); ``0`` when the reference makes no call (ToolRL gives no signal there);
-otherwise ``6 * S / S_max - 3``. ``S`` adds the name overlap of the lists and, per reference
-call (greedily, in order), the best unused predicted call of that name: its parameter-name
-overlap plus one per argument reproduced exactly; ``S_max = 1 + sum over G of (1 + its
-arguments)``. Overlap of multisets: 1 if equal, else ``|A ∩ B| / (|A| + |B| - |A ∩ B|)``.
-
-The *reference's* numeric/boolean strings are converted to the schema's types
-(``parsing.coerce_calls``), as the paper says; the model's calls compare as written, as in ToolRL
-(its ``"1.0"`` for an ``int`` is not ``1``; its ``1.0`` is).
-
-Format is ToolRL's check: the regex of the layout the reference implies plus exactly one opening
-and closing tag per answer tag (``<tool_call>``, ``<response>``); ``<think>`` is not counted, so a
-second think block passes, as in ToolRL. The layout is read from the reference's answer part
-(after ``</think>``), not its whole text: distilled reasoning sometimes names a tag in prose.
+Both rewards follow ToolRL's verl fork (``verl/utils/reward_score/rlla.py``, defaults: no
+reward scheduling, fine-grained matching); the definitions and the departures, with why, are in
+docs/tasks/toolcall.md, "Rewards". The blocks (appended by replay to the last user message,
+correctness first) state what the verifier checks, no more: the reference calls after type
+coercion (none for a reference without calls, whose reward is a constant 0) and the tag layout
+the reference implies.
 """
 
 from __future__ import annotations
@@ -28,16 +15,14 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from mrtpo.tasks.toolcall.parsing import ParseError, coerce_calls, response_calls
+from mrtpo.tasks.toolcall.parsing import ParseError, call_lines, coerce_calls, response_calls
 
 CORRECTNESS_MAX = 3.0
 CORRECTNESS_MIN = -3.0
 
-# ToolRL's patterns, one per set of answer tags the reference implies. re.DOTALL: reasoning
-# and responses span lines; the anchors make the tags the whole answer, in this order.
-# Linear time: each pattern is tried from position 0 only (``^`` without MULTILINE), and
-# the tag counts are checked first, so each lazy group has at most one place to stop at
-# (``</think>$`` for the think-only layout needs no count: the end anchor fixes it).
+# ToolRL's patterns, one per set of answer tags the reference implies. Linear time: each is
+# tried from position 0 only, and the tag counts are checked first, so each lazy group has at
+# most one place to stop at (the think-only layout's end anchor fixes its one).
 _FORMAT_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {
     ("tool_call",): re.compile(r"^<think>.*?</think>\n<tool_call>\n.*?\n</tool_call>$", re.S),
     ("response",): re.compile(r"^<think>.*?</think>\n<response>.*?</response>$", re.S),
@@ -49,10 +34,8 @@ _FORMAT_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {
 
 
 def format_reward(response: str, tags: Sequence[str]) -> tuple[float, str | None]:
-    """ToolRL's format reward, (1 or 0, reason for a 0): ``<think>`` then the ``tags`` the
-    reference implies (``parsing.reference_tags``), in order, each answer tag exactly once (as
-    in ToolRL, a second ``<think>`` block passes).
-    """
+    """ToolRL's format reward, (1 or 0, reason for a 0), for the ``tags`` the reference
+    implies (``parsing.reference_tags``)."""
     key = tuple(t for t in ("tool_call", "response") if t in tags)
     for tag in key:
         for mark in (f"<{tag}>", f"</{tag}>"):
@@ -90,10 +73,9 @@ def _names(pred: list[Any]) -> list[Hashable]:
 
 
 def tool_call_score(gold: list[dict[str, Any]], pred: list[Any]) -> float:
-    """Correctness in [-3, 3] of predicted calls (as written) against reference calls.
-    ``ParseError`` (the caller's -3) where ToolRL's comparison fails on a malformed prediction:
-    a call that is not an object with a name, or same-named with non-object parameters.
-    """
+    """Correctness in [-3, 3] of predicted calls (as written) against reference calls:
+    ``6 * S / S_max - 3`` (docs/tasks/toolcall.md). ``ParseError`` (the caller's -3) where
+    ToolRL's comparison fails on a malformed prediction."""
     if gold == pred:
         return CORRECTNESS_MAX
     score = match_score([g["name"] for g in gold], _names(pred))
@@ -126,8 +108,7 @@ def correctness_reward(
 ) -> tuple[float, str | None]:
     """(ToolRL correctness, reason when not a perfect 3) of a cleaned ``response``; never
     raises on model output. ``gold_calls``: ``parsing.reference_calls`` (``None``: reward 0);
-    ``tools``: ``parsing.tools_by_name``, for the reference's type conversion.
-    """
+    ``tools``: ``parsing.tools_by_name``, for the reference's type conversion."""
     if gold_calls is None:
         return 0.0, "the reference makes no tool call (ToolRL gives 0)"
     try:
@@ -150,3 +131,37 @@ def _mismatch_reason(gold: list[dict[str, Any]], pred: list[Any]) -> str:
     if g_names != p_names:
         return f"called {p_names}, reference calls {g_names}"
     return "tool names match; parameter names or values differ from the reference"
+
+
+# ---- verifier blocks ----------------------------------------------------------------------
+_CALL_LINE = '{"name": ..., "parameters": {...}}'
+#: The format block's last sentence, by (has a tool call, has a response) (``True == 1``).
+_FORMAT_TAILS = {
+    (1, 1): "Use each tag exactly once and write nothing after </response>.",
+    (1, 0): "Use each tag exactly once, add no <response>, and write nothing after </tool_call>.",
+    (0, 1): "Make no tool call, use each tag exactly once, and write nothing after </response>.",
+    (0, 0): "Write nothing outside the <think> </think> pair.",
+}
+
+
+def correctness_block(calls: list[dict[str, Any]] | None) -> str | None:
+    """The reference calls, one JSON object per line (``None`` when there are none)."""
+    if calls is None:
+        return None
+    n = len(calls)
+    what = "this tool call" if n == 1 else f"these {n} tool calls"
+    return f"The correct answer to this turn makes {what}:\n{call_lines(calls)}"
+
+
+def format_block(tags: Sequence[str]) -> str:
+    """The required layout: ``<think>`` then the tags the reference implies, each once."""
+    think = "Write your reasoning inside <think> </think> first"
+    calls = (
+        "then, on a new line, <tool_call>, one JSON object per line of the form "
+        f"{_CALL_LINE}, and </tool_call> on its own line"
+    )
+    reply = "then, on a new line, your reply inside <response> </response>"
+    has_call, has_reply = "tool_call" in tags, "response" in tags
+    body = ", ".join([think, *[calls] * has_call, *[reply] * has_reply])
+    tail = _FORMAT_TAILS[has_call, has_reply]
+    return f"Required answer format: {body}. {tail}"

@@ -1,10 +1,8 @@
 """``task=toolcall``: ToolRL-style tool calling, trained on RLLA, evaluated on BFCL v4.
 
-Rewards (``rewards.py``): ``format`` (0/1) and ``correctness`` (-3..3, ToolRL's definition).
-Verifier blocks (``blocks.py``), appended in this order: the reference calls, then the
-required tag layout. Splits: any key of ``data_files`` (RLLA files, either layout), plus
-``bfcl`` (the ten single-turn AST categories, or the subset in ``eval.categories``) and each
-BFCL category name on its own.
+Rewards ``format`` (0/1) and ``correctness`` (-3..3) and their verifier blocks in
+``rewards.py``. Splits: any key of ``data_files`` (RLLA files), ``bfcl`` (the ten single-turn
+AST categories, or ``eval.categories``) and each BFCL category name on its own.
 """
 
 from __future__ import annotations
@@ -16,13 +14,13 @@ from typing import Any
 
 from mrtpo.tasks.base import Example, Score, Task, tag_spans
 from mrtpo.tasks.toolcall import bfcl
-from mrtpo.tasks.toolcall.blocks import correctness_block, format_block
-from mrtpo.tasks.toolcall.data import load_rlla
-from mrtpo.tasks.toolcall.parsing import clean_response, coerce_calls
+from mrtpo.tasks.toolcall.parsing import clean_response, coerce_calls, load_rlla
 from mrtpo.tasks.toolcall.rewards import (
     CORRECTNESS_MAX,
     CORRECTNESS_MIN,
+    correctness_block,
     correctness_reward,
+    format_block,
     format_reward,
 )
 
@@ -87,10 +85,7 @@ class ToolCallTask(Task):
         text = clean_response(response)
         d = example.data
         fmt, why_fmt = format_reward(text, d["tags"])
-        reasons: dict[str, str] = {}
-        if why_fmt:
-            reasons["format"] = why_fmt
-
+        reasons = {"format": why_fmt} if why_fmt else {}
         if d.get("source") == "bfcl":
             verdict = bfcl.check_response(example, text)
             if not verdict["valid"]:
@@ -106,25 +101,17 @@ class ToolCallTask(Task):
                 },
             )
 
-        corr, why_corr = correctness_reward(d["reference_calls"], text, d["tools"])
+        gold = d["reference_calls"]
+        corr, why_corr = correctness_reward(gold, text, d["tools"])
         if why_corr:
             reasons["correctness"] = why_corr
-        gold = d["reference_calls"]
-        blocks = {
-            "correctness": correctness_block(
-                None if gold is None else coerce_calls(gold, d["tools"])
-            ),
-            "format": format_block(d["tags"]),
-        }
+        typed = None if gold is None else coerce_calls(gold, d["tools"])
+        blocks = {"correctness": correctness_block(typed), "format": format_block(d["tags"])}
         checks: dict[str, Any] = {"reference_calls": gold is not None}
         if gold is not None:
             checks["exact_match"] = corr == CORRECTNESS_MAX
-        return Score(
-            rewards={"format": fmt, "correctness": corr},
-            blocks=blocks,
-            reasons=reasons,
-            checks=checks,
-        )
+        rewards = {"format": fmt, "correctness": corr}
+        return Score(rewards=rewards, blocks=blocks, reasons=reasons, checks=checks)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def segments(self, response: str) -> dict[str, list[tuple[int, int]]]:
@@ -142,8 +129,7 @@ class ToolCallTask(Task):
                 by_cat[s.checks["category"]].append(bool(s.checks["bfcl_valid"]))
             elif "exact_match" in s.checks:
                 exact.append(bool(s.checks["exact_match"]))
-        fmt = [s.rewards.get("format") for s in scores]
-        fmt = [v for v in fmt if v is not None]
+        fmt = [v for s in scores if (v := s.rewards.get("format")) is not None]
         if fmt:
             out["format_accuracy"] = sum(v == 1.0 for v in fmt) / len(fmt)
         if exact:
