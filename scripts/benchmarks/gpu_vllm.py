@@ -349,13 +349,22 @@ def run_sync_checks(args, report, engine, model, tok, eos_ids) -> None:
     summarize(args, data)
 
 
+def _sample(engine, prompts, group, samp, seed):
+    """(generations, vLLM's log-prob of each sampled token) from the engine's own generate,
+    which attaches them at these settings (temperature 1, no truncation)."""
+    gens = engine.generate(prompts, group, samp, seed)
+    if any(g.logprobs is None for g in gens):
+        raise RuntimeError(f"vLLM reported no sampled-token log-probs at {samp}")
+    return gens, [g.logprobs for g in gens]
+
+
 def _compare_logprobs(entry, engine, model, tok, sampling, eos_ids, old_values):
     """Sample with vLLM's log-probs, put the samples' statistics and the differences from the
     trainer's log-probs (fp32, bf16 autocast, and the weights before the step when given) in
     ``entry``; return the samples."""
     prompts, group, samp = sampling
     flat_prompts = [p for p in prompts for _ in range(group)]
-    gens, v_lp = engine.generate_with_logprobs(prompts, group, samp, seed=1000 + entry["sync"])
+    gens, v_lp = _sample(engine, prompts, group, samp, seed=1000 + entry["sync"])
     responses = [g.token_ids for g in gens]
     entry["samples"] = gen_stats(gens, eos_ids)
     entry["trainer_fp32"] = diff_stats(v_lp, trainer_logprobs(model, tok, flat_prompts, responses))
@@ -387,7 +396,7 @@ def _after_sleep_wake(engine, model, tok, prompts, group, samp) -> dict:
     flat_prompts = [p for p in prompts for _ in range(group)]
     engine.sleep()
     engine.wake_up()
-    gens, v_lp = engine.generate_with_logprobs(prompts, group, samp, seed=2000)
+    gens, v_lp = _sample(engine, prompts, group, samp, seed=2000)
     return {
         "trainer_fp32": diff_stats(
             v_lp, trainer_logprobs(model, tok, flat_prompts, [g.token_ids for g in gens])

@@ -287,7 +287,7 @@ def _fake_ipc(monkeypatch):
     """CUDA IPC handles need a GPU; here a handle is a real ``(func, args)`` pair that the
     receiver calls, exactly as vLLM's IPC engine does."""
     monkeypatch.setattr(ws, "_current_gpu_uuid", lambda: "GPU-fake")
-    monkeypatch.setattr(ws, "_cuda_ipc_handle", lambda t: (torch.clone, (t,)))
+    monkeypatch.setattr(ws, "reduce_tensor", lambda t: (torch.clone, (t,)))
     for var in ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.delenv(var, raising=False)
 
@@ -508,11 +508,10 @@ def test_generate_greedy_and_unseeded(monkeypatch):
     assert params[0].temperature == 0.0 and params[0].top_p == 1.0 and params[0].seed is None
 
 
-def test_generate_with_logprobs_returns_the_sampled_tokens_logprobs(monkeypatch):
+def test_generate_returns_the_sampled_tokens_logprobs(monkeypatch):
     engine = started_engine(monkeypatch, sync_on_bind=False)
-    gens, lps = engine.generate_with_logprobs(
-        [[1]], n=2, sampling=SamplingConfig(max_new_tokens=4), seed=0
-    )
+    gens = engine.generate([[1]], n=2, sampling=SamplingConfig(max_new_tokens=4), seed=0)
+    lps = [g.logprobs for g in gens]
     (_, _, params) = engine.llm.calls[-1]
     assert params[0].logprobs == 0
     assert [len(x) for x in lps] == [len(g.token_ids) for g in gens] == [3, 4]

@@ -23,7 +23,7 @@ from mrtpo.rollout.server_process import (
     group_members,
     is_loopback,
 )
-from mrtpo.rollout.server_push import write_snapshot
+from mrtpo.rollout.snapshots import write_snapshot
 from mrtpo.rollout.vllm_serve import CPUS_ENV, parse_cpus, pin_cpus
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from mrtpo.safe_files import UnsafePath

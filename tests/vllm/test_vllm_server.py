@@ -30,7 +30,7 @@ from mrtpo.core.models import TinyModelConfig, build_tiny_model, eos_token_ids, 
 from mrtpo.lightning.pipeline import metrics_csv
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.server_process import PROOF_PATH, group_members, proof
-from mrtpo.rollout.server_push import write_snapshot
+from mrtpo.rollout.snapshots import write_snapshot
 from mrtpo.rollout.vllm_serve import guard_every_route
 from mrtpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 

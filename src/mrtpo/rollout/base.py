@@ -31,13 +31,8 @@ class Generation:
 
 class RolloutEngine(ABC):
     """Base class of generation engines: what the rollout callback and evaluation call.
-
-    ``generate`` and ``sync_weights`` are required. ``bind`` (called once, before the first
-    generation, with the policy, tokenizer and EOS ids), ``wake_up`` (before generating or
-    syncing), ``sleep`` (after generating, to give memory back to training) and ``close``
-    (at the end) default to doing nothing; a colocated engine such as vLLM uses the first
-    three, the vLLM server engine ``close``.
-    """
+    ``generate`` and ``sync_weights`` are required; the hooks ``bind``, ``wake_up``, ``sleep``
+    (give memory back to training) and ``close`` default to doing nothing."""
 
     #: ``generate`` fills ``Generation.logprobs``; an engine that cannot says False, and
     #: ``rl.tis_cap`` (which needs them) is then refused before anything loads.
@@ -66,13 +61,10 @@ class RolloutEngine(ABC):
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
     ) -> list[Generation]:
-        """Sample ``n`` responses per prompt. Output is prompt-major: prompt i's samples are
-        at ``i*n .. i*n+n-1``.
-
-        Sample only with what ``sampling`` says (no defaults of the checkpoint's
-        ``generation_config``), and where possible fill ``Generation.logprobs``: the trainer
-        compares them with its own (``train/rollout/logp_gap``) and ``rl.tis_cap`` corrects
-        with them."""
+        """Sample ``n`` responses per prompt, prompt-major (prompt i's samples at
+        ``i*n .. i*n+n-1``), with what ``sampling`` says only (no checkpoint defaults). Fill
+        ``Generation.logprobs`` where possible: the trainer compares them with its own
+        (``train/rollout/logp_gap``) and ``rl.tis_cap`` corrects with them."""
 
     @abstractmethod
     def sync_weights(self, model: torch.nn.Module) -> None:

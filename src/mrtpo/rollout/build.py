@@ -50,13 +50,12 @@ def assemble(
     r_ids, r_mask = pad_right([g.token_ids for g in gens], pad)
     engine_logp = None
     if gens and all(g.logprobs is not None for g in gens):
-        for g in gens:
+        engine_logp = torch.zeros(r_ids.shape, dtype=torch.float32)
+        for i, g in enumerate(gens):
             if len(g.logprobs) != len(g.token_ids):
                 raise RuntimeError(
                     f"engine returned {len(g.logprobs)} log-probs for {len(g.token_ids)} tokens"
                 )
-        engine_logp = torch.zeros(r_ids.shape, dtype=torch.float32)
-        for i, g in enumerate(gens):
             if g.logprobs:
                 engine_logp[i, : len(g.logprobs)] = torch.tensor(g.logprobs, dtype=torch.float32)
     eos = set(eos_ids)

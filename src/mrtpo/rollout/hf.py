@@ -1,27 +1,13 @@
 """Rollouts with Hugging Face ``generate``: the CPU / test engine.
 
-It generates with the training model itself, so ``sync_weights`` has nothing to do; with
-``own_copy`` from a frozen copy that ``sync_weights`` refreshes, which may generate in a
-worker thread while the trainer updates (``rollout.schedule=one_step_off`` / ``async``).
-
-Only ``rollout.sampling`` decides how tokens are drawn. ``generate`` would otherwise fill
-every setting left unset from the checkpoint's ``generation_config`` (Qwen2.5 Instruct ships
-a repetition penalty, top-k and top-p), and a sample drawn under a repetition penalty is off
-the policy the trainer optimizes. So each call passes a complete ``GenerationConfig`` built
-from the sampling description, and the model's own config is swapped for a bare one while
-``generate`` runs (transformers copies model defaults into any field a caller left unset).
-One warning names the checkpoint settings this overrides.
-
-With several ranks (``trainer=fsdp``, where every forward is a collective, and
-``trainer=ddp`` alike) ``generate`` runs with ``synced_gpus=True``: a rank whose responses
-have ended keeps stepping, without sampling, until every rank's have. Every rank also makes
-as many ``generate`` calls as the busiest one (a one-token dummy prompt, discarded). The
-samples are those a lone rank would draw. Under FSDP the shared prefill's prefix forward is
-one more collective, so the ranks agree on it call by call (``_prefilled``'s ``agree``).
-
-Each sampled token's log-prob is recorded during generation from the model's raw logits:
-``log_softmax(z / temperature)``, the distribution sampled from (RL training refuses
-truncated samplers, see ``SamplingConfig.check_for_training``).
+It generates with the training model itself (``sync_weights`` has nothing to do) or, with
+``own_copy``, from a frozen copy that ``sync_weights`` refreshes, which may generate in a
+worker thread while the trainer updates. Only ``rollout.sampling`` decides how tokens are
+drawn (docs/rollout.md, "No hidden generation defaults"). With several ranks every rank makes
+as many ``generate`` calls as the busiest one, with ``synced_gpus=True``, and under FSDP the
+ranks agree call by call on the shared prefill (``_prefilled``'s ``agree``): the samples are
+those a lone rank would draw (docs/scaling.md). Each sampled token's log-prob is recorded from
+the raw logits, ``log_softmax(z / temperature)``, the distribution sampled from.
 """
 
 from __future__ import annotations
@@ -32,7 +18,7 @@ import logging
 import torch
 
 from mrtpo.core.faults import NonFiniteLogitsError
-from mrtpo.core.forward import shared_prompt_mode
+from mrtpo.core.forward import pad_left, shared_prompt_mode
 from mrtpo.distributed import Ranks
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
 
@@ -130,9 +116,8 @@ def overridden_defaults(model, config) -> dict:
 class _SampledLogprobs:
     """A logits processor that records ``log_softmax(z / temperature)`` of each sampled token.
 
-    ``generate`` runs custom processors before its sampling warpers, so ``scores`` here are
-    the raw logits of the step. The token drawn from step ``t`` is only known at step
-    ``t + 1`` (the last column of ``input_ids``), so one step's log-softmax is kept.
+    Custom processors run before the sampling warpers, so ``scores`` are the step's raw
+    logits. Step ``t``'s token is known at step ``t + 1`` only: one step's log-softmax is kept.
     """
 
     def __init__(self, temperature: float) -> None:
@@ -161,12 +146,11 @@ class _SampledLogprobs:
 class _FiniteLogits:
     """A logits processor that refuses to draw from NaN or infinite logits.
 
-    A step whose logits (divided by the temperature, as the sampler divides them) hold NaN or
-    +inf, or a row with no finite logit, is recorded in ``bad`` and replaced by one that ends
-    every row (its end-of-sequence token only): ``generate`` finishes at once, in step with
-    other ranks, and ``HFEngine.generate`` then raises ``NonFiniteLogitsError``. Without it,
-    ``torch.multinomial`` fails with a message that names no setting. One flag per step is
-    read back (``generate`` already synchronizes every step for its stopping criteria).
+    A step whose tempered logits hold NaN or +inf, or a row with no finite logit, sets ``bad``
+    and becomes one that ends every row: ``generate`` finishes at once, in step with other
+    ranks, and ``HFEngine.generate`` raises ``NonFiniteLogitsError`` (not
+    ``torch.multinomial``'s message, which names no setting). One flag per step is read back
+    (``generate`` already synchronizes every step for its stopping criteria).
     """
 
     def __init__(self, temperature: float, eos_id: int) -> None:
@@ -199,14 +183,11 @@ class HFEngine(RolloutEngine):
         self.batch_size = batch_size  # prompts x samples per generate call
         # "auto": the G samples of a prompt prefill it once (forward.prompt_groups' rules)
         self.share_prompt = mode
-        self.model = None
-        self.tokenizer = None
+        self.model = self.tokenizer = None
         self.eos_ids: list[int] = []
         # the checkpoint's generation settings that sampling does not use (warned once)
         self.overridden: dict = {}
         self._warned = False
-        # own_copy: sample from a frozen copy of the policy that sync_weights refreshes, so
-        # that generation may run in another thread while the trainer updates
         self.own_copy = self.generates_apart = bool(own_copy)
 
     def bind(self, model, tokenizer, eos_ids: list[int]) -> None:
@@ -228,10 +209,7 @@ class HFEngine(RolloutEngine):
         if not self.own_copy:
             self.model = model  # same parameters: nothing to copy
             return
-        with torch.no_grad():
-            mine = self.model.state_dict()
-            for name, value in model.state_dict().items():
-                mine[name].copy_(value)
+        self.model.load_state_dict(model.state_dict())  # copied in place, under no_grad
 
     @torch.no_grad()
     def generate(
@@ -270,9 +248,7 @@ class HFEngine(RolloutEngine):
                 model.generation_config = own_config
             model.train(was_training)
         # decided jointly where the ranks generate in step (a rank that raised alone would
-        # leave the others in a collective); the own copy's rank raises alone, and the
-        # others stop at their next collective once its process has gone (or at the
-        # process group's timeout)
+        # leave the others in a collective); the own copy's rank raises alone
         if ranks.any(guard.bad) if joint else guard.bad:
             raise NonFiniteLogitsError()
         return out
@@ -318,7 +294,8 @@ class HFEngine(RolloutEngine):
         out: list[Generation] = []
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
-            ids, attn = _left_padded(chunk, pad)
+            ids, attn = pad_left(chunk, pad)
+            attn = attn.long()
             # generate() samples from the global RNG; seed it from our generator so a
             # resumed run draws the same samples as an uninterrupted one.
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
@@ -336,12 +313,11 @@ class HFEngine(RolloutEngine):
         return out
 
     def _prefilled(self, ids, attn, n: int, new_tokens: int, agree=None):
-        """``(ids, attn, cache)`` for one ``generate`` call: where rows repeat a prompt (the
-        G samples of a group) and sharing pays (``forward.prompt_groups``), each distinct
-        prompt's prefix runs once and ``generate`` continues its cache row by row, computing
-        only each row's last prompt token; else the plain prefill (``cache`` None). The cached
-        distributions are the plain prefill's to fp32 rounding, and sampling draws the same
-        random numbers either way. ``agree(want) -> bool`` (FSDP): the ranks' joint choice."""
+        """``(ids, attn, cache)`` for one ``generate`` call: where the G samples of a prompt
+        repeat it and sharing pays (``forward.prompt_groups``), each distinct prompt's prefix
+        runs once and ``generate`` continues its cache from each row's last prompt token;
+        else the plain prefill (``cache`` None). ``agree(want) -> bool`` (FSDP): the ranks'
+        joint choice."""
         if n < 2 or self.share_prompt == "off":
             return ids, attn, None
         from mrtpo.core.forward import prompt_groups, prompt_prefix_cache
@@ -381,24 +357,8 @@ class HFEngine(RolloutEngine):
             table = recorder.table()
         out: list[Generation] = []
         for r, row in enumerate(new.tolist()):
-            toks: list[int] = []
-            finished = False
-            for t in row:
-                toks.append(t)
-                if t in self.eos_ids:
-                    finished = True
-                    break
+            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            toks, finished = (row, False) if end is None else (row[: end + 1], True)
             lps = None if table is None else table[r, : len(toks)].tolist()
             out.append(Generation(token_ids=toks, finished=finished, logprobs=lps))
         return out
-
-
-def _left_padded(chunk: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of prompts padded on the left to the longest one."""
-    width = max(len(p) for p in chunk)
-    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, p in enumerate(chunk):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        attn[i, width - len(p) :] = 1
-    return ids, attn

@@ -1,12 +1,9 @@
 """What a vLLM server's answers must hold before the run uses them.
 
-A server is another program (possibly another release, or not vLLM at all), and what it
-returns becomes token ids that index the policy's embedding and log-probs that weight the
-loss. Each answer is checked for its shape (a JSON object with the fields the run reads),
-token ids inside the policy's vocabulary, as many samples as asked, no more tokens than
-``max_tokens``, and finite log-probs that are at most 0, one per token. A failed check
-raises ``BadAnswer`` with what was wrong; the engine turns it into one line naming the
-server (``VLLMServerError``).
+A server is another program, and what it returns becomes token ids that index the policy's
+embedding and log-probs that weight the loss. Each answer is checked for its shape, token
+ids inside the vocabulary, the samples and tokens asked for, and finite log-probs <= 0, one
+per token; a failed check raises ``BadAnswer``, which the engine words as one line.
 """
 
 from __future__ import annotations
@@ -21,11 +18,7 @@ LOGP_SLACK = 1e-4
 
 
 class BadAnswer(Exception):
-    """A server's answer that the run cannot use; ``detail`` says why."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+    """A server's answer that the run cannot use; its message says why."""
 
 
 def _shown(value: Any) -> str:
@@ -50,13 +43,10 @@ def field(answer: Any, key: str, kind: type | tuple[type, ...], where: str = "")
     if key not in obj:
         raise BadAnswer(f"{where}no field {key!r} (it has {sorted(obj)[:8]})")
     value = obj[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise BadAnswer(f"{where}field {key!r} is {_shown(value)}")
     return value
-
-
-def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
 
 
 def token_ids(values: list, vocab: int | None, where: str) -> list[int]:

@@ -1,31 +1,13 @@
-"""Talking to a vLLM server over HTTP: ``requests`` sessions with retries and timeouts.
+"""Talking to a vLLM server over HTTP: ``requests`` sessions with urllib3's ``Retry`` (as TRL's
+``vllm_client.py``) and timeouts; docs/rollout.md, "Faults", says what is retried and why.
 
-``ServerClient`` sends JSON to one server with the API key on every request. Retries are
-urllib3's ``Retry`` (as TRL's ``vllm_client.py``), limited to what is safe to repeat:
-
-* GET and the POST routes in ``IDEMPOTENT`` (``/tokenize``, ``/reset_prefix_cache``) go over
-  kept-alive connections; a failed connection, a connection reset mid-answer and an answer of
-  502/503/504 are tried again (``READ_RETRIES``): repeating them changes nothing. A request
-  with no answer within its time limit is not (the limit is the longest the run waits).
-* every other request (the weight push's routes, generation) is sent once, each on a new
-  connection that closes after its answer (``Connection: close``); only a connection that
-  could not be made is tried again (``CONNECT_RETRIES``: nothing reached the server). A kept
-  connection may have been closed by the server a moment before (vLLM closes it after some
-  refusals), and a request lost that way cannot be told from one the server ran: a weight
-  push is never sent twice, and a generation sent twice would cost the server the work twice.
-
-What the client never does: follow a redirect (a 3xx is a refusal naming where it pointed:
-the key goes to the server named and nowhere else), read proxies, ``.netrc`` or other settings
-from the environment (``trust_env=False``: a proxy would see the key, a ``.netrc`` entry would
-replace it, and the key proof was made on a direct connection; ``REQUESTS_CA_BUNDLE`` or
-``SSL_CERT_FILE`` still name the trusted certificates of an https server). Its failures are
-``RequestFailed`` with a ``kind``: ``unreachable`` (the server is gone), ``timeout`` (no answer
-within the limit) or ``refused`` (an HTTP error status or a redirect, with the server's
-message). The engine turns them into one line saying what died or refused.
-
-vLLM ships a client for its RL routes (``vllm.distributed.weight_transfer.clients.
-HTTPVLLMWeightSyncClient``); it is not used here because it sends no API key, needs vLLM in
-the trainer, and loses the server's error message.
+GET and the ``IDEMPOTENT`` POST routes share kept-alive connections and are retried after a
+failed connection, a reset or a 502/503/504; any other request goes once on a connection of
+its own, retried only when none could be made. A timed-out request is never sent again, no
+redirect is followed, and the environment is not read (``trust_env=False``) but for the
+trusted certificates. Failures are ``RequestFailed`` with a ``kind``: ``unreachable``,
+``timeout`` or ``refused``. (vLLM's ``HTTPVLLMWeightSyncClient`` sends no API key, needs vLLM
+in the trainer, and loses the server's error message.)
 """
 
 from __future__ import annotations
@@ -126,15 +108,10 @@ class ServerClient:
         connections: int = 10,
     ) -> None:
         self.url = url.rstrip("/")
-        self.api_key = api_key
         self.timeout_s = float(timeout_s)
         size = max(int(connections), 1)
         self._repeatable = _session(api_key, True, size)
         self._once = _session(api_key, False, size)
-
-    def repeatable(self, method: str, path: str) -> bool:
-        """Whether sending this request twice changes nothing (``IDEMPOTENT``)."""
-        return method == "GET" or path.split("?", 1)[0] in IDEMPOTENT
 
     def close(self) -> None:
         self._repeatable.close()
@@ -146,7 +123,9 @@ class ServerClient:
         data = None if body is None else json.dumps(body).encode("utf-8")
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         try:
-            session = self._repeatable if self.repeatable(method, path) else self._once
+            # sending a GET or an IDEMPOTENT route twice changes nothing
+            repeatable = method == "GET" or path.split("?", 1)[0] in IDEMPOTENT
+            session = self._repeatable if repeatable else self._once
             resp = session.request(
                 method, self.url + path, data=data, timeout=limit, allow_redirects=False
             )
@@ -178,17 +157,13 @@ class ServerClient:
         return self.request("POST", path, {} if body is None else body, timeout_s)
 
 
-def _innermost(exc: BaseException) -> BaseException:
-    """What a requests exception wraps (urllib3's MaxRetryError holds the last failure)."""
+def _reason(exc: requests.RequestException) -> str:
+    """The innermost reason of a failed request, in one line: what the requests exception
+    wraps (urllib3's MaxRetryError holds the last failure), without the wrapping."""
     reason: BaseException = exc
     while reason.args and isinstance(reason.args[0], BaseException):
         reason = reason.args[0]
     inner = getattr(reason, "reason", None)
-    return inner if isinstance(inner, BaseException) else reason
-
-
-def _reason(exc: requests.RequestException) -> str:
-    """The innermost reason of a failed request, in one line (no urllib3 wrapping)."""
-    reason = _innermost(exc)
+    reason = inner if isinstance(inner, BaseException) else reason
     text = " ".join(str(reason).split())
     return f"{type(reason).__name__}: {text}"[:500]

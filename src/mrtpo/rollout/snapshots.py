@@ -1,15 +1,8 @@
-"""The folders that hold a vLLM server engine's weight snapshots, and their removal.
+"""A vLLM server engine's weight snapshots: the files, their folders, and their removal.
 
-A run writes each push into ``pushes-<random>/v<version>/`` inside the folder the server
-reads (``rollout.engine.weight_dir``, or a temporary ``mrtpo-vllm-server-<random>/`` of its
-own). The engine removes its folder when it closes (the end of each fit, an exception, and
-interpreter exit). A trainer killed with SIGKILL runs none of these, so every such folder
-carries ``owner.json``: the host, its boot, the pid namespace, the pid and that process's
-start time. The next run removes a leftover only when all of this proves it dead: the name
-pattern, a real folder (not a link) owned by this user, a record written on this host in
-this pid namespace whose process is gone (or was another process: same pid, another start
-time or boot). A folder without a record, from another host or pid namespace (a container
-sharing the hostname and the folder), with a start time unknown, or of a live run is kept.
+Each push goes into ``pushes-<random>/v<version>/`` inside the folder the server reads; each
+folder's ``owner.json`` lets the next run remove a killed run's leftovers only when it proves
+the owner dead (docs/rollout.md, "Snapshots").
 """
 
 from __future__ import annotations
@@ -22,10 +15,13 @@ import shutil
 import socket
 import stat
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mrtpo.safe_files import open_fd, pid_alive
+import torch
+
+from mrtpo.safe_files import open_fd, pid_alive, refuse_unsafe
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +70,41 @@ def make_folder(prefix: str, parent: Path | None = None) -> Path:
     return folder
 
 
+def _own_storage(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """CPU, contiguous tensors, a copy where two share memory (safetensors refuses those:
+    a tied ``lm_head.weight`` is ``embed_tokens.weight``)."""
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        yield name, t
+
+
+def write_snapshot(folder: Path, index: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """One bucket of a push as ``folder/bucket-<index>.safetensors``; returns the file name.
+
+    Written beside its final name and renamed into place (a link there is refused). Not
+    fsynced: ``folder`` is the engine's own (``mkdtemp``) and the server reads the file at
+    once (measured on a 119 MB model: a push took 0.5-0.7 s, 0.9-1.5 s fsynced)."""
+    from safetensors.torch import save_file
+
+    name = f"bucket-{index:05d}.safetensors"
+    path = folder / name
+    refuse_unsafe(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        save_file(dict(_own_storage(dict(tensors))), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return name
+
+
 def _record(folder: Path) -> dict[str, Any] | None:
     try:
         fd = open_fd(folder / RECORD, os.O_RDONLY)
@@ -87,7 +118,7 @@ def _record(folder: Path) -> dict[str, Any] | None:
 
 def is_dead_leftover(folder: Path) -> bool:
     """Whether ``folder`` is provably a snapshot folder of a run of this user on this host
-    whose process has ended (see the module's docstring)."""
+    whose process has ended (by its record: host, boot, pid namespace, pid, start time)."""
     try:
         st = os.lstat(folder)
     except OSError:

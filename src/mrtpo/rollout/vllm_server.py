@@ -1,32 +1,15 @@
-"""Rollouts from a separate vLLM server (``rollout=vllm_server``).
+"""Rollouts from a separate vLLM server (``rollout=vllm_server``; docs/rollout.md).
 
-The engine is a real ``vllm serve`` process, started by the run (``mrtpo.rollout.vllm_serve``
-on the cores or GPUs the config names, listening on 127.0.0.1) or an existing one given by
-``rollout.engine.url``. At start the engine asks the server to prove that it holds the run's
-key (a started server gets a fresh one; ``_prove``), then waits for ``/health`` and checks
-that the server can take this run: it has the RL routes (``VLLM_SERVER_DEV_MODE=1``), the
-``mrtpo_file`` weight-transfer backend and the token-in/token-out route (``--enable-scale-out``),
-it serves the policy's architecture, and its tokenizer splits text as the policy's does.
+The server is one the run starts (``mrtpo.rollout.vllm_serve``) or an existing one at
+``rollout.engine.url``; it must prove that it holds the run's key (``_prove``), answer
+``/health`` and pass the start-up checks. Samples come from ``/inference/v1/generate``; after
+every update the weights go as safetensors files through vLLM's RL routes, each push one
+weight version. A failed request ends the run with one line saying what happened.
 
-Samples come from ``/inference/v1/generate`` (token ids in, token ids and their log-probs
-out, and the weight version that sampled each token). After every update the weights go
-through vLLM's RL routes: the trainer writes them as safetensors files into a folder the
-server also reads (``rollout.engine.weight_dir``; the tied ``lm_head.weight`` included), and
-calls ``/start_weight_update``, ``/update_weights`` (the file names),
-``/finish_weight_update`` (the new version) and ``/reset_prefix_cache``. Each push counts
-one weight version (``weight_version``); each ``Generation`` carries the version that
-sampled it. docs/rollout.md says why this path and what it costs.
-
-Every request has a timeout. A failed one ends the run with one line saying what happened:
-the server the run started died (and how), the server cannot be reached, it did not answer
-in time, or it refused (its message). A server the run started is stopped by ``close``, at
-interpreter exit, and when the trainer dies (``mrtpo.rollout.server_process``).
-
-The engine is spread over the rollout wing along its seams: ``server_process`` starts and
-stops the process (its command, the arguments the launcher owns, the key proof's HMAC),
-``server_client`` sends the HTTP requests, ``server_checks`` proves and checks the server
-and words its failures, ``server_answers`` checks what it returns, ``server_push`` pushes
-the weights. This module holds the engine's settings, its life and generation.
+Its seams: ``server_process`` starts and stops the process, proves and checks the server and
+words its failures, ``server_client`` sends the requests, ``server_answers`` checks what it
+returns, ``snapshots`` writes and removes the weight files.
+This module holds the engine's settings, its life, its weight pushes and generation.
 """
 
 from __future__ import annotations
@@ -35,6 +18,7 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,16 +27,16 @@ from typing import Any
 
 import torch
 
-from mrtpo.core.sampling import vllm_sampling_fields
+from mrtpo.distributed import Ranks
 from mrtpo.rollout import server_answers, snapshots
 from mrtpo.rollout.base import Generation, RolloutEngine, SamplingConfig
-from mrtpo.rollout.server_checks import ServerChecks, VLLMServerError, _policy_config
 from mrtpo.rollout.server_client import RequestFailed, ServerClient
 from mrtpo.rollout.server_process import (
     BACKEND,
-    LAUNCHER,
-    OWNED_ARGS,
+    ServerChecks,
     ServerProcess,
+    VLLMServerError,
+    _policy_config,
     free_port,
     is_loopback,
     launch_command,
@@ -60,53 +44,20 @@ from mrtpo.rollout.server_process import (
     owned_argument,
     port_in_use,
     resolve,
-    url_host,
 )
-from mrtpo.rollout.server_push import WeightPushes, _from_rank0, _ranks, _text
-from mrtpo.rollout.vllm import _model_config, prompt_seed
-from mrtpo.rollout.weight_sync import SyncStats
-
-#: names other modules and the docs import from here
-__all__ = [
-    "BACKEND",
-    "LAUNCHER",
-    "OWNED_ARGS",
-    "VLLMServerEngine",
-    "VLLMServerError",
-    "launch_command",
-    "owned_argument",
-]
+from mrtpo.rollout.vllm import DEVICES, VLLMEngine, cpu_batch_tokens, engine_dtype, torch_dtype
+from mrtpo.rollout.vllm_serve import url_host
+from mrtpo.rollout.weight_sync import SyncStats, buckets, exported_weights, gathered
+from mrtpo.safe_files import make_dirs
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda")
 
-
-class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
-    """Generation by a vLLM server behind the ``RolloutEngine`` protocol.
-
-    Args:
-        model: what a started server loads (``${model.name_or_path}``).
-        url: an existing server (``http://host:port``); None: the run starts one.
-        host, port: where a started server listens (port None: a free one). A host other
-            than loopback needs an API key: the server's RL and development routes can load
-            files into the model and call methods on its workers.
-        api_key_env: the environment variable that holds the API key (never the key itself:
-            the config is saved in the run folder).
-        cpus: cores of a started server (CPU build: it and its OpenMP threads stay there).
-        devices: GPUs of a started server (``CUDA_VISIBLE_DEVICES``).
-        device: ``auto`` (CUDA when torch sees one), ``cpu`` or ``cuda``: which build's
-            defaults a started server gets.
-        dtype: None: bfloat16 on GPUs, the policy's dtype on CPU.
-        kv_cache_gb: a fixed KV cache (None: 1 GiB on CPU, vLLM's share of memory on GPUs).
-        weight_dir: where the weight snapshots go, a folder the server also reads (the same
-            machine, or a shared filesystem); None: a temporary folder (a started server).
-        sync_bucket_mb: megabytes per snapshot file (under FSDP, gathered at once).
-        server_args: further ``vllm serve`` arguments for a started server.
-        start_timeout_s, request_timeout_s, stop_timeout_s: how long to wait for health at
-            start, for any one request, and for a stopped server to exit before SIGKILL.
-        log_file: a started server's output (None: ``server.log`` in its weight folder).
-    """
+class VLLMServerEngine(ServerChecks, RolloutEngine):
+    """Generation by a vLLM server behind the ``RolloutEngine`` protocol. Its arguments are
+    the ``rollout.engine`` keys, each explained in ``configs/rollout/vllm_server.yaml``;
+    ``api_key_env`` names the key's environment variable, never the key (the config is saved
+    in the run folder)."""
 
     generates_apart = True  # its own process and weights: schedules may overlap it
     checks_settings_when_built = True  # the server starts in bind, not here
@@ -267,7 +218,8 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
         training processes, rank 0 does it and tells the others where the server is."""
         if self.client is not None:
             return self.client
-        rank, world = _ranks()
+        ranks = Ranks()
+        rank, world = ranks.rank, ranks.world_size
         error: Exception | None = None
         if rank == 0:
             try:
@@ -277,20 +229,18 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
                     raise
                 error = exc
         if world > 1:
-            dtype = None if self._push_dtype is None else str(self._push_dtype)
-            shared = _from_rank0((self.url, self.logprobs_mode, dtype, _text(error), self._key))
+            dtype = self._push_dtype and str(self._push_dtype)
+            url, mode, dtype, failed, key = ranks.broadcast(
+                (self.url, self.logprobs_mode, dtype, error and str(error), self._key)
+            )
             if error is not None:
                 raise error
-            if shared[3] is not None:
-                raise VLLMServerError(f"rank 0 could not start the vLLM server: {shared[3]}")
+            if failed is not None:
+                raise VLLMServerError(f"rank 0 could not start the vLLM server: {failed}")
             if rank != 0:
-                self.url, self.logprobs_mode, self._key = shared[0], shared[1], shared[4]
-                self._push_dtype = (
-                    getattr(torch, shared[2].removeprefix("torch.")) if shared[2] else None
-                )
-                self.client = ServerClient(
-                    self.url, self._key, self.request_timeout_s, self.max_concurrency
-                )
+                self.url, self.logprobs_mode, self._key = url, mode, key
+                self._push_dtype = torch_dtype(dtype)
+                self.client = ServerClient(url, key, self.request_timeout_s, self.max_concurrency)
         assert self.client is not None
         return self.client
 
@@ -338,12 +288,8 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
         if self.weight_dir is None:
             self._root, self._own_root = snapshots.make_folder(snapshots.OWN_ROOT), True
         else:
+            self._check_place()  # the folder may have gone since the engine was built
             self._root = Path(self.weight_dir)
-            if not self._root.is_dir():
-                raise ValueError(
-                    f"rollout.engine.weight_dir={self.weight_dir}: no such folder (it must exist "
-                    "and be readable by the server as its MRTPO_WEIGHT_ROOT)"
-                )
         self._pushes = snapshots.make_folder(snapshots.PUSHES, self._root)
         atexit.register(self._remove_snapshots)
 
@@ -354,40 +300,23 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
             return self.device
         return "cuda" if (self.devices or torch.cuda.is_available()) else "cpu"
 
-    def _dtype(self) -> str:
-        if self.dtype is not None:
-            return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
-                str(self.dtype), str(self.dtype)
-            )
-        if self._device() == "cuda":
-            return "bfloat16"
-        params = self._policy.parameters() if self._policy is not None else iter(())
-        dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-        return str(dt).removeprefix("torch.")
-
     def server_arguments(self) -> list[str]:
         """The ``vllm serve`` arguments of a started server (besides ``launch_command``'s)."""
-        args = ["--dtype", self._dtype(), "--seed", str(self.seed)]
-        args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-        args.append(
-            "--enable-prefix-caching"
-            if self.enable_prefix_caching
-            else "--no-enable-prefix-caching"
-        )
+        cpu = self._device() == "cpu"
+        args = ["--dtype", engine_dtype(self.dtype, self._device(), self._policy)]
+        args += ["--seed", str(self.seed), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        args.append(f"--{'' if self.enable_prefix_caching else 'no-'}enable-prefix-caching")
         if self.max_model_len is not None:
             args += ["--max-model-len", str(int(self.max_model_len))]
-        if self._device() == "cpu":
-            # as for the in-process engine (mrtpo.rollout.vllm): no CUDA graphs, a fixed KV
-            # cache, and whole prompts per step (seeded requests fail under chunked prefill)
-            longest = self.max_model_len or _model_config(self.model).get(
-                "max_position_embeddings", 32768
-            )
-            kv = int(float(self.kv_cache_gb or 1.0) * (1 << 30))
-            args += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv)]
-            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens"]
-            args.append(str(max(int(longest), 4096)))
-        elif self.kv_cache_gb is not None:
-            args += ["--kv-cache-memory-bytes", str(int(float(self.kv_cache_gb) * (1 << 30)))]
+        kv = 1.0 if cpu and not self.kv_cache_gb else self.kv_cache_gb  # CPU: 1 GiB by default
+        if kv is not None:
+            args += ["--kv-cache-memory-bytes", str(int(float(kv) * (1 << 30)))]
+        if cpu:
+            # as for the in-process engine (mrtpo.rollout.vllm): no CUDA graphs, and whole
+            # prompts per step (seeded requests fail under chunked prefill)
+            tokens = cpu_batch_tokens(self.max_model_len, self.model)
+            args += ["--enforce-eager", "--no-enable-chunked-prefill"]
+            args += ["--max-num-batched-tokens", str(tokens)]
         return args + self.server_args
 
     def _server_env(self) -> dict[str, str]:
@@ -435,24 +364,76 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
         shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
         self.url = f"http://{url_host(shown)}:{port}"
 
+    # -- weights -----------------------------------------------------------------------------
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s weights (LoRA merged, FSDP shards gathered) as one new version.
+        Every rank walks the same buckets (gathering shards is a collective); rank 0 writes
+        and pushes them, then tells the others how it went, so no rank samples before the
+        server holds the new version."""
+        client = self.start()
+        ranks = Ranks()
+        rank, world = ranks.rank, ranks.world_size
+        t0 = time.perf_counter()
+        version = self.weight_version + 1
+        files: list[str] = []
+        count = nbytes = 0
+        error: Exception | None = None
+        with exported_weights(model) as pairs:
+            for i, group in enumerate(buckets(pairs, self.sync_bucket_bytes)):
+                tensors = gathered(group, self._push_dtype)
+                count += len(tensors)
+                nbytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                if rank == 0 and error is None:
+                    try:
+                        files.append(self._write(version, i, tensors))
+                    except Exception as exc:  # keep gathering with the other ranks
+                        error = exc
+                del tensors
+        if rank == 0 and error is None:
+            try:
+                self._post_push(client, files, version)
+            except Exception as exc:
+                error = exc
+        if world > 1:
+            message = ranks.broadcast(error and str(error))  # rank 0's, on every rank
+            if error is None and message is not None:
+                raise VLLMServerError(f"rank 0's weight push failed: {message}")
+        if error is not None:
+            raise error
+        if self._pushes is not None:
+            shutil.rmtree(self._pushes / f"v{self.weight_version:06d}", ignore_errors=True)
+        self.weight_version = version
+        self.last_sync = SyncStats(BACKEND, count, nbytes, time.perf_counter() - t0)
+
+    def _write(self, version: int, index: int, tensors: list[tuple[str, torch.Tensor]]) -> str:
+        """One snapshot file of push ``version``; its name relative to the server's folder."""
+        assert self._pushes is not None and self._root is not None
+        folder = self._pushes / f"v{version:06d}"
+        make_dirs(folder, self._pushes)
+        name = snapshots.write_snapshot(folder, index, tensors)
+        return str((folder / name).relative_to(self._root))
+
+    def _post_push(self, client: ServerClient, files: list[str], version: int) -> None:
+        """The RL routes of one push. A refused push is closed on the server (a second
+        ``/finish_weight_update``), so that the server can take the next one."""
+        try:
+            client.post("/start_weight_update")
+            client.post("/update_weights", {"update_info": {"files": files}})
+            client.post("/finish_weight_update", {"weight_version": str(version)})
+            client.post("/reset_prefix_cache")
+        except RequestFailed as exc:
+            if exc.kind == "refused":
+                with contextlib.suppress(RequestFailed):
+                    client.post("/finish_weight_update", timeout_s=60)
+            raise self._failure(f"the weight push of version {version}", exc) from None
+
     # -- generation --------------------------------------------------------------------------
 
-    def reports_sampling_logprobs(self, sampling: SamplingConfig) -> bool:
-        """As the in-process engine: the server's log-probs are those of the sampling
-        distribution with ``--logprobs-mode processed_logprobs`` (a started server has it)."""
-        if sampling.greedy or sampling.temperature <= 0 or sampling.truncated:
-            return False
-        self.start()
-        return self.logprobs_mode == "processed_logprobs" or float(sampling.temperature) == 1.0
-
-    def sampling_params(
-        self, sampling: SamplingConfig, n: int, seed: int | None, logprobs: bool
-    ) -> dict[str, Any]:
-        """vLLM ``SamplingParams`` as JSON (``mrtpo.core.sampling.vllm_sampling_fields``, as the
-        in-process engine's)."""
-        return vllm_sampling_fields(
-            sampling, n, [*self.eos_ids, *self.stop_token_ids], seed, logprobs
-        )
+    # as the in-process engine's: a started server has --logprobs-mode processed_logprobs
+    reports_sampling_logprobs = VLLMEngine.reports_sampling_logprobs
+    prompt_requests = VLLMEngine.prompt_requests
+    sampling_params = VLLMEngine.sampling_fields  # as JSON
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int
@@ -462,33 +443,21 @@ class VLLMServerEngine(ServerChecks, WeightPushes, RolloutEngine):
             return []
         client = self.start()
         want = self.reports_sampling_logprobs(sampling)
-        bodies = [
-            {
-                "token_ids": [int(t) for t in p],
-                "sampling_params": self.sampling_params(
-                    sampling, n, prompt_seed(seed, i) if self.per_request_seed else None, want
-                ),
-            }
-            for i, p in enumerate(prompts)
-        ]
-
-        def send(body: dict) -> Any:
-            return client.post("/inference/v1/generate", body)
+        asks = self.prompt_requests(prompts, n, sampling, seed, want)
+        bodies = [{"token_ids": ids, "sampling_params": params} for ids, params in asks]
 
         # not a `with` block: a failure or an interrupt must not wait for the other requests
         pool = ThreadPoolExecutor(min(len(bodies), self.max_concurrency))
         try:
-            answers = [f.result() for f in [pool.submit(send, b) for b in bodies]]
+            sent = [pool.submit(client.post, "/inference/v1/generate", b) for b in bodies]
+            answers = [f.result() for f in sent]
         except RequestFailed as exc:
             raise self._failure("generation", exc) from None
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return [g for a in answers for g in self._generations(a, n, sampling, want)]
-
-    def _generations(self, answer: Any, n: int, sampling: SamplingConfig, logprobs: bool
-                     ) -> list[Generation]:  # fmt: skip
-        """The checked samples of one answer (``mrtpo.rollout.server_answers``)."""
-        return self._call(
-            server_answers.generations, answer, n, int(sampling.max_new_tokens),
-            self.vocab_size, logprobs, self.weight_version, what="generation",
-        )  # fmt: skip
+        # the checked samples of each answer (mrtpo.rollout.server_answers)
+        check = (n, int(sampling.max_new_tokens), self.vocab_size, want, self.weight_version)
+        answer_gens = (
+            self._call(server_answers.generations, a, *check, what="generation") for a in answers
+        )
+        return [g for gens in answer_gens for g in gens]

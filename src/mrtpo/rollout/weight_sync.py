@@ -1,50 +1,31 @@
 """Copy the trainer's weights into a running ``vllm.LLM``, whatever vLLM release is installed.
 
-vLLM has changed how an RL trainer pushes new weights into a live engine several times, so
-the adapter picks a path by looking at what the installed ``LLM`` object offers, in this
-order (each signature below was read from the vLLM sources, vllm-project/vllm on GitHub):
+The adapter picks a path by what the installed ``LLM`` offers, in this order (signatures read
+from the vLLM sources, vllm-project/vllm on GitHub):
 
-1. ``weight_transfer`` — the RL weight-transfer API (``vllm/entrypoints/llm.py``; later
-   releases keep the same methods in an offline RL mixin). The engine must be built with
-   ``weight_transfer_config=WeightTransferConfig(backend="ipc")`` (``vllm.config``); then
-   ``LLM.init_weight_transfer_engine({"init_info": {}})`` once (a no-op for IPC), and per
-   sync ``LLM.start_weight_update()`` -> ``LLM.update_weights({"update_info": ...})`` (any
-   number of times) -> ``LLM.finish_weight_update(weight_version=None)``. Releases that
-   predate start/finish only have init/update; a few intermediate ones take
-   ``start_weight_update(is_checkpoint_format=True)``. The IPC ``update_info``
-   (``vllm/distributed/weight_transfer/ipc_engine.py``, ``IPCWeightTransferUpdateInfo``)
-   holds ``names``, ``dtype_names``, ``shapes`` and either ``ipc_handles`` (one
-   ``{gpu_uuid: torch.multiprocessing.reductions.reduce_tensor(t)}`` per tensor) or, in
-   newer releases, ``ipc_handles_pickled`` (base64 of the pickled list). Both reach the
-   engine-core process only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
-2. ``reload_weights`` — ``LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)``
-   calling the worker's ``reload_weights``; in recent releases ``Worker.reload_weights(*args,
-   **kwargs)`` forwards to ``GPUModelRunner.reload_weights(weights_iterator=...,
-   weights_path=..., is_checkpoint_format=True)`` (``vllm/v1/worker/gpu_worker.py``,
-   ``gpu_model_runner.py``); older workers take no arguments and only re-read the disk, so
-   the runner's signature is inspected before this path is trusted. The weights cross a
-   process boundary here, so they are sent as one list of CPU tensors.
-3. ``load_weights`` — the legacy in-process handle
-   ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(iter)``;
-   V1 engines expose ``model_executor`` only when ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-   (``vllm/v1/engine/llm_engine.py``: "for v0 compatibility").
+1. ``weight_transfer``: the RL weight-transfer API (``vllm/entrypoints/llm.py``), with the
+   engine built with ``weight_transfer_config=WeightTransferConfig(backend="ipc")``:
+   ``init_weight_transfer_engine({"init_info": {}})`` once, then per sync
+   ``start_weight_update()`` (older releases lack it; some take ``is_checkpoint_format``),
+   ``update_weights({"update_info": ...})`` per bucket, ``finish_weight_update()``. The IPC
+   ``update_info`` (``IPCWeightTransferUpdateInfo``) holds ``names``, ``dtype_names``,
+   ``shapes`` and ``ipc_handles`` (``{gpu_uuid: reduce_tensor(t)}`` per tensor) or, in newer
+   releases, ``ipc_handles_pickled``; both need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+2. ``reload_weights``: ``LLM.collective_rpc("reload_weights", kwargs=...)``, which recent
+   workers forward to ``GPUModelRunner.reload_weights(weights_iterator=...)``; older ones only
+   re-read the disk, so the runner's signature is inspected first. The weights cross a
+   process boundary: one list of CPU tensors.
+3. ``load_weights``: the legacy in-process ``model_runner.model.load_weights(iter)``, reachable
+   only with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
 
-After every sync the prefix cache is reset (``LLM.reset_prefix_cache()``): cached KV blocks
-were computed with the old weights and would otherwise be reused for matching prompts.
+Every sync ends with ``LLM.reset_prefix_cache()``: cached KV blocks hold the old weights'.
 
-Weights leave the trainer in Hugging Face checkpoint naming (``model.state_dict()``). For a
-PEFT model each adapted weight is sent as ``W + Δ``, computed out of place a bucket at a time
-(``MergedWeight``), under the base model's names; the model itself is never merged, so its
-frozen base stays bit-identical across syncs.
-
-Under ``trainer=fsdp`` each rank holds 1/N of every tensor (DTensor shards) and drives its
-own colocated engine. A sync walks the weights in buckets of at most ``bucket_bytes`` (full
-size): every rank casts its shards to the engine's dtype, all-gathers one bucket
-(``DTensor.full_tensor``, a collective all ranks run in the same order), pushes it into its
-engine and frees it before the next bucket. A rank's extra memory is one bucket, never the
-whole model; the traffic is one all-gather of the model per sync, like one sharded forward.
-The weight-transfer and in-process ``load_weights`` paths stream buckets; ``reload_weights``
-must get every tensor in one call, so there the gathered buckets collect in CPU memory.
+Weights leave in Hugging Face naming (``model.state_dict()``); a PEFT model's adapted weights
+go as ``W + Δ`` (``MergedWeight``), computed out of place, so the frozen base never changes.
+Under ``trainer=fsdp`` each rank casts its shards to the engine's dtype and all-gathers one
+bucket of at most ``bucket_bytes`` at a time (``DTensor.full_tensor``, a collective in the
+same order on every rank): a rank's extra memory is one bucket. ``reload_weights`` needs every
+tensor in one call, so there the gathered buckets collect in CPU memory.
 """
 
 from __future__ import annotations
@@ -56,9 +37,10 @@ import logging
 import pickle
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -81,26 +63,14 @@ class SyncStats:
     seconds: float
 
 
-# --------------------------------------------------------------------------------------------
-# Exporting the trainer's weights
-# --------------------------------------------------------------------------------------------
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    """PEFT models merge/unmerge their adapters in place; those are the ones we merge."""
-    return callable(getattr(model, "merge_adapter", None)) and callable(
-        getattr(model, "unmerge_adapter", None)
-    )
+# -- exporting the trainer's weights -------------------------------------------------------------
 
 
 def hf_name(key: str, peft: bool) -> str | None:
     """Map a state-dict key to the base model's checkpoint name; None drops the tensor.
-
-    PEFT keys look like ``base_model.model.<name>``; adapted layers keep their frozen
-    weight under ``.base_layer.`` (after ``merge_adapter`` it holds the merged weight), the
-    adapter matrices themselves are not part of the base checkpoint, and
-    ``modules_to_save`` keeps a trained copy next to the ``original_module``.
-    """
+    PEFT keys look like ``base_model.model.<name>``, adapted layers keep their weight under
+    ``.base_layer.``, the adapter matrices are not part of the base checkpoint, and
+    ``modules_to_save`` keeps a trained copy next to the ``original_module``."""
     while key.startswith(_COMPILE_PREFIX):
         key = key[len(_COMPILE_PREFIX) :]
     key = key.replace("." + _COMPILE_PREFIX, ".")
@@ -129,10 +99,6 @@ class MergedWeight:
     def element_size(self) -> int:
         return self.base.element_size()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype
-
     def materialize(self) -> torch.Tensor:
         delta = None
         for adapter in self.layer.active_adapters:
@@ -154,18 +120,11 @@ def merged_weights(model: torch.nn.Module) -> dict[str, MergedWeight]:
     }
 
 
-def _materialized(t):
-    return t.materialize() if isinstance(t, MergedWeight) else t
-
-
 @contextmanager
 def exported_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, object]]]:
-    """``(name, tensor)`` pairs in checkpoint naming, valid inside the ``with`` block.
-
-    For a PEFT model an adapted layer's weight is a ``MergedWeight`` (base plus adapter
-    delta, made out of place when its bucket is gathered); the model is never modified.
-    """
-    peft = is_peft_model(model)
+    """``(name, tensor)`` pairs in checkpoint naming, valid inside the ``with`` block; a PEFT
+    model's adapted weights are ``MergedWeight``s (the model is never modified)."""
+    peft = all(callable(getattr(model, m, None)) for m in ("merge_adapter", "unmerge_adapter"))
     merged = merged_weights(model) if peft else {}
     pairs: list[tuple[str, object]] = []
     for key, tensor in model.state_dict().items():
@@ -173,12 +132,6 @@ def exported_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, object]
         if name is not None:
             pairs.append((name, merged.get(key, tensor.detach())))
     yield pairs
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-        return t.to(dtype)
-    return t
 
 
 def is_shard(t: torch.Tensor) -> bool:
@@ -194,7 +147,10 @@ def gathered(
     rank must call it with the same bucket."""
     out = []
     for name, t in group:
-        t = _cast(_materialized(t), dtype)
+        if isinstance(t, MergedWeight):
+            t = t.materialize()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
         out.append((name, t.full_tensor() if is_shard(t) else t))
     return out
 
@@ -217,9 +173,7 @@ def buckets(
         yield group
 
 
-# --------------------------------------------------------------------------------------------
-# Feature detection
-# --------------------------------------------------------------------------------------------
+# -- feature detection ---------------------------------------------------------------------------
 
 
 def has_weight_transfer_api(llm_or_cls: Any) -> bool:
@@ -234,12 +188,10 @@ def reload_weights_params() -> frozenset[str] | None:
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         from vllm.v1.worker.gpu_worker import Worker
-    except Exception:
-        return None
-    try:
+
         runner = inspect.signature(GPUModelRunner.reload_weights).parameters
         worker = inspect.signature(Worker.reload_weights).parameters
-    except (AttributeError, TypeError, ValueError):
+    except Exception:  # no vLLM, or a release without the method
         return None
     forwards = "weights_iterator" in worker or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in worker.values()
@@ -253,14 +205,11 @@ def ipc_supports_pickled_handles() -> bool:
     """Newer ``IPCWeightTransferUpdateInfo`` accepts the handles as one pickled string."""
     try:
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+        fields = dataclasses.fields(IPCWeightTransferUpdateInfo)
     except Exception:
         return False
-    try:
-        return "ipc_handles_pickled" in {
-            f.name for f in dataclasses.fields(IPCWeightTransferUpdateInfo)
-        }
-    except TypeError:
-        return False
+    return "ipc_handles_pickled" in {f.name for f in fields}
 
 
 def driver_model(llm: Any) -> Any:
@@ -287,42 +236,22 @@ def _current_gpu_uuid() -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _cuda_ipc_handle(t: torch.Tensor) -> tuple[Callable, tuple]:
-    return reduce_tensor(t)
-
-
-# --------------------------------------------------------------------------------------------
-# The adapter
-# --------------------------------------------------------------------------------------------
-
-
-class _Detect:
-    """Sentinel: inspect the installed vLLM."""
-
-
-_DETECT = _Detect()
+# -- the adapter ---------------------------------------------------------------------------------
 
 
 class WeightSync:
-    """Pushes a ``torch.nn.Module``'s weights into ``llm`` through one supported path.
+    """Pushes a ``torch.nn.Module``'s weights into ``llm`` (a started ``vllm.LLM``) through
+    one supported path: ``mode`` ``auto`` detects it, one of ``MODES`` forces it.
 
-    Args:
-        llm: a started ``vllm.LLM``.
-        mode: ``auto`` (detect) or one of ``MODES`` to force a path.
-        dtype: cast floating tensors to the engine's dtype before sending (halves the
-            transfer for an fp32 trainer and a bf16 engine); None keeps them as they are.
-        bucket_bytes: tensors per ``update_weights`` call are capped at this many bytes,
-            bounding the extra GPU memory of the cast copies; under FSDP it also bounds what
-            one all-gather materializes (every path gathers shards a bucket at a time).
-        transfer_configured: whether the engine was built with a ``weight_transfer_config``
-            (the API exists on ``LLM`` either way but only works when configured); None
-            reads it from the engine's config when reachable.
-        prefer_reload: try ``reload_weights`` before ``weight_transfer`` (tensor-parallel
-            engines: IPC handles only name the trainer's GPU, the CPU copy reaches every
-            worker).
-        reload_params: keyword names the worker's ``reload_weights`` accepts, None when it
-            cannot take weights from memory; by default the installed vLLM is inspected.
-        pickled_handles: send IPC handles pickled (newer vLLM); None inspects vLLM.
+    ``dtype``: floating tensors are cast to it before sending (an fp32 trainer sends a bf16
+    engine half the bytes). ``bucket_bytes``: the most per ``update_weights`` call (the extra
+    memory of the cast copies, and under FSDP of one all-gather). ``transfer_configured``:
+    whether the engine was built with a ``weight_transfer_config`` (the API exists either way
+    and only works then; None reads the engine's config). ``prefer_reload``: try
+    ``reload_weights`` first (tensor parallel: IPC handles name only the trainer's GPU).
+    ``reload_params``: the keywords the worker's ``reload_weights`` accepts, None when it
+    cannot take weights from memory (``...``: inspect vLLM); ``pickled_handles``: send IPC
+    handles pickled (newer vLLM; None inspects vLLM).
     """
 
     def __init__(
@@ -334,7 +263,7 @@ class WeightSync:
         bucket_bytes: int = 1 << 30,
         transfer_configured: bool | None = None,
         prefer_reload: bool = False,
-        reload_params: frozenset[str] | _Detect | None = _DETECT,
+        reload_params: frozenset[str] | EllipsisType | None = ...,  # ...: inspect vLLM
         pickled_handles: bool | None = None,
     ) -> None:
         if mode != "auto" and mode not in MODES:
@@ -344,30 +273,20 @@ class WeightSync:
         self.llm = llm
         self.dtype = dtype
         self.bucket_bytes = int(bucket_bytes)
-        self._reload_params = (
-            reload_weights_params() if isinstance(reload_params, _Detect) else reload_params
-        )
+        self._reload_params = reload_weights_params() if reload_params is ... else reload_params
         self._pickled = (
             ipc_supports_pickled_handles() if pickled_handles is None else pickled_handles
         )
-        self._transfer_configured = (
-            self._read_transfer_configured(llm)
-            if transfer_configured is None
-            else transfer_configured
-        )
+        if transfer_configured is None:  # read the engine's config; cannot tell: trust the API
+            config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+            transfer_configured = getattr(config, "weight_transfer_config", True) is not None
+        self._transfer_configured = transfer_configured
         self._transfer_ready = False
         self.mode = self._choose(mode, prefer_reload)
         self.num_syncs = 0
         log.info("vLLM weight sync path: %s", self.mode)
 
     # -- detection ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _read_transfer_configured(llm: Any) -> bool:
-        try:
-            return llm.llm_engine.vllm_config.weight_transfer_config is not None
-        except AttributeError:
-            return True  # cannot tell: trust the API's presence
 
     def available(self) -> dict[str, bool]:
         """Which paths this engine supports (what ``auto`` chooses from)."""
@@ -393,9 +312,7 @@ class WeightSync:
                     "set rollout.engine.weight_sync=auto"
                 )
             return mode
-        order = list(MODES)
-        if prefer_reload:
-            order = ["reload_weights", "weight_transfer", "load_weights"]
+        order = ("reload_weights", "weight_transfer", "load_weights") if prefer_reload else MODES
         for m in order:
             if avail[m]:
                 return m
@@ -413,12 +330,7 @@ class WeightSync:
         t0 = time.perf_counter()
         with exported_weights(model) as pairs:
             num_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
-            if self.mode == "weight_transfer":
-                self._sync_weight_transfer(pairs)
-            elif self.mode == "reload_weights":
-                self._sync_reload(pairs)
-            else:
-                self._sync_load_weights(pairs)
+            getattr(self, f"_sync_{self.mode}")(pairs)  # one method per path of MODES
         ok = self.llm.reset_prefix_cache()
         if ok is False:
             log.warning("vLLM refused to reset its prefix cache after a weight sync")
@@ -432,12 +344,9 @@ class WeightSync:
             self._transfer_ready = True
         start = getattr(llm, "start_weight_update", None)
         finish = getattr(llm, "finish_weight_update", None)
-        if callable(start):
-            params = inspect.signature(start).parameters
-            if "is_checkpoint_format" in params:
-                start(is_checkpoint_format=True)
-            else:
-                start()
+        if callable(start):  # a few releases take is_checkpoint_format
+            takes = "is_checkpoint_format" in inspect.signature(start).parameters
+            start(**({"is_checkpoint_format": True} if takes else {}))
         cuda = torch.cuda.is_available()
         for group in buckets(pairs, self.bucket_bytes):
             # IPC shares device memory, so every tensor must live on this GPU, contiguous; the
@@ -459,7 +368,7 @@ class WeightSync:
 
     def _ipc_update_info(self, staged: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         uuid = _current_gpu_uuid()
-        handles = [{uuid: _cuda_ipc_handle(t)} for _, t in staged]
+        handles = [{uuid: reduce_tensor(t)} for _, t in staged]
         info: dict[str, Any] = {
             "names": [n for n, _ in staged],
             "dtype_names": [str(t.dtype).split(".")[-1] for _, t in staged],
@@ -471,7 +380,7 @@ class WeightSync:
             info["ipc_handles"] = handles
         return info
 
-    def _sync_reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def _sync_reload_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         # One call with every tensor: a reload restarts the model's layer-wise loading, so a
         # partial set would leave layers without weights. Shards are gathered a bucket at a
         # time and each bucket moves to CPU memory before the next is gathered.
@@ -486,14 +395,13 @@ class WeightSync:
         self.llm.collective_rpc("reload_weights", kwargs=kwargs)
 
     def _sync_load_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        # Same process: the vLLM weight loaders copy (and cast) from our tensors directly.
-        # Shards are gathered lazily, a bucket at a time, as the loader consumes them.
+        # Same process: the vLLM weight loaders copy (and cast) from our tensors directly, so
+        # plain tensors go as they are; shards are gathered lazily, a bucket at a time, as the
+        # loader consumes them.
         if not any(is_shard(t) or isinstance(t, MergedWeight) for _, t in pairs):
             driver_model(self.llm).load_weights(iter(pairs))
             return
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for group in buckets(pairs, self.bucket_bytes):
-                yield from gathered(group, self.dtype)
-
-        driver_model(self.llm).load_weights(stream())
+        stream = (
+            p for group in buckets(pairs, self.bucket_bytes) for p in gathered(group, self.dtype)
+        )
+        driver_model(self.llm).load_weights(stream)
