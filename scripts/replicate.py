@@ -52,7 +52,7 @@ def long_options(a: argparse.Namespace, methods: list[str] | None) -> LongOption
         full=a.full, workers=a.workers, threads=a.threads, logdir=a.logdir, docs=a.docs,
         report_only=a.report_only, override=a.override, sft_override=a.sft_override,
         sft_max_steps=a.sft_max_steps, sft_seed=a.sft_seed, warm_from=a.warm_from,
-        credit=a.credit, dry_run=a.dry_run,
+        credit=a.credit, dry_run=a.dry_run, recheck=a.recheck,
     )  # fmt: skip
     if a.credit:
         from replication.credit import SEEDS
@@ -124,6 +124,11 @@ def _parser() -> argparse.ArgumentParser:
         "--docs", "--out", type=Path, default=ROOT / "docs", help="where the report and figures go"
     )
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --logdir")
+    p.add_argument(
+        "--recheck", action="store_true",
+        help="--report-only: first rerun every method's seed 0 and the short warm-start passes at "
+        "this code and compare every logged value with the runs (recheck.json, in the report)",
+    )  # fmt: skip
     p.add_argument("--relevance-prompts", type=int, default=32)
     p.add_argument("--override", action="append", default=[], help="extra RL config override")
     p.add_argument(
@@ -160,6 +165,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
         p.error(f"unknown method(s) {unknown}; see configs/method/")
     if a.report_only and a.logdir is None:
         p.error("--report-only needs --logdir")
+    if a.recheck and not a.report_only:
+        p.error("--recheck is a --report-only option: it reruns part of a finished run folder")
     _check_long(p, a)
     if a.long:
         try:
@@ -174,6 +181,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options | LongOptions:
         threads=a.threads, logdir=a.logdir, docs=a.docs, report_only=a.report_only,
         relevance_prompts=a.relevance_prompts, override=a.override,
         sft_override=a.sft_override, full=a.full, determinism=not a.no_determinism,
+        recheck=a.recheck,
     )  # fmt: skip
 
 

@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     import sys
 
-    from mrtpo.run.overrides import check_overrides
+    from mrtpo.run.config_keys import check_overrides
     from mrtpo.run.resume import resume_overrides
     from mrtpo.run.settings import ConfigError
     from mrtpo.run.signals import run_and_exit

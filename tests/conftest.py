@@ -17,7 +17,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tiny model is ~3x faster on one thread than on two (thread hand-off dominates its
 # small matrices); subprocesses inherit this too.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+_THREADS = os.environ.get("OMP_NUM_THREADS", "").strip()
+if not (_THREADS.isdigit() and int(_THREADS) >= 1):  # unset, empty, 0 or not a count
+    os.environ["OMP_NUM_THREADS"] = "1"
 # ATEN_CPU_CAPABILITY lowers torch's own kernels only; oneDNN still picks AMX/AVX-512 from the
 # CPU, and torch 2.13's bf16 attention then fails ("pack_vnni2 is only supported when avx512 is
 # supported"). Lower oneDNN with it, as on a CPU that has no more (issue 47).

@@ -227,21 +227,26 @@ def _our_overrides(size, prompts, group, rewards, new_tokens, total, gpu, system
 
 def _ours(overrides: list[str], run_dir):
     """Our trainer from the composed config, its metric logging timed: (trainer, module,
-    datamodule, the seconds each step's logging took)."""
+    datamodule, {"log_step": seconds of each step's RLStep.result, "publish": of each step's
+    Lightning log_dict calls}). Both run after the step's own timer stops."""
     from mrtpo.lightning.pipeline import build
 
     trainer, module, dm = build(compose(overrides, run_dir))
-    log_times: list[float] = []
-    log_step = module.step.result  # the step's metrics over ranks, before the loggers get them
+    log_times: dict[str, list[float]] = {"log_step": [], "publish": []}
 
-    def timed_log_step(*a, **kw):  # Lightning's per-key self.log was a visible cost here
-        t0 = time.perf_counter()
-        try:
-            return log_step(*a, **kw)
-        finally:
-            log_times.append(time.perf_counter() - t0)
+    def timed(fn, times: list[float]):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times.append(time.perf_counter() - t0)
 
-    module.step.result = timed_log_step
+        return run
+
+    # the step's metrics over ranks, then Lightning's per-key self.log (a visible cost here)
+    module.step.result = timed(module.step.result, log_times["log_step"])
+    module._publish = timed(module._publish, log_times["publish"])
     return trainer, module, dm, log_times
 
 
@@ -374,7 +379,7 @@ def _summary(trl_cb, ours_cb, warmup: int, log_times, gen_times, module) -> dict
         k: med([p.get(k, 0.0) for p in ours_cb.phases[warmup:]])
         for k in ("rollout", "reward", "old_logp", "update", "step")
     }
-    phases["log_step"] = med(log_times[warmup:])
+    phases.update({k: med(v[warmup:]) for k, v in log_times.items()})
     return {
         "trl": med(trl_t),
         "ours": med(ours_t),

@@ -95,8 +95,8 @@ def _kernels(states, chunk: int, dev) -> dict:
     """The three implementations, each a function of no arguments over ``states``."""
     import torch
 
-    from mrtpo.core.credit import js_distance, js_distance_chunked
-    from mrtpo.core.replay import ALL, Replayer, _Job
+    from mrtpo.core.credit import RelevanceRequest, js_distance, js_distance_chunked
+    from mrtpo.core.replay import ALL, Replayer, _Job, _Sink
 
     a, b = states[0], states[1]
     t = states.shape[1]
@@ -113,11 +113,12 @@ def _kernels(states, chunk: int, dev) -> dict:
     class Roll:
         response_mask = torch.ones((1, t), dtype=torch.bool)
         response_ids = torch.zeros((1, t), dtype=torch.long)
+        temperature = 1.0
 
     def run_replay():
         q = torch.zeros((1, 1, t), device=dev)
         logp = torch.zeros((1, t), device=dev)
-        rep._score(jobs, states, None, Roll, ("r",), "per_reward", q, logp)
+        rep._score(jobs, states, None, _Sink(Roll, ("r",), RelevanceRequest(), q, logp))
         return q[0, 0]
 
     return {"unchunked": run_unchunked, "chunked": run_chunked, "replay": run_replay}

@@ -38,6 +38,8 @@ from replication.long_report import (
     _starts,
     label,
 )
+from replication.recheck import recheck
+from replication.recheck import summary as recheck_summary
 
 #: The commit that holds the decision rule (the last entry of ``DESIGN_HISTORY``), made before
 #: any run of the experiment.
@@ -321,6 +323,7 @@ def write_report(runs: X.Runs, opts: LongOptions, wall_s: float, out: Path) -> P
         f"`{opts.commit}`, report written at commit `{source_commit()}`; do not edit by hand._"
     )
     add("")
+    lines += recheck_summary(opts.logdir, opts.commit)
     add(
         "The previous full report found MRTPO behind GDPO and the joint ablation at K = 8. This "
         "one tests the two fixes issue 49 built, the cap per token and contexts that keep "
@@ -341,6 +344,7 @@ def write_report(runs: X.Runs, opts: LongOptions, wall_s: float, out: Path) -> P
     add("python scripts/replicate.py --long --credit --warm-from <long-toy run>  # the runs")
     add("python scripts/replicate.py --long --credit --dry-run                   # the plan")
     add("python scripts/replicate.py --long --report-only --logdir <this run's folder>")
+    add("python scripts/replicate.py --long --report-only --recheck --logdir <it>  # part again")
     add("```")
     add("")
     add(f"Raw runs are under `{os.path.relpath(opts.logdir, opts.docs.parent)}`.")
@@ -383,6 +387,14 @@ def main(opts: LongOptions) -> int:
     if opts.report_only:
         for key, value in json.loads(run_file.read_text()).items():
             setattr(opts, key, value)
+        if opts.recheck:
+            chosen = opts.logdir / "decision.json"
+            if not chosen.is_file():
+                raise SystemExit(f"{chosen} is missing: --recheck needs a finished run folder")
+            chosen = json.loads(chosen.read_text())
+            decision = X.Decision(chosen["cap"], chosen["context"])
+            jobs = X.phase1_jobs(opts) + X.phase2_jobs(opts, decision)
+            recheck(jobs, opts.logdir, opts.workers, opts.threads, console)
     elif not _start(opts, console):
         return 1
     else:

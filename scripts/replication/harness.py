@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,6 +213,7 @@ class Options:
     full: bool = False
     commit: str | None = None  # the source commit the runs were made with (run.json)
     determinism: bool = True  # rerun one configuration and compare (determinism.json)
+    recheck: bool = False  # --report-only: rerun a sample at this code (replication.recheck)
 
 
 # What a run was made with: --report-only reads these back from the log folder.
@@ -333,7 +336,8 @@ def rl_jobs(opts: Options) -> list[Job]:
 
 
 #: Columns of metrics.csv that measure time, not the computation: left out of the rerun check.
-_TIMING = ("time/", "tokens_per_s")
+#: Columns that measure time, not the run's numbers (never compared).
+TIMING = re.compile(r"(^|/)time(/|$)|_s$|tokens_per_s")
 
 
 def determinism_check(opts: Options, console) -> dict[str, Any] | None:
@@ -356,16 +360,15 @@ def determinism_check(opts: Options, console) -> dict[str, Any] | None:
     return out
 
 
-def compare_metrics(a: str | Path, b: str | Path) -> dict[str, Any]:
-    """Largest absolute difference between two runs' logged values (timing columns aside),
-    over every step and column both logged, and the column where it occurred."""
-    ra = {r["step"]: r for r in read_metrics(a) if "step" in r and "train/success" in r}
-    rb = {r["step"]: r for r in read_metrics(b) if "step" in r and "train/success" in r}
+def largest_difference(pairs: Iterable[tuple[dict, dict]]) -> dict[str, Any]:
+    """Over pairs of rows of two runs' metrics: how many values both logged (timing columns
+    and values NaN in both aside), the largest absolute difference, its column, and the
+    largest difference of ``train/success``."""
     worst, where, values, success = 0.0, None, 0, 0.0
-    for step in sorted(ra.keys() & rb.keys()):
-        for col, va in ra[step].items():
-            vb = rb[step].get(col)
-            if vb is None or col == "step" or any(t in col for t in _TIMING):
+    for ra, rb in pairs:
+        for col, va in ra.items():
+            vb = rb.get(col)
+            if vb is None or col == "step" or TIMING.search(col):
                 continue
             if math.isnan(va) and math.isnan(vb):
                 continue
@@ -375,13 +378,16 @@ def compare_metrics(a: str | Path, b: str | Path) -> dict[str, Any]:
                 success = max(success, d)
             if d > worst:
                 worst, where = d, col
-    return {
-        "steps": len(ra.keys() & rb.keys()),
-        "values": values,
-        "max_abs_diff": worst,
-        "column": where,
-        "success_max_abs_diff": success,
-    }
+    return {"values": values, "max_abs_diff": worst, "column": where,
+            "success_max_abs_diff": success}  # fmt: skip
+
+
+def compare_metrics(a: str | Path, b: str | Path) -> dict[str, Any]:
+    """Two runs' logged values compared step by step (``largest_difference``)."""
+    ra = {r["step"]: r for r in read_metrics(a) if "step" in r and "train/success" in r}
+    rb = {r["step"]: r for r in read_metrics(b) if "step" in r and "train/success" in r}
+    steps = sorted(ra.keys() & rb.keys())
+    return {"steps": len(steps), **largest_difference((ra[s], rb[s]) for s in steps)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,6 +140,7 @@ class LongOptions:
     #: issue 49's credit experiment (``replication.credit``) instead of the cells' runs
     credit: bool = False
     dry_run: bool = False  # the credit experiment's plan only
+    recheck: bool = False  # --report-only: rerun a sample at this code (replication.recheck)
 
 
 #: The options that decide what a warm start is: a reused one must have been made with these.

@@ -58,10 +58,13 @@ from replication.harness import (
     run_warm_starts,
     runs_at,
     schedule_of,
+    sft_job,
     sync_spec,
 )
 from replication.jobs import quieted, run_all, run_folder
 from replication.plots import plot_gain_vs_k, plot_replay_share
+from replication.recheck import recheck
+from replication.recheck import summary as recheck_summary
 
 
 def fmt(m: float, h: float, digits: int = 3) -> str:
@@ -205,6 +208,8 @@ def _intro(add, opts: Options) -> None:
         "do not edit by hand._"
     )
     add("")
+    for line in recheck_summary(opts.logdir, opts.commit):
+        add(line)
     add(
         "The paper's tables need 7B models and GPUs. This miniature asks the same question on a "
         "CPU: a small policy learns to write word sequences under K programmatically checked "
@@ -414,6 +419,7 @@ def _caveats_and_reproduce(add, opts: Options) -> None:
     add("make replicate                 # this report (quick mode)")
     add("make replicate ARGS=--full     # K = 2, 4, 8")
     add("python scripts/replicate.py --report-only --logdir <logs/replicate/...>")
+    add("python scripts/replicate.py --report-only --recheck --logdir <...>  # part, at this code")
     add("```")
     add("")
     add(
@@ -928,6 +934,9 @@ def main(opts: Options) -> int:
         opts.commit = None  # older run folders did not record it
         for key, value in saved.items():
             setattr(opts, key, value)
+        if opts.recheck:
+            sft = [sft_job(k, phase, opts) for k in opts.k_values for phase in SFT_PHASES]
+            recheck(sft + rl_jobs(opts), opts.logdir, opts.workers, opts.threads, console)
         if opts.threshold is None:
             opts.threshold = DEFAULT_THRESHOLD
     else:

@@ -2,32 +2,32 @@
 
 Each takes the overrides you would type after ``python src/train.py`` (``eval.py``,
 ``export.py``) and runs the same job: the same run folder, ``.hydra/`` record, logs, checks and
-errors; a failure raises the error itself::
-
-    from mrtpo import api
-
-    run = api.train(["trainer.max_steps=20", "method=gdpo"])
-    print(run.run_dir, run.metrics["train/reward/total/mean"])
-    print(run.history()[-1])                     # the last row of csv/metrics.csv
-    ev = api.evaluate([f"ckpt_path={run.checkpoint}", "eval.limit=8"])
-    out = api.export([f"ckpt_path={run.checkpoint}", "out=exported/my-policy"])
-
-A sweep is a loop over calls. A job logs and sets CPU threads as the command does; the caller's
+errors; a failure raises the error itself (examples: docs/extending.md section 4). A sweep is
+a loop over calls. A job logs and sets CPU threads as the command does; the caller's
 logging and torch's thread count are put back afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from mrtpo.evaluate.analysis.runs import read_metrics
+from mrtpo.run.config import CONFIG_DIR
 
 __all__ = ["RunResult", "evaluate", "export", "train"]
 
@@ -57,8 +57,6 @@ class RunResult:
     def history(self) -> list[dict[str, float]]:
         """Every row of ``csv/metrics.csv`` as floats, unlogged cells left out; malformed
         columns and rows are left out with a warning (``analysis.runs.read_metrics``)."""
-        from mrtpo.evaluate.analysis.runs import read_metrics
-
         path = self.run_dir / "csv" / "metrics.csv"
         if not path.is_file():
             return []
@@ -83,14 +81,15 @@ def train(
 def evaluate(overrides: Sequence[str] = ()) -> RunResult:
     """``python src/eval.py <overrides>``: evaluate, return the output folder and metrics."""
     from mrtpo.evaluate.job import run
-    from mrtpo.run.threads import configure
+    from mrtpo.run.placement import configure_threads
 
     def job(cfg: DictConfig) -> dict[str, float]:
-        configure(cfg)
+        configure_threads(cfg)
         return run(cfg)
 
     result = _run("eval.yaml", "eval", overrides, job)
-    output = _output_dir(result.overrides)
+    given = [o.split("=", 1)[1] for o in result.overrides if o.startswith("eval.output=")]
+    output = next((Path(v) for v in given if v not in ("", "null")), None)  # else the run folder
     return RunResult(output or result.run_dir, result.metrics, result.overrides)
 
 
@@ -108,13 +107,6 @@ def export(overrides: Sequence[str] = ()) -> Path:
     return holder["out"]
 
 
-def _output_dir(overrides: Sequence[str]) -> Path | None:
-    for o in overrides:
-        if o.startswith("eval.output=") and o.split("=", 1)[1] not in ("", "null"):
-            return Path(o.split("=", 1)[1])
-    return None
-
-
 def _run(
     config_name: str,
     job_name: str,
@@ -123,11 +115,6 @@ def _run(
     check: Callable[[DictConfig], None] | None = None,
 ) -> RunResult:
     """Run ``job`` as Hydra runs ``src/<job_name>.py`` (run folder, ``.hydra/``, log file)."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from mrtpo.run.config import CONFIG_DIR
-
     if isinstance(overrides, str):
         raise TypeError("overrides is a list of strings: ['method=gdpo', 'seed=1']")
     overrides = as_overrides(overrides)
@@ -137,16 +124,11 @@ def _run(
             f"{flags}: mrtpo.api runs one job from overrides (key=value); for a sweep, call it "
             "once per setting"
         )
-    argv, handlers, threads = sys.argv, _logging_state(), _threads_state()
-    sys.argv = [f"src/{job_name}.py", *overrides]  # what the run's records call its command
-    GlobalHydra.instance().clear()
-    try:
+    with _callers_state():
+        sys.argv = [f"src/{job_name}.py", *overrides]  # what the run's records call its command
+        GlobalHydra.instance().clear()
         with initialize_config_dir(str(CONFIG_DIR), job_name=job_name, version_base="1.3"):
             ret = _composed_once(GlobalHydra.instance().hydra, config_name, overrides, job, check)
-    finally:
-        sys.argv = argv
-        _restore_logging(handlers)
-        _restore_threads(threads)
     run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir)
     metrics = ret.return_value if isinstance(ret.return_value, dict) else {}
     return RunResult(run_dir, {k: _number(v) for k, v in metrics.items()}, tuple(overrides))
@@ -156,11 +138,6 @@ def _composed_once(hydra: Any, config_name: str, overrides: list[str], job, chec
     """``hydra.run`` on a config composed here once: ``check`` sees a copy of it first (with
     ``${hydra:...}`` resolvable; nothing it does reaches the run), then Hydra's own run takes
     the composed config instead of composing it again."""
-    import copy
-
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     cfg = hydra.compose_config(
         config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=True
     )
@@ -216,39 +193,30 @@ def _number(value: Any) -> Any:
         return value
 
 
-def _threads_state() -> tuple[int, str | None]:
+@contextlib.contextmanager
+def _callers_state() -> Iterator[None]:
+    """Give the caller back ``sys.argv``, the root logger's state (closing the job's handlers:
+    its log file would otherwise receive the caller's later logs) and torch's thread count
+    (a job sets its own: ``mrtpo.run.placement.configure_threads``)."""
     import torch
 
-    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-
-
-def _restore_threads(state: tuple[int, str | None]) -> None:
-    """Give the caller back torch's thread count (a job sets its own: ``mrtpo.run.threads``)."""
-    import torch
-
-    threads, env = state
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
-
-
-def _logging_state() -> tuple[list[logging.Handler], int]:
     root = logging.getLogger()
-    return list(root.handlers), root.level
-
-
-def _restore_logging(state: tuple[list[logging.Handler], int]) -> None:
-    """Put back the root logger's state, closing the job's handlers (its log file would
-    otherwise receive the caller's later logs)."""
-    before, level = state
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if h not in before:
-            root.removeHandler(h)
-            h.close()
-    for h in before:
-        if h not in root.handlers:
-            root.addHandler(h)
-    root.setLevel(level)
+    argv, before, level = sys.argv, list(root.handlers), root.level
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        for h in list(root.handlers):
+            if h not in before:
+                root.removeHandler(h)
+                h.close()
+        for h in before:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env

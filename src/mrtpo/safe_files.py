@@ -105,9 +105,8 @@ def open_fd(path: str | Path, flags: int, mode: int = 0o666) -> int:
     return fd
 
 
-def no_follow(path: str, flags: int) -> int:
-    """An ``opener`` for ``open()``: ``open(p, "a", opener=no_follow)``."""
-    return open_fd(path, flags)
+#: an ``opener`` for ``open()``: ``open(p, "a", opener=no_follow)``
+no_follow = open_fd
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:

@@ -1,17 +1,5 @@
-"""``mrtpo.Trainer`` and ``mrtpo.Config``: a TRL ``GRPOTrainer`` script, run by MRTPO.
-
-::
-
-    from datasets import Dataset
-    from mrtpo import Config, Trainer
-
-    def reward_len(completions, **kwargs):
-        return [-abs(20 - len(c)) / 20 for c in completions]
-
-    ds = Dataset.from_list([{"prompt": "Say hi."}, {"prompt": "Name a colour."}])
-    trainer = Trainer(reward_funcs=[reward_len], train_dataset=ds, args=Config(max_steps=2))
-    run = trainer.train()        # api.RunResult: run_dir, metrics, history()
-    trainer.model, trainer.tokenizer    # the trained policy, in memory
+"""``mrtpo.Trainer`` and ``mrtpo.Config``: a TRL ``GRPOTrainer`` script, run by MRTPO
+(docs/extending.md section 5, README's example).
 
 ``train()`` runs ``python src/train.py task=custom ...``'s job through ``mrtpo.api.train``
 (``Config``'s fields name their config keys); rewards, dataset and a loaded model reach it in
@@ -31,7 +19,14 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from mrtpo import live
+from hydra.errors import ConfigCompositionException, InstantiationException
+from hydra.utils import instantiate
+
+from mrtpo import api, live
+from mrtpo.api import _quoted, as_overrides
+from mrtpo.run.checks import validate
+from mrtpo.run.config import compose
+from mrtpo.run.config_keys import check_keys
 
 __all__ = ["Config", "Trainer"]
 
@@ -73,20 +68,12 @@ class Config:
     save_steps: int | None = _key(
         "callbacks.model_checkpoint.every_n_train_steps", "checkpoint every N steps"
     )
-    report_to: str | list[str] | None = field(
-        default=None,
-        metadata={
-            "key": "logger",
-            "help": "none | csv | tensorboard | wandb (csv is always kept: run.history() reads it)",
-        },
+    report_to: str | list[str] | None = _key(  # noqa: RUF009 (a field(), as _key returns)
+        "logger", "none | csv | tensorboard | wandb (csv is always kept: run.history() reads it)"
     )
     seed: int | None = _key("seed", "the run's seed")
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={
-            "key": "method.reward_weights",
-            "help": "one weight per reward function, in order",
-        },
+    reward_weights: list[float] | None = _key(  # noqa: RUF009
+        "method.reward_weights", "one weight per reward function, in order"
     )
     credit_beta: float | None = _key(
         "method.beta", "MRTPO's share of credit that follows relevance (not TRL's beta)"
@@ -102,22 +89,16 @@ class Config:
 
     def to_overrides(self, reward_names: Sequence[str]) -> list[str]:
         """The Hydra overrides these settings stand for (``overrides`` last)."""
-        from mrtpo.api import as_overrides
-
+        written = {  # as is: config group options, a mapping, a count of prompts
+            "report_to": _logger,
+            "reward_weights": lambda w: self._weights(w, reward_names),
+            "per_device_train_batch_size": self._prompts_per_step,
+        }
         out = [f"method={self.method}"]
         for name, key in self.mapping().items():
-            value = getattr(self, name)
-            if value is None or name == "method":
-                continue
-            if name == "report_to":  # a list of config group options, written as is
-                out.append(f"{key}={_logger(value)}")
-            elif name == "reward_weights":  # a mapping, written as is
-                weights = self._weights(value, reward_names)
-                out.append(f"{key}={{" + ", ".join(f"{k}: {v!r}" for k, v in weights.items()) + "}")
-            elif name == "per_device_train_batch_size":
-                out.append(f"{key}={self._prompts_per_step(value)}")
-            else:
-                out += as_overrides({key: value})
+            value, write = getattr(self, name), written.get(name)
+            if value is not None and name != "method":
+                out += [f"{key}={write(value)}"] if write else as_overrides({key: value})
         return out + [str(o) for o in self.overrides]
 
     def _prompts_per_step(self, batch: int) -> int:
@@ -146,13 +127,14 @@ class Config:
         return g, batch // max(g, 1) if batch else int(per_step)
 
     @staticmethod
-    def _weights(weights: Sequence[float], names: Sequence[str]) -> dict[str, float]:
+    def _weights(weights: Sequence[float], names: Sequence[str]) -> str:
+        """``{name: weight, ...}``, one weight per reward function."""
         if len(weights) != len(names):
             raise ValueError(
                 f"Config(reward_weights=...) has {len(weights)} weight(s) for {len(names)} "
                 f"reward function(s) {list(names)}; give one per function"
             )
-        return {n: float(w) for n, w in zip(names, weights)}
+        return "{" + ", ".join(f"{n}: {float(w)!r}" for n, w in zip(names, weights)) + "}"
 
 
 def _given_int(words: Sequence[str], key: str) -> int | None:
@@ -170,8 +152,6 @@ def _given_int(words: Sequence[str], key: str) -> int | None:
 def _composed_sizes(words: tuple[str, ...]) -> tuple[int, int] | None:
     """(rl.group_size, prompts per step) that ``task=custom`` and ``words`` compose to; None
     where they do not compose."""
-    from mrtpo.run.config import compose
-
     try:
         rl = compose("train.yaml", ["task=custom", *words]).rl
         per_step = rl.get("prompts_per_step") or rl.get("global_prompts_per_step") or 4
@@ -215,9 +195,7 @@ class Trainer:
         self.reward_names = _names(self.reward_funcs)
         self.reward_blocks = _blocks(reward_blocks)
         self.train_rows = _rows(train_dataset, "train_dataset", lambda: _row_limit(self.args))
-        self.eval_rows = (
-            None if eval_dataset is None else _rows(eval_dataset, "eval_dataset", None, whole=True)
-        )
+        self.eval_rows = None if eval_dataset is None else _rows(eval_dataset, "eval_dataset")
         self.callbacks = _callbacks(callbacks)
         self.model, self.tokenizer = model, processing_class or tokenizer
         self._model_overrides = _model_overrides(model)
@@ -231,8 +209,6 @@ class Trainer:
     def train(self) -> Any:
         """Run the job; return its ``api.RunResult`` and keep the trained policy in
         ``self.model`` / ``self.tokenizer``."""
-        from mrtpo import api
-
         _probe(self.reward_funcs, self.reward_names, self.train_rows)
         overrides = self.args.to_overrides(self.reward_names)  # bad settings: before anything
         tokens: list[str] = []
@@ -268,29 +244,33 @@ class Trainer:
             out.append(f"task.data.splits={{val: {live.PREFIX}{keep(self.eval_rows, 'eval')}}}")
             out.append(f"data.val_prompts={len(self.eval_rows)}")  # validated on all of them
         if self.reward_blocks:
-            blocks = {}
-            for name, fn in self.reward_blocks.items():
-                if not callable(fn):
-                    raise TypeError(
-                        f"reward_blocks[{name!r}] is a {type(fn).__name__}, not a function"
-                    )
-                blocks[name] = f"mrtpo.live.{keep(fn, 'block')}"
-            out.append("task.blocks={" + ",".join(f"{k}: {v}" for k, v in blocks.items()) + "}")
+            blocks = [
+                f"{k}: mrtpo.live.{keep(fn, 'block')}" for k, fn in self.reward_blocks.items()
+            ]
+            out.append("task.blocks={" + ",".join(blocks) + "}")
         return out
 
 
 def _precheck(cfg: Any, args: Config, composed: list[bool]) -> None:
     """Check the composed config as the job will, before the run folder; the error names the
     ``Config`` field that set the key. ``composed`` records that the config composed."""
-    from mrtpo.run.checks import validate
-    from mrtpo.run.config_keys import check_keys
-
     composed.append(True)
     try:
         check_keys(cfg)
         validate(cfg)
-        _one_process(cfg)
-        _build_task(cfg)
+        devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+        if str(devices) != "1" or str(nodes) != "1":  # processes it starts cannot use the objects
+            raise ValueError(
+                f"trainer.devices={devices} trainer.num_nodes={nodes}: mrtpo.Trainer trains in "
+                "this one process (its objects cannot reach others); for several devices run "
+                "python src/train.py task=custom with import strings (docs/extending.md)"
+            )
+        try:  # the task built as the job will: a bad row or block name is refused here
+            instantiate(cfg.task)
+        except InstantiationException as exc:  # the task's own error, not Hydra's wrapper
+            if isinstance(exc.__cause__, Exception):
+                raise exc.__cause__ from None
+            raise
     except ValueError as exc:
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (_named(exc.args[0], args), *exc.args[1:])
@@ -301,8 +281,6 @@ def _precheck(cfg: Any, args: Config, composed: list[bool]) -> None:
 def _config_errors_named(args: Config) -> Iterator[list[bool]]:
     """A config that does not compose is one line naming the ``Config`` field or key; once it
     composed (the list yielded is not empty), the error is a warm start's: raised as is."""
-    from hydra.errors import ConfigCompositionException
-
     composed: list[bool] = []
     try:
         yield composed
@@ -316,31 +294,6 @@ def _config_errors_named(args: Config) -> Iterator[list[bool]]:
         elif m:
             text = f"{m.group(1)} is not a setting (python src/train.py --help lists them)"
         raise ValueError(_named(text, args)) from None
-
-
-def _build_task(cfg: Any) -> None:
-    """Build the task as the job will, so a bad row or block name is refused before the run
-    folder; the task's own error is raised, not Hydra's wrapper."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        instantiate(cfg.task)
-    except InstantiationException as exc:
-        if isinstance(exc.__cause__, Exception):
-            raise exc.__cause__ from None
-        raise
-
-
-def _one_process(cfg: Any) -> None:
-    """The objects live in this process: a trainer that starts others cannot use them."""
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-    if str(devices) != "1" or str(nodes) != "1":
-        raise ValueError(
-            f"trainer.devices={devices} trainer.num_nodes={nodes}: mrtpo.Trainer trains in this "
-            "one process (its objects cannot reach others); for several devices run "
-            "python src/train.py task=custom with import strings (docs/extending.md)"
-        )
 
 
 def _named(message: str, args: Config) -> str:
@@ -383,12 +336,14 @@ def _blocks(given: Mapping[str, Callable] | None) -> dict[str, Callable]:
     """``reward_blocks`` by reward name: a key goes into a ``task.blocks={...}`` override as
     is, so one that is not a plain name (``a,b``, ``${...}``) is refused, not written."""
     out = dict(given or {})
-    for name in out:
+    for name, fn in out.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(
                 f"reward_blocks has a key {name!r} that is not a name; key each block by its "
                 "reward function's name (letters, digits and _)"
             )
+        if not callable(fn):
+            raise TypeError(f"reward_blocks[{name!r}] is a {type(fn).__name__}, not a function")
     return out
 
 
@@ -401,14 +356,11 @@ def _row_limit(cfg: Config) -> int | None:
 
 
 def _rows(
-    dataset: Any,
-    name: str,
-    limit: Callable[[], int | None] | None,
-    *,
-    whole: bool = False,
+    dataset: Any, name: str, limit: Callable[[], int | None] | None = None
 ) -> list[dict[str, Any]]:
     """``dataset`` (a ``datasets.Dataset`` / ``IterableDataset`` or a list of dicts) as rows
-    with a ``prompt`` column; anything else is one line naming what to change."""
+    with a ``prompt`` column; anything else is one line naming what to change. A stream is
+    read whole without ``limit``, else up to ``limit()`` rows."""
     if dataset is None:
         raise ValueError(
             f"{name} is required: a datasets.Dataset or a list of dicts with a 'prompt'"
@@ -416,14 +368,15 @@ def _rows(
     if hasattr(dataset, "to_list") and hasattr(dataset, "__len__"):  # datasets.Dataset
         rows = dataset.to_list()
     elif isinstance(dataset, Iterable) and not isinstance(dataset, (str, bytes, Mapping)):
-        stream = not isinstance(dataset, Sequence)  # an IterableDataset: take what the run uses
-        n = limit() if stream and limit is not None and not whole else None
-        if stream and n is None and not whole:
+        # an IterableDataset: take what the run uses
+        limited = limit is not None and not isinstance(dataset, Sequence)
+        n = limit() if limited else None
+        if limited and n is None:
             raise ValueError(
                 f"{name} is a stream ({type(dataset).__name__}): set Config(max_steps=N), as "
                 "TRL asks, so that the rows the run needs can be read"
             )
-        rows = list(islice(dataset, n) if stream and not whole else dataset)
+        rows = list(islice(dataset, n) if limited else dataset)
     else:
         raise TypeError(
             f"{name} is a {type(dataset).__name__}; give a datasets.Dataset or a list of dicts"
@@ -481,12 +434,6 @@ def _model_overrides(model: Any) -> list[str]:
     return [f"model.name_or_path={_quoted(name)}", "model.tiny=null", f"model.dtype={dtype}"]
 
 
-def _quoted(text: str) -> str:
-    from mrtpo.api import as_overrides
-
-    return as_overrides({"k": text})[0][2:]
-
-
 def _tokenizer_of(model: Any) -> Any:
     name = getattr(model, "name_or_path", "") or ""
     try:
@@ -501,24 +448,13 @@ def _tokenizer_of(model: Any) -> Any:
 
 
 def _prepare(model: Any, tokenizer: Any, cfg: Any) -> tuple[Any, Any]:
-    """A given model and tokenizer made ready as ``mrtpo.core.models.load_policy`` makes a loaded
-    one: a pad token, left padding, train mode, and ``model.*``'s checkpointing and LoRA."""
-    from mrtpo.core.lora import LoraSettings, apply_lora
-    from mrtpo.core.models import eos_token_ids
+    """A given model and tokenizer made ready as ``load_policy`` makes a loaded one."""
+    from mrtpo.core.models import prepare_policy
 
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(
-            eos_token_ids(tokenizer, model)[0]
-        )
-    tokenizer.padding_side = "left"
-    if cfg.model.get("gradient_checkpointing"):
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    settings = LoraSettings.from_mapping(cfg.model.get("lora"))
-    if settings.enabled:
-        model = apply_lora(model, settings)
-    model.train()
-    return model, tokenizer
+    name = cfg.model.get("name_or_path") or "the given model"
+    return prepare_policy(
+        model, tokenizer, bool(cfg.model.get("gradient_checkpointing")), cfg.model.get("lora"), name
+    )
 
 
 def _accepts(fn: Callable) -> Callable[[str], bool]:

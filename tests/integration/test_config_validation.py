@@ -209,7 +209,7 @@ def test_fsdp_refuses_what_it_cannot_shard_yet_before_the_model_loads(
 
 @pytest.mark.parametrize("key", ["replay.share_prefix", "rollout.engine.share_prompt"])
 def test_a_replaced_prefix_sharing_key_names_the_one_to_use(train_cfg, key):
-    from mrtpo.run.overrides import check_overrides
+    from mrtpo.run.config_keys import check_overrides
     from mrtpo.run.settings import ConfigError
 
     for arg in (f"{key}=false", f"+{key}=false"):  # refused before Hydra composes anything

@@ -26,7 +26,7 @@ from tests.conftest import ROOT, SMALL_RUN
 
 from mrtpo.evaluate.analysis.report import main as report_main
 from mrtpo.lightning.data import PromptDataModule
-from mrtpo.run.overrides import check_overrides
+from mrtpo.run.config_keys import check_overrides
 from mrtpo.run.settings import ConfigError
 from mrtpo.tasks.synthetic import SyntheticTask
 

@@ -349,7 +349,7 @@ def _sync_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int) 
                 return True
 
         ws._current_gpu_uuid = lambda: "GPU-fake"
-        ws._cuda_ipc_handle = lambda t: (torch.clone, (t,))
+        ws.reduce_tensor = lambda t: (torch.clone, (t,))
         sync = ws.WeightSync(
             FakeTransferLLM(),
             "weight_transfer",

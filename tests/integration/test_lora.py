@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tests.conftest import ROOT
 
 from mrtpo.core.lora import LoraSettings, apply_lora, is_lora
@@ -168,6 +169,34 @@ def test_target_modules_that_match_nothing_fail_naming_the_key(tiny):
         LoraSettings.from_mapping({"r": 4, "dropout": 1.5, "target_modules": ["q_proj"]})
     with pytest.raises(ValueError, match=r"model.lora has no key"):
         LoraSettings.from_mapping({"rank": 4})
+
+
+def test_a_given_model_is_made_ready_as_a_loaded_one(tiny):
+    """The Python API's given model goes through the same preparation as a loaded one
+    (``prepare_policy``): a pad token, left padding, checkpointing, adapters, train mode, and
+    embeddings whose output requires grad, without which reentrant checkpointing would give
+    the adapters no gradient."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mrtpo.trainer import _prepare
+
+    path, lora = tiny[0].name_or_path, {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    cfg = OmegaConf.create({"model": {"gradient_checkpointing": True, "lora": lora}})
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.pad_token = None
+    given, tok = _prepare(AutoModelForCausalLM.from_pretrained(path), tok, cfg)
+    loaded, _ = load_policy(path, gradient_checkpointing=True, lora=lora)
+    for model in (given, loaded):
+        assert is_lora(model) and model.training and model.is_gradient_checkpointing
+        assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad
+    assert tok.padding_side == "left" and tok.pad_token_id is not None
+    # and a given tokenizer that can never end a response is refused, as a loaded one is
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.generation_config.eos_token_id = None
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.eos_token = None
+    with pytest.raises(ValueError, match=f"the tokenizer of {path} has no EOS token"):
+        _prepare(model, tok, OmegaConf.create({"model": {"name_or_path": path}}))
 
 
 def test_the_cli_command_trains_lora_and_exports_the_checkpointed_policy(tmp_path, cache_dir):

@@ -23,9 +23,8 @@ from tests.conftest import CONFIG_DIR, compose_config
 from tests.task_fixtures import make_public_data, rlla_rows
 
 from mrtpo.lightning.pipeline import build, metrics_csv, prepare
-from mrtpo.run.batch import resolve_batch
 from mrtpo.run.placement import check_placement, model_parameters
-from mrtpo.run.settings import ConfigError, section
+from mrtpo.run.settings import ConfigError, resolve_batch, section
 
 TOY = ("demo", "toy_")
 PRESETS = sorted(
@@ -306,7 +305,7 @@ def test_preset_data_in_another_layout_is_refused(data_dir):
 def test_spider_questions_from_the_hub_need_no_local_question_file(tmp_path):
     """``task.splits.train.hub`` (opt-in, with network) supplies Spider's questions: the
     train file is then not required, the databases still are."""
-    from mrtpo.run.paper_data import problems
+    from mrtpo.run.checks import paper_data_problems as problems
 
     cfg = _paper("text2sql_coder3b", f"paths.data_dir={tmp_path}",
                  "+task.splits.train.hub=xlangai/spider")  # fmt: skip

@@ -24,11 +24,11 @@ from hydra.utils import instantiate
 from tests.conftest import CONFIG_DIR, ROOT
 
 import mrtpo.evaluate.cli  # noqa: F401  (eval.yaml's resolvers, as src/eval.py registers them)
-from mrtpo.run.batch import resolve_batch
 from mrtpo.run.checks import validate
 from mrtpo.run.config import compose
-from mrtpo.run.overrides import check_overrides
+from mrtpo.run.config_keys import check_overrides
 from mrtpo.run.placement import check_placement
+from mrtpo.run.settings import resolve_batch
 
 README = ROOT / "README.md"
 HYDRA = {"src/train.py": "train.yaml", "src/eval.py": "eval.yaml", "src/export.py": "export.yaml"}

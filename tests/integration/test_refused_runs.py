@@ -13,7 +13,7 @@ import sys
 import pytest
 from tests.conftest import ROOT, compose_config
 
-from mrtpo.run.lock import LOCK_NAME, RunFolderLock
+from mrtpo.run.folder import LOCK_NAME, RunFolderLock
 
 TRAIN = str(ROOT / "src" / "train.py")
 

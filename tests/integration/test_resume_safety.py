@@ -184,13 +184,13 @@ def test_the_lock_names_its_holder_dies_with_it_and_a_refusal_puts_it_back(tmp_p
     """The folder lock itself, with a real holder process: a second taker is refused naming
     it; SIGKILL frees the folder with nothing to clean; leaving the block by an exception
     before ``accept()`` restores ``run.lock`` byte for byte."""
-    from mrtpo.run.lock import LOCK_NAME, RunFolderBusy, RunFolderLock
+    from mrtpo.run.folder import LOCK_NAME, RunFolderBusy, RunFolderLock
 
     run = tmp_path / "run"
     run.mkdir()
     script = (
         "import sys, time\n"
-        "from mrtpo.run.lock import RunFolderLock\n"
+        "from mrtpo.run.folder import RunFolderLock\n"
         "with RunFolderLock(sys.argv[1]):\n"
         "    print('held', flush=True)\n"
         "    time.sleep(600)\n"

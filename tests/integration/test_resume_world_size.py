@@ -4,7 +4,7 @@
 A 1-process run resumed with ``trainer=ddp trainer.devices=2`` used to be accepted: each rank
 sampled the per-rank batch, so the global batch doubled (16 -> 32 responses) and the numbers
 left the run's. Each checkpoint's settings record now holds the world size and the global
-batch it makes (``mrtpo.run.batch.global_batch``); a resume whose world size makes another
+batch it makes (``mrtpo.run.resume.global_batch``); a resume whose world size makes another
 global batch is refused, naming the world size the run was trained with and the
 ``rl.global_*`` keys that keep its batch, and a resume that states them trains on.
 """

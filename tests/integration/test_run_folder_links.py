@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import ROOT, SHARED_DATA, compose_config
 
 from mrtpo.lightning.pipeline import train
-from mrtpo.run.lock import LOCK_NAME, RunFolderLock
+from mrtpo.run.folder import LOCK_NAME, RunFolderLock
 from mrtpo.run.resume import ResumeRefused
 
 HANG_GUARD_S = 900  # a bound for a machine far slower than this one, not a speed check
@@ -168,7 +168,7 @@ def test_the_writers_themselves_refuse_a_link(tmp_path):
 
 HOLD = (
     "import sys, time\n"
-    "from mrtpo.run.lock import RunFolderLock\n"
+    "from mrtpo.run.folder import RunFolderLock\n"
     "with RunFolderLock(sys.argv[1]):\n"
     "    print('held', flush=True)\n"
     "    time.sleep(600)\n"
@@ -178,7 +178,7 @@ HOLD = (
 def test_deleting_run_lock_does_not_let_a_second_run_in(tmp_path):
     """``rm run.lock`` under a running trainer let a resume in (two trainers, one folder):
     the lock is on the folder itself, so the second is refused, naming the first."""
-    from mrtpo.run.lock import RunFolderBusy
+    from mrtpo.run.folder import RunFolderBusy
 
     run = tmp_path / "run"
     run.mkdir()
@@ -212,7 +212,7 @@ def test_deleting_run_lock_does_not_let_a_second_run_in(tmp_path):
 
 TAKE = (
     "import sys\n"
-    "from mrtpo.run.lock import RunFolderLock\n"
+    "from mrtpo.run.folder import RunFolderLock\n"
     "try:\n"
     "    with RunFolderLock(sys.argv[1]):\n"
     "        print('taken')\n"

@@ -90,7 +90,7 @@ def test_text2sql_table_on_public_data(tmp_path, cache_dir, monkeypatch):
         pytest.skip(f"public Spider files not found under {SHARED_DATA}")
     tiny = cache_dir / "models" / "tiny-qwen2"
     direct = {}
-    for bench in tables.FAMILIES["text2sql"][1]:
+    for bench in tables.FAMILIES["text2sql"]:
         try:
             direct[bench.column] = _direct(tmp_path, cache_dir, SHARED_DATA, bench.split)[0]
         except FileNotFoundError:
@@ -103,7 +103,7 @@ def test_text2sql_table_on_public_data(tmp_path, cache_dir, monkeypatch):
     for column, metrics in direct.items():
         assert float(recs[column]["mean"]) == pytest.approx(metrics["exec_acc"])
     md = (out / "table.md").read_text()
-    for bench in tables.FAMILIES["text2sql"][1]:
+    for bench in tables.FAMILIES["text2sql"]:
         if bench.column not in direct:
             assert f"- {bench.column} ({bench.split}): absent" in md
 

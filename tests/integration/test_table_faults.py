@@ -35,7 +35,7 @@ def test_no_cell_scored_exits_non_zero_with_one_line(tmp_path, cache_dir, capsys
 
 def _table() -> tables.Table:
     """A scored table as build() leaves it: two seeds of one policy, one benchmark scored."""
-    benches = tables.FAMILIES["toolcall"][1]
+    benches = tables.FAMILIES["toolcall"]
     sources = [tables.Source(Path(f"/runs/{s}"), [], ("method=mrtpo",), str(s)) for s in (1, 2)]
     t = tables.Table("toolcall", benches, sources)
     for i, v in enumerate((0.5, 0.7)):

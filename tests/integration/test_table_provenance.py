@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 from tests.task_fixtures import make_spider
 
 from mrtpo.evaluate import tables
-from mrtpo.run.provenance import model_identity, trained_task
+from mrtpo.run.trained_run import model_identity, trained_task
 
 SMALL = ["trainer.max_steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
          "rollout.sampling.max_new_tokens=4", "callbacks.progress=null"]  # fmt: skip

@@ -12,8 +12,9 @@ import pytest
 import torch
 from tests.conftest import ROOT
 
+from mrtpo.run.placement import choose_threads as choose
+from mrtpo.run.placement import configure_threads as configure
 from mrtpo.run.settings import ConfigError
-from mrtpo.run.threads import choose, configure
 
 
 @pytest.fixture

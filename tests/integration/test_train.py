@@ -143,7 +143,7 @@ def test_unknown_option_names_the_choices():
 def test_bad_rl_key_is_named():
     from mrtpo.lightning.module import PolicyModule
     from mrtpo.lightning.pipeline import prepare
-    from mrtpo.run.overrides import check_overrides
+    from mrtpo.run.config_keys import check_overrides
     from mrtpo.run.settings import ConfigError
 
     # on the command line, before Hydra starts: the valid keys are listed

@@ -37,8 +37,7 @@ def toy_rl(monkeypatch):
 
 
 def test_a_new_setting_is_declared_once_and_every_list_reads_it(toy_rl):
-    from mrtpo.run.config_keys import nearest
-    from mrtpo.run.overrides import check_overrides
+    from mrtpo.run.config_keys import check_overrides, nearest
     from mrtpo.run.resume import may_change
 
     assert settings.renamed()["rl.old_knob"] == "rl.toy_knob"

@@ -12,7 +12,7 @@ import json
 from tests.conftest import compose_config
 from tests.vllm.conftest import TINY_OVERRIDES
 
-from mrtpo.evaluate.job import run
+from mrtpo.evaluate import job
 
 
 def _eval(tmp_path, cache_dir, rollout: str, engine=None, monkeypatch=None):
@@ -29,21 +29,24 @@ def _eval(tmp_path, cache_dir, rollout: str, engine=None, monkeypatch=None):
             f"eval.output={out}",
         ],
     )
+    shared_used = []
     if engine is not None:
-        import hydra.utils
-
-        build = hydra.utils.instantiate
+        # Patched where the job looks it up: a second in-process engine would leave the
+        # session's unusable for every later test (vLLM's parallel state is per process).
+        build = job.instantiate
 
         def shared(node, *args, **kwargs):
             if node.get("_target_") == "mrtpo.rollout.vllm.VLLMEngine":
                 assert node.model == str(engine.model) and node.device == "auto"
+                shared_used.append(node)
                 return engine
             return build(node, *args, **kwargs)
 
-        monkeypatch.setattr(hydra.utils, "instantiate", shared)
-    metrics = run(cfg)
+        monkeypatch.setattr(job, "instantiate", shared)
+    metrics = job.run(cfg)
     if monkeypatch is not None:
         monkeypatch.undo()
+    assert bool(shared_used) == (engine is not None), "the eval job built its own vLLM engine"
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     return metrics, rows
 

@@ -6,7 +6,7 @@ N = B * G responses (B prompts, G samples each, prompt-major), K rewards, P prom
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -48,25 +48,20 @@ class RolloutBatch:
 
     @property
     def temperature(self) -> float:
-        """The temperature the trainer divides logits by (1 when nothing says otherwise)."""
-        return 1.0 if self.sampling is None else self.sampling.logprob_temperature
+        """The temperature the trainer divides logits by: the sampling one (1 for greedy or none)."""
+        greedy = self.sampling is None or self.sampling.greedy
+        return 1.0 if greedy else float(self.sampling.temperature)
 
     def select(self, idx: Tensor) -> RolloutBatch:
         """Sub-batch of responses ``idx`` (a 1-D long tensor)."""
         il = idx.tolist()
-        return RolloutBatch(
-            examples=[self.examples[i] for i in il],
-            group=self.group[idx],
-            prompt_ids=self.prompt_ids[idx],
-            prompt_mask=self.prompt_mask[idx],
-            response_ids=self.response_ids[idx],
-            response_mask=self.response_mask[idx],
-            texts=[self.texts[i] for i in il],
-            finished=self.finished[idx],
-            sampling=self.sampling,
-            engine_logp=None if self.engine_logp is None else self.engine_logp[idx],
-            versions=None if self.versions is None else self.versions[idx],
-        )
+
+        def pick(value):  # per-response lists and tensors; ``sampling`` and Nones as they are
+            if isinstance(value, list):
+                return [value[i] for i in il]
+            return value[idx] if isinstance(value, Tensor) else value
+
+        return RolloutBatch(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -77,10 +72,6 @@ class ScoredBatch:
     scores: list[Score]  # N
     reward_names: tuple[str, ...]  # K
     rewards: Tensor  # [N, K] float32, NaN = does not apply
-
-    @property
-    def mask(self) -> Tensor:
-        return self.rollout.response_mask
 
 
 def rewards_tensor(scores: list[Score], names: tuple[str, ...]) -> Tensor:

@@ -36,15 +36,12 @@ def _lone_surrogate(value: Any, where: str = "") -> str | None:
         except UnicodeEncodeError as exc:
             return f"{where or 'the value'} holds U+{ord(value[exc.start]):04X}"
         return None
-    if isinstance(value, dict):
-        children = [(f"{where}.{k}" if where else str(k), k, v) for k, v in value.items()]
-    elif isinstance(value, list):
-        children = [(f"{where}[{i}]", None, v) for i, v in enumerate(value)]
-    else:
-        return None
-    for name, key, child in children:
+    is_list = isinstance(value, list)
+    items = enumerate(value) if is_list else value.items() if isinstance(value, dict) else ()
+    for key, child in items:
         if isinstance(key, str) and _lone_surrogate(key):
             return f"a key of {where or 'the object'} holds a lone surrogate"
+        name = f"{where}[{key}]" if is_list else f"{where}.{key}" if where else str(key)
         bad = _lone_surrogate(child, name)
         if bad:
             return bad if where else f"field {bad}"
@@ -273,12 +270,8 @@ def score_responses(
     matched, skipped = _match_lines(lines, by_id, responses_file, set(map(str, beyond_limit)))
     if skipped:
         log.warning(
-            "%s: %d line(s) answer examples beyond the first %s kept by eval.limit=%s; they "
-            "are not scored",
-            responses_file,
-            skipped,
-            limit,
-            limit,
+            f"{responses_file}: {skipped} line(s) answer examples beyond the first {limit} kept "
+            f"by eval.limit={limit}; they are not scored"
         )
     per_example = _samples_per_example(lines, matched, responses_file)
     covered = {str(ex.id) for _, ex, _ in matched}
@@ -317,9 +310,7 @@ def _coverage(
                 f"{msg}; eval.require_complete=true needs a response for every example"
             )
         log.warning(
-            "%s: the metrics are over the covered examples only (coverage=%.4f in "
-            "metrics.json; eval.require_complete=true makes this an error)",
-            msg,
-            coverage,
+            f"{msg}: the metrics are over the covered examples only (coverage={coverage:.4f} in "
+            "metrics.json; eval.require_complete=true makes this an error)"
         )
     return coverage

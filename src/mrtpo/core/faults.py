@@ -1,9 +1,6 @@
-"""Fault bookkeeping of the RL step: what was contained, and when to stop.
-
-A raising reward function costs that sample's rewards; a non-finite reward, advantage or loss
-skips the step; only repeated failures (``rl.max_consecutive_score_failures``,
-``rl.max_nonfinite_steps``) stop the run. Counts are summed over ranks so every rank decides
-alike, and saved in checkpoints (docs/reliability.md). Signals: ``mrtpo.run.signals``.
+"""Fault bookkeeping of the RL step: what was contained, and when to stop (the rules:
+docs/reliability.md). Counts are summed over ranks so every rank decides alike, and saved in
+checkpoints. Signals: ``mrtpo.run.signals``.
 """
 
 from __future__ import annotations
@@ -85,14 +82,10 @@ class FaultTracker:
     def nonfinite(self, what: str, step: int, example_ids: Sequence[str] = ()) -> None:
         """Count a skipped step; raise once ``rl.max_nonfinite_steps`` is reached."""
         self.nonfinite_steps += 1
+        ids = f"; examples {list(example_ids)}" if example_ids else ""
         log.warning(
-            "non-finite %s at step %d: update skipped (%d so far; limit "
-            "rl.max_nonfinite_steps=%d)%s",
-            what,
-            step,
-            self.nonfinite_steps,
-            self.max_nonfinite_steps,
-            f"; examples {list(example_ids)}" if example_ids else "",
+            f"non-finite {what} at step {step}: update skipped ({self.nonfinite_steps} so far; "
+            f"limit rl.max_nonfinite_steps={self.max_nonfinite_steps}){ids}"
         )
         if self.nonfinite_steps >= self.max_nonfinite_steps:
             raise RuntimeError(

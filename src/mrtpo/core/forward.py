@@ -4,15 +4,9 @@ Contexts are left-padded and responses right-padded, so every response starts at
 column: the logits that predict response token t sit at column ``P - 1 + t``. The LM head
 runs only on the last ``T + 1`` columns (``logits_to_keep``), never on the prompt.
 
-With ``shared_prompt="auto"`` (``rl.shared_prompt_forward``) each distinct prompt runs once,
-all but its last token, and every row continues its key/value cache (``_shared_prompt_logits``;
-same log-probs and gradients). Where the cache cannot be used (``trainer=fsdp``; gradient
-checkpointing while training) each group is packed into one sequence with a block mask
-(``_packed_prompt_logits``): still one forward call per micro-batch.
-
-Replay needs whole next-token distributions, so it takes hidden states (``response_hidden``)
-and applies the LM head a few positions at a time: the ``[n, T, V]`` logits (the largest
-tensor at a 152k vocabulary) are never materialized.
+Each prompt once per group, the cache form and the packed one (``rl.shared_prompt_forward``):
+docs/scaling.md. Replay and the teacher take hidden states (``response_hidden``) and apply the
+LM head a chunk at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ import torch
 from torch import Tensor
 
 from mrtpo.core.loss import token_logprobs
+from mrtpo.distributed import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +126,6 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
-    from mrtpo.distributed import is_sharded
-
     if is_sharded(model):  # only a call to the root gathers the root unit's weights
         return None
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
@@ -178,17 +171,8 @@ def response_hidden_shared_prefix(
     each prefix runs once and its rows reuse the first ``prefix_keep[i]`` cached positions.
     Positions count visible tokens only, so mid-row padding changes nothing."""
     device = next(decoder.parameters()).device
-    p_mask = prefix_mask.to(device)
-    p_pos = positions(p_mask)
-    out = decoder(
-        input_ids=prefix_ids.to(device),
-        attention_mask=p_mask.long(),
-        position_ids=p_pos,
-        use_cache=True,
-    )
-    cache = out.past_key_values
-    rows = row_prefix.to(device)
-    cache.reorder_cache(rows)
+    p_mask, rows = prefix_mask.to(device), row_prefix.to(device)
+    cache = _prefix_cache(decoder, prefix_ids.to(device), p_mask, rows)
     width = p_mask.shape[1]
     start = width - p_mask[rows].sum(-1)  # first real column of each row's prefix
     cols = torch.arange(width, device=device)[None, :]
@@ -227,9 +211,7 @@ def response_logprobs(
 SHARED_PROMPT_MODES = ("auto", "off", "always")
 #: ``auto`` shares only when that skips at least this share of the tokens a plain forward
 #: computes, and at least ``MIN_SAVED_TOKENS``: the second decoder call has a fixed cost
-#: (Python, kernel launches). Measured on CPU (forward + backward, fp32), 8 rows sharing a
-#: 32-token prompt with 64-token responses (217 tokens saved) ran 0.97x the plain time on
-#: the tiny model and 0.90x on a 3M-parameter Qwen2; larger models break even sooner.
+#: (measurements: docs/scaling.md).
 MIN_SAVED_SHARE = 0.1
 MIN_SAVED_TOKENS = 256
 
@@ -254,8 +236,6 @@ def shared_prompt_blocker(model: torch.nn.Module, in_step: bool = False) -> str 
     reason = _architecture_blocker(model, "key/value cache")
     if reason is not None:
         return reason
-    from mrtpo.distributed import is_sharded
-
     if is_sharded(model) and not in_step:
         return "trainer=fsdp (each extra forward is a collective; kept to one per micro-batch)"
     if model.training and any(
@@ -276,12 +256,10 @@ def packed_prompt_blocker(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run the packed shared-prompt forward (None: it can): it needs a
     4D mask applied as given (SDPA or eager attention) and no sliding window."""
     reason = _architecture_blocker(model, "packed forward")
-    if reason is not None:
-        return reason
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in MASKED_ATTENTION:
-        return f"attention implementation {impl!r} (the packed forward needs one of {MASKED_ATTENTION})"
-    return None
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if reason is None and impl not in MASKED_ATTENTION:
+        reason = f"attention implementation {impl!r} (the packed forward needs one of {MASKED_ATTENTION})"
+    return reason
 
 
 def _architecture_blocker(model, form: str) -> str | None:
@@ -291,17 +269,14 @@ def _architecture_blocker(model, form: str) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in PLAIN_HEAD_MODEL_TYPES:
         return f"model type {kind!r} is not one whose {form} is checked here"
-    if _windowed_config(cfg):
+    if windowed(model):
         return f"sliding-window attention (not carried by the {form})"
     return None
 
 
 def windowed(model) -> bool:
     """True when some attention layer is windowed (a cache would not hold a whole prefix)."""
-    return _windowed_config(getattr(model, "config", None))
-
-
-def _windowed_config(cfg) -> bool:
+    cfg = getattr(model, "config", None)
     types = getattr(cfg, "layer_types", None)
     if types:
         return any(t != "full_attention" for t in types)
@@ -325,10 +300,8 @@ def prompt_groups(
     packable: bool = False,
     in_step: bool = False,
 ) -> PromptGroups | None:
-    """The batch's distinct prompts when the shared-prompt forward is to run, else None.
-    The cache form is a second, data-dependent decoder call, so it is off under FSDP (each
-    forward a collective; DDP forwards are local). Where it is blocked and ``packable``, the
-    groups come back ``packed``: one forward call either way, same collectives per rank."""
+    """The batch's distinct prompts when the shared-prompt forward is to run, else None; where
+    the cache form is blocked (``shared_prompt_blocker``) and ``packable``, ``packed`` ones."""
     if mode not in SHARED_PROMPT_MODES:
         raise ValueError(f"shared_prompt={mode!r}; use one of {list(SHARED_PROMPT_MODES)}")
     n, width = prompt_ids.shape
@@ -364,9 +337,8 @@ def prompt_groups(
 
 
 def _packed_groups(model, first, row_prefix, width, n, t, mode, why) -> PromptGroups | None:
-    """``prompt_groups`` for the packed form: ``R`` sequences of ``S = width + M t`` columns
-    (M: the largest group) against ``n`` rows of ``width + t``. Masked attention computes every
-    pair, so ``auto`` also needs ``tokens x c + pairs`` (``_token_cost``) to be no more."""
+    """``prompt_groups`` for the packed form: ``R`` sequences of ``width + M t`` columns (M: the
+    largest group); ``auto`` also needs ``tokens x c + pairs`` (``_token_cost``) to be no more."""
     r = first.numel()
     m = int(torch.bincount(row_prefix, minlength=r).max())
     packed_len, plain_len = width + m * t, width + t
@@ -397,12 +369,7 @@ def _token_cost(model) -> float:
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:
-    first = seqs[0]
-    n = min(len(x) for x in seqs)
-    for i in range(n):
-        if any(x[i] != first[i] for x in seqs[1:]):
-            return i
-    return n
+    return next((i for i, col in enumerate(zip(*seqs)) if len(set(col)) > 1), min(map(len, seqs)))
 
 
 def prefix_layout(
@@ -487,11 +454,10 @@ def _shared_prompt_logits(
 ):
     """``response_logits`` with each row's last prompt token and response continuing its
     prompt's prefix cache (``prompt_prefix_cache``)."""
-    t = response_ids.shape[1]
     cache, seen = prompt_prefix_cache(model, groups, prompt_ids, prompt_mask)
     seg_ids = torch.cat([prompt_ids[:, -1:], response_ids], dim=1)
     seg_mask = torch.cat([prompt_mask[:, -1:], response_mask], dim=1)
-    out = _continue_cache(model, cache, seen, seg_ids, seg_mask, logits_to_keep=t + 1)
+    out = _continue_cache(model, cache, seen, seg_ids, seg_mask, logits_to_keep=seg_ids.shape[1])
     return out.logits[:, :-1]
 
 
@@ -580,24 +546,25 @@ def prompt_prefix_cache(model, groups: PromptGroups, prompt_ids: Tensor, prompt_
     w = groups.width
     p_ids = prompt_ids[groups.first, -1 - w : -1].to(device)
     p_mask = prompt_mask[groups.first, -1 - w : -1].to(device)
-    p_pos = positions(p_mask)
+    rows = groups.row_prefix.to(device)
     split = split_head(model)
     if split is not None:  # the decoder alone: no LM head on the prefix
-        out = split[0](
-            input_ids=p_ids, attention_mask=p_mask.long(), position_ids=p_pos, use_cache=True
-        )
-    else:
-        out = model(
-            input_ids=p_ids,
-            attention_mask=p_mask.long(),
-            position_ids=p_pos,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    cache = out.past_key_values
-    rows = groups.row_prefix.to(device)
-    cache.reorder_cache(rows)
-    return cache, p_mask[rows]
+        return _prefix_cache(split[0], p_ids, p_mask, rows), p_mask[rows]
+    return _prefix_cache(model, p_ids, p_mask, rows, logits_to_keep=1), p_mask[rows]
+
+
+def _prefix_cache(model, ids: Tensor, mask: Tensor, rows: Tensor, **kwargs):
+    """The key/value cache of prefixes ``ids`` [R, W] (on the model's device), reordered to
+    the rows (``rows`` [n]: each row's prefix)."""
+    out = model(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        position_ids=positions(mask),
+        use_cache=True,
+        **kwargs,
+    )
+    out.past_key_values.reorder_cache(rows)
+    return out.past_key_values
 
 
 def _continue_cache(

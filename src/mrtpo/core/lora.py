@@ -70,12 +70,11 @@ class LoraSettings:
 def _adaptable_names(model: torch.nn.Module) -> list[str]:
     """Short names of the layers LoRA can adapt (linear, embedding, conv), for messages."""
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)}
     # transformers' GPT-2-style Conv1D is not a torch conv
-    names |= {
-        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Conv1D"
-    }
-    return sorted(names)
+    adaptable = [
+        n for n, m in model.named_modules() if isinstance(m, kinds) or type(m).__name__ == "Conv1D"
+    ]
+    return sorted({n.rsplit(".", 1)[-1] for n in adaptable if n})
 
 
 def _matches(module_name: str, target: str) -> bool:
@@ -117,13 +116,9 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings):
         ) from exc
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
+    share = 100.0 * trainable / max(1, total)
     log.info(
-        "LoRA r=%d on %s: %d of %d parameters train (%.3f%%)",
-        settings.r,
-        targets,
-        trainable,
-        total,
-        100.0 * trainable / max(1, total),
+        f"LoRA r={settings.r} on {targets}: {trainable} of {total} parameters train ({share:.3f}%)"
     )
     return peft_model
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
@@ -88,12 +87,9 @@ def engine_gap(
     tis_cap: float | None = None,
     stale: bool = False,
 ) -> tuple[dict[str, float], Tensor | None]:
-    """How far the engine's sampling distribution is from the trainer's (``train/rollout/...``),
-    and with ``tis_cap`` the detached weights ``min(pi_trainer / pi_engine, tis_cap)`` (0 on pads):
-    ``logp_gap/{mean,max}`` of ``|log pi_trainer - log pi_engine|`` (vLLM bf16 reads ~1e-2),
-    ``seq_ratio/{mean,min,max}`` of ``pi_trainer(y) / pi_engine(y)``, and with TIS
-    ``tis_weight/mean`` and ``tis_capped_frac``. ``EngineGap`` does it over row blocks.
-    """
+    """How far the engine's sampling distribution is from the trainer's (``EngineGap.metrics``;
+    vLLM bf16 reads ~1e-2 nats), and with ``tis_cap`` the detached weights
+    ``min(pi_trainer / pi_engine, tis_cap)`` (0 on pads). ``EngineGap`` does it over row blocks."""
     totals = EngineGap(tis_cap)
     weights = totals.add(trainer_logp, engine_logp, mask)
     return totals.metrics(stale), weights
@@ -139,8 +135,10 @@ class EngineGap:
         return weights
 
     def metrics(self, stale: bool = False) -> dict[str, float]:
-        """The totals as metrics; ``stale``: the rows were sampled by older weights than the
-        trainer's, so the gap holds staleness too and is named ``rollout/stale/...``."""
+        """``logp_gap/{mean,max}`` of ``|log pi_trainer - log pi_engine|``,
+        ``seq_ratio/{mean,min,max}`` of ``pi_trainer(y) / pi_engine(y)`` and with TIS
+        ``tis_weight/mean`` and ``tis_capped_frac``; ``stale``: the rows were sampled by older
+        weights than the trainer's, so the gap holds staleness too (``rollout/stale/...``)."""
         n, s = self.tokens, self.seqs
         nan = float("nan")
         stats = {
@@ -161,9 +159,3 @@ class EngineGap:
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     m = mask.to(x.dtype)
     return (x * m).sum() / m.sum().clamp_min(1.0)
-
-
-def sft_loss(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over the masked (response) positions."""
-    ce = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
-    return _masked_mean(ce, mask)

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +77,7 @@ class TinyModelConfig:
     extra_corpus: list[str] = field(default_factory=list)
 
     def fingerprint(self) -> str:
-        d = dict(self.__dict__)
-        d["extra_corpus"] = len(self.extra_corpus)
-        return json.dumps(d, sort_keys=True)
+        return json.dumps({**self.__dict__, "extra_corpus": len(self.extra_corpus)}, sort_keys=True)
 
 
 def build_tokenizer(vocab_size: int = 1024, extra_corpus: list[str] | None = None):
@@ -122,15 +120,12 @@ def build_tiny_model(path: str | Path, config: TinyModelConfig | None = None) ->
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(cfg.vocab_size, cfg.extra_corpus)
     torch.manual_seed(cfg.seed)
+    shape = {
+        k: v for k, v in asdict(cfg).items() if k not in ("vocab_size", "seed", "extra_corpus")
+    }
     model_cfg = Qwen2Config(
+        **shape,
         vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.initializer_range,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -232,9 +227,21 @@ def load_policy(
             "Without network, set model.name_or_path to a local folder holding the weights "
             "(e.g. `model.name_or_path=/models/Qwen2.5-7B-Instruct`), or use model=tiny."
         ) from exc
+    return prepare_policy(model, tokenizer, gradient_checkpointing, lora, name_or_path)
+
+
+def prepare_policy(
+    model: Any,
+    tokenizer: Any,
+    gradient_checkpointing: bool = False,
+    lora: Mapping[str, Any] | None = None,
+    name: str = "the given model",
+) -> tuple[Any, Any]:
+    """A loaded or given (model, tokenizer) made ready to train: an EOS (else a clear error),
+    a pad token, left padding, gradient checkpointing, LoRA adapters and train mode."""
     if tokenizer.eos_token_id is None and not eos_token_ids(tokenizer, model):
         raise ValueError(
-            f"the tokenizer of {name_or_path} has no EOS token (and its generation_config names "
+            f"the tokenizer of {name} has no EOS token (and its generation_config names "
             "none): responses could never end. Use a tokenizer with an eos_token (chat models "
             "have one), or set it in the model folder's tokenizer_config.json"
         )
@@ -263,8 +270,7 @@ def eos_token_ids(tokenizer, model=None) -> list[int]:
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(model, "generation_config", None) if model is not None else None
-    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(extra, int):
         ids.add(extra)
     elif extra:

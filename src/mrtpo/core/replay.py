@@ -4,15 +4,10 @@ Each requested response–reward pair is fed after ``P_all`` and ``P_\\k`` (cont
 only in that reward's information, built by the task) and the next-token distributions are
 compared by Jensen–Shannon distance (method.md §§1–3); ``P_all`` runs once per response.
 
-Cost and memory (docs/benchmarks.md): contexts are tokenized once per distinct context;
-forwards are packed by a token budget, shortest first; a response's contexts share a prefix
-whose key/value cache is reused when ``rl.shared_prompt_forward`` allows and
-``forward.worth_sharing`` says it pays. Distributions are tempered as sampled
-(``RolloutBatch.temperature``). The model returns hidden states; head, log-softmax and JSD run
-in float32 on chunks of ``jsd_chunk`` (row, position) pairs, so ``[rows, T, V]`` logits are
-never held (non-plain heads fall back to logits, ``forward.split_head``). Under FSDP each
-micro-batch is one root call without prefix sharing; with several ranks every rank runs the
-busiest rank's number of forwards, padding with a discarded one-token batch.
+Cost and memory (docs/benchmarks.md, "Already in replay.py"): forwards packed by a token
+budget, a response's contexts sharing a cached prefix where that pays, hidden states whose
+head, log-softmax and JSD run in float32 on chunks of ``jsd_chunk`` (row, position) pairs.
+Distributions are tempered as sampled (``RolloutBatch.temperature``).
 """
 
 from __future__ import annotations
@@ -25,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mrtpo.core.batch import ScoredBatch
+from mrtpo.core.batch import RolloutBatch, ScoredBatch
 from mrtpo.core.chat import chat_ids
-from mrtpo.core.credit import js_distance
+from mrtpo.core.credit import js_distance, js_distance_chunked
 from mrtpo.core.credit.methods import RelevanceRequest
 from mrtpo.core.forward import (
     packed_prompt_blocker,
@@ -41,7 +36,6 @@ from mrtpo.core.forward import (
     windowed,
     worth_sharing,
 )
-from mrtpo.core.replay_noise import NoiseFloor
 from mrtpo.distributed import Ranks, dummy_batch, is_sharded
 from mrtpo.tasks.base import Contexts, Task
 
@@ -122,6 +116,51 @@ class _Masker:
         return out
 
 
+class NoiseFloor:
+    """``replay.noise_floor`` (docs/method.md): the JSD between ``P_all`` as replay computes it and
+    the same tokens through the update's forward, pure numerical noise. Up to ``rows`` responses
+    a step, the first replayed (``reset`` at each step's start); off by default: a forward and
+    ``[rows, T, V]`` logits per checked micro-batch."""
+
+    def __init__(self, rows: int, pad_id: int, chunk: int = 256, shared_prompt: str = "off"):
+        self.rows, self.pad_id, self.chunk, self.shared_prompt = rows, pad_id, chunk, shared_prompt
+        self.reset()
+
+    def reset(self) -> None:
+        self.left, self.total, self.count, self.max = self.rows, 0.0, 0, 0.0
+
+    def add(self, model, chunk, states, head, roll, all_key: str) -> int:
+        """Score the micro-batch's ``P_all`` rows (``all_key`` jobs, ``states`` their replay
+        states) the update's way, within the step's budget; returns the forwards run (0 or 1)."""
+        picks = [i for i, job in enumerate(chunk) if job.key == all_key][: self.left]
+        if not picks:
+            return 0
+        rows = torch.tensor([chunk[i].response for i in picks])
+        mask = roll.response_mask[rows]
+        t = max(1, int(mask.sum(-1).max()))
+        ctx_ids, ctx_mask = pad_left([chunk[i].ids for i in picks], self.pad_id)
+        plain = response_logits(
+            model, ctx_ids, ctx_mask, roll.response_ids[rows, :t], mask[:, :t],
+            shared_prompt=self.shared_prompt,
+        )  # fmt: skip
+        for n, i in enumerate(picks):
+            x = states[i, :t]
+            if head is not None:
+                x = head(x)
+            d = js_distance_chunked(x, plain[n].to(x.device), self.chunk, roll.temperature)
+            d = d[mask[n, :t].to(d.device)]
+            self.total += float(d.sum())
+            self.count += int(d.numel())
+            self.max = max(self.max, float(d.max())) if d.numel() else self.max
+        self.left -= len(picks)
+        return 1
+
+    def metrics(self) -> dict[str, float]:
+        if not self.count:
+            return {}
+        return {"noise_floor": self.total / self.count, "noise_floor/max": self.max}
+
+
 @dataclass
 class ReplayResult:
     q: Tensor  # [N, K, T] (per_reward) or [N, 1, T] (joint), 0 where not replayed
@@ -137,10 +176,18 @@ class ReplayResult:
     metrics: dict[str, float] = field(default_factory=dict)  # logged as train/replay/<key>
 
 
-def _low_precision(model, device: torch.device) -> bool:
-    """True when the forwards run in a 16-bit float type (the weights' own, or autocast's)."""
-    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return half or torch.is_autocast_enabled(device.type)
+@dataclass
+class _Sink:
+    """Where ``Replayer._score`` writes ``roll``'s relevance ``q`` and P_all's log-probs."""
+
+    roll: RolloutBatch
+    names: tuple[str, ...]
+    request: RelevanceRequest
+    q: Tensor
+    logp: Tensor
+
+    def column(self, job: _Job) -> int:  # its reward's column of q (0 for joint)
+        return 0 if self.request.joint else self.names.index(job.key)
 
 
 class Replayer:
@@ -165,7 +212,7 @@ class Replayer:
         #: the shared-prefix layouts ``_shared_layout`` may choose from (tests pin one)
         self.layouts: tuple[str, ...] = ("common", "branch")
         #: replay.noise_floor: P_all of this many responses a step scored again the update's
-        #: way (``mrtpo.core.replay_noise``); None: off
+        #: way (``NoiseFloor``); None: off
         self.noise = None
         if noise_floor > 0:
             pad = tokenizer.pad_token_id
@@ -222,8 +269,11 @@ class Replayer:
         roll = batch.rollout
         n, t = roll.response_ids.shape
         device = next(model.parameters()).device
-        if request.form == "mask":
-            _check_maskable(model)
+        reason = packed_prompt_blocker(model) if request.form == "mask" else None
+        if reason is not None:  # a 4D attention mask is not applied as given
+            raise ValueError(
+                f"method.context=mask cannot run with this model ({reason}); use method.context=delete"
+            )
         jobs_by_resp = self.plan(task, batch, pairs, request.contexts, request.form)
         out = ReplayResult(
             q=torch.zeros((n, pairs.shape[1], t), dtype=torch.float32, device=device),
@@ -251,11 +301,14 @@ class Replayer:
         micro-batch (logits, no prefix sharing; decoder and head cannot be called apart), padded to
         the busiest rank's count agreed first. DDP agrees the same count after (an out-of-memory
         retry stays local). A rank that replays nothing still runs them."""
-        roll, mode, names = batch.rollout, request.contexts, batch.reward_names
+        roll = batch.rollout
+        sink = _Sink(roll, batch.reward_names, request, out.q, out.logp)
         device = next(model.parameters()).device
         ranks, sharded = Ranks(lambda: device), is_sharded(model)
         split = split_head(model)  # None when sharded: the root's forward gathers
-        low_precision = _low_precision(model, device)
+        # forwards in a 16-bit float type (the weights' own, or autocast's)
+        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        low_precision = half or torch.is_autocast_enabled(device.type)
         chunks = self._pack(jobs_by_resp, roll.response_mask)
         idle = ranks.max(len(chunks)) - len(chunks) if sharded else 0
         calls = computed = shared = 0  # decoder calls: two for a micro-batch sharing its prefix
@@ -275,25 +328,12 @@ class Replayer:
             out.tokens += sum(
                 len(job.ids) + int(roll.response_mask[job.response].sum()) for job in chunk
             )
-            self._score(
-                chunk,
-                states,
-                head,
-                roll,
-                names,
-                mode,
-                out.q,
-                out.logp,
-                request.score,
-                roll.temperature,
-            )
+            self._score(chunk, states, head, sink)
             if self.noise is not None and not sharded:  # sharded: a forward is a collective
                 calls += self.noise.add(model, chunk, states, head, roll, ALL)
             for job in chunk:
                 if job.key != ALL:
-                    out.replayed[job.response, 0 if mode == "joint" else names.index(job.key)] = (
-                        True
-                    )
+                    out.replayed[job.response, sink.column(job)] = True
         if ranks.world_size > 1 and not sharded:
             idle = ranks.max(calls) - calls
         for _ in range(idle):  # discarded: only keeps this rank in step
@@ -322,22 +362,17 @@ class Replayer:
     def _pack(self, jobs_by_resp: dict[int, list[_Job]], mask: Tensor) -> list[list[_Job]]:
         """Micro-batches of whole responses (P_all with its P_\\k) within the token budget (a
         target: a response over it gets a micro-batch of its own)."""
-        chunks: list[list[_Job]] = []
-        cur: list[_Job] = []
-        cur_width = 0
-        order = sorted(jobs_by_resp, key=lambda j: max(len(x.ids) for x in jobs_by_resp[j]))
-        for j in order:
+        chunks: list[list[_Job]] = [[]]
+        width = 0  # the last chunk's padded length
+        for j in sorted(jobs_by_resp, key=lambda j: max(len(x.ids) for x in jobs_by_resp[j])):
             jobs = jobs_by_resp[j]
-            t = int(mask[j].sum())
-            width = max(cur_width, max(len(x.ids) for x in jobs) + t)
-            if cur and (len(cur) + len(jobs)) * width > self.token_budget:
-                chunks.append(cur)
-                cur, width = [], max(len(x.ids) for x in jobs) + t
-            cur.extend(jobs)
-            cur_width = width
-        if cur:
-            chunks.append(cur)
-        return chunks
+            own = max(len(x.ids) for x in jobs) + int(mask[j].sum())
+            if chunks[-1] and (len(chunks[-1]) + len(jobs)) * max(width, own) > self.token_budget:
+                chunks.append([])
+                width = 0
+            chunks[-1].extend(jobs)
+            width = max(width, own)
+        return [c for c in chunks if c]
 
     def _forward(self, model, split, chunk: list[_Job], response_ids: Tensor, response_mask):
         """(states [rows, t, H or V], LM head or None, tokens computed, prefix shared?)."""
@@ -356,7 +391,10 @@ class Replayer:
         plain_cost = len(chunk) * (max(len(job.ids) for job in chunk) + t)
         if self.shared_prompt != "off" and not windowed(model):
             shared = self._shared_layout(chunk, t)
-            if shared is not None and self._worth_sharing(plain_cost, shared[-1]):
+            # two decoder calls instead of one: worth_sharing decides unless "always"
+            if shared is not None and (
+                self.shared_prompt == "always" or worth_sharing(plain_cost - shared[-1], plain_cost)
+            ):
                 prefixes, row_prefix, keep, suffixes, cost = shared
                 p_ids, p_mask = pad_left(prefixes, pad)
                 suffixes = [job.ids[int(k) :] for job, k in zip(chunk, keep)]
@@ -369,11 +407,6 @@ class Replayer:
                 return h, head, cost, True
         h = response_hidden(decoder, ctx_ids, ctx_mask, r_ids, r_mask, hidden)
         return h, head, plain_cost, False
-
-    def _worth_sharing(self, plain_cost: int, shared_cost: int) -> bool:
-        """Two decoder calls instead of one: ``forward.worth_sharing`` decides unless ``always``
-        (windowed models keep the plain path: checked by the caller)."""
-        return self.shared_prompt == "always" or worth_sharing(plain_cost - shared_cost, plain_cost)
 
     def _shared_layout(self, chunk: list[_Job], t: int):
         """The micro-batch's ``forward.prefix_layout`` (P_all the ``branch`` base). A hidden token
@@ -388,34 +421,21 @@ class Replayer:
         return prefix_layout(ctxs, [job.response for job in chunk], t, self.layouts, base, is_base)
 
     # -- scoring ------------------------------------------------------------------------
-    def _score(self, chunk, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0) -> None:
+    def _score(self, chunk, states, head, sink: _Sink) -> None:
         """JSD of every P_\\k row against its P_all row, in groups of at most ``jsd_chunk`` (row,
         position) pairs (float32 working set ``jsd_chunk x V``); P_all's sampled-token log-probs go
-        to ``logp`` on the way."""
+        to ``sink.logp`` on the way."""
         all_row = {job.response: i for i, job in enumerate(chunk) if job.key == ALL}
-        others = [i for i, job in enumerate(chunk) if job.key != ALL]
         # responses stay whole within a group where they fit: their P_all row is shared
-        others.sort(key=lambda i: chunk[i].response)
+        others = sorted(
+            (i for i, job in enumerate(chunk) if job.key != ALL), key=lambda i: chunk[i].response
+        )
         per = max(1, self.jsd_chunk // 2)
         for g in range(0, len(others), per):
-            self._score_rows(
-                chunk,
-                others[g : g + per],
-                all_row,
-                states,
-                head,
-                roll,
-                names,
-                mode,
-                q,
-                logp,
-                score,
-                tau,
-            )
+            self._score_rows(chunk, others[g : g + per], all_row, states, head, sink)
 
-    def _score_rows(
-        self, chunk, others, all_row, states, head, roll, names, mode, q, logp, score="jsd", tau=1.0
-    ):
+    def _score_rows(self, chunk, others, all_row, states, head, sink: _Sink) -> None:
+        roll, tau = sink.roll, sink.roll.temperature
         mask = roll.response_mask
         # P_\k rows first (a slice, no copy), then the P_all rows they are compared with
         alls = sorted({all_row[chunk[i].response] for i in others})
@@ -424,20 +444,18 @@ class Replayer:
         dev = states.device
         sel = torch.tensor(order, device=dev)
         base = torch.tensor([pos_of[all_row[chunk[i].response]] for i in others], device=dev)
-        jj = torch.tensor([chunk[i].response for i in others], device=dev)
-        kk = torch.tensor(
-            [0 if mode == "joint" else names.index(chunk[i].key) for i in others], device=dev
-        )
-        lengths = mask[[chunk[i].response for i in others]].sum(-1).to(dev)  # [n_other]
+        o_resp = [chunk[i].response for i in others]
+        jj = torch.tensor(o_resp, device=dev)
+        kk = torch.tensor([sink.column(chunk[i]) for i in others], device=dev)
+        lengths = mask[o_resp].sum(-1).to(dev)  # [n_other]
         n_other = len(others)
-        o_ids = roll.response_ids[[chunk[i].response for i in others]].to(dev)  # [n_other, T]
+        o_ids = roll.response_ids[o_resp].to(dev)  # [n_other, T]
         a_resp = [chunk[r].response for r in alls]
         a_ids = roll.response_ids[a_resp].to(dev)  # [n_all, T]
         a_len = mask[a_resp].sum(-1).to(dev)
         a_j = torch.tensor(a_resp, device=dev)
         t = int(lengths.max())
         step = max(1, self.jsd_chunk // len(order))
-        zero = torch.zeros((), device=dev)
         for s in range(0, t, step):
             e = min(t, s + step)
             x = states[sel, s:e]
@@ -447,15 +465,15 @@ class Replayer:
             if tau != 1.0:  # the sampling distribution softmax(z / tau)
                 x = x / tau
             lp = torch.log_softmax(x, dim=-1)  # [rows, c, V]
-            if score == "jsd":
+            if sink.request.score == "jsd":
                 d = js_distance(lp[base], lp[:n_other])  # [n_other, c]
             else:  # logp_diff: the sampled token's log-likelihood, P_all minus the other context
                 y = o_ids[:, s:e, None]
                 d = (lp[base].gather(-1, y) - lp[:n_other].gather(-1, y)).squeeze(-1)
             cols = torch.arange(s, e, device=dev)[None, :]
-            q[jj, kk, s:e] = torch.where(cols < lengths[:, None], d, zero)
+            sink.q[jj, kk, s:e] = torch.where(cols < lengths[:, None], d, 0.0)
             lp_all = lp[n_other:].gather(-1, a_ids[:, s:e, None]).squeeze(-1)
-            logp[a_j, s:e] = torch.where(cols < a_len[:, None], lp_all, zero)
+            sink.logp[a_j, s:e] = torch.where(cols < a_len[:, None], lp_all, 0.0)
 
 
 def _hidden_flags(chunk: list[_Job], start: list[int]) -> Tensor:
@@ -477,15 +495,6 @@ def _spans(task: Task, ctx: Contexts, key: str):
             "sits in the prompt (Contexts.spans); use method.context=delete"
         )
     return spans
-
-
-def _check_maskable(model) -> None:
-    """Refuse ``method.context=mask`` where a 4D attention mask is not applied as given."""
-    reason = packed_prompt_blocker(model)
-    if reason is not None:
-        raise ValueError(
-            f"method.context=mask cannot run with this model ({reason}); use method.context=delete"
-        )
 
 
 def mass_share(q: Tensor, mask: Tensor, replayed: Tensor, frac: float = 0.8) -> list[float]:

@@ -54,17 +54,9 @@ class SamplingConfig:
         """True when sampling drops part of the vocabulary (top-p, top-k or min-p)."""
         return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature of the distribution the samples come from (1 for greedy)."""
-        return 1.0 if self.greedy else float(self.temperature)
-
     def check_for_training(self) -> None:
-        """Refuse what an on-policy RL update cannot represent exactly: the trainer scores tokens
-        under the full-vocabulary ``softmax(z / temperature)``, while a truncated sampler draws from
-        a renormalized nucleus that moves every update (and is cut differently in bf16), so the
-        ratio, the KL and replay would describe a policy that did not sample the batch.
-        """
+        """Refuse what an on-policy RL update cannot represent exactly (``why``): a truncated
+        sampler's renormalized nucleus moves every update and is cut differently in bf16."""
         why = (
             "RL training needs the sampling distribution to be softmax(logits / temperature) "
             "over the whole vocabulary, which the trainer reproduces exactly; a truncated "

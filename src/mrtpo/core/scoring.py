@@ -1,10 +1,6 @@
-"""Scoring a batch with fault isolation: one bad response costs only its own rewards.
-
-If ``score_many`` raises (``SystemExit`` included) or returns the wrong count, the batch is
-scored one response at a time (``Task.safe_score``). Rewards are cleaned by
-``tasks.base.reward_value``; what cannot be used becomes that sample's error. An undeclared
-reward name is a task bug and stops the run at the first step; ``KeyboardInterrupt`` stops it
-too. Blocks over ``max_block_chars`` are cut, with a note in the block and the log.
+"""Scoring a batch with fault isolation: one bad response costs only its own rewards
+(docs/reliability.md). An undeclared reward name is a task bug and stops the run at the first
+step; ``KeyboardInterrupt`` stops it too.
 """
 
 from __future__ import annotations
@@ -103,13 +99,9 @@ def _cap_blocks(score: Score, limit: int, task_name: str) -> None:
         if (task_name, k) not in _CAPPED:
             _CAPPED.add((task_name, k))
             log.warning(
-                "task %s: the verifier block of reward %r has %d characters; cut to "
-                "task.max_block_chars=%d (the block's text says so); further cuts of it are "
-                "not logged",
-                task_name,
-                k,
-                len(text),
-                limit,
+                f"task {task_name}: the verifier block of reward {k!r} has {len(text)} characters; "
+                f"cut to task.max_block_chars={limit} (the block's text says so); further cuts of "
+                "it are not logged"
             )
 
 
@@ -137,11 +129,8 @@ def score_batch(
     except (Exception, SystemExit) as exc:
         faults.count("score_many_fallbacks")
         log.warning(
-            "task %s: score_many failed (%s: %s); scoring the %d responses one at a time",
-            task.name,
-            type(exc).__name__,
-            exc,
-            len(texts),
+            f"task {task.name}: score_many failed ({type(exc).__name__}: {exc}); scoring the "
+            f"{len(texts)} responses one at a time"
         )
         scores = [task.safe_score(e, t) for e, t in zip(examples, texts, strict=True)]
     cap = getattr(task, "max_block_chars", None)

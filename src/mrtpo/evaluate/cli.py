@@ -1,9 +1,7 @@
-"""The command line of ``src/eval.py``: its job, which ends a bad value, missing data or a
-model that cannot load with one line.
+"""The command line of ``src/eval.py``, an entry point's module that library code never imports.
 
-An entry point's module: library code never imports it. The evaluation is
-``mrtpo.evaluate.job.run``; eval's config resolvers are registered by ``mrtpo.run.config`` and
-``mrtpo.run.cli``.
+The evaluation is ``mrtpo.evaluate.job.run``; eval's config resolvers are registered by
+``mrtpo.run.config`` and ``mrtpo.run.cli``.
 """
 
 from __future__ import annotations

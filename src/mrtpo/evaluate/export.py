@@ -9,11 +9,14 @@ replaced only when it is a previous export.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
+import shlex
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.core.lora import is_lora
 from mrtpo.core.models import eos_token_ids, load_policy, resolve_dtype
+from mrtpo.evaluate.analysis.runs import read_metrics
+from mrtpo.evaluate.analysis.summary import MARKDOWN
 from mrtpo.rollout.base import SamplingConfig
 from mrtpo.rollout.hf import generation_config as sampling_generation_config
 from mrtpo.rollout.weight_sync import hf_name, merged_weights
-from mrtpo.run.trained_run import MARKER
+from mrtpo.run.trained_run import (
+    MARKER,
+    from_training_run,
+    load_checkpoint_weights,
+    run_config_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +90,14 @@ def save_model(target: torch.nn.Module, folder: str | Path, gen, state=None) -> 
             target.generation_config = own
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
-
-
 def check_destination(out: str | Path, protected: Iterable[tuple[str, str | Path]]) -> Path:
     """``out`` as a Path, or an error if writing there could destroy something. ``protected`` is
     (what, folder) pairs: the user's model folder, the run's checkpoints. A folder that exists must
     be empty or a previous export (it holds ``MARKER``)."""
     out = Path(out)
     for what, folder in protected:
-        if folder and (f := Path(folder)).exists() and (_inside(out, f) or _inside(f, out)):
+        a, b = out.resolve(), Path(folder).resolve()
+        if folder and Path(folder).exists() and (a.is_relative_to(b) or b.is_relative_to(a)):
             raise ValueError(
                 f"out={out} would write into (or over) {what} {folder}; choose another out="
             )
@@ -119,7 +125,7 @@ def save_policy(
     """Write ``model`` (LoRA merged) and ``tokenizer`` as a Hugging Face folder at ``out``.
     ``dtype`` casts the floating-point weights (default: as trained); ``state`` is the full state
     dict of a sharded ``model`` (``mrtpo.lightning.sharding.full_state_dict``); ``card`` is the
-    folder's ``README.md`` (``mrtpo.evaluate.model_card``). Returns ``out``."""
+    folder's ``README.md`` (``model_card``). Returns ``out``."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ValueError(f"{out} is not empty and is no previous export; refusing to replace it")
@@ -153,13 +159,119 @@ def save_policy(
     return out
 
 
+# ---- the model card (README.md): base model, task, method and settings, rewards, steps, final
+# metrics and the commands that made it (issue 41, item 6), from the run's own records
+# (``.hydra/``, ``job.json``, ``csv/metrics.csv``); a record missing or unreadable leaves its
+# part of the card out, saying so.
+
+#: The metrics a card shows, by prefix of their metrics.csv name.
+SHOWN = ("train/reward/", "train/success", "train/extra/", "train/response_len/mean")
+#: The settings sections a card shows besides the method.
+SETTINGS = ("rl", "optim", "replay")
+
+
+def _load(path: Path):
+    try:
+        return OmegaConf.load(path) if path.is_file() else None
+    except Exception as exc:  # a damaged record costs its part of the card only
+        log.warning("model card: cannot read %s (%s)", path, exc)
+        return None
+
+
+def _plain(node) -> Any:
+    """A config node as plain data, interpolations resolved where they can be."""
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except Exception:
+        return OmegaConf.to_container(node, resolve=False)
+
+
+def final_metrics(rows: Sequence[Mapping[str, float]], step: int | None) -> dict[str, float]:
+    """The last logged value of each shown metric over the RL steps up to ``step``."""
+    out: dict[str, float] = {}
+    for r in rows:
+        it = r.get("train/iteration")
+        if step is not None and it is not None and it > step:
+            continue
+        for k, v in r.items():
+            if k.startswith(SHOWN) and not math.isnan(v):
+                out[k] = v
+    return out
+
+
+def _reward_names(rows: Sequence[Mapping[str, float]]) -> list[str]:
+    names = dict.fromkeys(
+        k.removeprefix("train/reward/").removesuffix("/mean")
+        for r in rows
+        for k in r
+        if k.startswith("train/reward/") and k.endswith("/mean")
+    )
+    return [n for n in names if n != "total"]
+
+
+def _command(script: str, overrides: Sequence[str]) -> str:
+    return " ".join(["python", script, *(shlex.quote(str(o)) for o in overrides)])
+
+
+def model_card(
+    run_dir: Path,
+    *,
+    base_model: str,
+    step: int | None,
+    checkpoint: Path,
+    export_overrides: Sequence[str] = (),
+) -> str:
+    """The card of an export of ``checkpoint`` at ``step``, from the records of run ``run_dir``."""
+    cfg = _load(run_dir / ".hydra" / "config.yaml")
+    hydra = _load(run_dir / ".hydra" / "hydra.yaml")
+    choices = OmegaConf.select(hydra, "hydra.runtime.choices", default=None) if hydra else None
+    choices = _plain(choices) if choices is not None else {}
+    job: Any = {}
+    with contextlib.suppress(OSError, ValueError):  # no job.json: the card says so
+        job = json.loads((run_dir / "job.json").read_text(encoding="utf-8"))
+    job = job if isinstance(job, dict) else {}
+    metrics = run_dir / "csv" / "metrics.csv"
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    return MARKDOWN.get_template("model_card.md.j2").render(
+        name=job.get("run_name") or run_dir.name, run_dir=run_dir, step=step,
+        task=choices.get("task", job.get("task")) or "unknown",
+        method=choices.get("method", job.get("method")) or "unknown",
+        base_model=base_model, model=choices.get("model", "?"), checkpoint=checkpoint,
+        rewards=", ".join(f"`{r}`" for r in _reward_names(rows)) or "(none logged)",
+        seed=OmegaConf.select(cfg, "seed", default="?") if cfg else "?",
+        settings=_settings(cfg), final=sorted(final_metrics(rows, step).items()),
+        commands=_commands(job, checkpoint, export_overrides),
+    )  # fmt: skip
+
+
+def _settings(cfg) -> str | None:
+    """The method and ``SETTINGS`` sections as YAML (None: no config)."""
+    if cfg is None:
+        return None
+    shown = {k: _plain(cfg[k]) for k in ("method", *SETTINGS) if k in cfg}
+    if "warm_start" in cfg and cfg.warm_start:
+        shown["warm_start"] = _plain(cfg.warm_start)
+    return OmegaConf.to_yaml(OmegaConf.create(shown)).rstrip()
+
+
+def _commands(
+    job: Mapping[str, Any], checkpoint: Path, export_overrides: Sequence[str]
+) -> list[str]:
+    runs = [i.get("overrides") for i in job.get("invocations") or [] if isinstance(i, dict)]
+    runs = [r for r in runs if isinstance(r, list)] or [job.get("overrides")]
+    lines = [_command("src/train.py", r) for r in runs if isinstance(r, list)]
+    if not lines:
+        lines = ["# (the run's job.json is missing: its command is not known)"]
+    return [*lines, _command("src/export.py", export_overrides or [f"ckpt_path={checkpoint}"])]
+
+
 # ---- src/export.py -------------------------------------------------------------------------
 
 
-def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
-    """``rollout.sampling`` of the training run behind ``ckpt_path`` (None if unknown)."""
-    from mrtpo.run.trained_run import run_config_path
-
+def _sampling(cfg: DictConfig, ckpt_path: str) -> dict[str, Any] | None:
+    """``sampling=``, else ``rollout.sampling`` of the run behind ``ckpt_path`` (None: unknown)."""
+    if cfg.get("sampling") is not None:
+        return dict(OmegaConf.to_container(cfg.sampling, resolve=True))
     saved = run_config_path(ckpt_path)
     if not saved.is_file():
         return None
@@ -174,10 +286,7 @@ def _run_sampling(ckpt_path: str) -> dict[str, Any] | None:
 
 
 def _card(ckpt_file: Path, base_model: str, step: int | None) -> str:
-    """The model card of an export of ``ckpt_file`` (``mrtpo.evaluate.model_card``)."""
-    from mrtpo.evaluate.model_card import render
-    from mrtpo.run.trained_run import run_config_path
-
+    """The model card of an export of ``ckpt_file`` (``model_card``)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -185,14 +294,12 @@ def _card(ckpt_file: Path, base_model: str, step: int | None) -> str:
     except Exception:  # called without Hydra's runtime (a library caller)
         overrides = []
     run_dir = run_config_path(ckpt_file).parent.parent
-    return render(run_dir, base_model=base_model, step=step, checkpoint=ckpt_file,
+    return model_card(run_dir, base_model=base_model, step=step, checkpoint=ckpt_file,
                   export_overrides=overrides)  # fmt: skip
 
 
 def run(cfg: DictConfig) -> Path:
     """Export the policy of ``cfg.ckpt_path`` to ``cfg.out`` (see configs/export.yaml)."""
-    from mrtpo.run.trained_run import from_training_run, load_checkpoint_weights
-
     ckpt = cfg.get("ckpt_path")
     if not ckpt:
         raise ValueError("ckpt_path= is required: the checkpoint to export (a .ckpt file)")
@@ -201,23 +308,13 @@ def run(cfg: DictConfig) -> Path:
     cfg, source = from_training_run(cfg, builds_task=False)  # the run's task: never built
     ckpt_file = Path(str(ckpt)).resolve()
     model_dir = Path(str(cfg.model.name_or_path))
-    out = check_destination(
-        str(cfg.out),
-        [
-            ("the model folder (model.name_or_path)", model_dir if model_dir.is_dir() else ""),
-            ("the checkpoint folder", ckpt_file.parent),
-        ],
-    )
+    model = ("the model folder (model.name_or_path)", model_dir if model_dir.is_dir() else "")
+    out = check_destination(str(cfg.out), [model, ("the checkpoint folder", ckpt_file.parent)])
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
     step = load_checkpoint_weights(
         policy, str(ckpt_file), source.get("model_source", ""), use="export one"
     )
-    sampling = cfg.get("sampling")
-    sampling = (
-        dict(OmegaConf.to_container(sampling, resolve=True))
-        if sampling is not None
-        else _run_sampling(str(ckpt_file))
-    )
+    sampling = _sampling(cfg, str(ckpt_file))
     dtype = resolve_dtype(str(cfg.dtype)) if cfg.get("dtype") else None
     info = {"checkpoint": str(ckpt_file), "step": step, **source}
     card = _card(ckpt_file, str(cfg.model.name_or_path), step)
@@ -227,15 +324,3 @@ def run(cfg: DictConfig) -> Path:
     )
     print(f"evaluate it with: python src/eval.py model.name_or_path={out}", flush=True)
     return out
-
-
-__all__ = [
-    "MARKER",
-    "check_destination",
-    "generation_config",
-    "hf_model",
-    "merged_state_dict",
-    "run",
-    "save_model",
-    "save_policy",
-]

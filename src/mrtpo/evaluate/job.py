@@ -11,8 +11,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
 
+from mrtpo.core.evaluation import check_outputs, evaluate_examples, score_responses, write_results
+from mrtpo.core.models import eos_token_ids
+from mrtpo.rollout.base import SamplingConfig
+from mrtpo.rollout.build import build_rollout
+from mrtpo.run.checks import check_seed
 from mrtpo.run.cli import load_model
 from mrtpo.run.trained_run import from_training_run, load_checkpoint_weights
 
@@ -24,14 +34,10 @@ class SplitDataMissing(FileNotFoundError):
 
 
 def _show(metrics: dict[str, float], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=title)
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in sorted(metrics):
-        v = metrics[k]
+    for k, v in sorted(metrics.items()):
         t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
     Console().print(t)
 
@@ -54,8 +60,6 @@ def _positive_int(ev, key: str, allow_null: bool = False) -> int | None:
 def eval_sampling(cfg: DictConfig, n: int):
     """The whole sampling of an evaluation (greedy for ``eval.greedy`` and one sample), from
     ``rollout.sampling`` and ``eval.temperature``: none of the checkpoint's defaults apply."""
-    from mrtpo.rollout.base import SamplingConfig
-
     ev = cfg.eval
     base = dict(OmegaConf.to_container(cfg.rollout.sampling, resolve=True))
     if ev.get("max_new_tokens"):
@@ -83,10 +87,6 @@ def _split_examples(task, ev, limit: int | None) -> tuple[list, list[str]]:
 def _policy(cfg: DictConfig, source: dict, models: dict | None):
     """(tokenizer, bound engine, eos ids, checkpoint step); ``models`` caches them by config for
     several splits (src/table.py); engines seed each call, so the numbers are the same."""
-    from hydra.utils import instantiate
-
-    from mrtpo.core.models import eos_token_ids
-
     parts = (cfg.model, cfg.rollout.engine)
     key = repr([*(OmegaConf.to_container(c, resolve=True) for c in parts), cfg.get("ckpt_path")])
     if models is not None and key in models:
@@ -105,43 +105,12 @@ def _policy(cfg: DictConfig, source: dict, models: dict | None):
     return tokenizer, engine, eos, step
 
 
-def _generate(cfg, examples, n: int, batch_size: int, scored: dict, source: dict, name: str,
-              models: dict | None = None):  # fmt: skip
-    """``n`` samples per example: (examples, texts, sampling)."""
-    import torch
-    from rich.progress import Progress
-
-    from mrtpo.rollout.build import build_rollout
-
-    torch.manual_seed(cfg.seed)
-    tokenizer, engine, eos, step = _policy(cfg, source, models)
-    if cfg.get("ckpt_path"):
-        scored["checkpoint_step"] = step
-    sampling = eval_sampling(cfg, n)
-    log.info("eval sampling: %s", sampling)
-    all_ex, texts = [], []
-    with Progress() as progress:
-        bar = progress.add_task(f"generating {name}/{cfg.eval.split}", total=len(examples))
-        for s in range(0, len(examples), batch_size):
-            chunk = examples[s : s + batch_size]
-            roll = build_rollout(engine, tokenizer, chunk, n, sampling, cfg.seed + s, eos)
-            all_ex.extend(roll.examples)
-            texts.extend(roll.texts)
-            progress.advance(bar, len(chunk))
-    return all_ex, texts, sampling
-
-
 def run(
     cfg: DictConfig, overrides: list[str] | None = None, models: dict | None = None
 ) -> dict[str, float]:
     """Evaluate as ``src/eval.py`` does; ``overrides``: the command line behind ``cfg`` when a
     caller composed it (what decides which groups a checkpoint's run supplies); ``models``:
     where loaded policies are kept for the caller's next splits (``_policy``)."""
-    from hydra.utils import instantiate
-
-    from mrtpo.core.evaluation import check_outputs
-    from mrtpo.run.checks import check_seed
-
     check_seed(cfg)  # seed=abc is named, not an int() error
     ev = cfg.eval
     limit = _positive_int(ev, "limit", allow_null=True)
@@ -162,17 +131,11 @@ def run(
         "checkpoint": str(Path(cfg.ckpt_path).resolve()) if cfg.get("ckpt_path") else None,
         **source,
     }
-    if ev.responses:
-        return _score_given(task, examples, ev, out, scored, beyond, limit)
-    return _generate_and_score(cfg, task, examples, (n, batch_size), out, scored, source, models)
-
-
-def _score_given(task, examples, ev, out: Path, scored: dict, beyond: list[str],
-                 limit: int | None) -> dict[str, float]:  # fmt: skip
-    """The responses mode: score the file ``eval.responses`` names."""
-    from mrtpo.core.evaluation import score_responses
-
-    scored["mode"] = "responses"
+    if not ev.responses:
+        return _generate_and_score(
+            cfg, task, examples, (n, batch_size), out, scored, source, models
+        )
+    scored["mode"] = "responses"  # score the file eval.responses names
     metrics = score_responses(task, examples, ev.responses, out,
                               require_complete=bool(ev.get("require_complete", False)),
                               scored=scored, beyond_limit=beyond, limit=limit)  # fmt: skip
@@ -182,13 +145,23 @@ def _score_given(task, examples, ev, out: Path, scored: dict, beyond: list[str],
 
 def _generate_and_score(cfg, task, examples, sizes: tuple[int, int], out: Path, scored: dict,
                         source: dict, models: dict | None) -> dict[str, float]:  # fmt: skip
-    """The generate mode (``sizes``: n, prompts per call), scored and written to ``out``."""
-    from mrtpo.core.evaluation import evaluate_examples, write_results
-
+    """Generate ``n`` samples per example (``sizes``: n, prompts per call), score, write ``out``."""
     n, batch_size = sizes
-    all_ex, texts, sampling = _generate(
-        cfg, examples, n, batch_size, scored, source, task.name, models
-    )
+    torch.manual_seed(cfg.seed)
+    tokenizer, engine, eos, step = _policy(cfg, source, models)
+    if cfg.get("ckpt_path"):
+        scored["checkpoint_step"] = step
+    sampling = eval_sampling(cfg, n)
+    log.info("eval sampling: %s", sampling)
+    all_ex, texts = [], []
+    with Progress() as progress:
+        bar = progress.add_task(f"generating {task.name}/{cfg.eval.split}", total=len(examples))
+        for s in range(0, len(examples), batch_size):
+            chunk = examples[s : s + batch_size]
+            roll = build_rollout(engine, tokenizer, chunk, n, sampling, cfg.seed + s, eos)
+            all_ex.extend(roll.examples)
+            texts.extend(roll.texts)
+            progress.advance(bar, len(chunk))
     metrics, rows = evaluate_examples(task, all_ex, texts)
     for i, row in enumerate(rows):
         row["sample"] = i % n

@@ -1,11 +1,9 @@
 """The paper's tables: every benchmark of a task family, for several runs, in one command.
 
-``src/table.py <family> <folder>...`` runs ``mrtpo.evaluate.job.run`` per folder and split (a
-policy is loaded once for all its splits; engines seed each call, so the numbers equal separate
-``src/eval.py`` runs) and writes ``table.md``/``table.csv``: methods x benchmarks, mean over
-seeds with its 95% interval, and an average. Absent data is listed as absent. A folder trained
-on another task, or a row whose seeds hold different models, is refused first
-(``mrtpo.run.provenance``). A run folder is evaluated from ``checkpoints/last.ckpt`` with the
+``src/table.py <family> <folder>...`` (README: families, refusals, what a cell reads) runs
+``mrtpo.evaluate.job.run`` per folder and split (a policy is loaded once for all its splits;
+engines seed each call, so the numbers equal separate ``src/eval.py`` runs) and writes
+``table.md``/``table.csv``. A run folder is evaluated from ``checkpoints/last.ckpt`` with the
 family's task config (so a smoke run's ``task.max_examples`` does not shrink the benchmark),
 else its ``policy/``; its method is its overrides minus the seed (as ``src/report.py``).
 """
@@ -21,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mrtpo.evaluate.analysis.jobs import find_runs, labels, load_run
 from mrtpo.evaluate.analysis.runs import UnsafeOutput, check_output, write_file
+from mrtpo.evaluate.analysis.stats import mean_ci
+from mrtpo.evaluate.analysis.summary import MARKDOWN, fmt_ci, markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -37,43 +38,30 @@ class Bench:
     needs: str | None = None  # an eval key that must be set (AdvancedIF's judge)
 
 
+_CATS = "eval.categories="
 _NON_LIVE = "[simple_python,simple_java,simple_javascript,multiple,parallel,parallel_multiple]"
 _LIVE = "[live_simple,live_multiple,live_parallel,live_parallel_multiple]"
 _IF5 = ("eval.n_samples=5",)
 
-#: family -> (the task config it evaluates, its benchmarks in the paper's column order)
-FAMILIES: dict[str, tuple[str, tuple[Bench, ...]]] = {
+#: family (also the task config it evaluates) -> its benchmarks in the paper's column order
+FAMILIES: dict[str, tuple[Bench, ...]] = {
     "text2sql": (
-        "text2sql",
-        (
-            Bench("Spider dev", "spider_dev", "exec_acc"),
-            Bench("Spider test", "spider_test", "exec_acc"),
-            Bench("Spider-Syn", "spider_syn_dev", "exec_acc"),
-            Bench("Spider-Realistic", "spider_realistic", "exec_acc"),
-            Bench("Spider-DK", "spider_dk", "exec_acc"),
-            Bench("BIRD dev", "bird_dev", "exec_acc"),
-        ),
+        Bench("Spider dev", "spider_dev", "exec_acc"),
+        Bench("Spider test", "spider_test", "exec_acc"),
+        Bench("Spider-Syn", "spider_syn_dev", "exec_acc"),
+        Bench("Spider-Realistic", "spider_realistic", "exec_acc"),
+        Bench("Spider-DK", "spider_dk", "exec_acc"),
+        Bench("BIRD dev", "bird_dev", "exec_acc"),
     ),
     "ifeval": (
-        "ifeval",
-        (
-            Bench("IFEval", "ifeval", "prompt_level_strict_acc", _IF5),
-            Bench("IFBench", "ifbench", "prompt_level_strict_acc", _IF5),
-            Bench("MulDimIF", "muldimif", "muldimif_overall", _IF5),
-            Bench("AdvancedIF", "advancedif", "prompt_level_strict_acc", (), "judge_url"),
-        ),
+        Bench("IFEval", "ifeval", "prompt_level_strict_acc", _IF5),
+        Bench("IFBench", "ifbench", "prompt_level_strict_acc", _IF5),
+        Bench("MulDimIF", "muldimif", "muldimif_overall", _IF5),
+        Bench("AdvancedIF", "advancedif", "prompt_level_strict_acc", (), "judge_url"),
     ),
     "toolcall": (
-        "toolcall",
-        (
-            Bench(
-                "BFCL Non-Live",
-                "bfcl",
-                "bfcl/non_live/summary_ast",
-                (f"eval.categories={_NON_LIVE}",),
-            ),
-            Bench("BFCL Live", "bfcl", "bfcl/live/summary_ast", (f"eval.categories={_LIVE}",)),
-        ),
+        Bench("BFCL Non-Live", "bfcl", "bfcl/non_live/summary_ast", (_CATS + _NON_LIVE,)),
+        Bench("BFCL Live", "bfcl", "bfcl/live/summary_ast", (_CATS + _LIVE,)),
     ),
 }
 #: other names a researcher may type for a family
@@ -102,9 +90,8 @@ class Cell:
     @property
     def partial(self) -> bool:
         """Fewer prompts scored than the split holds (``eval.limit``)."""
-        return None not in (self.examples, self.split_examples) and (
-            self.examples < self.split_examples
-        )
+        n, of = self.examples, self.split_examples
+        return None not in (n, of) and n < of
 
 
 @dataclass
@@ -124,14 +111,11 @@ def family_of(name: str) -> str:
 
 def _quoted(path: Path) -> str:
     """A path as a Hydra override value: a sweep's run folders hold ``=`` and ``,``."""
-    text = str(path).replace("\\", "\\\\").replace("'", "\\'")
-    return f"'{text}'"
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _source(folder: Path) -> Source:
     """How to evaluate ``folder`` (a training run or a policy folder), and its method/seed."""
-    from mrtpo.evaluate.analysis.jobs import load_run
-
     ckpt = folder / "checkpoints" / "last.ckpt"
     has_run = (folder / ".hydra" / "config.yaml").is_file()
     if has_run and ckpt.is_file():
@@ -153,13 +137,9 @@ def _source(folder: Path) -> Source:
 
 def sources_of(folders: list[str]) -> list[Source]:
     """Each given folder; a sweep folder stands for the runs in it."""
-    from mrtpo.evaluate.analysis.jobs import find_runs
-
     out: list[Source] = []
     for f in folders:
-        path = Path(f)
-        if not path.exists():
-            raise SystemExit(f"error: {f}: no such folder (give run, sweep or policy folders)")
+        path = Path(f)  # main checked that it exists
         if (path / "config.json").is_file() or (path / ".hydra").is_dir():
             out.append(_source(path.resolve()))
             continue
@@ -172,33 +152,19 @@ def sources_of(folders: list[str]) -> list[Source]:
 
 def _one_line(exc: BaseException) -> str:
     """The first sentence of the error (a missing file's message names the file first)."""
-    lines = str(exc).strip().splitlines()
-    first = (lines[0] if lines else type(exc).__name__).split(". ")[0]
-    return first[:300]
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return lines[0].split(". ")[0][:300]
 
 
 def evaluate_cell(
-    task: str,
-    bench: Bench,
-    src: Source,
-    out: Path,
-    extra: list[str],
-    prefer: list[str],
-    models: dict | None = None,
+    task: str, bench: Bench, src: Source, out: Path, extra: list[str], models: dict | None = None
 ) -> Cell:
     """One split of one folder via ``job.run``; ``models`` keeps its policy for the next."""
     from mrtpo.evaluate.job import SplitDataMissing, run
     from mrtpo.run.config import compose
 
-    overrides = [
-        *prefer,
-        f"task={task}",
-        *src.overrides,
-        f"eval.split={bench.split}",
-        *bench.overrides,
-        f"eval.output={_quoted(out)}",
-        *extra,
-    ]
+    overrides = [f"task={task}", *src.overrides, f"eval.split={bench.split}", *bench.overrides]
+    overrides += [f"eval.output={_quoted(out)}", *extra]
     try:
         cfg = compose("eval.yaml", overrides)
         if bench.needs and not cfg.eval.get(bench.needs):
@@ -241,9 +207,9 @@ def counted(cells: list[Cell]) -> str:
 def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table:
     """Every folder on every benchmark of ``family`` (a folder's policy loaded once, then let
     go); results under ``out``."""
-    from mrtpo.run.provenance import check_sources
+    from mrtpo.run.trained_run import check_sources
 
-    task, benches = FAMILIES[family]
+    task, benches = family, FAMILIES[family]
     table = Table(family, benches, sources_of(folders))
     check_sources(family, task, table.sources)  # the family's task, one model a row
     absent: dict[int, Cell] = {}  # benchmark -> why it has no data (the same for every folder)
@@ -253,8 +219,9 @@ def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table
             if j in absent:
                 table.cells[i, j] = absent[j]
                 continue
-            dest = out / "evals" / f"{i:02d}_{src.path.name}" / _slug(bench.column)
-            cell = evaluate_cell(task, bench, src, dest, extra, [], models)
+            slug = "".join(c if c.isalnum() else "_" for c in bench.column.lower()).strip("_")
+            dest = out / "evals" / f"{i:02d}_{src.path.name}" / slug
+            cell = evaluate_cell(task, bench, src, dest, extra, models)
             table.cells[i, j] = cell
             if cell.status in ("absent", "skipped"):
                 absent[j] = cell
@@ -263,27 +230,14 @@ def build(family: str, folders: list[str], out: Path, extra: list[str]) -> Table
     return table
 
 
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")
-
-
 # ---- the table ------------------------------------------------------------------------------
-
-
-def _groups(table: Table) -> dict[tuple[str, ...], list[int]]:
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, src in enumerate(table.sources):
-        groups.setdefault(src.method, []).append(i)
-    return groups
 
 
 def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Markdown head and rows, and the CSV records (one per method and benchmark)."""
-    from mrtpo.evaluate.analysis.jobs import labels
-    from mrtpo.evaluate.analysis.stats import mean_ci
-    from mrtpo.evaluate.analysis.summary import fmt_ci
-
-    groups = _groups(table)
+    groups: dict[tuple[str, ...], list[int]] = {}  # method -> its folders
+    for i, src in enumerate(table.sources):
+        groups.setdefault(src.method, []).append(i)
     names, _ = labels(list(groups))
     if len(groups) == 1:  # one method: name it by what it is, not by what differs
         names = {k: " ".join(k) or "(defaults)" for k in groups}
@@ -298,7 +252,8 @@ def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]
         line = [names[key], ", ".join(table.sources[i].seed for i in members)]
         for j in [*scored, None]:
             if j is None:  # average: each run's mean over the scored benchmarks
-                vals = [_run_average(table, i, scored) for i in members]
+                vals = [[table.cells[i, jj].value for jj in scored] for i in members]
+                vals = [sum(v) / len(v) if v and None not in v else None for v in vals]
                 column, metric = "average", "mean of the columns"
                 cells = [table.cells[i, jj] for i in members for jj in scored]
             else:
@@ -317,76 +272,38 @@ def rows(table: Table) -> tuple[list[str], list[list[str]], list[dict[str, Any]]
     return head, md, recs
 
 
-def _run_average(table: Table, i: int, scored: list[int]) -> float | None:
-    vals = [table.cells[i, j].value for j in scored]
-    if not vals or any(v is None for v in vals):
-        return None
-    return sum(vals) / len(vals)
-
-
 def not_scored(table: Table) -> list[str]:
     """One line per benchmark (and folder) that has no number, with the reason."""
-    lines, seen = [], set()
+    lines: dict[tuple, str] = {}  # an absent or skipped benchmark once, a failure per folder
     for (i, j), cell in sorted(table.cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if cell.status == "ok":
-            continue
-        bench = table.benches[j]
-        key = (j, cell.reason) if cell.status in ("absent", "skipped") else (j, i)
-        if key in seen:
-            continue
-        seen.add(key)
-        who = "" if cell.status in ("absent", "skipped") else f" for {table.sources[i].path}"
-        lines.append(f"{bench.column} ({bench.split}): {cell.status}{who}: {cell.reason}")
-    return lines
+        shared = cell.status in ("absent", "skipped")
+        who, bench = "" if shared else f" for {table.sources[i].path}", table.benches[j]
+        if cell.status != "ok":
+            line = f"{bench.column} ({bench.split}): {cell.status}{who}: {cell.reason}"
+            lines.setdefault((j, cell.reason) if shared else (j, i), line)
+    return list(lines.values())
 
 
 def write(table: Table, out: Path) -> tuple[Path, Path]:
-    """``table.md`` and ``table.csv`` under ``out``."""
-    from mrtpo.evaluate.analysis.summary import markdown_table
-
+    """``table.md`` (``templates/table.md.j2``) and ``table.csv`` under ``out``."""
     head, md_rows, recs = rows(table)
-    lines = [
-        f"# {table.family}: methods x benchmarks",
-        "",
-        "Mean over seeds ± 95% t-interval (the mean alone for one seed); the average column is "
-        "each run's mean over the scored benchmarks. Metrics: "
-        + ", ".join(f"{b.column} = {b.metric}" for b in table.benches)
-        + ". (k/N): k of the split's N prompts were scored, for each seed.",
-        "",
-        *_partial_note(table),
-        markdown_table(head, md_rows),
-        "",
-    ]
-    missing = not_scored(table)
-    if missing:
-        lines += ["Not scored:", "", *[f"- {m}" for m in missing], ""]
-    lines += ["Folders:", "", *[f"- {s.path} (seed {s.seed})" for s in table.sources], ""]
+    partial = [c.examples for c in table.cells.values() if c.status == "ok" and c.partial]
+    text = MARKDOWN.get_template("table.md.j2").render(
+        family=table.family, table=markdown_table(head, md_rows), sources=table.sources,
+        metrics=", ".join(f"{b.column} = {b.metric}" for b in table.benches),
+        least=min(partial, default=None), missing=not_scored(table),
+    )  # fmt: skip
     buf = io.StringIO()
-    fields = ["method", "benchmark", "metric", "mean", "ci95_half", "n", "values", "examples",
-              "split_examples", "partial"]  # fmt: skip
-    writer = csv.DictWriter(buf, fieldnames=fields)
+    writer = csv.DictWriter(buf, fieldnames=list(recs[0]))  # every method has an average
     writer.writeheader()
     writer.writerows(recs)
     md, path_csv = outputs(out)
     for p in (md, path_csv):
         check_output(p)  # both refused before either is written
     out.mkdir(parents=True, exist_ok=True)
-    write_file(md, "\n".join(lines))
+    write_file(md, text)
     write_file(path_csv, buf.getvalue())
     return md, path_csv
-
-
-def _partial_note(table: Table) -> list[str]:
-    """Lines above a table with partial cells: it is not a full-benchmark table."""
-    part = [c for c in table.cells.values() if c.status == "ok" and c.partial]
-    if not part:
-        return []
-    least = min(c.examples for c in part)
-    return [
-        f"**Partial**: cells marked * scored fewer prompts than their split holds (eval.limit; "
-        f"{least} at the fewest): those numbers are not the full benchmark's.",
-        "",
-    ]
 
 
 def outputs(out: Path) -> tuple[Path, Path]:

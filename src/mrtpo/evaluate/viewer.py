@@ -11,6 +11,7 @@ the page get the credit diagnostics the trainer logs (``mrtpo.step.diagnostics``
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import contextlib
 import functools
@@ -18,14 +19,15 @@ import io
 import json
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2
+from omegaconf import OmegaConf
 
 from mrtpo.evaluate.analysis.jobs import kind_of
-from mrtpo.evaluate.analysis.runs import UnsafeOutput, check_output, write_file
+from mrtpo.evaluate.analysis.runs import UnsafeOutput, _step_rows, check_output, write_file
+from mrtpo.evaluate.analysis.summary import MARKDOWN
 
 FILE = "relevance.jsonl"
 #: a longer line is left out unread (a record of 8,192 tokens and 13 rewards takes ~3 MB)
@@ -58,23 +60,9 @@ def find_file(source: str | Path) -> Path:
     raise FileNotFoundError(f"{path} has no {FILE}: {why_no_records(path)}")
 
 
-def _replays(target: str) -> bool | None:
-    """Whether the method class ``target`` asks for replay (None: it cannot be imported)."""
-    try:
-        from hydra.utils import get_class
-
-        return getattr(get_class(target), "relevance", None) is not None
-    except Exception:
-        return None
-
-
 def why_no_records(run: Path) -> str:
     """Why a run folder holds no relevance records (from its config and metrics), with the key
     to change."""
-    from omegaconf import OmegaConf
-
-    from mrtpo.evaluate.analysis.runs import _step_rows
-
     generic = (
         "a run writes it when its method replays (MRTPO and its variants, CoRT) and "
         "callbacks.relevance_dump is on (configs/callbacks/default.yaml)"
@@ -87,23 +75,24 @@ def why_no_records(run: Path) -> str:
         rows = _step_rows(run / "csv" / "metrics.csv") if (run / "csv").is_dir() else []
     except Exception:  # not a run folder this version wrote: say what makes the file
         return generic
-    if _replays(target) is False:
-        return f"its method ({target.rsplit('.', 1)[-1]}) does not replay: {generic}"
+    with contextlib.suppress(Exception):  # a method class that cannot be imported: no verdict
+        from hydra.utils import get_class
+
+        if getattr(get_class(target), "relevance", None) is None:
+            return f"its method ({target.rsplit('.', 1)[-1]}) does not replay: {generic}"
     if not dump or every <= 0:
         return "callbacks.relevance_dump was off in this run (set callbacks.relevance_dump.every=N)"
     dumped = [r for r in rows if (int(r.get("train/iteration", r["step"] + 1)) - 1) % every == 0]
-    replayed = [r.get("train/adv/replayed_share", 0.0) or 0.0 for r in dumped]
-    steps = len(rows)
     at = ", ".join(str(1 + i * every) for i in range(3)) + ", ..."
     why = (
         f"no response was replayed at those steps ({len(dumped)} of them: every reward was "
         "the same across each group, which is common early on or with an untrained policy)"
-        if not any(v > 0 for v in replayed)
+        if not any((r.get("train/adv/replayed_share", 0.0) or 0.0) > 0 for r in dumped)
         else "it had not written them when it stopped"
     )
     return (
         f"callbacks.relevance_dump.every={every} writes at steps {at} the responses replayed "
-        f"there, and this run logged {steps} step(s): {why}. That is not the method: set "
+        f"there, and this run logged {len(rows)} step(s): {why}. That is not the method: set "
         "callbacks.relevance_dump.every=1 (a dump every step) or train longer"
     )
 
@@ -112,13 +101,11 @@ def why_no_records(run: Path) -> str:
 # at a time, twice, never whole: once for where each step's records start, then for the shown.
 def _finite(v: Any) -> float | None:
     """``v`` as a finite float; None for a bool, a non-number, inf/NaN, or an int beyond float."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    try:
-        f = float(v)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        with contextlib.suppress(OverflowError):
+            if math.isfinite(f := float(v)):
+                return f
+    return None
 
 
 def _rows(rows: Any, kind: str, n: int) -> dict[str, list[float]]:
@@ -174,12 +161,9 @@ def clean(rec: Any) -> dict | None:
     prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if len(prompt) > MAX_PROMPT:
         prompt = prompt[:MAX_PROMPT] + f" [... {len(prompt) - MAX_PROMPT} more characters]"
-    beta = None if beta is None else _finite(beta)
-    ident = str(rec.get("id", "?"))[:200]
-    out = {"step": step, "id": ident, "beta": beta, "prompt": prompt, "tokens": tokens,
-           "rewards": rewards, "q": q, "w": w}  # fmt: skip
-    out.update(_diagnostic_fields(rec, len(tokens)))
-    return out
+    return {"step": step, "id": str(rec.get("id", "?"))[:200], "beta": _finite(beta),
+            "prompt": prompt, "tokens": tokens, "rewards": rewards, "q": q, "w": w,
+            **_diagnostic_fields(rec, len(tokens))}  # fmt: skip
 
 
 def _diagnostic_fields(rec: dict, n: int) -> dict:
@@ -238,64 +222,50 @@ def _lines(f) -> Iterator[tuple[int, int, bytes | None]]:
             yield n, start, raw
 
 
-@dataclass
-class Scan:
-    """Where each step's drawable records start, and each line left out with why."""
-
-    offsets: dict[int, list[int]] = field(default_factory=dict)  # step -> byte offsets
-    problems: list[str] = field(default_factory=list)
-    lines: int = 0
-
-
-def scan(path: Path) -> Scan:
-    found = Scan()
+def scan(path: Path) -> tuple[dict[int, list[int]], list[str], int]:
+    """Where each step's drawable records start (step -> byte offsets), each line left out with
+    why, and the number of lines."""
+    offsets: dict[int, list[int]] = {}
+    problems: list[str] = []
+    n = 0
     with open(path, "rb") as f:
         for n, offset, raw in _lines(f):
-            found.lines = n
             try:
                 if raw is None:
                     raise ValueError(f"longer than {MAX_LINE >> 20} MiB, left out unread")
                 rec = parse_line(raw, first=n == 1)
             except ValueError as exc:
-                found.problems.append(f"{path.name} line {n}: {exc}")
+                problems.append(f"{path.name} line {n}: {exc}")
                 continue
             if rec is not None:
-                found.offsets.setdefault(rec["step"], []).append(offset)
-    return found
-
-
-def read_records(path: Path, offsets: Sequence[int]) -> list[dict]:
-    """The records starting at ``offsets`` (found by ``scan``), in file order."""
-    out = []
-    with open(path, "rb") as f:
-        for o in sorted(offsets):
-            f.seek(o)
-            with contextlib.suppress(ValueError):  # the file changed since it was scanned
-                rec = parse_line(f.readline(MAX_LINE + 1), first=o == 0)
-                if rec is not None:
-                    out.append(rec)
-    return out
+                offsets.setdefault(rec["step"], []).append(offset)
+    return offsets, problems, n
 
 
 def load_records(
     path: Path, steps: Sequence[int] | None = None, max_steps: int = 25, per_step: int = 8
 ) -> tuple[list[dict], list[str], list[str]]:
     """The records the page shows, notes on what it leaves out, and each line left out with why."""
-    found = scan(path)
-    if not found.offsets:
-        why = (f"{len(found.problems)} left out, the first: {found.problems[0]}"
-               if found.problems else "none with a replayed reward")  # fmt: skip
-        lines = f"{found.lines} line" + "s" * (found.lines != 1)
-        raise ValueError(f"{path}: no record to draw ({lines}, {why})")
-    keep, note = choose_steps(sorted(found.offsets), steps, max_steps)
-    capped = [s for s in sorted(keep) if len(found.offsets[s]) > per_step]
+    offsets, problems, n = scan(path)
+    if not offsets:
+        why = (f"{len(problems)} left out, the first: {problems[0]}"
+               if problems else "none with a replayed reward")  # fmt: skip
+        raise ValueError(f"{path}: no record to draw ({n} line{'s' * (n != 1)}, {why})")
+    keep, note = choose_steps(sorted(offsets), steps, max_steps)
+    capped = [s for s in sorted(keep) if len(offsets[s]) > per_step]
     notes = [note] if note else []
     if capped:
         more = f"; {len(capped) - 1} more steps hold more than {per_step}" * (len(capped) > 1)
-        notes.append(f"at most {per_step} of the {len(found.offsets[capped[0]])} responses at "
+        notes.append(f"at most {per_step} of the {len(offsets[capped[0]])} responses at "
                      f"step {capped[0]} are shown (--max-per-step){more}")  # fmt: skip
-    wanted = [o for s in keep for o in found.offsets[s][:per_step]]
-    return read_records(path, wanted), notes, found.problems
+    records = []  # read in file order
+    with open(path, "rb") as f:
+        for o in sorted(o for s in keep for o in offsets[s][:per_step]):
+            f.seek(o)
+            with contextlib.suppress(ValueError):  # the file changed since it was scanned
+                if (rec := parse_line(f.readline(MAX_LINE + 1), first=o == 0)) is not None:
+                    records.append(rec)
+    return records, notes, problems
 
 
 def choose_steps(
@@ -366,15 +336,6 @@ def visible(token: str) -> str:
 
 
 # ---- credit diagnostics (as the trainer logs them under train/replay/) ------------------------
-def _quantile(values: list[float], p: float) -> float:
-    """The ``p`` quantile of ``values`` (linear between the two nearest ranks)."""
-    v = sorted(values)
-    x = p * (len(v) - 1)
-    lo = math.floor(x)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (x - lo)
-
-
 def q_ratios(rec: dict) -> dict[str, list[float]]:
     """Each reward's ``q_t / mean_t q`` over the record's tokens (none where the mean is ~0)."""
     out = {}
@@ -413,6 +374,8 @@ def energy(rec: dict) -> dict[str, float]:
 
 def diagnostics(records: list[dict]) -> dict[str, Any]:
     """q / mean q quantiles (p50, p99, max) per reward, mean profile cosine, energy shares."""
+    import numpy as np  # its quantile: linear between the two nearest ranks
+
     ratios: dict[str, list[float]] = {}
     cosines, energies = [], {}
     for rec in records:
@@ -426,36 +389,16 @@ def diagnostics(records: list[dict]) -> dict[str, Any]:
     total = sum(energies.values())
     return {
         "q_ratio": {
-            n: (_quantile(v, 0.5), _quantile(v, 0.99), max(v)) for n, v in ratios.items() if v
+            n: (*np.quantile(v, [0.5, 0.99]).tolist(), max(v)) for n, v in ratios.items() if v
         },
         "cosine": sum(cosines) / len(cosines) if cosines else None,
         "energy": {n: e / total for n, e in energies.items()} if total > 0 else {},
     }
 
 
-def _diag_text(d: dict[str, Any]) -> str:
-    """One line of ``diagnostics`` for the page (empty when there is nothing)."""
-    parts = []
-    if d["q_ratio"]:
-        qs = "; ".join(f"{n} {a:.3g} · {b:.3g} · {c:.3g}" for n, (a, b, c) in d["q_ratio"].items())
-        parts.append(f"q/q̄ (p50 · p99 · max): {qs}")
-    if d["cosine"] is not None:
-        parts.append(f"profile cosine {d['cosine']:.3f}")
-    if d["energy"]:
-        parts.append(
-            "reallocated energy: " + " · ".join(f"{n} {v:.0%}" for n, v in d["energy"].items())
-        )
-    return " | ".join(parts)
-
-
 # ---- the page (templates/relevance.html.j2) --------------------------------------------------
-_PAGE = jinja2.Environment(
-    loader=jinja2.PackageLoader("mrtpo.evaluate", "templates"),
-    autoescape=True,  # model text is text: a token or prompt holding <script> stays text
-    trim_blocks=True,
-    lstrip_blocks=True,
-    undefined=jinja2.StrictUndefined,
-)
+#: autoescaped: model text is text, a token or prompt holding <script> stays text
+_PAGE = MARKDOWN.overlay(autoescape=True, lstrip_blocks=True, keep_trailing_newline=False)
 
 
 def _cells(rec: dict, name: str, kind: str, scales: Scales) -> list[tuple[str, str]]:
@@ -467,32 +410,27 @@ def _cells(rec: dict, name: str, kind: str, scales: Scales) -> list[tuple[str, s
 
 def _record(rec: dict, scales: Scales) -> dict[str, Any]:
     """One response on the page: head, diagnostics, prompt, a q and a w row per reward."""
-    step, beta, rewards = int(rec.get("step", 0)), rec.get("beta"), rec.get("rewards", {})
-    head = f"step {step} · prompt {rec.get('id', '?')}"
-    if isinstance(beta, (int, float)):
-        head += f" · β = {beta:g}"
+    rewards = rec.get("rewards", {})
     pairs = [
         {"name": n, "reward": "none" if rewards.get(n) is None else f"{rewards[n]:g}",
          "q": json.dumps(rec["q"][n]), "w": json.dumps(rec.get("w", {}).get(n, [])),
          "rows": [(k, _cells(rec, n, k, scales)) for k in ("q", "w") if rec[k].get(n) is not None]}
         for n in rec["q"]
     ]  # fmt: skip
-    return {"step": step, "head": head, "diag": _diag_text(diagnostics([rec])),
-            "tokens": json.dumps(rec["tokens"], ensure_ascii=False),
+    return {"step": int(rec.get("step", 0)), "id": rec.get("id", "?"), "beta": rec.get("beta"),
+            "diag": diagnostics([rec]), "tokens": json.dumps(rec["tokens"], ensure_ascii=False),
             "prompt": str(rec.get("prompt", "")), "pairs": pairs}  # fmt: skip
 
 
 def _legends(scales: Scales) -> list[dict[str, Any]]:
-    """The q and w colour bars: gradient stops and (position in %, label) ticks."""
+    """The q and w colour bars: gradient stops and (% position, label) ticks."""
     o = scales.w_octaves
     q_ticks = [(i / 4, f"{scales.q_max * i / 4:.3g}") for i in range(5)]
     w_ticks = [(scales.w_pos(2.0**e), f"{2.0**e:.3g}") for e in (-o, -o / 2, 0.0, o / 2, o)]
-    bars = [("q", Q_CMAP, q_ticks, "q: relevance (Jensen–Shannon distance), 0 to the page's largest"),
-            ("w", W_CMAP, w_ticks, "w: token weight (1 = GDPO's even share; log scale)")]  # fmt: skip
     return [
-        {"kind": kind, "label": label, "stops": ",".join(colour(cmap, i / 10) for i in range(11)),
+        {"kind": kind, "stops": ",".join(colour(cmap, i / 10) for i in range(11)),
          "ticks": [(f"{p * 100:.1f}", text) for p, text in ticks]}
-        for kind, cmap, ticks, label in bars
+        for kind, cmap, ticks in (("q", Q_CMAP, q_ticks), ("w", W_CMAP, w_ticks))
     ]  # fmt: skip
 
 
@@ -505,7 +443,7 @@ def render_html(records: list[dict], title: str, notes: Sequence[str] = ()) -> s
         steps=sorted({int(r.get("step", 0)) for r in records}),
         rewards=list(dict.fromkeys(n for r in records for n in r["q"])),
         notes=list(notes),
-        summary=_diag_text(diagnostics(records)),
+        summary=diagnostics(records),
         records=[_record(r, scales) for r in records],
     )
 
@@ -542,10 +480,7 @@ def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: in
             y = line * height + r
             cmap, pos = (Q_CMAP, scales.q_pos) if kind == "q" else (W_CMAP, scales.w_pos)
             values = rec[kind][name]
-            for c in range(width):
-                t = line * width + c
-                if t >= len(toks):
-                    break
+            for c, t in enumerate(range(line * width, min(len(toks), (line + 1) * width))):
                 bg = colour(cmap, pos(values[t]))
                 ax.add_patch(plt.Rectangle((c, y), 1, 1, facecolor=bg, edgecolor="white", lw=0.5))
                 ax.text(c + 0.5, y + 0.5, toks[t], ha="center", va="center", fontsize=6,
@@ -569,22 +504,18 @@ def render_png(rec: dict, scales: Scales, path: Path, width: int = 24, limit: in
 
 def _colourbars(fig, q_axes, w_axes, scales: Scales) -> None:
     """The page's two scales as colour bars, each on its own axes."""
-    import matplotlib
+    from matplotlib import cm, colors, ticker
 
-    q = matplotlib.cm.ScalarMappable(
-        norm=matplotlib.colors.Normalize(0, scales.q_max), cmap=matplotlib.colormaps[Q_CMAP]
-    )
     o = scales.w_octaves
-    w = matplotlib.cm.ScalarMappable(
-        norm=matplotlib.colors.LogNorm(2.0**-o, 2.0**o), cmap=matplotlib.colormaps[W_CMAP]
-    )
+    q = cm.ScalarMappable(norm=colors.Normalize(0, scales.q_max), cmap=Q_CMAP)
+    w = cm.ScalarMappable(norm=colors.LogNorm(2.0**-o, 2.0**o), cmap=W_CMAP)
     fig.colorbar(q, cax=q_axes, orientation="horizontal", label="q (relevance)")
     bar = fig.colorbar(
         w, cax=w_axes, orientation="horizontal", label="w (token weight; 1 = an even share)"
     )
     bar.set_ticks([2.0**e for e in (-o, -o / 2, 0.0, o / 2, o)])
-    bar.ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
-    bar.ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    bar.ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+    bar.ax.xaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -598,8 +529,6 @@ def parse_steps(text: str | None) -> list[int] | None:
 
 
 def _parser():
-    import argparse
-
     p = argparse.ArgumentParser(
         prog="python src/relevance.py",
         description="Render a run's relevance.jsonl (each reward's per-token relevance q and "

@@ -1,12 +1,7 @@
 """``python -m mrtpo.data``: fetch the public data sets into the layout the tasks read.
 
-    python -m mrtpo.data list
-    python -m mrtpo.data fetch spider ifeval --to data/       # then paths.data_dir=data
-    python -m mrtpo.data fetch --check data/ [NAME...]        # present, missing or wrong
-
-Checksums as ``registry`` says; a different file already in the folder is refused by name
-unless ``--replace``. Exit status: 0 all good, 1 something refused, missing or wrong (one line
-each), 2 a usage error.
+Usage, checksums and refusals: docs/data.md. Exit status: 0 all good, 1 something refused,
+missing or wrong (one line each), 2 a usage error.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ from mrtpo.fetch.download import (
     sha256_of,
 )
 from mrtpo.fetch.registry import DATASETS, Archive, DataSet, Remote, base_url
+from mrtpo.safe_files import write_atomic
 
 RECORD = "FETCHED.json"
 
@@ -38,21 +34,11 @@ class UsageError(Exception):
 
 def _load_record(to: Path) -> dict[str, Any]:
     path = to / RECORD
-    if not path.is_file():
-        return {"files": {}, "archives": {}}
     try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
+        rec = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except ValueError as exc:
         raise UsageError(f"{path} is not valid JSON ({exc}); remove it to start over") from None
-    rec.setdefault("files", {})
-    rec.setdefault("archives", {})
-    return rec
-
-
-def _save_record(to: Path, rec: dict[str, Any]) -> None:
-    tmp = to / f".{RECORD}.part"
-    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(to / RECORD)
+    return {"files": {}, "archives": {}, **rec}
 
 
 def _key(r: Remote | Archive) -> str:
@@ -95,23 +81,10 @@ def fetch_file(
     return "fetched"
 
 
-def _staging(to: Path, a: Archive) -> Path:
-    """A new private folder for one archive's download and files; never an old one."""
-    staging = to / f".staging-{a.name}"
-    try:
-        staging.mkdir(mode=0o700)
-    except FileExistsError:
-        raise FetchError(
-            f"{staging} is already there (left by an interrupted fetch?); remove it and rerun"
-        ) from None
-    return staging
-
-
 def fetch_archive(
     a: Archive, to: Path, rec: dict, mirrors: dict, trust: bool, replace: bool = False
 ) -> str:
-    """Get, check and lay out one archive (via a staging folder, always removed) unless what it
-    gives is already there."""
+    """Get, check and lay out one archive (staging folder always removed) unless already there."""
     want, old = _wanted(a, "archives", rec), rec["archives"].get(a.name)
     if old and want and not _archive_problems(a, to, rec):
         return "present"
@@ -120,7 +93,13 @@ def fetch_archive(
     for e in a.expect:
         check_no_links(to, e)
     url = f"{base_url(a.host, mirrors)}/{a.path}"
-    staging = _staging(to, a)
+    staging = to / f".staging-{a.name}"
+    try:
+        staging.mkdir(mode=0o700)  # a new private folder for the download, never an old one
+    except FileExistsError:
+        raise FetchError(
+            f"{staging} is already there (left by an interrupted fetch?); remove it and rerun"
+        ) from None
     try:
         sha, n = download(url, staging / "archive", want, a.size, a.max_bytes, name=a.name)
         out = staging / "out"
@@ -135,21 +114,19 @@ def fetch_archive(
     return "fetched"
 
 
-def _items(names: list[str]) -> list[tuple[str, Remote | Archive]]:
-    """(data set, file or archive) for ``names``, each target once, in order."""
-    seen, out = set(), []
+def _items(names: list[str]) -> list[Remote | Archive]:
+    """The files and archives of ``names``, each target once, in order."""
+    items: dict[str, Remote | Archive] = {}
     for name in names:
         for item in (*DATASETS[name].files, *DATASETS[name].archives):
-            if _key(item) not in seen:
-                seen.add(_key(item))
-                out.append((name, item))
-    return out
+            items.setdefault(_key(item), item)
+    return list(items.values())
 
 
 def run_fetch(names: list[str], to: Path, mirrors: dict, trust: bool, replace: bool = False) -> int:
     to.mkdir(parents=True, exist_ok=True)
     rec, failed, counts = _load_record(to), 0, {"present": 0, "fetched": 0}
-    for _name, item in _items(names):
+    for item in _items(names):
         fn = fetch_file if isinstance(item, Remote) else fetch_archive
         try:
             counts[fn(item, to, rec, mirrors, trust, replace)] += 1
@@ -157,7 +134,8 @@ def run_fetch(names: list[str], to: Path, mirrors: dict, trust: bool, replace: b
             failed += 1
             print(f"refused: {exc}", file=sys.stderr)
             continue
-        _save_record(to, rec)
+        # the record after each download, whole or not at all, never through a link
+        write_atomic(to / RECORD, json.dumps(rec, indent=1, sort_keys=True) + "\n")
     print(
         f"{', '.join(names)} -> {to}: {counts['fetched']} fetched, {counts['present']} already "
         f"present, {failed} refused"
@@ -176,16 +154,13 @@ def _file_state(r: Remote, to: Path, rec: dict) -> str:
     return "present" if sha256_of(dest) == want else "wrong"
 
 
-def _archive_problems(a: Archive, to: Path, rec: dict) -> list[str]:
-    """Expected paths that are absent, and laid-out members whose size changed."""
-    out = [f"{e} missing" for e in a.expect if not (to / e).exists()]
-    members = rec["archives"].get(a.name, {}).get("members", {})
-    for target, size in members.items():
-        p = to / target
-        if not p.is_file():
-            out.append(f"{target} missing")
-        elif p.stat().st_size != size:
-            out.append(f"{target} wrong")
+def _archive_problems(a: Archive, to: Path, rec: dict) -> list[tuple[str, str]]:
+    """(path, "missing") of each expected path absent or laid-out member gone, (member,
+    "wrong") of each whose size changed."""
+    out = [(e, "missing") for e in a.expect if not (to / e).exists()]
+    for target, size in rec["archives"].get(a.name, {}).get("members", {}).items():
+        if not (p := to / target).is_file() or p.stat().st_size != size:
+            out.append((target, "wrong" if p.is_file() else "missing"))
     return out
 
 
@@ -197,9 +172,8 @@ def _states(d: DataSet, to: Path, rec: dict) -> dict[str, list[str]]:
     for a in d.archives:
         problems = _archive_problems(a, to, rec)
         if a.name not in rec["archives"] and len(problems) == len(a.expect):
-            problems = [f"{e} missing" for e in a.expect]  # never fetched: nothing laid out
-        for p in problems:
-            target, _, state = p.rpartition(" ")
+            problems = [(e, "missing") for e in a.expect]  # never fetched: nothing laid out
+        for target, state in problems:
             states.setdefault(state, []).append(target)
         if not problems:
             states.setdefault("present", []).append(a.name)

@@ -1,15 +1,11 @@
-"""Streaming downloads that land only when whole and right, and zips laid out safely.
-
-A download streams into a new hidden temp file beside its target, hashed as it goes, and is
-renamed onto the target only when its length, ``max_bytes`` and sha256 check out (else a
-:class:`FetchError` in one line). No old temp file is resumed, so a half-written file is never
-taken for the real one. An archive is unpacked into private staging (:func:`extract`) and laid
-out (:func:`lay_out`) only when whole and overwriting no different user file; nothing is written
-through a symbolic link under the data folder (where it leads is unknown).
+"""Streaming downloads that land only when whole and right, and zips laid out safely
+(docs/data.md). A download goes to a new temp file, never an old one resumed (which could be
+half-written); nothing is written through a symbolic link under the data folder.
 """
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import http.client
 import json
@@ -38,7 +34,7 @@ class FetchError(Exception):
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256()  # not hashlib.file_digest: Python 3.10 (supported) has none
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
             h.update(block)
@@ -52,24 +48,18 @@ def _open(url: str):
     except urllib.error.HTTPError as exc:
         raise FetchError(f"HTTP {exc.code} from {url}") from None
     except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise FetchError(f"cannot reach {url} ({reason})") from None
+        raise FetchError(f"cannot reach {url} ({getattr(exc, 'reason', exc)})") from None
 
 
 def _too_big(url: str, max_bytes: int) -> FetchError:
     return FetchError(f"{url} sends more than {max_bytes} bytes (its max_bytes); nothing kept")
 
 
-def _new_file(path: Path):
-    """Open a new file at ``path`` for writing; never one that is already there."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
-
-
 def _stream(url: str, tmp: Path, max_bytes: int) -> tuple[str, int, int | None]:
     """Write ``url``'s body to the new file ``tmp``: (sha256, bytes received, bytes announced
     or None). More than ``max_bytes`` (announced or received) is refused."""
     h, n = hashlib.sha256(), 0
-    with _open(url) as resp, _new_file(tmp) as out:
+    with _open(url) as resp, open(tmp, "xb") as out:  # "x": a new file, never one already there
         announced = resp.headers.get("Content-Length")
         announced = int(announced) if announced and announced.isdigit() else None
         if announced is not None and announced > max_bytes:
@@ -153,35 +143,25 @@ def _safe_name(name: str) -> bool:
     return not (p.is_absolute() or "\\" in name or ".." in p.parts or re.match(r"^[A-Za-z]:", name))
 
 
-def _check_members(zf: zipfile.ZipFile, label: str) -> None:
-    """Refuse an archive that holds an absolute or escaping name, or a symlink."""
-    for info in zf.infolist():
-        if not _safe_name(info.filename):
-            raise FetchError(f"{label}: unsafe member name {info.filename!r}; nothing extracted")
-        if stat.S_ISLNK(info.external_attr >> 16):
-            raise FetchError(f"{label}: member {info.filename!r} is a symlink; nothing extracted")
-
-
-def _target(name: str, rules: Sequence[tuple[str, str]]) -> str | None:
-    if name.startswith("__MACOSX/") or name.endswith("/"):
-        return None
-    for pattern, template in rules:
-        m = re.match(pattern, name)
-        if m:
-            return m.expand(template)
-    return None
-
-
 def _plan(
-    zf: zipfile.ZipFile, rules: Sequence[tuple[str, str]], nested: str | None
+    zf: zipfile.ZipFile, rules: Sequence[tuple[str, str]], nested: str | None, label: str
 ) -> list[tuple[zipfile.ZipInfo, str | None]]:
-    """(member, target) for each member to unpack; target None: a nested zip."""
+    """(member, target) of each member to unpack (the first matching rule's; None: a nested
+    zip). An archive holding an absolute or escaping name, or a symlink, is refused whole."""
     plan: list[tuple[zipfile.ZipInfo, str | None]] = []
     for info in zf.infolist():
-        if nested and re.match(nested, info.filename):
+        name = info.filename
+        if not _safe_name(name):
+            raise FetchError(f"{label}: unsafe member name {name!r}; nothing extracted")
+        if stat.S_ISLNK(info.external_attr >> 16):
+            raise FetchError(f"{label}: member {name!r} is a symlink; nothing extracted")
+        if nested and re.match(nested, name):
             plan.append((info, None))
-        elif (target := _target(info.filename, rules)) is not None:
-            plan.append((info, target))
+        elif not name.startswith("__MACOSX/") and not name.endswith("/"):
+            for pattern, template in rules:
+                if m := re.match(pattern, name):
+                    plan.append((info, m.expand(template)))
+                    break
     return plan
 
 
@@ -228,8 +208,7 @@ def extract(
     written: dict[str, int] = {}
     try:
         with zipfile.ZipFile(zip_path) as zf:
-            _check_members(zf, zip_path.name)
-            plan = _plan(zf, rules, nested)
+            plan = _plan(zf, rules, nested, zip_path.name)
             _check_sizes(plan, zip_path.name, budget)
             for info, target in plan:
                 if target is None:
@@ -271,10 +250,6 @@ def already_there(dest: Path, why: str = "differs from the file fetch would lay 
     )
 
 
-def _same(a: Path, b: Path) -> bool:
-    return a.stat().st_size == b.stat().st_size and sha256_of(a) == sha256_of(b)
-
-
 def lay_out(out: Path, to: Path, targets: Iterable[str], replace: bool) -> None:
     """Move the staged files ``targets`` from ``out`` into ``to``. Every target is checked
     first: none may be under a link, and a file already there must be the same (then it is
@@ -285,7 +260,7 @@ def lay_out(out: Path, to: Path, targets: Iterable[str], replace: bool) -> None:
         check_no_links(to, target)
         dest = to / target
         if dest.exists():
-            if dest.is_file() and _same(out / target, dest):
+            if dest.is_file() and filecmp.cmp(out / target, dest, shallow=False):
                 continue
             if not replace:
                 raise already_there(dest)

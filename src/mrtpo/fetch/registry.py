@@ -1,10 +1,6 @@
 """What ``python -m mrtpo.data fetch`` can get: data set name -> published files, their
-hashes, and where each goes under ``paths.data_dir``.
-
-A source's *host* base URL can be moved (``--mirror HOST=URL``, ``MRTPO_FETCH_<HOST>``, or
-``HF_ENDPOINT`` for the hub). A file with no committed sha256 (``checksums.KNOWN``) is refused
-unless ``--trust-first-download``, which pins its hash in ``FETCHED.json``. ``max_bytes`` is a
-generous guess above the published size, there to stop a runaway server or a zip bomb.
+hashes, and where each goes under ``paths.data_dir`` (docs/data.md: mirrors, unknown checksums,
+``max_bytes``: a generous guess above the published size, against a runaway server or zip bomb).
 """
 
 from __future__ import annotations
@@ -61,7 +57,6 @@ class DataSet:
     what: str
     files: tuple[Remote, ...] = ()
     archives: tuple[Archive, ...] = ()
-    note: str = ""
     needs: tuple[str, ...] = field(default=())  # other data sets its config also reads
 
 

@@ -4,15 +4,9 @@ Written for Lightning ``WRITTEN_FOR``; ``tests/unit/test_lightning_compat.py`` f
 version until these are checked against it.
 - ``global_step`` must count RL steps, not the several updates of one (PPO epochs,
   mini-batches), and a skipped step counts without an update: the counting hooks are private.
-- The step's metrics go to the loggers in one call (``self.log`` of ~50 keys a step cost more
-  than the rest of the logging); which rows to write is decided by the private connector.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-
-import torch
 
 WRITTEN_FOR = "2.6"
 
@@ -32,11 +26,3 @@ def count_step(optimizer) -> None:
     """Advance ``global_step`` by one without an optimizer update."""
     optimizer._on_before_step()
     optimizer._on_after_step()
-
-
-def log_now(trainer, metrics: Mapping[str, torch.Tensor]) -> None:
-    """``metrics`` to every logger, on the rows ``trainer.log_every_n_steps`` selects, with
-    the step number and ``epoch`` Lightning's own logging would give them."""
-    connector = trainer._logger_connector
-    if metrics and (connector.should_update_logs or trainer.fast_dev_run):
-        connector.log_metrics(dict(metrics))

@@ -30,9 +30,8 @@ def shard_of(trainer) -> tuple[int, int]:
 
 
 class PromptStream(IterableDataset):
-    """Endless batches of ``batch_size`` examples for one rank, from batch ``start``: batch
-    ``i`` is positions ``first + (i - start) * batch_size * world_size + rank * batch_size +
-    [0, batch_size)``, ``first`` the first unread position (default ``start * B * world``)."""
+    """Endless batches of ``batch_size`` examples for one rank, from batch ``start`` (its
+    stream position ``first_position``, by default ``start * B * world``; ``positions``)."""
 
     def __init__(
         self,
@@ -56,9 +55,7 @@ class PromptStream(IterableDataset):
     def positions(self, i: int) -> range:
         """Stream positions of batch ``i`` on this rank."""
         lo = (
-            self.first_position
-            + (i - self.start) * self.batch_size * self.world_size
-            + self.rank * self.batch_size
+            self.first_position + ((i - self.start) * self.world_size + self.rank) * self.batch_size
         )
         return range(lo, lo + self.batch_size)
 
@@ -81,19 +78,6 @@ class PromptStream(IterableDataset):
             i += 1
 
 
-class EvalPrompts(torch.utils.data.Dataset):
-    def __init__(self, examples: Sequence[Example], batch_size: int):
-        self.examples, self.batch_size = examples, batch_size
-
-    def __len__(self) -> int:
-        return (len(self.examples) + self.batch_size - 1) // self.batch_size
-
-    def __getitem__(self, i: int) -> PromptBatch:
-        return PromptBatch(
-            examples=list(self.examples[i * self.batch_size : (i + 1) * self.batch_size]), index=i
-        )
-
-
 class PromptDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -107,16 +91,12 @@ class PromptDataModule(L.LightningDataModule):
         cache_dir=None,
     ) -> None:
         super().__init__()
-        self.task = task
+        self.task, self.tokenizer, self.seed = task, tokenizer, seed
+        self.prompts_per_step, self.max_prompt_tokens = prompts_per_step, max_prompt_tokens
+        self.val_prompts, self.val_batch_size = val_prompts, val_batch_size
         # prompt token counts kept between jobs (mrtpo.lightning.prompt_cache); None: not kept
         self.cache_dir = cache_dir
         self.tokenized = 0  # prompts this module tokenized (the others came from the cache)
-        self.prompts_per_step = prompts_per_step
-        self.seed = seed
-        self.max_prompt_tokens = max_prompt_tokens
-        self.val_prompts = val_prompts
-        self.val_batch_size = val_batch_size
-        self.tokenizer = tokenizer
         self.start_batch = 0  # set by load_state_dict on resume
         self.start_position: int | None = None  # first unread stream position on resume
         self.train_examples: list[Example] | None = None
@@ -138,8 +118,7 @@ class PromptDataModule(L.LightningDataModule):
         kept = self._filter_length(loaded, split)
         if kept:
             return kept
-        n_loaded = len(loaded)
-        if n_loaded == 0:
+        if not loaded:
             raise ValueError(
                 f"task '{self.task.name}': the {split} split is empty: the task loaded no "
                 f"examples (its data files, or its own filters, e.g. references that fail to "
@@ -147,9 +126,9 @@ class PromptDataModule(L.LightningDataModule):
             )
         raise ValueError(
             f"task '{self.task.name}': the {split} split is empty after filtering: the task "
-            f"loaded {n_loaded} examples and the prompt-length filter removed all {n_loaded} "
-            f"(longer than data.max_prompt_tokens={self.max_prompt_tokens} tokens); raise "
-            f"data.max_prompt_tokens{hint}"
+            f"loaded {len(loaded)} examples and the prompt-length filter removed all "
+            f"{len(loaded)} (longer than data.max_prompt_tokens={self.max_prompt_tokens} "
+            f"tokens); raise data.max_prompt_tokens{hint}"
         )
 
     def _filter_length(self, examples: list[Example], split: str) -> list[Example]:
@@ -192,15 +171,8 @@ class PromptDataModule(L.LightningDataModule):
     def train_stream(self) -> PromptStream:
         """This rank's stream (its own ``prompts_per_step`` prompts of every step)."""
         rank, world = shard_of(self.trainer)
-        return PromptStream(
-            self.train_examples,
-            self.prompts_per_step,
-            self.seed,
-            self.start_batch,
-            rank=rank,
-            world_size=world,
-            first_position=self.start_position,
-        )
+        args = (self.train_examples, self.prompts_per_step, self.seed, self.start_batch)
+        return PromptStream(*args, rank=rank, world_size=world, first_position=self.start_position)
 
     def train_dataloader(self) -> DataLoader:
         # An IterableDataset: Lightning adds no DistributedSampler; the stream shards itself.
@@ -209,24 +181,21 @@ class PromptDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_examples:
             return []
-        return DataLoader(
-            EvalPrompts(self.val_examples, self.val_batch_size), batch_size=None, num_workers=0
-        )
+        b, val = self.val_batch_size, self.val_examples
+        batches = [
+            PromptBatch(val[s : s + b], index=i) for i, s in enumerate(range(0, len(val), b))
+        ]
+        return DataLoader(batches, batch_size=None, num_workers=0)
 
     # -- resume ---------------------------------------------------------------------------
     def next_position(self, done: int) -> int:
         """First stream position not consumed after ``done`` steps (all ranks together)."""
-        _, world = shard_of(self.trainer)
-        first = (
-            self.start_batch * self.prompts_per_step * world
-            if self.start_position is None
-            else self.start_position
-        )
-        return first + (done - self.start_batch) * self.prompts_per_step * world
+        rank, _ = shard_of(self.trainer)
+        return self.train_stream().positions(done).start - rank * self.prompts_per_step
 
     def state_dict(self) -> dict:
         module = self.trainer.lightning_module if self.trainer is not None else None
-        done = int(getattr(module, "iteration", 0)) if module is not None else 0
+        done = int(getattr(module, "iteration", 0))  # 0 outside a trainer
         _, world = shard_of(self.trainer)
         return {
             "next_batch": done,

@@ -21,7 +21,6 @@ import torch
 from mrtpo.core.batch import PromptBatch
 from mrtpo.core.credit.methods import AdvantageMethod
 from mrtpo.core.evaluation import evaluate_examples
-from mrtpo.core.faults import FaultTracker
 from mrtpo.core.lora import checkpoint_keys, is_lora
 from mrtpo.core.replay import Replayer
 from mrtpo.distributed import Ranks, is_sharded
@@ -29,7 +28,7 @@ from mrtpo.lightning import compat as lightning_compat
 from mrtpo.lightning.sharding import shard_module_policies
 from mrtpo.run.checkpointing import NonFiniteStateError, assert_finite_state
 from mrtpo.run.settings import OptimConfig, ReplayConfig, RLConfig
-from mrtpo.step import RLStep, StepRecord, StepResult
+from mrtpo.step import RLStep, StepRecord, StepResult, TorchHost
 from mrtpo.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -40,13 +39,6 @@ def linear_warmup(optimizer, warmup_steps: int = 0) -> torch.optim.lr_scheduler.
     warm = int(warmup_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
-    )
-
-
-def default_optimizer(optim: OptimConfig) -> Callable:
-    """AdamW with the ``optim`` settings (what configs/stage/rl.yaml's ``optimizer`` gives)."""
-    return partial(
-        torch.optim.AdamW, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
     )
 
 
@@ -80,10 +72,11 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.rl = RLConfig.from_mapping(rl)
         self.optim_cfg = OptimConfig.from_mapping(optim)
-        self._make_optimizer = optimizer or default_optimizer(self.optim_cfg)
-        self._make_scheduler = scheduler or partial(
-            linear_warmup, warmup_steps=self.optim_cfg.warmup_steps
+        o = self.optim_cfg
+        self._make_optimizer = optimizer or partial(
+            torch.optim.AdamW, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas)
         )
+        self._make_scheduler = scheduler or partial(linear_warmup, warmup_steps=o.warmup_steps)
         rcfg = ReplayConfig.from_mapping(replay)
         self.seed = seed
         replayer = Replayer(
@@ -113,7 +106,7 @@ class PolicyModule(L.LightningModule):
         )
         self.last: StepRecord | None = None  # for callbacks (sample tables, relevance dumps)
         self.timings: dict[str, float] = {}  # the rollout callback's and the step's phases
-        self._unwritten: dict[str, torch.Tensor] | None = None  # the step's, for the loggers
+        self._logged_keys: set[str] = set()  # every step metric logged so far in this fit
         self._val_rows: list = []
         method.setup(task, self.step.method_services())
 
@@ -122,23 +115,12 @@ class PolicyModule(L.LightningModule):
     method = _on_step("method")
     replayer = _on_step("replayer")
     iteration = _on_step("iteration", int)  # completed RL steps, skipped ones included
-
-    @property
-    def ranks(self) -> Ranks:
-        return self.step.ranks
-
-    @property
-    def fault_tracker(self) -> FaultTracker:
-        return self.step.faults
+    ranks = _on_step("ranks")
+    fault_tracker = _on_step("faults")
 
     @property
     def nonfinite_steps(self) -> int:
         return self.step.faults.nonfinite_steps
-
-    @property
-    def faults(self) -> dict[str, float]:
-        """Cumulative fault counters (global over ranks), saved in checkpoints."""
-        return self.step.faults.counters
 
     # Batches hold Python objects; tensors are moved where they are used.
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
@@ -163,22 +145,17 @@ class PolicyModule(L.LightningModule):
         return None
 
     def _publish(self, result: StepResult) -> None:
-        """The step's (already global) metrics in one go rather than one ``self.log`` a key:
-        ``callback_metrics`` as tensors, the progress bar's, and the loggers' at batch end."""
-        bar = dict(result.bar)
-        values = {
-            k: torch.tensor(v, dtype=torch.float32) for k, v in {**result.metrics, **bar}.items()
-        }
-        self.trainer.callback_metrics.update(values)
-        self.trainer.progress_bar_metrics.update(bar)
-        self._unwritten = {k: values[k] for k in result.metrics}  # float32, as self.log wrote
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        """The step's metrics to the loggers where Lightning would write ``self.log``'s: after
-        the callbacks' hooks, on ``log_every_n_steps`` rows, with the same step and ``epoch``."""
-        metrics, self._unwritten = self._unwritten, None
-        if metrics:
-            lightning_compat.log_now(self.trainer, metrics)
+        """The step's metrics through Lightning's ``log_dict``: the loggers (on the rows
+        ``trainer.log_every_n_steps`` selects), ``callback_metrics`` and the progress bar.
+        The step has reduced them over ranks already (``step/metrics.py``). Lightning writes
+        a key's last value on every later row, so a key this step did not measure (a skipped
+        update has no loss) is logged as NaN rather than as an older step's value."""
+        once = {"on_step": True, "on_epoch": False, "batch_size": 1, "sync_dist": False}
+        unmeasured = dict.fromkeys(self._logged_keys - result.metrics.keys(), math.nan)
+        self._logged_keys |= result.metrics.keys()
+        self.log_dict({**result.metrics, **unmeasured}, **once)
+        if result.bar:
+            self.log_dict(dict(result.bar), prog_bar=True, logger=False, **once)
 
     # ---- validation --------------------------------------------------------------------
     def validation_step(self, batch: PromptBatch, batch_idx: int):
@@ -248,6 +225,7 @@ class PolicyModule(L.LightningModule):
             "iteration": self.iteration,
             **self.fault_tracker.state(),
             "replay_token_budget": int(self.replayer.token_budget),
+            "logged_keys": sorted(self._logged_keys),  # a resumed run's rows match (NaN, not blank)
             **self.identity(),
         }
 
@@ -263,6 +241,7 @@ class PolicyModule(L.LightningModule):
                 )
         self.iteration = int(state.get("iteration", 0))
         self.fault_tracker.load(state)
+        self._logged_keys = set(state.get("logged_keys", ()))
         # Keep a budget that replay had to lower after running out of memory.
         budget = state.get("replay_token_budget")
         if budget is not None and int(budget) < int(self.replayer.token_budget):
@@ -274,17 +253,13 @@ class PolicyModule(L.LightningModule):
         shard_module_policies(self)
 
 
-class _Host:
+class _Host(TorchHost):
     """The step's ``UpdateHost``: updates through Lightning's optimizer wrapper; only an RL
     step's last update advances ``global_step`` (max_steps and checkpoints count RL steps)."""
 
     def __init__(self, module: PolicyModule) -> None:
+        super().__init__(module.optimizers(), module.lr_schedulers())
         self.module = module
-        self.opt = module.optimizers()
-        self.sched = module.lr_schedulers()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.module.manual_backward(loss)
@@ -301,12 +276,6 @@ class _Host:
             lightning_compat.step_without_counting(self.opt)
         # NaN/inf weights or moments must stop here, not reach a checkpoint.
         _assert_finite(self.module.policy, self.opt, self.module.ranks)
-
-    def lr(self) -> float:
-        return float(self.sched.get_last_lr()[0])
-
-    def end_step(self) -> None:
-        self.sched.step()  # once per RL step: the warm-up counts RL steps
 
     def skip_step(self) -> None:
         self.opt.zero_grad(set_to_none=True)

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from mrtpo import live
-from mrtpo.run.batch import resolve_batch
-from mrtpo.run.checks import validate
+from mrtpo.run.checks import preflight, validate
 from mrtpo.run.cli import load_model
 from mrtpo.run.config import compose
 from mrtpo.run.config_keys import check_keys
-from mrtpo.run.folder import drop_pending_log, park_refused_log, record_invocation, run_folder_of
-from mrtpo.run.lock import RunFolderLock
-from mrtpo.run.placement import check_placement
+from mrtpo.run.folder import (
+    RunFolderLock,
+    drop_pending_log,
+    park_refused_log,
+    record_invocation,
+    run_folder_of,
+)
+from mrtpo.run.placement import check_placement, configure_threads
 from mrtpo.run.resume import (
     NothingToTrain,
     check_resume_settings,
@@ -27,7 +32,7 @@ from mrtpo.run.resume import (
     settings_record,
     validate_resume,
 )
-from mrtpo.run.settings import section
+from mrtpo.run.settings import resolve_batch, section
 from mrtpo.run.signals import STOP, RunInterrupted
 
 log = logging.getLogger(__name__)
@@ -53,8 +58,8 @@ def prepare(cfg: DictConfig, validated: bool = False):
     ``validated``), a paper preset's data files, the stage, the task and what the stage needs."""
     from hydra.utils import instantiate
 
+    from mrtpo.run.checks import check_paper_data
     from mrtpo.run.loggers import check_loggers
-    from mrtpo.run.paper_data import check_paper_data
 
     if not validated:
         check_keys(cfg)
@@ -84,25 +89,21 @@ def build(cfg: DictConfig, validated: bool = False):
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # a folder that holds no model: one line naming it; a model given to mrtpo.Trainer: that one
     policy, tokenizer = live.load_model(cfg, load_model)
-    data = section(cfg, "data")
     prompts = PromptDataModule(
         task,
         prompts_per_step=section(cfg, "rl").prompts_per_step,
         seed=cfg.seed,
-        max_prompt_tokens=data.max_prompt_tokens,
-        val_prompts=data.val_prompts,
-        val_batch_size=data.val_batch_size,
         tokenizer=tokenizer,
         cache_dir=OmegaConf.select(cfg, "paths.cache_dir", default=None),  # prompt token counts
+        **dataclasses.asdict(section(cfg, "data")),  # every data.* key is one of its arguments
     )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     callbacks += live.callbacks()  # those given to mrtpo.Trainer
     module, datamodule, extra = stage.build(cfg, policy, tokenizer, task, prompts)
     callbacks.extend(extra)
-    resuming = resume_checkpoint(cfg) is not None
     # metrics.csv is never deleted: a resume keeps its rows before the checkpoint's step
-    loggers = build_loggers(cfg.get("logger"), resuming=resuming)
-    callbacks.append(ResumeMetrics(loggers, resuming=resuming, settings=settings))
+    loggers = build_loggers(cfg.get("logger"), resuming=resume_checkpoint(cfg) is not None)
+    callbacks.append(ResumeMetrics(settings=settings))
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return trainer, module, datamodule
 
@@ -110,10 +111,8 @@ def build(cfg: DictConfig, validated: bool = False):
 def metrics_csv(trainer) -> Path | None:
     from lightning.pytorch.loggers import CSVLogger
 
-    for lg in trainer.loggers:
-        if isinstance(lg, CSVLogger):
-            return Path(lg.log_dir) / "metrics.csv"
-    return None
+    csv = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+    return None if csv is None else Path(csv.log_dir) / "metrics.csv"
 
 
 def command_line() -> str:
@@ -143,12 +142,8 @@ def run_warm_starts(cfg: DictConfig) -> DictConfig:
             name = str(entry.get("name") or f"stage{i}")
             out = root / f"{i}_{name}"
             given = [str(o) for o in entry.get("overrides", [])]
-            plumbing = [
-                f"paths.output_dir={out}",
-                f"paths.log_dir={cfg.paths.log_dir}",
-                f"paths.cache_dir={cfg.paths.cache_dir}",
-                f"paths.data_dir={cfg.paths.data_dir}",
-            ]
+            plumbing = [f"paths.output_dir={out}"]
+            plumbing += [f"paths.{k}={cfg.paths[k]}" for k in ("log_dir", "cache_dir", "data_dir")]
             if policy is not None:
                 plumbing += [f"model.name_or_path={policy}", "model.tiny=null"]
             print(
@@ -179,14 +174,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("print_config"):
         print_config(cfg)
     from mrtpo.lightning.callbacks.console import quiet_libraries
-    from mrtpo.run import preflight, threads
 
     quiet_libraries()
     check_keys(cfg)  # every key is read by something
     validate(cfg)  # typed settings and their ranges, before anything loads or runs
     check_placement(cfg)  # and a trainer this machine can start, before any warm start runs
-    preflight.check(cfg)  # values left open, logger packages, vLLM's CPU build: one line each
-    threads.configure(cfg)  # torch's CPU threads (threads=auto: one for a small model on a CPU)
+    preflight(cfg)  # values left open, logger packages, vLLM's CPU build: one line each
+    configure_threads(cfg)  # torch's CPU threads (threads=auto: one for a small model on a CPU)
     folder = run_folder_of(cfg)
     if folder is not None and not cfg.get("resume"):
         folder.mkdir(parents=True, exist_ok=True)
@@ -199,12 +193,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except NothingToTrain:
         drop_pending_log()  # the run finished already: nothing changed, nothing to keep
         raise
-    except RunInterrupted as exc:
-        if cfg.get("resume") and not exc.trained:  # stopped before it changed the folder
-            park_refused_log(cfg, exc)
-        raise
     except Exception as exc:
-        if cfg.get("resume"):
+        # an interrupted resume that changed the folder (it trained) is no refused one
+        if cfg.get("resume") and not (isinstance(exc, RunInterrupted) and exc.trained):
             park_refused_log(cfg, exc)
         raise
 
@@ -249,8 +240,7 @@ def _train_locked(cfg: DictConfig, lock: RunFolderLock | None) -> dict[str, floa
         else:
             record_invocation(cfg)
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     path = metrics_csv(trainer)
     if path is not None and trainer.is_global_zero:
         log.info("metrics: %s", path)
-    return metrics
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}

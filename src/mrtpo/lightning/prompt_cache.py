@@ -11,15 +11,14 @@ again next time): no count is ever wrong.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from mrtpo.safe_files import UnsafePath, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +92,9 @@ def _write(path: Path, counts: dict[str, int]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         merged = {**_read(path), **counts}  # what another job added meanwhile stays
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"version": VERSION, "lengths": merged}, f)
-        os.replace(tmp, path)
-    except OSError as exc:
+        write_atomic(path, json.dumps({"version": VERSION, "lengths": merged}))
+    except (OSError, UnsafePath) as exc:  # UnsafePath: a link or FIFO there, left alone
         log.warning("data: prompt-length cache %s not written (%s)", path, exc)
-        with contextlib.suppress(UnboundLocalError, OSError):
-            os.unlink(tmp)
 
 
 def cached_lengths(

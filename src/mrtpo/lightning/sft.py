@@ -14,7 +14,6 @@ toy replication's warm start, lowers a competent policy's success to a chosen le
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import math
@@ -47,11 +46,6 @@ from mrtpo.tasks.base import Example, Task
 log = logging.getLogger(__name__)
 
 IGNORE = -100  # label of positions that carry no loss (prompt, padding)
-
-
-def _merge(given: Any) -> dict[str, Any]:
-    """``stage.sft`` as a plain dict, defaults and ranges from ``mrtpo.run.settings.SFTConfig``."""
-    return dataclasses.asdict(SFTConfig.from_mapping(given))
 
 
 @dataclass
@@ -156,35 +150,32 @@ class SFTDataModule(L.LightningDataModule):
 class SFTModule(L.LightningModule):
     """Supervised fine-tuning on references; see the module docstring for the contract."""
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, task: Task, **cfg: Any) -> None:
+    def __init__(
+        self, policy: torch.nn.Module, tokenizer, task: Task, cfg: SFTConfig | dict | None = None
+    ) -> None:
         super().__init__()
-        self.policy = policy
-        self.tokenizer = tokenizer
-        self.task = task
-        self.cfg = _merge(cfg)  # validated there: keys, types and ranges
-        if self.cfg["target_metric"] is None:
-            self.cfg["target_metric"] = task.success_check or "success"
+        self.policy, self.tokenizer, self.task = policy, tokenizer, task
+        # defaults, keys, types and ranges: mrtpo.run.settings.SFTConfig (a mapping is checked)
+        cfg = SFTConfig.from_mapping(cfg)
+        if cfg.target_metric is None:
+            cfg = dataclasses.replace(cfg, target_metric=task.success_check or "success")
+        self.cfg = cfg
         ids = eos_token_ids(tokenizer, policy)
         self.eos_id = int(tokenizer.eos_token_id if tokenizer.eos_token_id is not None else ids[0])
         self.pad_id = int(tokenizer.pad_token_id)
         self._tok_cache: dict[str, tuple[list[int], list[int]]] = {}
         self._dm: SFTDataModule | None = None
         # Read by the shared sample/relevance callbacks (they find nothing to dump in SFT).
-        self.last = None
-        self.iteration = 0
-        self.seed = 0
+        self.last, self.iteration, self.seed = None, 0, 0
 
     # ---- wiring used by mrtpo.lightning.pipeline ------------------------------------------------
     def datamodule(self, prompts: PromptDataModule) -> SFTDataModule:
         self.seed = prompts.seed
-        self._dm = SFTDataModule(prompts, int(self.cfg["batch_size"]))
+        self._dm = SFTDataModule(prompts, self.cfg.batch_size)
         return self._dm
 
     def callbacks(self) -> list[L.Callback]:
-        return [
-            SFTTarget(**{k: self.cfg[k] for k in inspect.signature(SFTTarget).parameters}),
-            SavePolicy(self.cfg["save_dir"]),
-        ]
+        return [SFTTarget(self.cfg), SavePolicy(self.cfg.save_dir)]
 
     # ---- data --------------------------------------------------------------------------
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
@@ -193,7 +184,7 @@ class SFTModule(L.LightningModule):
     def context(self, e: Example) -> list[dict]:
         """What the policy reads before the reference: the prompt, or for a fixed, seeded
         ``teacher_share`` of the examples the task's teacher context (where it has one)."""
-        share = float(self.cfg["teacher_share"])
+        share = float(self.cfg.teacher_share)
         if share > 0 and zlib.crc32(f"{self.seed}:{e.id}".encode()) < share * 2**32:
             teacher = self.task.teacher_messages(e)
             if teacher is not None:
@@ -201,30 +192,27 @@ class SFTModule(L.LightningModule):
         return e.messages
 
     def encode(self, examples: Sequence[Example]) -> SFTBatch:
-        prompts, responses = [], []
         for e in examples:
             if e.id not in self._tok_cache:
                 self._tok_cache[e.id] = (
                     chat_ids(self.tokenizer, self.context(e)),
                     response_token_ids(self.tokenizer, e.reference or "", self.eos_id),
                 )
-            p, r = self._tok_cache[e.id]
-            prompts.append(p)
-            responses.append(r)
+        prompts, responses = zip(*(self._tok_cache[e.id] for e in examples), strict=True)
         return collate_sft(prompts, responses, self.pad_id)
 
     # ---- training ----------------------------------------------------------------------
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])
-        sched = linear_warmup(opt, self.cfg["warmup_steps"])
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        sched = linear_warmup(opt, self.cfg.warmup_steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ):
-        if self.cfg["max_grad_norm"]:
-            self.clip_gradients(optimizer, self.cfg["max_grad_norm"], "norm")
+        if self.cfg.max_grad_norm:
+            self.clip_gradients(optimizer, self.cfg.max_grad_norm, "norm")
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         sft = self.encode(batch.examples)
@@ -270,56 +258,24 @@ def answer(
     return build_rollout(engine, tokenizer, examples, 1 if greedy else samples, sampling, seed, eos)
 
 
-def evaluate_policy(
-    module: SFTModule,
-    examples: Sequence[Example],
-    samples: int = 1,
-    temperature: float = 0.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-) -> dict[str, float]:
-    """The task's metrics (``Task.summarize``) of the policy's answers to ``examples``."""
-    roll = answer(
-        module.policy, module.tokenizer, examples, samples, temperature, max_new_tokens, seed
-    )
-    metrics, _ = evaluate_examples(module.task, roll.examples, roll.texts)
-    metrics["finished_frac"] = float(roll.finished.float().mean())
-    return metrics
-
-
 class SFTTarget(L.Callback):
-    """Every ``eval_every`` steps: held-out metrics; stop once the target rate is reached."""
+    """Every ``eval_every`` steps: held-out metrics; stop once the target rate is reached.
+    ``target``, ``metric``, ``below``, ``every``, ``min_steps``: ``cfg``'s, as the step line
+    (``console.StepLine``) reads them."""
 
-    def __init__(
-        self,
-        target_success: float | None = None,
-        target_metric: str = "success",
-        stop_when: str = "above",
-        eval_every: int = 10,
-        min_steps: int = 0,
-        eval_prompts: int = 64,
-        eval_samples: int = 1,
-        eval_temperature: float = 0.0,
-        eval_max_new_tokens: int = 32,
-    ) -> None:
-        self.target = target_success
-        self.metric = target_metric
-        self.below = stop_when == "below"
-        self.every = int(eval_every)
-        self.min_steps = int(min_steps)
-        self.n_prompts = int(eval_prompts)
-        self.samples = int(eval_samples)
-        self.temperature = float(eval_temperature)
-        self.max_new_tokens = int(eval_max_new_tokens)
+    def __init__(self, cfg: SFTConfig) -> None:
+        self.cfg, self.target, self.metric = cfg, cfg.target_success, cfg.target_metric
+        self.below = cfg.stop_when == "below"
+        self.every, self.min_steps = int(cfg.eval_every), int(cfg.min_steps)
         self.examples: list[Example] = []
         self.history: list[dict[str, float]] = []
         self.reached_at: int | None = None
 
     def on_fit_start(self, trainer, pl_module: SFTModule) -> None:
         dm = pl_module._dm
-        if dm is None or self.n_prompts <= 0:
+        if dm is None or self.cfg.eval_prompts <= 0:
             return
-        self.examples = dm.heldout(self.n_prompts)
+        self.examples = dm.heldout(self.cfg.eval_prompts)
         if self.target is not None and not self.examples:
             raise ValueError(
                 f"stage.sft.target_success is set but task '{pl_module.task.name}' has no "
@@ -327,16 +283,15 @@ class SFTTarget(L.Callback):
             )
 
     def evaluate(self, trainer, pl_module: SFTModule) -> dict[str, float]:
+        """The task's metrics (``Task.summarize``) of the policy's held-out answers."""
         step = int(trainer.global_step)
         t0 = time.perf_counter()
-        m = evaluate_policy(
-            pl_module,
-            self.examples,
-            self.samples,
-            self.temperature,
-            self.max_new_tokens,
-            seed=pl_module.seed * 1_000_003 + step,
-        )
+        seed = pl_module.seed * 1_000_003 + step
+        c = self.cfg
+        sampling = (c.eval_samples, float(c.eval_temperature), c.eval_max_new_tokens, seed)
+        roll = answer(pl_module.policy, pl_module.tokenizer, self.examples, *sampling)
+        m, _ = evaluate_examples(pl_module.task, roll.examples, roll.texts)
+        m["finished_frac"] = float(roll.finished.float().mean())
         if self.metric not in m:
             raise ValueError(
                 f"stage.sft.target_metric={self.metric!r} is not a metric of task "
@@ -395,14 +350,14 @@ class SFTTarget(L.Callback):
         return {
             "target_metric": self.metric,
             "target_success": self.target,
-            "stop_when": "below" if self.below else "above",
+            "stop_when": self.cfg.stop_when,
             "reached": self.reached_at is not None,
             "reached_at_step": self.reached_at,
             "eval": {
                 "prompts": len(self.examples),
-                "samples": self.samples,
-                "temperature": self.temperature,
-                "max_new_tokens": self.max_new_tokens,
+                "samples": self.cfg.eval_samples,
+                "temperature": float(self.cfg.eval_temperature),
+                "max_new_tokens": self.cfg.eval_max_new_tokens,
             },
             "history": self.history,
         }
@@ -444,8 +399,7 @@ class SavePolicy(L.Callback):
     def on_train_end(self, trainer, pl_module: SFTModule) -> None:
         if not trainer.is_global_zero:
             return
-        root = Path(trainer.default_root_dir)
-        path = Path(self.save_dir) if self.save_dir else root / "policy"
+        path = Path(self.save_dir or Path(trainer.default_root_dir) / "policy")
         path.mkdir(parents=True, exist_ok=True)
         save_model(pl_module.policy, path, _savable_generation_config(pl_module.policy))
         pl_module.tokenizer.save_pretrained(path)
@@ -466,18 +420,3 @@ class SavePolicy(L.Callback):
 def read_summary(policy_dir: str | Path) -> dict[str, Any]:
     """The SFT summary saved next to a warm-started policy."""
     return json.loads((Path(policy_dir) / SavePolicy.FILE).read_text())
-
-
-__all__ = [
-    "SFTBatch",
-    "SFTDataModule",
-    "SFTModule",
-    "SFTTarget",
-    "SavePolicy",
-    "answer",
-    "collate_sft",
-    "evaluate_policy",
-    "read_summary",
-    "response_token_ids",
-    "sft_loss",
-]

@@ -1,14 +1,6 @@
-"""Sharded training (``trainer=fsdp``): FSDP2 ``fully_shard`` per decoder layer, then the root.
-
-``PolicyModule.configure_model`` calls ``shard_module_policies`` here. Unlike plain Lightning:
-* ``FSDP2Strategy`` shards over every process; ``ModelParallelStrategy`` alone gives
-  ``tensor_parallel_size = devices``, so on one node nothing is sharded.
-* Mixed precision follows the device: bf16 compute with float32 gradient reduction on CUDA,
-  float32 on CPU (no fast bf16; the tests compare against float32 DDP). Master weights,
-  gradients and AdamW moments stay float32 shards: 16 bytes per parameter over the world.
-* Each sharded forward is a collective: the policy loops agree on their count
-  (``mrtpo.distributed.Ranks.max``) and pad with ``dummy_batch``. See docs/scaling.md.
-A model type without a ``LAYER_RULES`` entry is refused before training.
+"""Sharded training (``trainer=fsdp``): FSDP2 ``fully_shard`` per decoder layer, then the root;
+``PolicyModule.configure_model`` calls ``shard_module_policies``. What is sharded, the mixed
+precision and the lockstep of sharded forwards: docs/scaling.md, "What is sharded".
 """
 
 from __future__ import annotations
@@ -21,26 +13,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mrtpo.core.models import DTYPES as _DTYPES
 from mrtpo.distributed import dummy_batch, is_sharded  # noqa: F401  (re-exported)
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return list(model.model.layers)
-
+from mrtpo.evaluate.export import hf_model  # the wrapping rules name its modules
 
 # model_type -> its transformer blocks, each its own FSDP unit (one layer's full weights are
 # resident at a time); embeddings, final norm and LM head stay in the root unit.
-LAYER_RULES: dict[str, Callable[[torch.nn.Module], list[torch.nn.Module]]] = {
-    "qwen2": _decoder_layers,
-    "qwen3": _decoder_layers,
-    "llama": _decoder_layers,
-    "mistral": _decoder_layers,
-}
-
-
-def hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (the wrapping rules name its modules)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
+LAYER_RULES: dict[str, Callable[[torch.nn.Module], list[torch.nn.Module]]] = dict.fromkeys(
+    ("qwen2", "qwen3", "llama", "mistral"), lambda model: list(model.model.layers)
+)
 
 
 def model_type(model: torch.nn.Module) -> str | None:
@@ -100,14 +79,10 @@ def shard_policy(
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` for pure FSDP2: every process is one data-parallel shard.
-
-    ``trainer.strategy.*``: param_dtype (compute; ``auto`` is bf16 on CUDA, float32 elsewhere,
-    null keeps the parameters'), reduce_dtype (gradient reduce-scatter), master_dtype (the
-    optimizer's shards; null keeps the loaded dtype), reshard_after_forward (false: ZeRO-2-like,
-    faster, more memory), save_distributed_checkpoint (false: one full checkpoint on rank 0,
-    resumable on any number of ranks, readable by ``src/export.py``).
-    """
+    """``ModelParallelStrategy`` for pure FSDP2: every process is one data-parallel shard (on
+    one node, ``ModelParallelStrategy`` alone shards nothing). Its settings
+    (``trainer.strategy.*``): configs/trainer/fsdp.yaml; ``param_dtype: null`` computes in the
+    parameters' dtype, ``reshard_after_forward: false`` is ZeRO-2-like (faster, more memory)."""
 
     def __init__(
         self,
@@ -161,18 +136,12 @@ def shard_module_policies(module) -> None:
             "trainer.strategy.tensor_parallel_size=1 (or leave both sizes at auto)"
         )
     dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+    settings = (None, None, True)  # a plain ModelParallelStrategy: FSDP2's defaults
     if isinstance(strategy, FSDP2Strategy):
-        mp, master, reshard = (
-            strategy.mp_policy(),
-            strategy.master_dtype,
-            strategy.reshard_after_forward,
-        )
-    else:
-        mp, master, reshard = None, None, True
-    shard_policy(module.policy, dp, mp, master, reshard)
-    ref = getattr(module, "ref_policy", None)
-    if ref is not None:
-        shard_policy(ref, dp, mp, master, reshard)
+        settings = (strategy.mp_policy(), strategy.master_dtype, strategy.reshard_after_forward)
+    for model in (module.policy, getattr(module, "ref_policy", None)):
+        if model is not None:
+            shard_policy(model, dp, *settings)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ one is a ``Stage`` subclass plus ``configs/stage/<name>.yaml`` (``test_extension
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -47,11 +46,8 @@ def _container(node) -> Any:
 
 
 class RLStage(Stage):
-    """Multi-reward RL: ``PolicyModule`` plus the rollout callback that feeds it.
-
-    ``optimizer`` (``params -> Optimizer``) and ``scheduler`` (``optimizer -> LRScheduler``)
-    come from ``_partial_`` nodes of configs/stage/rl.yaml; None: AdamW and the linear
-    warm-up of the ``optim`` settings."""
+    """Multi-reward RL: ``PolicyModule`` plus the rollout callback that feeds it;
+    ``optimizer`` and ``scheduler``: configs/stage/rl.yaml's, as ``PolicyModule`` takes them."""
 
     name = "rl"
 
@@ -90,29 +86,16 @@ class RLStage(Stage):
         from hydra.utils import instantiate
 
         method = getattr(self, "_method", None) or instantiate(cfg.method)
-        rl = section(cfg, "rl")
-        module = PolicyModule(
-            policy,
-            tokenizer,
-            task,
-            method,
-            rl=rl,
-            optim=section(cfg, "optim"),
-            replay=section(cfg, "replay"),
-            seed=cfg.seed,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-        )
+        parts = {k: section(cfg, k) for k in ("rl", "optim", "replay")}
+        hooks = {"optimizer": self.optimizer, "scheduler": self.scheduler}
+        module = PolicyModule(policy, tokenizer, task, method, seed=cfg.seed, **parts, **hooks)
+        rl = parts["rl"]
         # an engine's settings reach it by interpolation in its config (configs/rollout/hf.yaml)
         engine = instantiate(cfg.rollout.engine)
-        rollout = RolloutCallback(
-            engine,
-            sampling=_container(cfg.rollout.sampling),
-            group_size=rl.group_size,
-            val_max_new_tokens=cfg.rollout.get("val_max_new_tokens"),
-            schedule=cfg.rollout.get("schedule", "sync"),
-            max_staleness=cfg.rollout.get("max_staleness", 1),
-        )
+        sampling = _container(cfg.rollout.sampling)
+        keys = ("val_max_new_tokens", "schedule", "max_staleness")  # else the callback's defaults
+        extra = {k: cfg.rollout[k] for k in keys if k in cfg.rollout}
+        rollout = RolloutCallback(engine, sampling, rl.group_size, **extra)
         return module, prompts, [rollout]
 
 
@@ -126,5 +109,5 @@ class SFTStage(Stage):
         self.sft = SFTConfig.from_mapping(dict(sft or {}))
 
     def build(self, cfg, policy, tokenizer, task, prompts):
-        module = SFTModule(policy, tokenizer, task, **dataclasses.asdict(self.sft))
+        module = SFTModule(policy, tokenizer, task, self.sft)
         return module, module.datamodule(prompts), module.callbacks()

@@ -1,25 +1,15 @@
-"""Checkpoints that cannot silently lose or corrupt a run.
+"""Checkpoints that cannot silently lose or corrupt a run (docs/reliability.md).
 
-Lightning's writer stages the file through fsspec's temp folder (on another filesystem the
-"move" is a copy; a full disk leaves a partial file), and its reader passes torch's raw
-errors through. ``SafeCheckpointIO`` (``configs/trainer/default.yaml``) instead gives:
-
-* **Atomic writes**: streamed to a temp file in the target folder, fsynced, renamed over the
-  target (folder fsynced too); a failed write leaves the previous file untouched.
-* **A checksum**: SHA-256 and byte count in a ``<name>.ckpt.sha256`` sidecar (``sha256sum
-  -c`` format), verified on load; no sidecar loads unverified with a warning.
-* **Finite state only**: NaN/inf weights or optimizer state are never written, refused at load.
-* **Clear errors**: ``CheckpointError`` names the file and the usable checkpoints beside it.
-* **Data only**: torch's weights-only unpickler with ``CHECKPOINT_GLOBALS``; a pickle naming
-  anything else is refused and nothing in it runs. The sidecar proves the bytes, not the author.
-* **No writes through links**: rename replaces a planted symlink; removal deletes only a
-  checkpoint this project wrote (``SafeCheckpointIO.remove_checkpoint``).
-
-``assert_finite_state(model, optimizer)`` is the same check for live state after each update.
+``SafeCheckpointIO`` (the trainer's plugin; Lightning's stages through fsspec's temp folder
+and passes torch's raw errors through) writes atomically with a SHA-256 sidecar
+(``<name>.ckpt.sha256``, ``sha256sum -c`` format) verified on load, refuses non-finite state,
+reads weights-only with ``CHECKPOINT_GLOBALS`` (the sidecar proves the bytes, not the author),
+never writes or removes through a link, and names the usable checkpoints beside a bad one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -28,13 +18,14 @@ import re
 import tempfile
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from mrtpo.run.settings import leaves
 from mrtpo.safe_files import pid_alive as _alive
 
 log = logging.getLogger(__name__)
@@ -66,17 +57,6 @@ class NonFiniteStateError(FloatingPointError):
     """Training state (parameters or optimizer state) holds NaN or infinity."""
 
 
-def _named_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _named_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _named_tensors(v, f"{prefix}[{i}]")
-
-
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The first float tensor holding NaN or ±inf, with its counts, or None. One device
     sync for the whole set (flags stacked first), cheap enough to run after every update."""
@@ -93,22 +73,21 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     for name, t in items:
         t = t.detach()
         if not bool(torch.isfinite(t).all()):
-            nan = int(torch.isnan(t).sum())
-            inf = int(torch.isinf(t).sum())
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             return f"{name} ({nan} NaN, {inf} inf of {t.numel()} values)"
     return None  # pragma: no cover - the stacked check and the loop agree
 
 
 def checkpoint_nonfinite(checkpoint: dict[str, Any]) -> str | None:
     """The first non-finite tensor of a checkpoint's weights or optimizer state, or None."""
-    named = list(_named_tensors(checkpoint.get("state_dict", {}), "state_dict"))
-    named += _named_tensors(checkpoint.get("optimizer_states", []), "optimizer_states")
-    return first_nonfinite(named)
+    parts = [(k, checkpoint.get(k, {})) for k in ("state_dict", "optimizer_states")]
+    return first_nonfinite(
+        (name, v) for k, part in parts for name, v in leaves(part, k) if torch.is_tensor(v)
+    )
 
 
 def assert_finite_state(model: torch.nn.Module, optimizer: Any = None) -> None:
-    """Raise ``NonFiniteStateError`` naming the first non-finite parameter or optimizer
-    state (``optimizer``: a torch optimizer or Lightning's wrapper)."""
+    """Raise ``NonFiniteStateError`` naming the first non-finite parameter or optimizer state."""
     params = list(model.named_parameters())
     named: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in params]
     opt = getattr(optimizer, "_optimizer", optimizer)
@@ -131,9 +110,7 @@ class _HashingWriter:
     """A write-only stream that hashes and counts what passes through it to ``raw``."""
 
     def __init__(self, raw) -> None:
-        self.raw = raw
-        self.sha = hashlib.sha256()
-        self.size = 0
+        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
 
     def write(self, data) -> int:
         self.sha.update(data)
@@ -151,22 +128,13 @@ def checksum_path(path: str | Path) -> Path:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    # some filesystems do not open or sync folders; the rename is still atomic
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some filesystems do not open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_temp(folder: Path, name: str, fill) -> tuple[Path, Any]:
@@ -174,7 +142,9 @@ def _write_temp(folder: Path, name: str, fill) -> tuple[Path, Any]:
     # the writer's pid in the name tells a later run whether its writer is still alive
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
-        os.fchmod(fd, _umask_mode())  # mkstemp's 0600 would hide checkpoints from a group
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 would hide checkpoints from a group
         with os.fdopen(fd, "wb") as raw:
             result = fill(raw)
             raw.flush()
@@ -192,10 +162,9 @@ _TEMP = re.compile(r"^\.(?P<name>.+\.ckpt(?:\.sha256)?)\.(?:(?P<pid>\d+)\.)?[A-Z
 def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> list[Path]:
     """Remove (and return) temp files left by writers killed mid-save: those whose pid is
     dead here, or all of them with ``all_stale`` (the caller holds the run folder's lock)."""
-    folder = Path(folder)
     removed = []
     try:
-        entries = list(folder.iterdir())
+        entries = list(Path(folder).iterdir())
     except OSError:  # no checkpoint folder yet
         return removed
     for p in entries:
@@ -210,8 +179,7 @@ def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> lis
         removed.append(p)
         log.warning(
             "removed %s (%d bytes): a temporary file of a checkpoint save that was killed",
-            p,
-            size,
+            *(p, size),
         )
     return removed
 
@@ -219,8 +187,7 @@ def remove_stale_temporaries(folder: str | Path, all_stale: bool = False) -> lis
 def atomic_save(checkpoint: dict[str, Any], path: str | Path) -> None:
     """Write ``checkpoint`` and its sidecar, all or nothing. Raises ``NonFiniteStateError``
     (nothing written) or an ``OSError`` naming ``path`` when the disk refuses."""
-    path = Path(path)
-    folder = path.parent
+    path, folder = Path(path), Path(path).parent
     bad = checkpoint_nonfinite(checkpoint)
     if bad is not None:
         raise NonFiniteStateError(
@@ -305,26 +272,25 @@ def alternatives(path: str | Path) -> list[Path]:
     """Other checkpoints beside ``path`` that look usable, newest first: cheap on purpose
     (files may be 100 GB), only non-empty and of their recorded size."""
     path = Path(path)
-    out = []
     try:
         files = [p for p in path.parent.glob("*.ckpt") if p.is_file() and p.name != path.name]
     except OSError:
         return []
-    for p in files:
-        try:
-            size = p.stat().st_size
-            rec = read_checksum(p)
-        except (OSError, CheckpointError):
-            continue
-        if size == 0 or (rec is not None and rec[1] is not None and rec[1] != size):
-            continue
-        out.append(p)
+    out = [p for p in files if _recorded_size(p) not in (None, 0)]
     return sorted(out, key=lambda p: (p.stat().st_mtime, _step_of(p)), reverse=True)
 
 
+def _recorded_size(path: Path) -> int | None:
+    """``path``'s size if its sidecar records that size or none; None if unreadable or another."""
+    try:
+        rec, size = read_checksum(path), path.stat().st_size
+    except (OSError, CheckpointError):
+        return None
+    return size if rec is None or rec[1] in (None, size) else None
+
+
 def damaged_message(path: str | Path, what: str, use: str = "resume from one") -> str:
-    """``checkpoint <path> <what>``, then the usable checkpoints beside it, offered with
-    ``<use> with ckpt_path=...``."""
+    """``checkpoint <path> <what>``, offering the usable checkpoints beside it for ``use``."""
     path = Path(path)
     alt = alternatives(path)
     if alt:
@@ -368,8 +334,7 @@ def verify_file(path: str | Path) -> str:
         log.warning(
             "checkpoint %s has no %s file (not written by this project?): checked by the "
             "CRC-32s of its zip records only",
-            path,
-            CHECKSUM_SUFFIX,
+            *(path, CHECKSUM_SUFFIX),
         )
         _check_zip(path)
         return "crc32"
@@ -393,8 +358,7 @@ CHECKPOINT_GLOBALS: tuple[Any, ...] = (OrderedDict, torch._utils._rebuild_tensor
 
 
 def _torch_load(path: Any, map_location: Any, mmap: bool) -> Any:
-    """``torch.load`` with the weights-only reader, ``CHECKPOINT_GLOBALS`` allowed for this
-    read only (the process-wide list is left as it was)."""
+    """``torch.load``, weights-only, with ``CHECKPOINT_GLOBALS`` allowed for this read only."""
     with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
@@ -402,11 +366,9 @@ def _torch_load(path: Any, map_location: Any, mmap: bool) -> Any:
 def _refused_globals(path: Path, exc: BaseException) -> list[str]:
     """The functions and classes a checkpoint's pickle names that the reader refused."""
     names = re.findall(r"GLOBAL ([\w.]+)", str(exc))
-    try:
-        with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
-            names += torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:  # the static listing is best effort; torch's message named one
-        pass
+    allowed = torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS))
+    with contextlib.suppress(Exception), allowed:  # best effort; torch's message named one
+        names += torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     return sorted(set(names))
 
 
@@ -453,8 +415,7 @@ def _unloadable(path: Path, how: str, exc: BaseException) -> CheckpointError:
 
 
 def peek_checkpoint(path: str | Path, keys: Iterable[str]) -> dict[str, Any] | None:
-    """Some top-level entries (``global_step``, ...), unverified and memory-mapped; None when
-    torch cannot open it (``load_checkpoint`` then says why)."""
+    """Top-level entries (``global_step``, ...), unverified, memory-mapped; None if unreadable."""
     try:
         ckpt = _torch_load(path, "cpu", mmap=True)
     except Exception:
@@ -464,15 +425,10 @@ def peek_checkpoint(path: str | Path, keys: Iterable[str]) -> dict[str, Any] | N
     return {k: ckpt.get(k) for k in keys}
 
 
-def verify_checkpoint(path: str | Path) -> None:
-    """Everything ``load_checkpoint`` checks, with tensors memory-mapped rather than read
-    into memory; for validating a resume before anything in the run folder changes."""
-    load_checkpoint(path, map_location="cpu", mmap=True)
-
-
-def _is_local(path: Any) -> bool:
+def _local(path: Any) -> str | None:
+    """A local path (``file://`` dropped), or None for a remote store."""
     s = str(path)
-    return "://" not in s or s.startswith("file://")
+    return s.removeprefix("file://") if "://" not in s or s.startswith("file://") else None
 
 
 def _not_removable(path: Path) -> str | None:
@@ -496,25 +452,24 @@ def _not_removable(path: Path) -> str | None:
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning ``CheckpointIO`` (see the module docstring). Remote paths (``s3://``) use
-    Lightning's own writer and reader, still weights-only."""
+    """Lightning ``CheckpointIO`` (module docstring); remote paths use Lightning's, weights-only."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        if storage_options is not None or not _is_local(path):
+        if storage_options is not None or _local(path) is None:
             return super().save_checkpoint(checkpoint, path, storage_options)
-        atomic_save(checkpoint, str(path).removeprefix("file://"))
+        atomic_save(checkpoint, _local(path))
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None):
         # Lightning passes weights_only=None (or what trainer.fit was given): read data only
-        if not _is_local(path):
+        if _local(path) is None:
             with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
                 return super().load_checkpoint(path, map_location, weights_only=True)
-        return load_checkpoint(str(path).removeprefix("file://"), map_location)
+        return load_checkpoint(_local(path), map_location)
 
     def remove_checkpoint(self, path) -> None:
-        if not _is_local(path):
+        if _local(path) is None:
             return super().remove_checkpoint(path)
-        path = Path(str(path).removeprefix("file://"))
+        path = Path(_local(path))
         why = _not_removable(path)
         if why is not None:
             log.warning("not removing %s, which Lightning asked to remove: %s", path, why)

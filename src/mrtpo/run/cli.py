@@ -12,9 +12,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from mrtpo.core.errors import CompactHydraException
+from mrtpo.run.config import CONFIG_DIR
 from mrtpo.run.settings import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,18 +32,12 @@ COMMAND_LINE = False
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
 
-def config_options(group: str) -> str:
-    """The options of a config group: the names of ``configs/<group>/*.yaml``."""
-    from mrtpo.run.config import CONFIG_DIR
-
-    return ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
-
-
 def help_groups(described: Mapping[str, str]) -> str:
-    """``--help``'s groups: each one's options, and under them what it chooses."""
-    return "\n".join(
-        f"{g}: {config_options(g)}\n    {text}".rstrip() for g, text in described.items()
-    )
+    """``--help``'s groups: each one's options (``configs/<group>/*.yaml``), and what it chooses."""
+    options = {
+        g: ", ".join(sorted(p.stem for p in (CONFIG_DIR / g).glob("*.yaml"))) for g in described
+    }
+    return "\n".join(f"{g}: {options[g]}\n    {text}".rstrip() for g, text in described.items())
 
 
 #: What each group of src/train.py chooses (its --help), in the order a user picks them.
@@ -87,8 +83,7 @@ def in_sweep() -> bool:
 
 
 def log_to_files(level: int, message: str, exc: BaseException | None = None) -> list[str]:
-    """Write ``message`` (and ``exc`` with its traceback) to the root logger's log files only,
-    not to the console; return their paths."""
+    """Log ``message`` (and ``exc``'s traceback) to the root logger's files only; their paths."""
     info = (type(exc), exc, exc.__traceback__) if exc is not None else None
     record = log.makeRecord(log.name, level, __file__, 0, message, None, info)
     files = []
@@ -106,13 +101,10 @@ class JobFailed(CompactHydraException):
 
 
 def user_error(exc: BaseException) -> BaseException | None:
-    """The error to show for ``exc`` when it is a ``USER_ERRORS``, or when Hydra's
-    ``instantiate`` wrapped one (or an ``ImportError`` of a function the config names) while
-    building a config node; None for anything else."""
+    """The error to show for a ``USER_ERRORS`` ``exc``, or one (or an ``ImportError``) that
+    Hydra's ``instantiate`` wrapped; None for anything else."""
     if isinstance(exc, USER_ERRORS):
         return exc
-    from hydra.errors import InstantiationException
-
     cause = exc.__cause__
     if isinstance(exc, InstantiationException) and isinstance(cause, (*USER_ERRORS, ImportError)):
         return cause
@@ -121,15 +113,12 @@ def user_error(exc: BaseException) -> BaseException | None:
 
 def run_job(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     """Run a job; a ``USER_ERRORS`` prints ``error: <message>`` (and where its traceback was
-    logged, unless a ``ConfigError`` or missing file) and exits 2, or in a sweep fails the
-    job (``JobFailed``). ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        return job(cfg)
+    logged) and exits 2, or fails a sweep's job. ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
     try:
         return job(cfg)
     except Exception as raised:
         exc = user_error(raised)
-        if exc is None:
+        if exc is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         files = log_to_files(logging.ERROR, "stopped", raised)
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -158,15 +147,12 @@ def _load_failure(name: str, exc: BaseException) -> str:
 
 
 def load_model(cfg: DictConfig) -> tuple[Any, Any]:
-    """The policy and tokenizer of ``cfg.model``; a folder or hub id that holds no loadable
-    model is a one-line ValueError naming ``model.name_or_path`` and the loader's reason."""
+    """The policy and tokenizer of ``cfg.model``; a model that does not load is a one-line error."""
     from mrtpo.core.models import load_policy
 
     try:
         return load_policy(**OmegaConf.to_container(cfg.model, resolve=True))
     except (OSError, ValueError, KeyError) as exc:
-        from mrtpo.run.settings import ConfigError
-
         name = str(cfg.model.get("name_or_path"))
         why = _load_failure(name, exc)
         # a folder that is not there: a refusal (the run leaves no folder); a model that is

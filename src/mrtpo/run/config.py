@@ -1,12 +1,12 @@
-"""Composing the project's Hydra config outside the entry points, and the resolvers it uses.
-
-``compose`` is the one way library code and tests build a config: the same ``configs/``
-folder, the same defaults list, the same resolvers as ``src/train.py``. Importing this module
-registers the resolvers (the entry points import it before ``@hydra.main`` runs).
-"""
+"""Composing the project's Hydra config outside the entry points (``compose``: the same
+``configs/``, defaults and resolvers as ``src/train.py``), and the resolvers, registered on
+import (the entry points import it before ``@hydra.main`` runs)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import os
 import re
 import time
@@ -20,12 +20,9 @@ from mrtpo.run.settings import register_schemas
 #: ``configs/`` of a source checkout (src/mrtpo/run/config.py -> <root>/configs).
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 
-# Run folders already claimed by this process: a resolver may be evaluated more than once
-# for the same run, and must give the same folder each time.
+# Run folders this process claimed (a resolver gives the same one each time it is evaluated),
+# and the folders above each it created (removed with a refused run's: ``discard_refused_folder``).
 _CLAIMED: dict[str, str] = {}
-# The folders above a claimed one that this process created for it (logs/, logs/train/, ...):
-# a run refused before it trained removes them again when they are empty
-# (``mrtpo.run.folder.discard_refused_folder``).
 _MADE_PARENTS: dict[str, list[str]] = {}
 
 #: The project's root: the folder holding configs/ (paths.root_dir's default).
@@ -40,14 +37,11 @@ def unique_dir(base: str) -> str:
     path = Path(base)
     missing = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    candidate, n = path, 0
-    while True:
-        try:
+    for n in itertools.count():
+        candidate = path.with_name(f"{path.name}-{n}") if n else path
+        with contextlib.suppress(FileExistsError):
             candidate.mkdir()
             break
-        except FileExistsError:
-            n += 1
-            candidate = path.with_name(f"{path.name}-{n}")
     _CLAIMED[base] = str(candidate)
     _MADE_PARENTS[str(candidate)] = [str(p) for p in missing]
     return str(candidate)
@@ -70,8 +64,7 @@ def run_dir(resume, base: str) -> str:
 
 
 def hydra_subdir(resume) -> str | None:
-    """``hydra.output_subdir``: ``.hydra``, or None for a resume, which must change nothing
-    before it is validated (``record_resume`` saves its config once accepted)."""
+    """``hydra.output_subdir``: ``.hydra``; None for a resume (``record_resume`` saves its own)."""
     return None if resume else ".hydra"
 
 
@@ -135,10 +128,18 @@ def eval_hydra_subdir(output) -> str:
     run's saved config is never overwritten. The same answer each time it is resolved."""
     if not output or not (Path(str(output)) / ".hydra").exists():
         return ".hydra"
-    key = str(output)
-    if key not in _EVAL_SUBDIRS:
-        _EVAL_SUBDIRS[key] = f".hydra/eval-{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
-    return _EVAL_SUBDIRS[key]
+    stamp = f".hydra/eval-{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+    return _EVAL_SUBDIRS.setdefault(str(output), stamp)
+
+
+def given_overrides() -> list[str] | None:
+    """The overrides this Hydra job was given; None outside a Hydra job."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [str(o) for o in HydraConfig.get().overrides.task]
+    except Exception:
+        return None
 
 
 def run_config_path(ckpt_path: str | Path) -> Path:
@@ -150,8 +151,7 @@ def run_config_path(ckpt_path: str | Path) -> Path:
 
 def eval_task_name(choice: str, ckpt_path, overrides) -> str:
     """The task an evaluation scores, for its folder name (eval.yaml's ``run_name``): the
-    training run's (its ``.hydra/hydra.yaml`` or ``job.json``) when ``ckpt_path`` is given
-    without ``task=``."""
+    training run's (``hydra.yaml``, ``job.json``) when ``ckpt_path`` is given without ``task=``."""
     given = any(str(o).lstrip("+").startswith("task=") for o in (overrides or []))
     if not ckpt_path or given:
         return choice
@@ -160,26 +160,21 @@ def eval_task_name(choice: str, ckpt_path, overrides) -> str:
         saved = OmegaConf.load(run / ".hydra" / "hydra.yaml")
         return str(saved.hydra.runtime.choices.task)
     except Exception:  # no saved Hydra config: the job's record, else the choice
-        import json
-
         try:
             return str(json.loads((run / "job.json").read_text())["task"] or choice)
         except Exception:
             return choice
 
 
+def project_root() -> str:
+    return str(PROJECT_ROOT)
+
+
 def register_resolvers() -> None:
-    for name, fn in (
-        ("mrtpo.unique_dir", unique_dir),
-        ("mrtpo.run_dir", run_dir),
-        ("mrtpo.hydra_subdir", hydra_subdir),
-        ("mrtpo.job_log", job_log),
-        ("mrtpo.flat_dirname", flat_dirname),
-        ("mrtpo.sweep_dir", sweep_dir),
-        ("mrtpo.project_root", lambda: str(PROJECT_ROOT)),
-        ("mrtpo.eval_hydra_subdir", eval_hydra_subdir),
-        ("mrtpo.eval_task_name", eval_task_name),
-    ):
+    """``mrtpo.<name>`` for each resolver function of this module."""
+    folders = (unique_dir, run_dir, hydra_subdir, job_log, flat_dirname, sweep_dir)
+    for fn in (*folders, project_root, eval_hydra_subdir, eval_task_name):
+        name = f"mrtpo.{fn.__name__}"
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -191,8 +186,7 @@ register_schemas()
 
 
 def compose(config_name: str = "train.yaml", overrides: Sequence[str] = (), config_dir=None):
-    """The real config as the entry points compose it (``hydra`` node included), made the
-    current ``HydraConfig`` so ``${hydra:...}`` resolves."""
+    """The config as the entry points compose it, made the current ``HydraConfig``."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

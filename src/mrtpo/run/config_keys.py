@@ -2,21 +2,25 @@
 
 Hydra's ``+key=value`` adds any key (its own hint for a misspelt group is ``+metod=gdpo``: that
 run trained MRTPO and exited 0). ``check_keys`` refuses such a config before anything loads,
-naming the key and the nearest real one. Read keys are: those of ``TOP_LEVEL``; the fields of
-the typed sections (``mrtpo.run.settings``); in a ``_target_`` node, the arguments its class or
-function takes (any key with ``**kwargs``); the keys of ``FIXED`` nodes (``model``,
-``rollout.sampling``, ``rollout``: the one list written here); anything under ``paths`` and
-``hydra``.
+naming the key and the nearest real one: read keys are ``TOP_LEVEL``'s, the typed sections'
+fields, the arguments of a ``_target_`` node's class, ``FIXED`` nodes' keys, and anything under
+``paths`` and ``hydra``. Before Hydra composes, ``check_overrides`` refuses a command line's
+replaced key, a ``method.<key>`` the chosen method lacks, and an unknown key of a typed section.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from mrtpo.run.settings import SCHEMAS, ConfigError, setting_words
+import yaml
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+from mrtpo.run.config import CONFIG_DIR
+from mrtpo.run.settings import SCHEMAS, ConfigError, declaration, renamed, setting_words
 
 #: The top-level keys of a training config, and what reads each.
 TOP_LEVEL: dict[str, str] = {
@@ -26,7 +30,7 @@ TOP_LEVEL: dict[str, str] = {
     "ckpt_path": "the checkpoint a new run starts from",
     "print_config": "the config tree printed at the start",
     "warm_start": "the runs done first (mrtpo.lightning.pipeline.run_warm_starts)",
-    "threads": "torch's CPU threads (mrtpo.run.threads)",
+    "threads": "torch's CPU threads (mrtpo.run.placement.choose_threads)",
     "paths": "where data, logs and caches live",
     "model": "the policy (mrtpo.core.models.load_policy)",
     "task": "the prompts and rewards",
@@ -45,7 +49,7 @@ TOP_LEVEL: dict[str, str] = {
     "resume": "+resume=<run folder>: continue a run in its folder",
     "allow_cpu": "+allow_cpu=true: a model of 1B parameters or more on the CPU trainer",
     "dry_run": "dry_run=true (src/train.py --check): check the run and say what it would do",
-    "paper_data": "a paper preset's data files (mrtpo.run.paper_data)",
+    "paper_data": "a paper preset's data files (mrtpo.run.checks.check_paper_data)",
 }
 
 #: Config groups (``configs/<group>/``): ``+metod=gdpo`` is most likely ``method=gdpo``.
@@ -93,10 +97,7 @@ FIXED: dict[str, Callable[[], tuple[str, ...] | None]] = {
 
 
 def _takes(target: str) -> tuple[str, ...] | None:
-    """The keyword arguments ``target`` takes; None when it takes any (``**kwargs``) or
-    cannot be imported or inspected here (its instantiation then says why)."""
-    from hydra.utils import get_object
-
+    """The keyword arguments ``target`` takes; None if it takes any or cannot be inspected here."""
     try:
         obj = get_object(target)
         sig = inspect.signature(obj)
@@ -126,7 +127,7 @@ def unread_keys(tree: Mapping[str, Any]) -> Iterator[tuple[str, list[str]]]:
         if key not in TOP_LEVEL:
             yield str(key), [*TOP_LEVEL, *GROUPS]
     for name, read in FIXED.items():
-        node = _select(tree, name)
+        node = dig(tree, name)
         known = read() if isinstance(node, Mapping) else None
         if known is not None:
             for key in node:
@@ -138,7 +139,8 @@ def unread_keys(tree: Mapping[str, Any]) -> Iterator[tuple[str, list[str]]]:
         yield from _unread_in_targets(tree.get(name), name)
 
 
-def _select(tree: Mapping[str, Any], dotted: str) -> Any:
+def dig(tree: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``dotted`` in a plain tree of mappings (None where a part is missing)."""
     node: Any = tree
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, Mapping) else None
@@ -164,7 +166,7 @@ def _unread_in_targets(node: Any, where: str) -> Iterator[tuple[str, list[str]]]
 
 
 def _refusal(key: str, candidates: list[str], tree: Mapping[str, Any]) -> str:
-    value = _select(tree, key) if "[" not in key else None
+    value = dig(tree, key) if "[" not in key else None
     shown = f"{key}={value}" if isinstance(value, (str, int, float, bool)) else key
     near = nearest(key, candidates)
     if near in GROUPS and "." not in key:  # +metod=gdpo: a group's option was meant
@@ -180,12 +182,88 @@ def _refusal(key: str, candidates: list[str], tree: Mapping[str, Any]) -> str:
 
 
 def check_keys(cfg) -> None:
-    """Refuse a training config holding a key nothing reads, naming it and the nearest real
-    one (``ConfigError``)."""
-    from omegaconf import DictConfig, OmegaConf
-
+    """Refuse a training config holding a key nothing reads, naming it and the nearest real one."""
     if not isinstance(cfg, DictConfig) or "task" not in cfg or "trainer" not in cfg:
         return  # a library caller's partial config: only whole training configs are checked
     tree = OmegaConf.to_container(cfg, resolve=False)
     for key, candidates in unread_keys(tree):
         raise ConfigError(_refusal(key, candidates, tree))
+
+
+def check_renamed(key: str) -> None:
+    """Refuse a replaced key (a setting's old name), naming the one to use."""
+    old = key.lstrip("+~")
+    new = renamed().get(old)
+    if new is None:
+        return
+    note = declaration(new).metadata.get("old_note")
+    raise ConfigError(
+        f"{old} was replaced by {new}{f' ({note})' if note else ''}: set that instead"
+    )
+
+
+def _method_keys(name: str, depth: int = 0) -> set[str] | None:
+    """The keys ``configs/method/<name>.yaml`` and its ``defaults`` set; None if unreadable."""
+    path = CONFIG_DIR / "method" / f"{name}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or depth > 4:
+        return None
+    keys = {k for k in data if k != "defaults"}
+    for base in data.get("defaults") or []:
+        if base == "_self_":
+            continue
+        more = _method_keys(str(base), depth + 1) if isinstance(base, str) else None
+        if more is None:
+            return None  # a form of defaults not read here: Hydra decides
+        keys |= more
+    return keys
+
+
+def check_method_keys(argv: Sequence[str]) -> None:
+    """Refuse ``method.<key>=...`` for a method without that key (``method=gdpo
+    method.beta=0.5``), naming the method and its keys: Hydra would advise ``+method.beta``,
+    which gives GDPO a beta it never reads. The method is the last ``method=`` given, else
+    the default (``mrtpo``); under an ``experiment=`` preset without ``method=`` Hydra decides."""
+    words = [a for a in argv if "=" in a and not a.startswith("-")]
+    chosen = [a.split("=", 1)[1] for a in words if a.split("=", 1)[0].lstrip("+") == "method"]
+    if not chosen and any(a.split("=", 1)[0].lstrip("+") == "experiment" for a in words):
+        return
+    name = chosen[-1] if chosen else "mrtpo"
+    keys = _method_keys(name)
+    if keys is None:
+        return  # an unknown method: Hydra names the choices
+    for arg in words:
+        key = arg.split("=", 1)[0]
+        if not key.startswith("method.") or key.startswith(("+", "~")):
+            continue
+        leaf = key.split(".")[1]
+        if leaf in keys:
+            continue
+        why = (
+            " (beta is MRTPO's share of the credit placed by relevance; this method gives "
+            "every token its response's credit): drop method.beta, or choose method=mrtpo"
+            if leaf == "beta"
+            else f": its keys are {sorted(k for k in keys if not k.startswith('_'))}"
+        )
+        raise ConfigError(f"{arg}: method={name} has no {leaf}{why}")
+
+
+def check_overrides(argv: Sequence[str]) -> None:
+    """Refuse ``rl.nope=1`` naming the valid keys, and a replaced key naming its successor."""
+    check_method_keys(argv)
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if "=" in arg:
+            check_renamed(key)
+        if "=" not in arg or arg.startswith(("+", "~", "-")):
+            continue
+        for name, schema in SCHEMAS.items():
+            leaf = key.removeprefix(name + ".").split(".")[0]
+            if key.startswith(name + ".") and leaf not in schema.field_names():
+                raise ConfigError(
+                    f"unknown key {key!r}: '{name}' has no key {leaf!r}; valid keys: "
+                    f"{sorted(schema.field_names())}"
+                )

@@ -2,29 +2,29 @@
 once, then what the run would do. Nothing is trained or loaded; Hydra's run folder is removed.
 
 A plain run stops at its first problem (on a machine without the preset's GPUs, the GPU
-refusal hid the rest). Here every check runs: settings (``mrtpo.run.config_keys``, ranges,
-``???``); placement as on the machine the preset asks for, and the global batch over its
-ranks; the paper data (``mrtpo.run.paper_data``) and the task's loader on its splits; the
-method and stage against task and strategy (OPSD's teacher under FSDP); model files (local
-folder or this machine's HF cache), the engine (vLLM for ``rollout=vllm``) and the loggers.
-
-Then the plan: prompts and responses per step (global and per rank), steps, optimizer steps,
-tokens per step and memory per GPU by docs/scaling.md's arithmetic, labelled as such.
-Problems are listed together and exit with status 2.
-"""
+refusal hid the rest); here every check of ``check_all`` runs, placement as on the machine
+the preset asks for. The plan (``plan_lines``): prompts and responses per step (global and per
+rank), optimizer steps, tokens and memory per GPU by docs/scaling.md's arithmetic, labelled as
+such. Problems are listed together and exit with status 2."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mrtpo.run.settings import ConfigError
+from mrtpo.run import placement
+from mrtpo.run.checks import missing_keys, validate
+from mrtpo.run.checks import paper_data_problems as paper_problems
+from mrtpo.run.config_keys import check_keys
+from mrtpo.run.settings import ConfigError, RLConfig, resolve_batch, section
 
 #: GPU memory assumed when no GPU is visible (the presets are sized for 80 GB GPUs).
 GPU_GB = 80.0
@@ -80,8 +80,6 @@ def _attempt(found: Findings, label: str, fn) -> Any:
 def strategy_problem(cfg: DictConfig) -> str | None:
     """What trainer=fsdp refuses of the method and model (``RLStage.check`` says it only
     after the method accepted the task, so its refusal would wait for the task's)."""
-    from hydra.utils import instantiate
-
     strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "")
     if not strategy.endswith("FSDP2Strategy") or OmegaConf.select(cfg, "stage.name") != "rl":
         return None
@@ -93,50 +91,30 @@ def strategy_problem(cfg: DictConfig) -> str | None:
         return None  # the method's own refusal is listed
     if getattr(method, "teacher", None) is not None:
         return (
-            f"method={_choices(cfg).get('method')} needs a frozen teacher, whose forwards are "
-            "not sharded in lockstep yet: use trainer=ddp (or trainer=gpu), or another method"
+            f"method={placement.hydra_choices(cfg).get('method')} needs a frozen teacher, whose "
+            "forwards are not sharded in lockstep yet: use trainer=ddp (or trainer=gpu), or "
+            "another method"
         )
     return None
 
 
 def _mandatory(cfg: DictConfig) -> None:
     """Values the config leaves open (``???``), Hydra's own node aside."""
-    missing = []
-    for key in cfg:
-        node = cfg._get_node(key)
-        if key == "hydra":
-            continue
-        if OmegaConf.is_config(node):
-            missing += sorted(OmegaConf.missing_keys(node))  # (full keys)
-        elif OmegaConf.is_missing(cfg, key):
-            missing.append(str(key))
-    missing.sort()
+    missing = sorted(missing_keys(cfg))
     if missing:
         raise ConfigError(f"{', '.join(missing)} must be given a value")
 
 
-def _on_gpu(cfg: DictConfig) -> bool:
-    from mrtpo.run.placement import _on_gpu as on_gpu
-    from mrtpo.run.placement import visible_gpus
-
-    trainer = OmegaConf.select(cfg, "trainer")
-    return trainer is not None and on_gpu(trainer, visible_gpus())
-
-
-def _asked_gpus(cfg: DictConfig, found: Findings) -> int:
+def _asked_gpus(cfg: DictConfig, found: Findings, here: int) -> int:
     """The GPUs per node ``trainer.devices`` asks for (a count or list; -1/auto: those here,
     or ``ASSUMED_GPUS`` with a note when there are none)."""
-    from mrtpo.run.placement import visible_gpus
-
     value = OmegaConf.select(cfg, "trainer.devices", default="auto")
-    here = visible_gpus()
-    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
-        return len(value)
     text = str(value).strip()
-    if text.isdigit():
-        return int(text)
-    if "," in text:
-        return len([t for t in text.split(",") if t.strip()])
+    if text not in ("auto", "-1"):
+        try:
+            return placement._devices_per_node(value, True, here)
+        except ConfigError:
+            return here  # refused by check_placement, naming the value
     if here:
         return here
     found.notes.append(f"trainer.devices={text} means every GPU; assumed {ASSUMED_GPUS} here")
@@ -144,20 +122,18 @@ def _asked_gpus(cfg: DictConfig, found: Findings) -> int:
 
 
 def check_placement_and_batch(cfg: DictConfig, found: Findings) -> None:
-    """The trainer as on a machine with the GPUs it asks for, and the batch over its ranks;
-    this machine's lack of them is a note, not a problem."""
-    from mrtpo.run.batch import resolve_batch
-    from mrtpo.run.placement import check_placement, visible_gpus
-
-    on_gpu = _on_gpu(cfg) or str(OmegaConf.select(cfg, "trainer.accelerator")) in ("gpu", "cuda")
-    asked = _asked_gpus(cfg, found) if on_gpu else 0
-    here = visible_gpus()
+    """The trainer as on a machine with the GPUs it asks for (a note here), and the batch."""
+    here, trainer = placement.visible_gpus(), OmegaConf.select(cfg, "trainer")
+    on_gpu = trainer is not None and placement._on_gpu(trainer, here)
+    asked = _asked_gpus(cfg, found, here) if on_gpu else 0
     if on_gpu and asked > here:
         found.notes.append(
             f"this machine has {here or 'no'} CUDA GPU(s) and the run asks for {asked} per node "
             "(trainer.devices): it is checked as on a machine that has them, where it must run"
         )
-    ranks = _attempt(found, "trainer", lambda: check_placement(cfg, gpus=max(asked, here)))
+    ranks = _attempt(
+        found, "trainer", lambda: placement.check_placement(cfg, gpus=max(asked, here))
+    )
     if ranks is None:
         return
     found.ranks, found.per_node = ranks, max(asked, 1) if on_gpu else None
@@ -166,8 +142,6 @@ def check_placement_and_batch(cfg: DictConfig, found: Findings) -> None:
 
 def check_task(cfg: DictConfig, found: Findings) -> None:
     """The stage and method against the task; then the task's loader reads its splits."""
-    from hydra.utils import instantiate
-
     task = _attempt(found, "task", lambda: instantiate(cfg.task))
     stage = _attempt(found, "stage", lambda: instantiate(cfg.stage, _convert_="all"))
     if task is None:
@@ -208,11 +182,9 @@ def model_problem(cfg: DictConfig) -> tuple[str | None, str | None]:
         if lacking:
             return f"model.name_or_path={name} lacks {', '.join(lacking)}", None
         return None, f"model: {name} (a local folder)"
-    if name.startswith(("/", ".")) or name.count("/") != 1:
+    if not _hub_id(name):
         return f"model.name_or_path={name}: no such folder", None
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+    if _cached_config(name):
         return None, f"model: {name} (in this machine's Hugging Face cache)"
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return (
@@ -222,6 +194,18 @@ def model_problem(cfg: DictConfig) -> tuple[str | None, str | None]:
             None,
         )
     return None, f"model: {name} is not cached here: the run downloads it from the Hub"
+
+
+def _hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith(("/", "."))
+
+
+def _cached_config(name: str) -> str | None:
+    """The config.json of hub model ``name`` in this machine's Hugging Face cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(name, "config.json")
+    return path if isinstance(path, str) else None
 
 
 def engine_problem(cfg: DictConfig) -> str | None:
@@ -256,10 +240,7 @@ def leftover_snapshots(cfg: DictConfig) -> list[str]:
 
 def check_all(cfg: DictConfig) -> Findings:
     """Every check, each whatever the others found."""
-    from mrtpo.run.checks import validate
-    from mrtpo.run.config_keys import check_keys
-    from mrtpo.run.loggers import check_loggers
-    from mrtpo.run.paper_data import problems as paper_problems
+    from mrtpo.run.loggers import check_loggers  # (imports Lightning)
 
     found = Findings()
     _attempt(found, "settings", lambda: (check_keys(cfg), validate(cfg)))
@@ -278,24 +259,19 @@ def check_all(cfg: DictConfig) -> Findings:
 
 
 def model_sizes(cfg: DictConfig) -> dict[str, Any] | None:
-    """The model's config.json sizes: the tiny model's, a local folder's, a cached hub
-    model's, or a paper model's (``KNOWN_MODELS``); None when unknown."""
-    import json
-
+    """config.json sizes: the tiny model's, a local or cached model's, or ``KNOWN_MODELS``'."""
     model = OmegaConf.select(cfg, "model")
     if model is None:
         return None
     if model.get("tiny"):
         return dict(OmegaConf.to_container(model.tiny, resolve=True))
     name = str(model.get("name_or_path"))
-    path: Any = Path(name) / "config.json"
-    if not path.is_file() and name.count("/") == 1 and not name.startswith(("/", ".")):
-        from huggingface_hub import try_to_load_from_cache
-
-        path = try_to_load_from_cache(name, "config.json")
-    if isinstance(path, (str, Path)) and Path(path).is_file():
+    path = Path(name) / "config.json"
+    if not path.is_file() and _hub_id(name):
+        path = Path(_cached_config(name) or path)
+    if path.is_file():
         try:
-            return json.loads(Path(path).read_text())
+            return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
     base = Path(name).name.lower().replace("-coder", "").replace("-instruct", "")
@@ -304,13 +280,7 @@ def model_sizes(cfg: DictConfig) -> dict[str, Any] | None:
 
 def _lora_parameters(sizes: dict[str, Any], r: int, targets: list[str]) -> float:
     """Adapter parameters: r x (in + out) per targeted projection and layer."""
-    h, inter = (
-        int(sizes["hidden_size"]),
-        int(sizes.get("intermediate_size") or 4 * sizes["hidden_size"]),
-    )
-    heads = int(sizes.get("num_attention_heads") or 1)
-    kv = int(sizes.get("num_key_value_heads") or heads)
-    hd = int(sizes.get("head_dim") or h // heads)
+    h, heads, kv, hd, inter = placement.dims(sizes)
     shapes = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
               "o_proj": (heads * hd, h), "gate_proj": (h, inter), "up_proj": (h, inter),
               "down_proj": (inter, h)}  # fmt: skip
@@ -341,11 +311,9 @@ def memory_lines(cfg: DictConfig, ranks: int, on_gpu: bool) -> list[str]:
     """Memory per GPU (per process on the CPU trainer) by docs/scaling.md's arithmetic:
     training state, vLLM's share, one micro-batch's activations, the KL reference and the
     CUDA context. Labelled as arithmetic: nothing is measured."""
-    from mrtpo.run.placement import _parameter_count, model_parameters, visible_gpus
-    from mrtpo.run.settings import section
-
     sizes = model_sizes(cfg)
-    n = (_parameter_count(sizes) if sizes else None) or model_parameters(cfg.model)
+    n = placement._parameter_count(sizes) if sizes else None
+    n = n or placement.model_parameters(cfg.model)
     if n is None:
         return ["memory: unknown (no config.json and no size in the model's name)"]
     state, how = _state(cfg, n, sizes)
@@ -353,7 +321,10 @@ def memory_lines(cfg: DictConfig, ranks: int, on_gpu: bool) -> list[str]:
     shard = ranks if strategy.endswith("FSDP2Strategy") else 1
     parts = [(state / shard, f"training state {_size(state)} ({how})"
               + (f" / {shard} ranks (FSDP)" if shard > 1 else ""))]  # fmt: skip
-    gpu_gb = _gpu_gb(visible_gpus())
+    import torch
+
+    gpus = placement.visible_gpus()
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if gpus else GPU_GB
     engine = str(OmegaConf.select(cfg, "rollout.engine._target_", default=""))
     if on_gpu and engine.endswith("VLLMEngine"):
         util = float(OmegaConf.select(cfg, "rollout.engine.gpu_memory_utilization", default=0.3))
@@ -370,14 +341,6 @@ def memory_lines(cfg: DictConfig, ranks: int, on_gpu: bool) -> list[str]:
         f"per process (CPU trainer), about {_size(total)}")  # fmt: skip
     head = f"memory {where} (arithmetic of docs/scaling.md, not a measurement):"
     return [head, *[f"  {_size(b)}: {text}" for b, text in parts]]
-
-
-def _gpu_gb(gpus: int) -> float:
-    if not gpus:
-        return GPU_GB
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
 def _activations(cfg: DictConfig, sizes: dict[str, Any], data) -> tuple[float, str]:
@@ -398,11 +361,8 @@ def _activations(cfg: DictConfig, sizes: dict[str, Any], data) -> tuple[float, s
 
 def plan_lines(cfg: DictConfig, found: Findings) -> list[str]:
     """What the run would do: its trainer and ranks, steps, the batch, tokens and memory."""
-    from mrtpo.run.placement import _preset
-    from mrtpo.run.settings import RLConfig, section
-
-    choices = _choices(cfg)
-    lines = [f"{_preset(cfg)}task={choices.get('task')} method={choices.get('method')} "
+    choices = placement.hydra_choices(cfg)
+    lines = [f"{placement._preset(cfg)}task={choices.get('task')} method={choices.get('method')} "
              f"model={OmegaConf.select(cfg, 'model.name_or_path')} seed={cfg.get('seed')}"]  # fmt: skip
     trainer, ranks = cfg.trainer, found.ranks
     steps = OmegaConf.select(trainer, "max_steps")
@@ -413,8 +373,7 @@ def plan_lines(cfg: DictConfig, found: Findings) -> list[str]:
     if OmegaConf.select(cfg, "stage.name", default="rl") != "rl" or ranks is None:
         return [*lines, *_data_lines(cfg, found, None, steps)]
     try:
-        given = RLConfig.from_mapping(OmegaConf.to_container(cfg.rl, resolve=True))
-        rank = given.per_rank(ranks)
+        rank = RLConfig.from_mapping(OmegaConf.to_container(cfg.rl, resolve=True)).per_rank(ranks)
         data = section(cfg, "data")
     except (ValueError, TypeError):
         return lines  # refused above, naming the key
@@ -449,21 +408,8 @@ def _data_lines(cfg, found: Findings, prompts_per_step: int | None, steps) -> li
     return [line, f"data folder: {OmegaConf.select(cfg, 'paths.data_dir')}"]
 
 
-def _choices(cfg: DictConfig) -> dict[str, str]:
-    node = OmegaConf.select(cfg, "hydra.runtime.choices", default=None)
-    if node is None:
-        try:
-            from hydra.core.hydra_config import HydraConfig
-
-            node = HydraConfig.get().runtime.choices
-        except (ValueError, AttributeError):
-            return {}
-    return {str(k): str(v) for k, v in node.items()}
-
-
 def dry_run(cfg: DictConfig) -> Findings:
-    """Print every problem of ``cfg`` and what the run would do; raise ``ConfigError`` when
-    there is a problem (the entry point's exit status 2). Nothing is trained or written."""
+    """Print every problem and the plan; ``ConfigError`` (exit status 2) if any problem."""
     found = check_all(cfg)
     out = ["check (dry_run=true): nothing is loaded, trained or written", ""]
     out += ["what the run would do:", *[f"  {x}" for x in plan_lines(cfg, found)]]

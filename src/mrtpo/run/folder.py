@@ -1,28 +1,39 @@
-"""A run's folder as a new run starts in it and as a refused run leaves it.
-
-A new run never writes into a folder that holds anything (``NewRunFolderCheck``, as Hydra
-starts); a new run refused before it trained leaves no folder (``discard_refused_folder``); a
-refused or idle resume's log is parked outside the run's folder (``park_refused_log``,
-``drop_pending_log``). Resuming is ``mrtpo.run.resume``; one process per folder is
-``mrtpo.run.lock``.
-"""
+"""A run's folder as a new run starts in it (never one holding anything:
+``NewRunFolderCheck``) and as a refused run leaves it (no folder: ``discard_refused_folder``;
+a refused or idle resume's log parked outside: ``park_refused_log``, ``drop_pending_log``);
+one process at a time in it (``RunFolderLock``), and none in a folder where a name the run
+writes is a link, or that cannot be written."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import json
 import logging
 import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mrtpo.run import cli
+from mrtpo.run.checks import check_names
 from mrtpo.run.cli import log_to_files
-from mrtpo.run.lock import secondary_process
-from mrtpo.run.resume import append_history, detach, pending_logs
-from mrtpo.safe_files import NoFollowFileHandler
+from mrtpo.run.config import made_here
+from mrtpo.run.resume import ResumeRefused, append_history, detach, pending_logs
+from mrtpo.run.settings import ConfigError
+from mrtpo.safe_files import (
+    NoFollowFileHandler,
+    UnsafePath,
+    check_folders,
+    open_fd,
+    refuse_unsafe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +47,9 @@ def record_invocation(cfg: DictConfig) -> None:
         subdir, output_dir = hc.output_subdir, hc.runtime.output_dir
     except Exception:  # composed outside a Hydra run (tests, library use): nothing to record
         return
-    if not subdir or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
     folder = Path(output_dir) / str(subdir)
-    if not folder.is_dir():
-        return
-    append_history(folder, {"overrides": list(hc.overrides.task)})
+    if subdir and os.environ.get("LOCAL_RANK", "0") == "0" and folder.is_dir():
+        append_history(folder, {"overrides": list(hc.overrides.task)})
 
 
 def _only_info(log_file: Path) -> bool:
@@ -54,9 +62,7 @@ def _only_info(log_file: Path) -> bool:
 
 
 def drop_pending_log() -> None:
-    """After a resume that did nothing: close its pending log (``mrtpo.run.config.job_log``) and
-    remove it if it holds no warning or error (a start-up note such as the thread count is
-    not worth a file), with its folder if that is then empty."""
+    """After a resume that did nothing: close its pending log, removed unless it warns or errs."""
     for h, name in pending_logs():
         detach(h)
         if name.is_file() and _only_info(name):
@@ -74,43 +80,35 @@ def run_folder_of(cfg: DictConfig) -> Path | None:
 
 
 def park_refused_log(cfg: DictConfig, reason: BaseException | None = None) -> Path | None:
-    """After a refused resume: write the reason into its pending log (``config.job_log``),
-    first moving there a log an older hydra config put beside the folder's parent (removing
-    the emptied folder). Returns the log's path, or None."""
+    """After a refused resume: write the reason into its pending log (moved to
+    ``resume-logs/`` from beside the folder's parent, where older configs put it); its path."""
     log_dir = OmegaConf.select(cfg, "paths.log_dir", default=None)
     if not log_dir:
         return None
     home = Path(str(log_dir)).resolve() / str(cfg.get("job_name") or "train") / "resume-logs"
     moved = None
     for h, name in pending_logs():
-        if name.parent.resolve().is_relative_to(home.parent.parent):
-            log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {name})")
-            moved = name  # already inside the log folder
-            continue
-        detach(h)
-        home.mkdir(parents=True, exist_ok=True)
-        moved = home / name.name
-        if name.is_file():
-            shutil.move(name, moved)
-        with contextlib.suppress(OSError):
-            name.parent.rmdir()
-        handler = NoFollowFileHandler(moved, encoding="utf-8")
-        handler.setFormatter(h.formatter)
-        logging.getLogger().addHandler(handler)
+        moved = name  # already inside the log folder, unless:
+        if not name.parent.resolve().is_relative_to(home.parent.parent):
+            detach(h)
+            home.mkdir(parents=True, exist_ok=True)
+            moved = home / name.name
+            if name.is_file():
+                shutil.move(name, moved)
+            with contextlib.suppress(OSError):
+                name.parent.rmdir()
+            handler = NoFollowFileHandler(moved, encoding="utf-8")
+            handler.setFormatter(h.formatter)
+            logging.getLogger().addHandler(handler)
         log_to_files(logging.ERROR, f"resume refused: {reason} (this log: {moved})")
     return moved
 
 
-# ---- a new run never writes into a folder that holds anything -------------------------------
-
-#: Folders chosen with ``hydra.run.dir``/``paths.output_dir`` for a new run, checked before
-#: Hydra wrote into them: resolved folder -> (it existed, the folders above it that did not).
-#: A run refused before it trained removes what was made for it (``discard_refused_folder``).
-#: The current run's only: a process runs one at a time, each check starts it afresh.
+#: The current run's folder chosen with ``hydra.run.dir``/``paths.output_dir``, as checked
+#: before Hydra wrote there: resolved folder -> (it existed, the folders above it that did not).
 _CHOSEN: dict[str, tuple[bool, list[str]]] = {}
 
-#: The values these keys have when not set: a new folder of this process (``unique_dir``),
-#: or the resumed run's.
+#: These keys' values when not set (a new folder of ``unique_dir``, or the resumed run's).
 _DEFAULT_FOLDERS = {"hydra.run.dir": "${mrtpo.run_dir:", "paths.output_dir": "${hydra:runtime"}
 
 
@@ -128,11 +126,7 @@ def _chosen_folder(cfg: DictConfig, key: str) -> Path | None:
 
 
 def check_new_run_folder(cfg: DictConfig) -> None:
-    """Refuse, before Hydra writes there, a new run whose chosen folder already holds
-    anything (a finished run's checkpoints, a user's files). Resumes and DDP workers pass."""
-    from mrtpo.run.checks import check_names
-    from mrtpo.run.settings import ConfigError
-
+    """Refuse, before Hydra writes there, a new run whose chosen folder holds anything."""
     check_names(cfg)
     _CHOSEN.clear()
     if cfg.get("resume") or secondary_process():
@@ -157,9 +151,6 @@ def _refuse_early(check, config: DictConfig) -> None:
     """Run ``check`` on the composed config as Hydra starts; its refusal is one line."""
     from hydra.core.hydra_config import HydraConfig
 
-    from mrtpo.run import cli
-    from mrtpo.run.settings import ConfigError
-
     HydraConfig.instance().set_config(config)  # ${hydra:...} in run_name resolves
     try:
         check(config)
@@ -177,23 +168,17 @@ except ImportError:  # pragma: no cover - the bare GPU runner has no Hydra
 
 
 class NewRunFolderCheck(Callback):
-    """Hydra callback (configs/hydra/default.yaml): ``check_new_run_folder`` before Hydra
-    makes or writes the run folder, and the names of a sweep before its jobs start."""
+    """Hydra callback (configs/hydra/default.yaml): the checks before Hydra writes the folder."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _refuse_early(check_new_run_folder, config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from mrtpo.run.checks import check_names
-
         _refuse_early(check_names, config)
 
 
-# ---- a new run refused before it trained leaves no folder -----------------------------------
-
-#: What a new run's folder holds before its first step: Hydra's config (``.hydra/``), the
-#: run's record of its command (``history.yaml``), its job log and empty folders its loggers
-#: made (``csv/``). A folder holding anything else is a run's, and is kept.
+#: A new run's ``.hydra/`` before its first step (with its job log and empty logger folders);
+#: a folder holding anything else is a run's, and is kept.
 HYDRA_START_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml", "history.yaml"})
 
 
@@ -201,28 +186,19 @@ def _empty_tree(folder: Path) -> bool:
     return all(p.is_dir() and not p.is_symlink() and _empty_tree(p) for p in folder.iterdir())
 
 
-def _only_hydra_start(folder: Path) -> bool:
-    for entry in folder.iterdir():
-        if entry.is_symlink():
-            return False
-        if entry.name == ".hydra" and entry.is_dir():
-            if not all(p.name in HYDRA_START_FILES and p.is_file() for p in entry.iterdir()):
-                return False
-        elif entry.is_dir():
-            if not _empty_tree(entry):
-                return False
-        elif not (entry.is_file() and entry.suffix == ".log"):
-            return False
-    return True
+def _start_entry(entry: Path) -> bool:
+    """Whether ``entry`` of a run folder is what a new run makes before its first step."""
+    if entry.is_symlink():
+        return False
+    if entry.name == ".hydra" and entry.is_dir():
+        return all(p.name in HYDRA_START_FILES and p.is_file() for p in entry.iterdir())
+    return _empty_tree(entry) if entry.is_dir() else entry.suffix == ".log" and entry.is_file()
 
 
 def is_refusal(exc: BaseException) -> bool:
-    """A run refused before it started: a ``ConfigError`` or a missing file, maybe wrapped by
-    Hydra's ``instantiate``. Its one line says it all; after any other error the run folder
-    keeps the log holding the traceback."""
+    """A run refused before it started: a ``ConfigError`` or missing file, maybe wrapped by
+    ``instantiate``; after any other error the run folder keeps the log with the traceback."""
     from hydra.errors import InstantiationException
-
-    from mrtpo.run.settings import ConfigError
 
     if isinstance(exc, InstantiationException):
         exc = exc.__cause__
@@ -231,12 +207,8 @@ def is_refusal(exc: BaseException) -> bool:
 
 def discard_refused_folder(cfg: DictConfig) -> Path | None:
     """After a new run stopped before training (refused, or ``dry_run=true``): remove the run
-    folder this process made (and the empty parents it made), so a refused command leaves
-    nothing; a user-named folder that was empty before is only emptied. A resume's folder, a
-    sweep job's, and one holding more than Hydra's config and log are kept. Returns the
-    removed (or emptied) folder, or None."""
-    from mrtpo.run.config import made_here
-
+    folder (and empty parents) this process made, or empty a user-named folder that was empty
+    before; return it. A resume's, a sweep job's, or one holding more is kept."""
     if cfg.get("resume") or secondary_process():
         return None
     folder = run_folder_of(cfg)
@@ -245,7 +217,7 @@ def discard_refused_folder(cfg: DictConfig) -> Path | None:
     existed, chosen = entry or (False, [])
     if not made and entry is not None:
         made = [folder, *map(Path, chosen)]  # a folder the user named, made for this run
-    if not made or not made[0].is_dir() or not _only_hydra_start(made[0]):
+    if not made or not made[0].is_dir() or not all(map(_start_entry, made[0].iterdir())):
         return None
     for h in list(logging.getLogger().handlers):  # the job log: closed before its file goes
         name = getattr(h, "baseFilename", "")
@@ -260,3 +232,224 @@ def discard_refused_folder(cfg: DictConfig) -> Path | None:
         with contextlib.suppress(OSError):  # not empty: something else lives there
             parent.rmdir()
     return made[0]
+
+
+#: Who runs in a run folder while a run does (the lock is an ``flock`` on the folder).
+LOCK_NAME = "run.lock"
+
+#: What a run writes in its folder besides checkpoints: each must be a regular file or absent.
+RUN_FILES = (
+    LOCK_NAME,
+    "train.log",
+    ".hydra/history.yaml",
+    "csv/metrics.csv",
+    "samples.jsonl",
+    "relevance.jsonl",
+    "curves.png",
+    "job.json",
+)
+
+#: The folders they go in (checkpoints/ is ``mrtpo.run.checkpointing``'s).
+RUN_FOLDERS = (".hydra", ".hydra/resumes", "csv")
+
+_HELD: dict[str, tuple[int, ...]] = {}  # resolved run folder -> its open descriptors, here
+
+
+class RunFolderBusy(ResumeRefused):
+    """Another live process runs in this run folder; nothing was changed."""
+
+
+class RunFolderUnusable(ResumeRefused):
+    """The run folder cannot take a run (read-only, or a name it writes is not a plain file)."""
+
+
+def _close_held_in_child() -> None:
+    # A forked child (a worker pool) must not keep the parent's lock alive after the parent
+    # dies; closing its copy does not release the parent's lock.
+    for fds in _HELD.values():
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def secondary_process() -> bool:
+    """A worker of a multi-process run (DDP rank > 0, another node); its launcher locks."""
+    keys = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
+    return any(os.environ.get(k, "0").strip() not in ("", "0") for k in keys)
+
+
+def _holder() -> bytes:
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+    }
+    return (json.dumps(info) + "\n").encode()
+
+
+def _flock(fd: int) -> bool | None:
+    """Lock ``fd`` without waiting: True, False (held elsewhere), or None (no ``flock`` here)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _flock_owner(fd: int) -> int | None:
+    """The pid holding an ``flock`` on ``fd``'s file, from ``/proc/locks`` (Linux)."""
+    st = os.fstat(fd)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        f = line.split()
+        if len(f) > 5 and f[1] == "FLOCK" and f[5] == ident and f[4].isdigit():
+            return int(f[4])
+    return None
+
+
+def _busy_message(folder: Path, dir_fd: int | None = None) -> str:
+    """Who holds ``folder``: the record in its run.lock, else the pid the kernel knows."""
+    data = b""
+    with contextlib.suppress(OSError, ValueError):
+        fd = open_fd(folder / LOCK_NAME, os.O_RDONLY)
+        data = os.pread(fd, 1 << 16, 0)
+        os.close(fd)
+    try:
+        h = json.loads(data.decode())
+        who = f"process {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        pid = _flock_owner(dir_fd) if dir_fd is not None else None
+        gone = not os.path.lexists(folder / LOCK_NAME)
+        who = (
+            "a process that is still starting (it has not recorded itself yet)"
+            if pid is None
+            else f"process {pid} on this machine"
+            + (f", whose record in {LOCK_NAME} was deleted" if gone else "")
+        )
+    return (
+        f"run folder {folder} is in use by another run ({who}); two runs in one folder would "
+        f"mix their metrics and checkpoints. Wait for it to end or stop it, then resume. "
+        "The lock is released by the system when its process dies: there is nothing to delete"
+    )
+
+
+def _cannot_write(folder: Path, exc: OSError) -> RunFolderUnusable:
+    """A one-line refusal of a read-only or forbidden run folder; any other error is raised."""
+    if exc.errno == errno.EROFS:
+        return RunFolderUnusable(
+            f"run folder {folder} is on a read-only filesystem, and a run writes its "
+            f"metrics, checkpoints and log there. Copy it somewhere writable (cp -a {folder} "
+            "<new place>) and resume the copy"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return RunFolderUnusable(
+            f"run folder {folder} cannot be written by this user ({exc.strerror}): give this "
+            "user write permission, or copy the folder somewhere writable and resume the copy"
+        )
+    raise exc
+
+
+def check_planted(folder: Path) -> None:
+    """Refuse a folder where a name a run writes is a link or not what it should be."""
+    try:
+        for name in RUN_FOLDERS:
+            check_folders(folder / name, folder)
+        for name in RUN_FILES:
+            check_folders((folder / name).parent, folder)
+            refuse_unsafe(folder / name)
+    except UnsafePath as exc:
+        raise RunFolderUnusable(str(exc)) from None
+
+
+class RunFolderLock:
+    """An exclusive ``flock`` on a run folder for the ``with`` block (a no-op in worker ranks):
+    the kernel drops it however the process dies. The holder is named in ``run.lock``; before
+    ``accept()`` an exception puts ``run.lock`` back as it was, else it is removed."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.fd: int | None = None  # run.lock, while held
+        self.dir_fd: int | None = None  # the folder, locked
+        self.previous: bytes | None = None  # None: this lock created run.lock
+        self.accepted = False
+
+    def accept(self) -> None:
+        self.accepted = True
+
+    def _open_record(self) -> tuple[int, bool]:
+        """run.lock, opened for writing (created when missing); never through a link."""
+        path = self.folder / LOCK_NAME
+        try:
+            try:
+                return open_fd(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                return open_fd(path, os.O_RDWR), False
+        except UnsafePath as exc:
+            raise RunFolderUnusable(str(exc)) from None
+        except OSError as exc:
+            raise _cannot_write(self.folder, exc) from exc
+
+    def __enter__(self) -> RunFolderLock:
+        key = str(self.folder.resolve())
+        if secondary_process() or key in _HELD or not self.folder.is_dir():
+            return self
+        try:
+            dir_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _cannot_write(self.folder, exc) from exc
+        fd, created = None, False
+        try:
+            locked = _flock(dir_fd)
+            if locked is False:
+                raise RunFolderBusy(_busy_message(self.folder, dir_fd))
+            check_planted(self.folder)
+            fd, created = self._open_record()
+            if locked is None:  # no flock on folders here: lock run.lock itself
+                locked = _flock(fd)
+                if locked is False:
+                    raise RunFolderBusy(_busy_message(self.folder))
+                if locked is None:
+                    log.warning("cannot lock run folder %s; running without", self.folder)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+                if created:
+                    (self.folder / LOCK_NAME).unlink(missing_ok=True)
+            os.close(dir_fd)
+            raise
+        self.previous = None if created else os.pread(fd, os.fstat(fd).st_size, 0)
+        self.fd, self.dir_fd = fd, dir_fd
+        _HELD[key] = (fd, dir_fd)
+        self._write(_holder())
+        return self
+
+    def _write(self, data: bytes) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        os.fsync(self.fd)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.fd is None:
+            return
+        try:
+            if exc_type is not None and not self.accepted and self.previous is not None:
+                self._write(self.previous)  # a refused run changes nothing
+            else:  # the run ended (or made run.lock): no holder is left to name
+                (self.folder / LOCK_NAME).unlink(missing_ok=True)
+        finally:
+            _HELD.pop(str(self.folder.resolve()), None)
+            os.close(self.fd)
+            os.close(self.dir_fd)  # releases the flock
+            self.fd = self.dir_fd = None

@@ -15,10 +15,10 @@ import io
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import instantiate
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -29,24 +29,15 @@ from mrtpo.safe_files import check_folders, no_follow, refuse_unsafe, write_atom
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Needs:
-    """What a logger class needs: one of ``modules`` importable (with ``requirement``'s
-    version), and the extra of this project (or the pip requirement) that installs it."""
-
-    modules: tuple[str, ...]
-    requirement: str  # pip requirement of the package installed by the hint
-    extra: str | None  # this project's optional-dependency group, when it has one
-
-
-# Keyed by the class name, so that ``lightning.pytorch.loggers.X`` and
-# ``pytorch_lightning.loggers.X`` are treated alike. Versions are Lightning's own minimums.
-_NEEDS: dict[str, _Needs] = {
-    "TensorBoardLogger": _Needs(("tensorboard", "tensorboardX"), "tensorboard", "tensorboard"),
-    "WandbLogger": _Needs(("wandb",), "wandb>=0.12.10", "wandb"),
-    "MLFlowLogger": _Needs(("mlflow",), "mlflow>=1.0.0", None),
-    "CometLogger": _Needs(("comet_ml",), "comet-ml>=3.44.4", None),
-    "NeptuneLogger": _Needs(("neptune",), "neptune>=1.0", None),
+#: What a logger class needs (by class name, so that ``lightning.pytorch.loggers.X`` and
+#: ``pytorch_lightning.loggers.X`` are alike): one of its modules importable, at the pip
+#: requirement's version (Lightning's own minimum), and this project's extra that installs it.
+_NEEDS: dict[str, tuple[tuple[str, ...], str, str | None]] = {
+    "TensorBoardLogger": (("tensorboard", "tensorboardX"), "tensorboard", "tensorboard"),
+    "WandbLogger": (("wandb",), "wandb>=0.12.10", "wandb"),
+    "MLFlowLogger": (("mlflow",), "mlflow>=1.0.0", None),
+    "CometLogger": (("comet_ml",), "comet-ml>=3.44.4", None),
+    "NeptuneLogger": (("neptune",), "neptune>=1.0", None),
 }
 
 
@@ -78,8 +69,7 @@ def _version_ok(module: str, requirement: str) -> bool:
 def _problem(key: str, target: str) -> str | None:
     """Why the logger ``key`` (class ``target``) cannot be built; None when it can."""
     module_name, _, cls = target.rpartition(".")
-    needs = _NEEDS.get(cls)
-    if needs is None:
+    if cls not in _NEEDS:
         # A logger this table does not know: at least its own module must be importable.
         if module_name and not _importable(module_name):
             return (
@@ -87,19 +77,18 @@ def _problem(key: str, target: str) -> str | None:
                 f"{module_name!r}); install the package that provides it, or drop this logger"
             )
         return None
-    found = [m for m in needs.modules if _importable(m)]
-    if found and any(_version_ok(m, needs.requirement) for m in found):
+    modules, requirement, extra = _NEEDS[cls]
+    found = [m for m in modules if _importable(m)]
+    if found and any(_version_ok(m, requirement) for m in found):
         return None
-    what = " or ".join(f"`{m}`" for m in needs.modules)
+    what = " or ".join(f"`{m}`" for m in modules)
     state = "is too old" if found else "is not installed"
     how = (
-        f"pip install -e .[{needs.extra}]  (or pip install '{needs.requirement}')"
-        if needs.extra
-        else f"pip install '{needs.requirement}'"
+        f"pip install -e .[{extra}]  (or pip install '{requirement}')"
+        if extra
+        else f"pip install '{requirement}'"
     )
-    return (
-        f"logger.{key} ({cls}) needs the {what} package ({needs.requirement}), which {state}: {how}"
-    )
+    return f"logger.{key} ({cls}) needs the {what} package ({requirement}), which {state}: {how}"
 
 
 def _nodes(logger_cfg) -> list[tuple[str, Mapping]]:
@@ -117,16 +106,9 @@ def _nodes(logger_cfg) -> list[tuple[str, Mapping]]:
 
 
 def check_loggers(logger_cfg) -> None:
-    """Raise ``LoggerPackageMissing`` naming each logger whose package is missing and the
-    install command; reads the config only (nothing built or written)."""
-    problems = []
-    for key, node in _nodes(logger_cfg):
-        target = node.get("_target_") if isinstance(node, Mapping) else None
-        if not target:
-            continue
-        problem = _problem(key, str(target))
-        if problem:
-            problems.append(problem)
+    """Raise ``LoggerPackageMissing`` naming each logger whose package is missing (config only)."""
+    targets = [(k, n.get("_target_")) for k, n in _nodes(logger_cfg) if isinstance(n, Mapping)]
+    problems = [p for k, target in targets if target and (p := _problem(k, str(target)))]
     if problems:
         raise LoggerPackageMissing(
             "cannot start: "
@@ -146,22 +128,10 @@ def _read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     """Header and rows of ``path``; a last line cut short by a kill (no newline) is left out."""
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
         log.warning("%s: its last line is incomplete (a killed writer?); left out", path)
-        data = data[:cut]
+        data = data[: data.rfind(b"\n") + 1]
     reader = csv.DictReader(io.StringIO(data.decode("utf-8"), newline=""))
-    rows = list(reader)
-    return list(reader.fieldnames or []), rows
-
-
-def _write_csv_atomic(path: Path, fields: list[str], rows: list[dict[str, Any]]) -> None:
-    """``rows`` into ``path`` through a fsynced temporary file beside it and one rename, so
-    that at every instant ``path`` holds either the old or the new table."""
-    text = io.StringIO(newline="")
-    w = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    write_atomic(path, text.getvalue())
+    return list(reader.fieldnames or []), list(reader)
 
 
 class KeepingWriter(ExperimentWriter):
@@ -196,7 +166,12 @@ class KeepingWriter(ExperimentWriter):
                 self.kept, self.dropped = len(keep), len(old) - len(keep)
                 old = keep
             self.metrics_keys = sorted(set(self.metrics_keys) | set(old_fields))
-            _write_csv_atomic(path, self.metrics_keys, old + self.metrics)
+            # one rename of a fsynced file: at every instant the old or the new table
+            text = io.StringIO(newline="")
+            w = csv.DictWriter(text, fieldnames=self.metrics_keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(old + self.metrics)
+            write_atomic(path, text.getvalue())
             self._merged = True
         else:
             with open(path, "a", newline="", encoding="utf-8", opener=no_follow) as f:
@@ -231,15 +206,11 @@ _LIGHTNING_CSV = ("lightning.pytorch.loggers.CSVLogger", "pytorch_lightning.logg
 
 def build_loggers(logger_cfg, resuming: bool) -> list:
     """The configured loggers; Lightning's own ``CSVLogger`` is built as ``RunCSVLogger``."""
-    from hydra.utils import instantiate
-
-    loggers = []
-    for node in (logger_cfg or {}).values():
-        if not node:
-            continue
-        if str(node.get("_target_", "")) in _LIGHTNING_CSV:
-            target = f"{__name__}.RunCSVLogger"
-            loggers.append(instantiate(node, _target_=target, resuming=resuming))
-        else:
-            loggers.append(instantiate(node))
-    return loggers
+    csv_logger = {"_target_": f"{__name__}.RunCSVLogger", "resuming": resuming}
+    return [
+        instantiate(node, **csv_logger)
+        if str(node.get("_target_", "")) in _LIGHTNING_CSV
+        else instantiate(node)
+        for node in (logger_cfg or {}).values()
+        if node
+    ]

@@ -1,22 +1,15 @@
-"""The typed settings of a run: every key declared once, on its field.
-
-These dataclasses are the single source of the ``rl``, ``optim``, ``replay``, ``data`` and
-``stage.sft`` sections, registered with Hydra's ConfigStore (``schema/<name>``) and listed in
-``configs/train.yaml``'s defaults: a wrong type fails at composition, a value out of range in
-``__post_init__`` (``mrtpo.run.checks.validate``, before any model or data loads), an unknown
-key naming the valid ones (``mrtpo.run.overrides.check_overrides``, ``from_mapping``).
-
-A field's ``setting(...)`` metadata holds its range (``check``/``allowed``), whether ``+resume``
-may change it (``resume``), its replaced keys (``old``) and the words people type for it
-(``words``); ``renamed``, ``resumable`` and ``setting_words`` are read from there, as in TRL's
-``GRPOConfig``. Why not YAML alone: it cannot say ``group_size`` is an integer >= 2.
-"""
+"""The typed settings of a run: every key of the ``rl``, ``optim``, ``replay``, ``data`` and
+``stage.sft`` sections declared once, on its field, with its facts (``setting``), as in TRL's
+``GRPOConfig`` (YAML alone cannot say ``group_size`` is an integer >= 2). Registered with
+Hydra's ConfigStore (``schema/<name>``): a wrong type fails at composition, a value out of
+range in ``__post_init__``, an unknown key naming the valid ones."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, ClassVar, List, Optional  # noqa: UP035  (OmegaConf reads these annotations)
 
 from mrtpo.core.errors import ConfigError
@@ -24,6 +17,8 @@ from mrtpo.core.forward import shared_prompt_mode
 from mrtpo.run.placement import world_size
 
 __all__ = ["ConfigError"]  # also importable from here, as it always was
+
+log = logging.getLogger(__name__)
 
 
 def _finite(value: Any) -> bool:
@@ -64,12 +59,11 @@ def setting(
     return field(default=default, metadata=meta)
 
 
-def _at_least(n: int) -> Callable[[Any], bool]:
-    return lambda v: v >= n
-
-
-def _at_least_or_null(n: float) -> Callable[[Any], bool]:
-    return lambda v: v is None or v >= n
+def _min(n: int, null: bool = False) -> dict[str, Any]:
+    """``check`` and ``allowed`` of a setting that must be ``>= n`` (or null)."""
+    if null:
+        return {"check": lambda v: v is None or v >= n, "allowed": f">= {n} or null"}
+    return {"check": lambda v: v >= n, "allowed": f">= {n}"}
 
 
 class _Section:
@@ -116,7 +110,7 @@ def _loss_aggregations() -> dict:
     return AGGREGATIONS
 
 
-_PER_RANK = {"check": _at_least_or_null(1), "allowed": ">= 1 or null"}
+_PER_RANK = _min(1, null=True)
 
 
 @dataclass
@@ -126,64 +120,52 @@ class RLConfig(_Section):
     section: ClassVar[str] = "rl"
     # B, per rank. null: 4, or global_prompts_per_step divided over the ranks.
     prompts_per_step: Optional[int] = setting(None, **_PER_RANK, words=("prompts_per_step",))  # noqa: UP045
-    # B over all ranks (trainer.devices x trainer.num_nodes), divided over them when the run
-    # starts (resolve_batch); a total that does not divide is refused. Set this or
-    # prompts_per_step; both are accepted only when they agree.
+    # B over all ranks (trainer.devices x trainer.num_nodes), divided over them (per_rank);
+    # set this or prompts_per_step (both only when they agree). docs/scaling.md
     global_prompts_per_step: Optional[int] = setting(None, **_PER_RANK, words=("batch_size",))  # noqa: UP045
     group_size: int = setting(  # G
-        4, check=_at_least(2), words=("num_generations", "group_size", "n_samples"),
+        4, check=lambda v: v >= 2, words=("num_generations", "group_size", "n_samples"),
         allowed=">= 2 (advantages are relative to a prompt's group; with 1 sample every one is 0)",
     )  # fmt: skip
-    ppo_epochs: int = setting(1, check=_at_least(1), allowed=">= 1", words=("epochs",))
+    ppo_epochs: int = setting(1, **_min(1), words=("epochs",))
     # Responses per optimizer step, per rank (null: 16, or global_mini_batch_size / ranks).
     mini_batch_size: Optional[int] = setting(None, **_PER_RANK)  # noqa: UP045
     global_mini_batch_size: Optional[int] = setting(None, **_PER_RANK)  # noqa: UP045  (over all ranks)
     # responses per forward/backward (gradient accumulation)
-    micro_batch_size: int = setting(8, check=_at_least(1), allowed=">= 1", resume=True)
+    micro_batch_size: int = setting(8, **_min(1), resume=True)
     clip_low: float = setting(0.2, check=lambda v: 0 <= v < 1, allowed="in [0, 1)")  # epsilon_low
-    clip_high: float = setting(0.28, check=_at_least(0), allowed=">= 0")  # epsilon_high
+    clip_high: float = setting(0.28, **_min(0))  # epsilon_high
     # KL to the frozen initial policy (0: no reference model)
-    kl_coef: float = setting(0.0, check=_at_least(0), allowed=">= 0", words=("kl_coef",))
+    kl_coef: float = setting(0.0, **_min(0), words=("kl_coef",))
     loss_agg: str = setting(  # or seq-mean-token-mean
         "token-mean",
         check=lambda v: v in _loss_aggregations(),
         allowed=lambda: f"{list(_loss_aggregations())}",
     )
     # null or 0: no clipping
-    max_grad_norm: Optional[float] = setting(  # noqa: UP045
-        1.0, check=_at_least_or_null(0), allowed=">= 0 or null"
-    )
+    max_grad_norm: Optional[float] = setting(1.0, **_min(0, null=True))  # noqa: UP045
     # stop after this many skipped non-finite steps
-    max_nonfinite_steps: int = setting(3, check=_at_least(1), allowed=">= 1", resume=True)
+    max_nonfinite_steps: int = setting(3, **_min(1), resume=True)
     # stop after this many all-failed scoring steps
-    max_consecutive_score_failures: int = setting(
-        3, check=_at_least(1), allowed=">= 1", resume=True
-    )
+    max_consecutive_score_failures: int = setting(3, **_min(1), resume=True)
     # halve replay.token_budget and retry this often on OOM
-    replay_oom_retries: int = setting(6, check=_at_least(0), allowed=">= 0", resume=True)
-    # Truncated importance sampling: each token's surrogate is multiplied by the detached
-    # min(pi_trainer_old / pi_engine, tis_cap), correcting for an engine (vLLM, bf16) whose
-    # sampling distribution differs from the trainer's. null: off; a cap of 2 is common.
+    replay_oom_retries: int = setting(6, **_min(0), resume=True)
+    # Truncated importance sampling of the engine's samples (docs/rollout.md); null: off
     tis_cap: Optional[float] = setting(  # noqa: UP045
         None, check=lambda v: v is None or v > 0,
         allowed="> 0 (a cap on pi_trainer / pi_engine, e.g. 2.0) or null (off)",
     )  # fmt: skip
-    # The same weights for a batch sampled by older weights than the trainer's
-    # (rollout.schedule=one_step_off / async), where rl.tis_cap is null: decoupled PPO's
-    # correction from the behaviour policy (the engine's) to pi_old (docs/method.md).
+    # The same for a batch sampled by older weights (rollout.schedule=one_step_off / async)
+    # where rl.tis_cap is null: decoupled PPO's correction to pi_old (docs/method.md)
     stale_tis_cap: float = setting(
         2.0, check=lambda v: v > 0,
         allowed="> 0 (the cap on pi_old / pi_engine for samples of older weights, e.g. 2.0)",
     )  # fmt: skip
-    # Log train/rollout/logp_gap/* every step. Free with one update per step (measured from the
-    # update's forward) unless the policy has dropout: then it costs an eval-mode forward,
-    # which false skips (without TIS).
+    # Log train/rollout/logp_gap/* every step (with dropout it costs an eval-mode forward)
     measure_logp_gap: bool = setting(True, resume=True)
-    # Each prompt once per forward: rows repeating a prompt (a group's G samples) run its
-    # key/value cache once in the update, old-policy and reference passes, the teacher's,
-    # replay's and the HF engine's prefill (same numbers; an engine that shares a prompt reads
-    # it by interpolation, configs/rollout/hf.yaml). auto: where it saves enough tokens and the
-    # model supports it (mrtpo.core.forward says why not, once); false: never; always: wherever
+    # Each prompt once per forward: a group's G samples share its key/value cache in every
+    # training-side forward and the HF engine's prefill, same numbers (docs/rollout.md). auto:
+    # where it saves enough tokens and the model supports it; false: never; always: wherever
     # the model supports it.
     shared_prompt_forward: str = setting(
         "auto",
@@ -204,9 +186,7 @@ class RLConfig(_Section):
         """This config for one of ``ranks`` processes: each ``global_*`` batch key divided
         over them into its per-rank key (the global one cleared). Refused, naming the keys,
         when a total does not divide or disagrees with a per-rank value also given."""
-        import dataclasses
-
-        out = dataclasses.replace(self)
+        out = replace(self)
         for key in PER_RANK_DEFAULTS:
             total, given = getattr(self, "global_" + key), getattr(self, key)
             if total is None:
@@ -236,13 +216,13 @@ class OptimConfig(_Section):
 
     section: ClassVar[str] = "optim"
     lr: float = setting(1.0e-6, check=lambda v: v > 0, allowed="> 0", words=("learning_rate", "lr"))
-    weight_decay: float = setting(0.0, check=_at_least(0), allowed=">= 0", words=("weight_decay",))
+    weight_decay: float = setting(0.0, **_min(0), words=("weight_decay",))
     betas: List[float] = setting(  # noqa: UP006, RUF009
         factory=lambda: [0.9, 0.999],
         check=lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
         allowed="two numbers in [0, 1), e.g. [0.9,0.95]",
     )
-    warmup_steps: int = setting(0, check=_at_least(0), allowed=">= 0", words=("warmup_steps",))
+    warmup_steps: int = setting(0, **_min(0), words=("warmup_steps",))
 
 
 @dataclass
@@ -251,12 +231,12 @@ class ReplayConfig(_Section):
 
     section: ClassVar[str] = "replay"
     # rows x padded length per replay forward
-    token_budget: int = setting(16384, check=_at_least(1), allowed=">= 1", resume=True)
+    token_budget: int = setting(16384, **_min(1), resume=True)
     # (row, position) pairs per float32 log-softmax / JSD chunk
-    jsd_chunk: int = setting(256, check=_at_least(1), allowed=">= 1", resume=True)
+    jsd_chunk: int = setting(256, **_min(1), resume=True)
     # responses a step whose P_all replay also scores the update's way (train/replay/
-    # noise_floor, mrtpo.core.replay_noise); 0: off
-    noise_floor: int = setting(0, check=_at_least(0), allowed=">= 0", resume=True)
+    # noise_floor, mrtpo.core.replay.NoiseFloor); 0: off
+    noise_floor: int = setting(0, **_min(0), resume=True)
 
 
 @dataclass
@@ -265,12 +245,10 @@ class DataConfig(_Section):
 
     section: ClassVar[str] = "data"
     # longer prompts are dropped; null: keep all
-    max_prompt_tokens: Optional[int] = setting(  # noqa: UP045
-        4096, check=_at_least_or_null(1), allowed=">= 1 or null"
-    )
+    max_prompt_tokens: Optional[int] = setting(4096, **_min(1, null=True))  # noqa: UP045
     # validation prompts (0: no validation)
-    val_prompts: int = setting(0, check=_at_least(0), allowed=">= 0", resume=True)
-    val_batch_size: int = setting(8, check=_at_least(1), allowed=">= 1", resume=True)
+    val_prompts: int = setting(0, **_min(0), resume=True)
+    val_batch_size: int = setting(8, **_min(1), resume=True)
 
 
 @dataclass
@@ -279,13 +257,11 @@ class SFTConfig(_Section):
 
     section: ClassVar[str] = "stage.sft"
     lr: float = setting(1.0e-3, check=lambda v: v > 0, allowed="> 0")
-    weight_decay: float = setting(0.0, check=_at_least(0), allowed=">= 0")
+    weight_decay: float = setting(0.0, **_min(0))
     warmup_steps: int = 0
     # (prompt, reference) pairs per optimizer step
-    batch_size: int = setting(32, check=_at_least(1), allowed=">= 1")
-    max_grad_norm: Optional[float] = setting(  # noqa: UP045
-        1.0, check=_at_least_or_null(0), allowed=">= 0 or null"
-    )
+    batch_size: int = setting(32, **_min(1))
+    max_grad_norm: Optional[float] = setting(1.0, **_min(0, null=True))  # noqa: UP045
     # Stop once the held-out `target_metric` reaches `target_success` (null: never; the run
     # then ends at trainer.max_steps). Checked every `eval_every` steps from `min_steps` on.
     target_success: Optional[float] = setting(  # noqa: UP045
@@ -296,20 +272,18 @@ class SFTConfig(_Section):
     stop_when: str = setting(
         "above", check=lambda v: v in ("above", "below"), allowed="above or below"
     )
-    eval_every: int = setting(10, check=_at_least(1), allowed=">= 1")
-    min_steps: int = setting(0, check=_at_least(0), allowed=">= 0")
+    eval_every: int = setting(10, **_min(1))
+    min_steps: int = setting(0, **_min(0))
     eval_prompts: int = 64  # held-out prompts (the task's val split); checked in _settle
     # responses per prompt (when sampling)
-    eval_samples: int = setting(1, check=_at_least(1), allowed=">= 1")
+    eval_samples: int = setting(1, **_min(1))
     # 0: greedy; > 0: sample at this temperature
-    eval_temperature: float = setting(0.0, check=_at_least(0), allowed=">= 0")
-    eval_max_new_tokens: int = setting(32, check=_at_least(1), allowed=">= 1")
+    eval_temperature: float = setting(0.0, **_min(0))
+    eval_max_new_tokens: int = setting(32, **_min(1))
     save_dir: Optional[str] = None  # noqa: UP045  (null: <run folder>/policy)
     # Share of training examples shown after the task's self-distillation teacher context
-    # (Task.teacher_messages: the reference as an earlier answer, then the question again)
-    # instead of the plain prompt, the target still being the reference. A small model learns
-    # there to read a reference in its context, which a pretrained LLM already does: OPSD's
-    # teacher is this policy reading such a context.
+    # (Task.teacher_messages) instead of the plain prompt, the target still the reference: a
+    # small model learns to read a reference in context, as OPSD's teacher does (docs/method.md)
     teacher_share: float = setting(0.0, check=lambda v: 0 <= v <= 1, allowed="in [0, 1]")
 
     def _settle(self) -> None:
@@ -340,20 +314,48 @@ def register_schemas() -> None:
 
 
 def section(cfg, name: str):
-    """The typed, range-checked settings of ``name`` (e.g. ``"rl"``) of a composed config.
-    ``rl`` is one rank's: a global batch divided over ``world_size(cfg)`` ranks (the config
-    itself keeps what was given, which is what a checkpoint records)."""
+    """The typed, range-checked settings of ``name`` (``"rl"``: one rank's, a global batch
+    divided over ``world_size(cfg)``; the config keeps what was given, as checkpoints record)."""
     from omegaconf import OmegaConf
 
     node = OmegaConf.select(cfg, name)
-    schema = SCHEMAS[name]
-    if node is None:
-        out = schema()
-    elif isinstance(node, schema):
-        out = node
-    else:
-        out = schema.from_mapping(OmegaConf.to_container(node, resolve=True))
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    out = SCHEMAS[name].from_mapping(node)
     return out.per_rank(world_size(cfg)) if isinstance(out, RLConfig) else out
+
+
+def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(key, value) of each leaf of a tree of mappings and lists, keyed ``a.b[0]``."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from leaves(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, node
+
+
+def resolve_batch(cfg, ranks: int) -> RLConfig | None:
+    """One rank's ``rl`` settings for ``ranks`` processes (``RLConfig.per_rank``), logged."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "rl")
+    if node is None:
+        return None
+    given = RLConfig.from_mapping(OmegaConf.to_container(node, resolve=True))
+    mine = given.per_rank(ranks)
+    for key in PER_RANK_DEFAULTS:
+        total, share = getattr(given, "global_" + key), getattr(mine, key)
+        if total is not None:
+            log.info("rl.global_%s=%d over %d rank(s): %d per rank", key, total, ranks, share)
+        elif ranks > 1:
+            log.info(
+                "rl.%s=%d is per rank: %d ranks make %d (rl.global_%s states the total instead)",
+                *(key, share, ranks, share * ranks, key),
+            )
+    return mine
 
 
 def declared() -> Iterator[tuple[str, Field]]:

@@ -1,10 +1,10 @@
-"""SIGTERM and SIGINT end a run within a bounded time (``SignalStop``, via ``run_and_exit``):
-one log line, ``job.json`` says interrupted, exit status 128 + the signal's number, and a
-reward's leftover threads never keep the process alive."""
+"""SIGTERM and SIGINT end a run within a bounded time (``SignalStop``, via ``run_and_exit``;
+docs/reliability.md), and a reward's leftover threads never keep the process alive."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,37 +32,28 @@ THREAD_GRACE_S = 5.0
 
 
 class RunInterrupted(CompactHydraException):
-    """The run stopped on SIGTERM or SIGINT. An ``Exception`` so Hydra records the job
-    (``job_status``) and prints the message alone; ``trained``: the run folder was written to."""
+    """The run stopped on SIGTERM or SIGINT (``trained``: its folder was written to)."""
 
     job_status = "interrupted"
 
     def __init__(self, signum: int, step: int | None, trained: bool, before: bool = False):
         name = signal.Signals(signum).name
         where = f"after step {step}" if step is not None else "before training started"
-        if before:
-            where = "before this run started"
+        where = "before this run started" if before else where
         self.exit_status = 128 + signum
         self.trained = trained
         super().__init__(f"the run stopped on {name} {where} (exit status {self.exit_status})")
 
 
 class Interrupt(KeyboardInterrupt):
-    """Raised in the main thread by ``SignalStop`` when the run must stop at once. A
-    ``KeyboardInterrupt``, so Lightning and the scoring code stop as they do on Ctrl-C."""
+    """``SignalStop``'s stop at once: Lightning and the scoring code stop as on Ctrl-C."""
 
 
 class SignalStop:
     """What the process does on SIGTERM and SIGINT (one instance: ``STOP``). Each signal, or
-    grace period run out, goes one level further:
-
-    1. SIGTERM while fitting: the step ends, Lightning's ``received_sigterm`` stops the fit;
-    2. SIGINT, a signal outside fitting, a second signal, or a step still running
-       ``STEP_GRACE_S`` later: ``Interrupt`` in the main thread; the run unwinds its records;
-    3. a signal while unwinding, or ``EXIT_GRACE_S`` later: logs flushed, ``os._exit``.
-
-    A watchdog thread keeps the time and logs; handlers only set fields (starting a thread or
-    logging inside one could deadlock)."""
+    grace period run out, goes one level further: 1. SIGTERM while fitting: the step ends; 2.
+    ``Interrupt`` in the main thread, the run unwinds; 3. logs flushed, ``os._exit``. A
+    watchdog thread keeps the time and logs; handlers only set fields (could deadlock)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -84,7 +75,7 @@ class SignalStop:
         return 128 + int(self.signum or signal.SIGTERM)
 
     def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this process (a signal already ignored stays ignored)."""
+        """Handle SIGTERM and SIGINT (a signal already ignored stays ignored)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         for signum, default in (
@@ -128,8 +119,7 @@ class SignalStop:
         if self._wait_while(1, STEP_GRACE_S):
             log.warning(
                 "the step did not end within %g s of %s: interrupting it",
-                STEP_GRACE_S,
-                signal.Signals(self.signum).name,
+                *(STEP_GRACE_S, signal.Signals(self.signum).name),
             )
             self._nudged = True
             signal.pthread_kill(threading.main_thread().ident, self.signum)
@@ -186,71 +176,53 @@ class SignalStop:
 
     # -- around a run (mrtpo.lightning.pipeline.train) and its fit
 
-    def guarding(self, folder: Path | None) -> _Guard:
-        """A context for one run: a stop for a signal leaves it as ``RunInterrupted``, and a
-        run does not start once a signal came (the next job of a sweep, a warm start)."""
-        return _Guard(self, folder)
-
-    def fitting(self, trainer: Any, ckpt_dir: str | Path | None) -> _Fitting:
-        """A context for writing the run folder and fitting: a SIGTERM then waits for the end
-        of the running step."""
-        return _Fitting(self, trainer, ckpt_dir)
-
-
-class _Guard:
-    def __init__(self, stop: SignalStop, folder: Path | None) -> None:
-        self.stop, self.folder = stop, folder
-
-    def __enter__(self) -> None:
-        stop = self.stop
-        if stop.signum is not None:
-            raise RunInterrupted(stop.signum, None, trained=False, before=True)
-        self.saved = stop.folder, stop.ckpt_dir, stop.trained, stop.last_step
-        stop.folder, stop.ckpt_dir, stop.trained, stop.last_step = self.folder, None, False, None
-
-    def __exit__(self, kind, exc, tb) -> None:
-        stop = self.stop
+    @contextlib.contextmanager
+    def guarding(self, folder: Path | None) -> Iterator[None]:
+        """One run: a stop leaves it as ``RunInterrupted``; once a signal came, no run starts."""
+        if self.signum is not None:
+            raise RunInterrupted(self.signum, None, trained=False, before=True)
+        saved = self.folder, self.ckpt_dir, self.trained, self.last_step
+        self.folder, self.ckpt_dir, self.trained, self.last_step = folder, None, False, None
         try:
-            if exc is None or isinstance(exc, RunInterrupted):
-                return
-            if stop.signum is None and _is_lightning_sigterm(exc):
-                stop.signum = signal.SIGTERM  # Lightning's handler alone saw it (not ours)
-                stop.step = stop.last_step
-            if stop.signum is None:
-                return
-            stop.level = max(stop.level, 2)
-            stop.announce()  # (the watchdog's line, unless it is still to come)
+            yield
+        except RunInterrupted:
+            raise
+        except BaseException as exc:
+            if self.signum is None and _is_lightning_sigterm(exc):
+                self.signum = signal.SIGTERM  # Lightning's handler alone saw it (not ours)
+                self.step = self.last_step
+            if self.signum is None:
+                raise
+            self.level = max(self.level, 2)
+            self.announce()  # (the watchdog's line, unless it is still to come)
             from mrtpo.run.cli import log_to_files
 
             log_to_files(logging.INFO, "where the signal stopped the run", exc)
-            raise RunInterrupted(stop.signum, stop.last_step, stop.trained) from exc
+            raise RunInterrupted(self.signum, self.last_step, self.trained) from exc
         finally:
-            stop.folder, stop.ckpt_dir, stop.trained, stop.last_step = self.saved
+            self.folder, self.ckpt_dir, self.trained, self.last_step = saved
 
-
-class _Fitting:
-    def __init__(self, stop: SignalStop, trainer: Any, ckpt_dir: str | Path | None) -> None:
-        self.stop, self.trainer = stop, trainer
+    @contextlib.contextmanager
+    def fitting(self, trainer: Any, ckpt_dir: str | Path | None) -> Iterator[None]:
+        """While writing the run folder and fitting: a SIGTERM waits for the running step's end."""
+        self.trainer, self.trained = trainer, True
         self.ckpt_dir = Path(str(ckpt_dir)) if ckpt_dir else None
-
-    def __enter__(self) -> None:
-        stop = self.stop
-        stop.trainer, stop.ckpt_dir, stop.trained = self.trainer, self.ckpt_dir, True
-
-    def __exit__(self, kind, exc, tb) -> None:
-        stop = self.stop
-        stop.last_step = stop._steps_done()
-        stop.trainer = None
-        if stop.signum is None:
-            return
-        stop.level = max(stop.level, 2)  # the step has ended: nothing left to wait for
-        stop._wake.set()
-        if exc is None:
-            log.warning(
-                "the run reached trainer.max_steps=%s before %s could stop it: it is complete",
-                getattr(self.trainer, "max_steps", "?"),
-                signal.Signals(stop.signum).name,
-            )
+        ended = False
+        try:
+            yield
+            ended = True
+        finally:
+            self.last_step = self._steps_done()
+            self.trainer = None
+            if self.signum is not None:
+                self.level = max(self.level, 2)  # the step has ended: nothing left to wait for
+                self._wake.set()
+                if ended:
+                    log.warning(
+                        "the run reached trainer.max_steps=%s before %s could stop it: it is "
+                        "complete",
+                        *(getattr(trainer, "max_steps", "?"), signal.Signals(self.signum).name),
+                    )
 
 
 def _is_lightning_sigterm(exc: BaseException) -> bool:
@@ -263,8 +235,7 @@ STOP = SignalStop()
 
 
 def _leftover_threads(grace_s: float) -> list[str]:
-    """Wait up to ``grace_s`` for the non-daemon threads still running; the names of those
-    that are still running then."""
+    """The names of non-daemon threads still running after waiting up to ``grace_s`` for them."""
     deadline = time.monotonic() + grace_s
     me = threading.current_thread()
     for t in threading.enumerate():
@@ -284,9 +255,7 @@ def _status(code: Any) -> int:
 
 
 def run_and_exit(main: Callable[[], Any]) -> NoReturn:
-    """Run ``main`` with ``STOP`` installed and end the process with its status (128 + the
-    signal's number after a stop). Non-daemon threads still running ``THREAD_GRACE_S`` later
-    are named in a warning and not waited for."""
+    """Run ``main`` with ``STOP`` and exit with its status (128 + the signal's after a stop)."""
     STOP.install()
     try:
         main()
@@ -309,8 +278,7 @@ def run_and_exit(main: Callable[[], Any]) -> NoReturn:
     log.warning(
         "exiting without waiting for %d thread(s) still running after the run ended: %s "
         "(started by a reward or other user code; give such threads daemon=True, or end them)",
-        len(left),
-        ", ".join(left),
+        *(len(left), ", ".join(left)),
     )
     atexit._run_exitfuncs()  # what the interpreter runs at exit: closes the log files
     for stream in (sys.stdout, sys.stderr):

@@ -1,13 +1,12 @@
-"""The training run behind a checkpoint, for evaluating or exporting it.
+"""The training run behind a checkpoint, for evaluating or exporting it: the model and task
+of ``ckpt_path=<run>/checkpoints/<x>.ckpt`` come from that run's ``.hydra/config.yaml``
+(docs/reliability.md). Code a run folder names is imported only when the command line names
+it or says ``eval.trust_run_code=true`` (``run_code``).
 
-With ``ckpt_path=<run>/checkpoints/<x>.ckpt`` the model, tokenizer and task come from that
-run's ``.hydra/config.yaml``, so it is scored as trained. A group on the command line
-(``task=...``) replaces the run's; a single key (``task.num_val=...``) changes only that key.
-
-A run folder may come from someone else and name code (reward modules, a task class): it is
-imported only when the command line names it itself or says ``eval.trust_run_code=true``;
-otherwise the job stops naming the keys and the flag (``run_code``).
-"""
+``check_sources``: what a run or policy folder was trained on, its task and its model, read
+from what the run left. The synthetic demo runs scored on Spider gave a table of 0.000 with no
+warning (issue 40 item 3): a folder of another task family, or a row whose seeds hold
+different models, is refused; a folder that does not say (a base model) is taken as it is."""
 
 from __future__ import annotations
 
@@ -15,26 +14,19 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mrtpo.run.config import run_config_path
+from mrtpo.run.config import CONFIG_DIR, given_overrides, run_config_path
+from mrtpo.run.config_keys import dig
 
 log = logging.getLogger(__name__)
 
 #: Config groups taken from the training run of ``ckpt_path`` unless given on the command line.
 RUN_GROUPS = ("model", "task")
-
-
-def _command_line() -> list[str]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except Exception:  # composed without Hydra's runtime (a library caller)
-        return []
 
 
 def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
@@ -54,11 +46,10 @@ def _given(overrides: list[str], group: str) -> tuple[bool, list[str]]:
 def from_training_run(
     cfg: DictConfig, overrides: list[str] | None = None, builds_task: bool = True
 ) -> tuple[DictConfig, dict[str, Any]]:
-    """``cfg`` with ``model`` and ``task`` from ``cfg.ckpt_path``'s training run (resolved
-    with its own paths; a command-line group wins, single keys apply on top), and a record of
-    where each came from. ``overrides``: a self-composing caller's command line (default:
-    Hydra's). ``builds_task``: refuse untrusted task code (``check_run_code``); export, which
-    never builds the task, passes False."""
+    """``cfg`` with ``model`` and ``task`` from ``cfg.ckpt_path``'s training run (a command-line
+    group wins, single keys apply on top), and where each came from. ``overrides``: a
+    self-composing caller's command line (default: Hydra's); ``builds_task``: refuse untrusted
+    task code (export, which never builds the task, passes False)."""
     ckpt = cfg.get("ckpt_path")
     if not ckpt:
         return cfg, {}
@@ -69,14 +60,11 @@ def from_training_run(
         log.warning(
             "ckpt_path=%s: no training config at %s; using model= and task= of this command "
             "(%s, %s)",
-            ckpt,
-            saved,
-            cfg.model.get("name_or_path"),
-            cfg.task.get("_target_"),
+            *(ckpt, saved, cfg.model.get("name_or_path"), cfg.task.get("_target_")),
         )
         return cfg, {"run_config": None}
     train_cfg = OmegaConf.load(saved)
-    overrides = _command_line() if overrides is None else list(overrides)
+    overrides = (given_overrides() or []) if overrides is None else list(overrides)
     info: dict[str, Any] = {"run_config": str(saved)}
     for group in RUN_GROUPS:
         chosen, keys = _given(overrides, group)
@@ -84,13 +72,12 @@ def from_training_run(
             info[f"{group}_source"] = "command line"
             continue
         try:
-            node = OmegaConf.to_container(train_cfg[group], resolve=True)
+            node = OmegaConf.create(OmegaConf.to_container(train_cfg[group], resolve=True))
         except Exception as exc:  # e.g. an interpolation into a key eval lacks
             raise ValueError(
                 f"ckpt_path={ckpt}: cannot read {group} from {saved} ({exc}); pass {group}=... "
                 "on the command line"
             ) from exc
-        node = OmegaConf.create(node)
         if group == "task":
             if builds_task:
                 check_run_code(cfg, node, keys, saved)
@@ -108,24 +95,14 @@ def from_training_run(
     return cfg, info
 
 
-# ---- code named by a run folder's config ------------------------------------------------------
-
-#: Keys of a task config that name code (import strings, folders put on the import path, a
-#: folder of checker modules), with the evaluation split that imports it (None: every split).
-#: A task's ``_target_`` is code too: only the project's own task classes are taken as given.
-CODE_KEYS: dict[str, str | None] = {
-    "rewards": None,
-    "blocks": None,
-    "success": None,
-    "import_dirs": None,
-    "muldimif.checker_dir": "muldimif",
-}
+#: Keys of a task config that name code, with the evaluation split that imports it (None:
+#: every split). A ``_target_`` is code too unless one of the project's own task classes.
+CODE_KEYS: dict[str, str | None] = dict.fromkeys(("rewards", "blocks", "success", "import_dirs"))
+CODE_KEYS["muldimif.checker_dir"] = "muldimif"
 
 
 def _own_task_configs(cfg: DictConfig) -> dict[str, dict]:
     """configs/task/*.yaml by ``_target_``, resolved with this command's ``paths``."""
-    from mrtpo.run.config import CONFIG_DIR
-
     out: dict[str, dict] = {}
     for path in sorted((CONFIG_DIR / "task").glob("*.yaml")):
         try:
@@ -151,27 +128,20 @@ def _targets(node: Any, path: str = "") -> list[tuple[str, Any]]:
     return found
 
 
-def _dig(node: Any, key: str) -> Any:
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
 def run_code(task: DictConfig, given: list[str], cfg: DictConfig) -> list[str]:
-    """``task.<key>=<value>`` for each piece of code the run's ``task`` config names that the
-    command line does not name itself (``given``: its ``task.x`` keys)."""
+    """``task.<key>=<value>`` for each piece of code the run's ``task`` names but ``given`` not."""
     node = OmegaConf.to_container(task, resolve=True)
     own = _own_task_configs(cfg)
     mine = own.get(str(node.get("_target_")), {})
     split = OmegaConf.select(cfg, "eval.split", default=None)
     found = [(k, v) for k, v in _targets(node) if not (k == "_target_" and v in own)]
     for key, only_on in CODE_KEYS.items():
-        value = _dig(node, key)
+        value = dig(node, key)
         if value in (None, [], {}, False) or (only_on is not None and split != only_on):
             continue
         if key == "success" and (not isinstance(value, str) or not any(c in value for c in ".:")):
             continue  # "all" or a reward's name: no import
-        if value != _dig(mine, key):
+        if value != dig(mine, key):
             found.append((key, value))
 
     def named_here(key: str) -> bool:
@@ -182,8 +152,7 @@ def run_code(task: DictConfig, given: list[str], cfg: DictConfig) -> list[str]:
 
 
 def check_run_code(cfg: DictConfig, task: DictConfig, given: list[str], saved: Path) -> None:
-    """Refuse to build a task whose code the run folder's config names, unless the user
-    trusts that folder (``eval.trust_run_code=true``); one line naming the keys."""
+    """Refuse untrusted code the run folder's task config names (``eval.trust_run_code=true``)."""
     trust = OmegaConf.select(cfg, "eval.trust_run_code", default=False)
     if not isinstance(trust, bool):
         raise ValueError(f"eval.trust_run_code={trust!r} is not allowed: true or false")
@@ -229,9 +198,7 @@ def _drop_smoke_limits(task: DictConfig, given: list[str]) -> list[str]:
 def load_checkpoint_weights(
     policy, ckpt_path: str, model_source: str = "", use: str = "evaluate one"
 ) -> int | None:
-    """Put a training checkpoint's policy weights into ``policy``; return its step. Another
-    model's checkpoint fails naming the first differences and the model config's source; a
-    damaged one is a one-line ValueError offering the others for ``use``."""
+    """A checkpoint's policy weights into ``policy``; its step. A mismatch: one ValueError."""
     from mrtpo.core.lora import checkpoint_keys
     from mrtpo.run.checkpointing import CheckpointError, load_checkpoint
 
@@ -281,10 +248,8 @@ def exported_step(out: Path) -> int | None:
 
 
 def pending_export(cfg: Any, step: int) -> Path | None:
-    """Where a run that finished training at ``step`` still owes its end-of-run export (the
-    process was stopped while exporting), or None: no RL export is configured, its folder
-    already holds this step's export, or it holds something else (which the export refuses
-    to replace)."""
+    """Where a run that finished training at ``step`` still owes its end-of-run export (stopped
+    while exporting), or None: no RL export configured, done, or something else is there."""
     node = OmegaConf.select(cfg, "callbacks.export", default=None)
     if not node or OmegaConf.select(cfg, "stage.name", default="rl") != "rl":
         return None
@@ -296,3 +261,94 @@ def pending_export(cfg: Any, step: int) -> Path | None:
     if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
         return None
     return None if exported_step(out) == step else out
+
+
+def family_target(task_config: str) -> str:
+    """The task class of ``configs/task/<task_config>.yaml``."""
+    return str(OmegaConf.load(CONFIG_DIR / "task" / f"{task_config}.yaml")._target_)
+
+
+def _run_config(folder: Path) -> Any:
+    try:
+        return OmegaConf.load(folder / ".hydra" / "config.yaml")
+    except Exception:  # absent or unreadable: the folder says nothing
+        return None
+
+
+def trained_task(folder: Path) -> tuple[str, str] | None:
+    """(task class, task as the run chose it) a folder was trained on; None when unknown."""
+    cfg = _run_config(folder)
+    if cfg is not None:
+        target = OmegaConf.select(cfg, "task._target_", default=None)
+        if target:
+            try:
+                hydra = OmegaConf.load(folder / ".hydra" / "hydra.yaml")
+                name = str(OmegaConf.select(hydra, "hydra.runtime.choices.task"))
+            except Exception:
+                name = str(target).rsplit(".", 1)[-1]
+            return str(target), name
+    try:
+        name = json.loads((folder / MARKER).read_text(encoding="utf-8"))["task"]
+        return family_target(str(name)), str(name)
+    except Exception:  # not one of this project's exports, or a task of no config here
+        return None
+
+
+def _signature(sizes: dict[str, Any]) -> str | None:
+    try:
+        return (
+            f"hidden {int(sizes['hidden_size'])} x {int(sizes['num_hidden_layers'])} layers, "
+            f"MLP {int(sizes['intermediate_size'])}"
+        )  # (no vocabulary: the tiny model's export trims it to its tokenizer's)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def model_identity(folder: Path) -> str | None:
+    """The model a folder holds or was trained from, by its sizes (the export's config.json,
+    the run's model config, or a paper model's published sizes); else its model's name."""
+    for path in (folder / "policy" / "config.json", folder / "config.json"):
+        try:
+            return _signature(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    cfg = _run_config(folder)
+    if cfg is None:
+        return None
+    from mrtpo.run.dryrun import model_sizes
+
+    try:
+        sizes = model_sizes(cfg)
+    except Exception:  # a config that does not resolve here
+        sizes = None
+    name = OmegaConf.select(cfg, "model.name_or_path", default=None)
+    return (_signature(sizes) if sizes else None) or (Path(str(name)).name if name else None)
+
+
+def check_sources(family: str, task_config: str, sources: Sequence[Any]) -> None:
+    """Refuse (``SystemExit``) folders trained on another task than ``family``'s, and rows whose
+    seeds hold different models. ``sources``: objects with ``path`` and ``method`` (its row)."""
+    want = family_target(task_config)
+    problems, rows = [], {}
+    for src in sources:
+        task = trained_task(src.path)
+        if task is not None and task[0] != want:
+            problems.append(
+                f"{src.path} was trained on task={task[1]} ({task[0]}), not on the {family} "
+                f"family (task={task_config}, {want})"
+            )
+        model = model_identity(src.path)
+        if model is not None:
+            rows.setdefault(tuple(src.method), []).append((src.path, model))
+    for method, members in rows.items():
+        if len({m for _, m in members}) > 1:
+            said = "; ".join(f"{p}: {m}" for p, m in members)
+            problems.append(
+                f"the row {' '.join(method) or '(defaults)'} mixes models across its seeds ({said})"
+            )
+    if problems:
+        raise SystemExit(
+            f"error: src/table.py {family} refuses what would not belong in its table: "
+            + "; ".join(problems)
+            + f". Give runs of task={task_config}, one model per row"
+        )

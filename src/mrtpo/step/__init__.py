@@ -1,13 +1,6 @@
 """The RL step without a training framework: ``RLStep`` and the records it passes along."""
 
-from mrtpo.step.records import (
-    Advantages,
-    OldPolicy,
-    Relevance,
-    StepRecord,
-    StepResult,
-    Update,
-)
+from mrtpo.step.records import Advantages, OldPolicy, Relevance, StepRecord, StepResult, Update
 from mrtpo.step.step import MINIBATCH_STREAM, SHUFFLE_STREAM, RLStep
 from mrtpo.step.update import TorchHost, UpdateHost
 

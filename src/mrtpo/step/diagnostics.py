@@ -1,15 +1,7 @@
-"""Credit diagnostics of one step (``train/replay/...``), from what the step already holds.
-
-* ``q_ratio/{p50,p99,max}``: quantiles of ``q_t / qbar`` (the pair's mean relevance) over
-  replayed tokens: how spiky the profiles are;
-* ``profile_cosine``: mean pairwise cosine of a response's rewards' profiles (near 1: every
-  reward points at the same tokens);
-* ``energy_share/<segment>``: share of ``sum x_t^2`` (``x_t = R_t / (sigma + eps)``, uncapped)
-  per ``Task.segments`` part, ``other`` for the rest; a segment seen before logs 0 when absent.
-
-Over ranks: energy shares and ``profile_cosine`` combine exactly, ``max`` too; ``p50``/``p99``
-are ranks' quantiles averaged by token counts (exact only for one rank).
-Profiles are read for Jensen–Shannon scores only (non-negative).
+"""Credit diagnostics of one step (``train/replay/...``: ``q_ratio/{p50,p99,max}``,
+``profile_cosine``, ``energy_share/<segment>``), from what the step already holds; what each
+means and how it combines over ranks: docs/method.md, "Diagnostics". Profiles are read for
+Jensen–Shannon scores only (non-negative).
 """
 
 from __future__ import annotations
@@ -109,15 +101,12 @@ class CreditDiagnostics:
             self._pieces[i] = self.tokenizer.decode([i], skip_special_tokens=True)
         return self._pieces[i]
 
-    def segment_tokens(self, ids: list[int]) -> dict[str, list[int]] | None:
-        """The token indices of each segment the task declares for a response (its sampled
-        ``ids``, pads left out); None when it declares none."""
+    def _segments(self, ids: list[int]) -> dict[str, list[bool]] | None:
+        """Each segment the task declares for a response (its sampled ``ids``, pads left out)
+        as a mask over its tokens; None when it declares none."""
         pieces = [self._piece(int(i)) for i in ids]
         spans = self.task.segments("".join(pieces))
-        if spans is None:
-            return None
-        masks = token_segments(pieces, spans)
-        return {name: [t for t, inside in enumerate(m) if inside] for name, m in masks.items()}
+        return None if spans is None else token_segments(pieces, spans)
 
     def record_fields(self, record, j: int) -> dict:
         """What ``relevance.jsonl`` keeps of response ``j`` for the viewer's diagnostics: its
@@ -126,9 +115,11 @@ class CreditDiagnostics:
         out: dict = {}
         if record.realloc is not None:
             out["realloc"] = [round(float(v), 5) for v in record.realloc[j, :t].tolist()]
-        segs = self.segment_tokens(record.rollout.response_ids[j, :t].tolist())
+        segs = self._segments(record.rollout.response_ids[j, :t].tolist())
         if segs is not None:
-            out["segments"] = segs
+            out["segments"] = {
+                k: [i for i, inside in enumerate(m) if inside] for k, m in segs.items()
+            }
         return out
 
     def energy_shares(self, realloc: Tensor, ids: Tensor, mask: Tensor) -> tuple[dict, dict]:
@@ -141,13 +132,12 @@ class CreditDiagnostics:
         declared = False
         for j in (energy.sum(-1) > 0).nonzero().flatten().tolist():
             t = int(mask[j].sum())
-            pieces = [self._piece(int(i)) for i in ids[j, :t].tolist()]
-            spans = self.task.segments("".join(pieces))
-            if spans is None:
+            segs = self._segments(ids[j, :t].tolist())
+            if segs is None:
                 continue
             declared = True
             seen = torch.zeros(t, dtype=torch.bool)
-            for name, tokens in token_segments(pieces, spans).items():
+            for name, tokens in segs.items():
                 inside = torch.tensor(tokens, dtype=torch.bool) & ~seen
                 sums[name] = sums.get(name, 0.0) + float(energy[j, :t][inside].sum())
                 seen |= inside

@@ -1,18 +1,16 @@
 """The metrics of one RL step (``train/...``), and their combination over ranks.
 
-Each metric is declared once as a ``Stat`` (value, ``Reduce``, and a mean's weight in tokens
-or responses on this rank), in the style of verl's ``utils/metric``: where it is made, or in
-``DECLARED`` by exact key when measured elsewhere. Defaults: ``adv/<key>`` statistics are
-means per rank, the updater's per-token ones means over tokens. Anything else undeclared is
-an error, never a guess from its name. ``AbsentAsNaN`` writes NaN for a metric missing at this
-step (Lightning would repeat its stale value).
+Each metric is declared once as a ``Stat`` (value, ``Reduce``, and a mean's weight on this
+rank), in the style of verl's ``utils/metric``: where it is made, or in ``DECLARED`` by exact
+key when measured elsewhere; an undeclared one is an error, never a guess from its name.
+``AbsentAsNaN``: a missing metric is NaN (Lightning would repeat its stale value).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mrtpo.distributed import Ranks
@@ -33,9 +31,6 @@ class Reduce(enum.Enum):
     SAME = "same"  # already global, or equal on every rank: the first rank's
     POOLED_STD = "pooled_std"  # a population std about ``Stat.mean``, over ``weight`` values
     SHARE = "share"  # a share of the rank's total (``weight``); a rank lacking it holds 0
-
-
-WEIGHTED = (Reduce.MEAN, Reduce.MEAN_BY_TOKENS, Reduce.MEAN_BY_RESPONSES)
 
 
 @dataclass(frozen=True)
@@ -135,8 +130,7 @@ def assemble(
     metrics; ``rollout``, the engine gap, staleness and schedule counters; ``replay``,
     replay's; ``diagnostics``, the credit diagnostics (``mrtpo.step.diagnostics``)."""
     mask = scored.rollout.response_mask
-    tokens, rows = float(mask.sum()), float(mask.shape[0])
-    per = {"tokens": tokens, "responses": rows}
+    per = {"tokens": float(mask.sum()), "responses": float(mask.shape[0])}
     out = _rewards(scored, success_check)
     out.update(_advantages(scored))
     tops = {f"replay/top80_token_share/{n}": Reduce.MEAN for n in scored.reward_names}
@@ -178,9 +172,8 @@ def _advantages(scored: StepRecord) -> dict[str, Stat]:
         }
     vals.update({f"adv/{k}": float(v) for k, v in scored.stats.items()})
     out = declare(vals, _ADV, default=Reduce.MEAN, tokens=float(a.numel()))
-    if "adv/std" in out:
-        std = out["adv/std"]
-        out["adv/std"] = Stat(std.value, std.reduce, float(a.numel()), vals.get("adv/mean"))
+    if "adv/std" in out:  # pooled over ranks from each rank's count and mean
+        out["adv/std"] = replace(out["adv/std"], weight=float(a.numel()), mean=vals.get("adv/mean"))
     return out
 
 
@@ -200,24 +193,20 @@ def _rewards(scored: StepRecord, success_check: str | None) -> dict[str, Stat]:
         succ = [s.checks.get(success_check) for s in scored.scores]
         succ = [float(x) for x in succ if x is not None]
         if succ:
-            mean = sum(succ) / len(succ)
-            out["success"] = Stat(mean, Reduce.MEAN_BY_RESPONSES, float(len(succ)))
+            out["success"] = Stat(sum(succ) / len(succ), Reduce.MEAN_BY_RESPONSES, float(len(succ)))
     out.update(_extras(scored))
     return out
 
 
 def _extras(scored: StepRecord) -> dict[str, Stat]:
     """``extra/<reward>/<name>``: each ``Score.extras`` value's mean over the responses with it."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    values: dict[str, list[float]] = {}
     for s in scored.scores:
         for reward, extras in (getattr(s, "extras", None) or {}).items():
             for name, value in extras.items():
-                key = f"{EXTRA_PREFIX}{reward}/{name}"
-                sums[key] = sums.get(key, 0.0) + float(value)
-                counts[key] = counts.get(key, 0) + 1
+                values.setdefault(f"{EXTRA_PREFIX}{reward}/{name}", []).append(float(value))
     by = Reduce.MEAN_BY_RESPONSES
-    return {k: Stat(total / counts[k], by, float(counts[k])) for k, total in sums.items()}
+    return {k: Stat(sum(v) / len(v), by, float(len(v))) for k, v in values.items()}
 
 
 def _times(timings: Mapping[str, float], tokens: float) -> dict[str, Stat]:

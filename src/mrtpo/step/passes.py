@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -33,30 +32,10 @@ def dropout_in(model: torch.nn.Module) -> str | None:
             configs[id(cfg)] = cfg
     for cfg in configs.values():
         for key, v in cfg.to_dict().items():
-            if (
-                ("dropout" in key or "jitter" in key)
-                and isinstance(v, (int, float))
-                and not isinstance(v, bool)
-                and v > 0
-            ):
+            named = "dropout" in key or "jitter" in key
+            if named and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
                 return f"{key}={v}"
     return None
-
-
-class Once:
-    """A value computed on first call and kept (pi_old's log-probs, wanted by several users)."""
-
-    def __init__(self, make: Callable[[], torch.Tensor]) -> None:
-        self._make, self._value = make, None
-
-    def __call__(self) -> torch.Tensor:
-        if self._value is None:
-            self._value = self._make()
-        return self._value
-
-    @property
-    def made(self) -> bool:
-        return self._value is not None
 
 
 class LogprobPasses:
@@ -74,36 +53,20 @@ class LogprobPasses:
         self.pad_id, self.ranks, self.shared_prompt = pad_id, ranks, shared_prompt
         self._no_dropout: bool | None = None  # dropout_in(policy) is None; known on first use
 
-    def idle_forwards(self, count: int) -> int:
-        """How many idle forwards this rank adds to its ``count`` (0 in one process)."""
-        if self.ranks.world_size == 1:
-            return 0
-        return self.ranks.max(count) - count
-
-    def idle_logprobs(self, model, temperature: float) -> torch.Tensor:
-        return response_logprobs(model, *dummy_batch(self.pad_id), temperature=temperature)
-
     @torch.no_grad()
     def logprobs(self, model, roll: RolloutBatch, micro: int) -> torch.Tensor:
         """log-probs of the sampled tokens under ``model`` at the sampling temperature."""
         out = []
         # Several ranks: as many forwards as the busiest, agreed before the first one.
-        idle = self.idle_forwards(-(-roll.n // micro))
+        count = -(-roll.n // micro)
+        idle = 0 if self.ranks.world_size == 1 else self.ranks.max(count) - count
         for s in range(0, roll.n, micro):
             sub = roll.select(torch.arange(s, min(roll.n, s + micro)))
-            out.append(
-                response_logprobs(
-                    model,
-                    sub.prompt_ids,
-                    sub.prompt_mask,
-                    sub.response_ids,
-                    sub.response_mask,
-                    temperature=roll.temperature,
-                    shared_prompt=self.shared_prompt,
-                ).cpu()
-            )
+            args = (sub.prompt_ids, sub.prompt_mask, sub.response_ids, sub.response_mask)
+            tau, share = roll.temperature, self.shared_prompt
+            out.append(response_logprobs(model, *args, temperature=tau, shared_prompt=share).cpu())
         for _ in range(idle):
-            self.idle_logprobs(model, roll.temperature)
+            response_logprobs(model, *dummy_batch(self.pad_id), temperature=roll.temperature)
         if not out:  # a sharded rank with no rows left to score
             return torch.zeros((0, roll.response_ids.shape[1]), dtype=torch.float32)
         return torch.cat(out)

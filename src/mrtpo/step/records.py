@@ -103,21 +103,11 @@ class StepRecord:
         beta: float = 0.0,
         token_weights: Tensor | None = None,
     ) -> StepRecord:
+        tis = upd.tis if upd.tis is not None else old.tis
         return cls(
-            rollout=scored.rollout,
-            scores=scored.scores,
-            reward_names=scored.reward_names,
-            rewards=scored.rewards,
-            q=rel.q,
-            replayed=rel.replayed,
-            old_logp=old.logp,
-            tis_weights=upd.tis if upd.tis is not None else old.tis,
-            ref_logp=old.ref_logp,
-            advantages=adv.advantages,
-            stats=adv.stats,
-            realloc=adv.realloc,
-            beta=beta,
-            token_weights=token_weights,
+            *(scored.rollout, scored.scores, scored.reward_names, scored.rewards),
+            *(rel.q, rel.replayed, old.logp, tis, old.ref_logp),
+            *(adv.advantages, adv.stats, adv.realloc, beta, token_weights),
         )
 
 

@@ -1,18 +1,14 @@
-"""One multi-reward RL step, top to bottom, with no training framework around it.
-
-``RLStep.run(rollout, host)`` runs the phases in order, each returning a frozen record
-(``mrtpo.step.records``): sample (G responses for each of B prompts), score
-(``ScoredBatch``), relevance under pi_old if the method asks (``Relevance``), old policy
-(pi_old, KL reference, method inputs, engine-trainer gap: ``OldPolicy``), advantages
-(``Advantages``), update through the ``UpdateHost`` that owns the optimizer (``Update``).
-
-Rank agreement goes through ``mrtpo.distributed.Ranks``. The step never looks at a method's,
-task's or engine's name, and imports neither Lightning nor Hydra.
+"""One multi-reward RL step, top to bottom, with no training framework around it: its phases
+(sample, score, relevance, old policy, advantages, update), each returning a frozen record
+(``mrtpo.step.records``), are README.md's "How a step works". Rank agreement goes through
+``mrtpo.distributed.Ranks``; the step never looks at a method's, task's or engine's name, and
+imports neither Lightning nor Hydra.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -31,14 +27,12 @@ from mrtpo.core.scoring import score_batch
 from mrtpo.distributed import Ranks, is_sharded
 from mrtpo.step import metrics as step_metrics
 from mrtpo.step.diagnostics import CreditDiagnostics
-from mrtpo.step.passes import LogprobPasses, Once
+from mrtpo.step.passes import LogprobPasses
 from mrtpo.step.records import Advantages, OldPolicy, Relevance, StepRecord, StepResult
 from mrtpo.step.update import UpdateHost, Updater
 from mrtpo.tasks.base import Task
 
 log = logging.getLogger(__name__)
-
-OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
 #: The step's random streams (``generator``): a generator seeded ``seed * stream +
 #: iteration`` per stream, so the shuffle ablation's draws and the mini-batch order do not
@@ -71,8 +65,7 @@ class RLStep:
         self.iteration = 0  # completed RL steps (one per prompt batch, skipped ones included)
         self.faults = FaultTracker(rl.max_nonfinite_steps, rl.max_consecutive_score_failures)
         pad = tokenizer.pad_token_id
-        share = rl.shared_prompt_forward
-        self.passes = LogprobPasses(policy, ref_policy, pad, self.ranks, share)
+        self.passes = LogprobPasses(policy, ref_policy, pad, self.ranks, rl.shared_prompt_forward)
         self.updater = Updater(policy, rl, self.ranks, pad, self.device)
         self.absent_as_nan = step_metrics.AbsentAsNaN()
         self.diagnostics = CreditDiagnostics(task, tokenizer)
@@ -81,17 +74,10 @@ class RLStep:
         """What ``AdvantageMethod.bind`` lends a method: the task, the tokenizer, replay's
         forward sizes and a frozen copy of the policy as it is now (the initial weights when
         the step is built), made on first use."""
-        made: list[tuple[torch.nn.Module, bool]] = []
-
-        def frozen_policy() -> tuple[torch.nn.Module, bool]:
-            if not made:
-                made.append(self.passes.frozen_policy())
-            return made[0]
-
         return MethodServices(
             task=self.task,
             tokenizer=self.tokenizer,
-            frozen_policy=frozen_policy,
+            frozen_policy=functools.cache(self.passes.frozen_policy),
             token_budget=int(self.replayer.token_budget),
             chunk=int(self.replayer.jsd_chunk),
             shared_prompt=self.rl.shared_prompt_forward,
@@ -177,8 +163,7 @@ class RLStep:
         log-probs when more than one update follows (with one they equal the policy's), the KL
         reference's, the method's no-grad inputs, and where the engine reported log-probs the
         engine-trainer gap (and rl.tis_cap's weights): from pi_old's log-probs, else the update's
-        own forward, else (dropout) a pass of its own.
-        """
+        own forward, else (dropout) a pass of its own."""
         rl, micro = self.rl, int(self.rl.micro_batch_size)
         several = int(rl.ppo_epochs) * -(-roll.n // max(1, int(rl.mini_batch_size))) > 1
         # a batch sampled by older weights (``stale``) is corrected against the engine's
@@ -191,13 +176,13 @@ class RLStep:
                 "engine's log-probs of the sampled tokens and the engine returned none; set "
                 "reports_logprobs = False on its class"
             )
-        logp = Once(lambda: self.passes.old(roll, rel, micro))
+        logp = functools.cache(lambda: self.passes.old(roll, rel, micro))  # made once, if at all
         old_logp = logp() if several else None
         ref = self.passes.reference(roll, micro) if rl.kl_coef > 0 else None
         extra = self.method.score_inputs(StepView(roll, logp, self.device()))
         fields: dict[str, Any] = {"logp": old_logp, "ref_logp": ref, "extra": extra}
         fields.update(tis_cap=cap, stale=stale)
-        if gap and self.passes.gap_in_update(several, logp.made):
+        if gap and self.passes.gap_in_update(several, logp.cache_info().currsize > 0):
             return OldPolicy(**fields, gap_in_update=True)
         if gap:
             mask = roll.response_mask
@@ -211,10 +196,7 @@ class RLStep:
         if roll.versions is None:
             return {}
         lag = (self.iteration - roll.versions).clamp_min(0).float()
-        return {
-            "rollout/staleness/mean": float(lag.mean()),
-            "rollout/staleness/max": float(lag.max()),
-        }
+        return {f"rollout/staleness/{k}": float(getattr(lag, k)()) for k in ("mean", "max")}
 
     @staticmethod
     def token_weights(rel: Relevance, adv: Advantages, mask: torch.Tensor):
@@ -263,10 +245,12 @@ class RLStep:
                 return self.replayer.run(
                     self.policy, self.task, scored, pairs, self.method.relevance
                 )
-            except OOM_ERRORS as exc:
+            except torch.OutOfMemoryError as exc:
                 failed = f"{type(exc).__name__}: {str(exc)[:200]}"
             # Outside the except block, so the failed forward's tensors can be freed.
-            _free_accelerator_memory()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             old = int(self.replayer.token_budget)
             if attempt == retries or old <= 1:
                 raise RuntimeError(
@@ -337,9 +321,3 @@ def _timed(times: dict[str, float], phase: str):
         yield
     finally:
         times[phase] = time.perf_counter() - t0
-
-
-def _free_accelerator_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -105,8 +105,7 @@ class Updater:
         mini = min(mini, total)
         micro = max(1, min(int(rl.micro_batch_size), mini))
         acc = _Totals(lr=host.lr())
-        per_epoch = (total + mini - 1) // mini
-        n_updates, u = int(rl.ppo_epochs) * per_epoch, 0
+        n_updates, u = int(rl.ppo_epochs) * -(-total // mini), 0  # mini-batches of every epoch
         for _ in range(int(rl.ppo_epochs)):
             perm = torch.randperm(total, generator=generator)
             for s in range(0, total, mini):

@@ -5,7 +5,6 @@ exactly on hand-made batches and reused outside the trainer.
 """
 
 from mrtpo.core.credit.advantages import (
-    batch_moments,
     gdpo_advantages,
     group_advantages,
     grpo_advantages,
@@ -28,12 +27,9 @@ from mrtpo.core.credit.methods import (
     AdvantageMethod,
     CreditInputs,
     CreditOutput,
-    MethodServices,
     MRTPOJoint,
     MRTPOShuffle,
     RelevanceRequest,
-    StepView,
-    TeacherRequest,
 )
 from mrtpo.core.credit.opsd import OPSD
 from mrtpo.core.credit.relevance import (
@@ -59,12 +55,8 @@ __all__ = [
     "CreditOutput",
     "MRTPOJoint",
     "MRTPOShuffle",
-    "MethodServices",
     "RelevanceRequest",
-    "StepView",
-    "TeacherRequest",
     "TeacherScores",
-    "batch_moments",
     "beta_schedule",
     "cort_weights",
     "gdpo_advantages",

@@ -1,10 +1,8 @@
 """Response-level advantages: group normalization, GRPO, GDPO and SAW reward weights.
 
-Pure tensor math on ``rewards [N, K]`` (NaN: does not apply) and ``group [N]``. Groups are
-never split across ranks and use fixed-order reductions. Batch statistics (GDPO's mean/std,
-SAW's coefficients of variation, MRTPO's cap) are over the *global* batch (all-reduced when a
-``process_group`` is given), in two passes and float64, so splitting over ranks changes
-results by float64 rounding only.
+Pure tensor math on ``rewards [N, K]`` (NaN: does not apply) and ``group [N]``, groups whole
+on a rank in fixed-order reductions; batch statistics over the *global* batch (all-reduced over
+``process_group``) in two float64 passes, so splitting over ranks changes float64 rounding only.
 """
 
 from __future__ import annotations
@@ -15,17 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-__all__ = [
-    "batch_moments",
-    "compute_dtype",
-    "gdpo_advantages",
-    "group_advantages",
-    "grpo_advantages",
-    "replay_mask",
-    "reward_weight_vector",
-    "saw_weights",
-]
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -76,15 +63,24 @@ def batch_moments(
     return count, mean, std
 
 
-def _pad_groups(group: Tensor) -> tuple[Tensor, Tensor, int, int]:
-    """Index of each response's group and its position inside it (order of appearance)."""
+def _grouped(values: Tensor, group: Tensor, dtype: torch.dtype):
+    """``values [N, K]`` (N > 0) as a dense NaN-padded ``[groups, size, K]`` (reductions over
+    dim 1 have a fixed order, deterministic on GPU too, unlike scatter-add, and follow the
+    responses' order in each group); its present mask; whether each group's present values
+    differ (``[groups, 1, K]``); each response's group and position in it."""
+    group = group.to(values.device)
     _, inv, counts = torch.unique(group, return_inverse=True, return_counts=True)
-    n = group.shape[0]
     order = torch.argsort(inv, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.empty_like(inv)
-    pos[order] = torch.arange(n, device=group.device) - starts[inv[order]]
-    return inv, pos, int(counts.numel()), int(counts.max().item()) if n else 0
+    pos[order] = torch.arange(group.shape[0], device=group.device) - starts[inv[order]]
+    shape = (int(counts.numel()), int(counts.max().item()), values.shape[1])
+    padded = torch.full(shape, float("nan"), dtype=dtype, device=values.device)
+    padded[inv, pos] = values.to(dtype)
+    present = ~torch.isnan(padded)
+    hi = torch.where(present, padded, torch.full_like(padded, -float("inf"))).amax(1, True)
+    lo = torch.where(present, padded, torch.full_like(padded, float("inf"))).amin(1, True)
+    return padded, present, hi > lo, inv, pos
 
 
 def group_advantages(
@@ -98,28 +94,18 @@ def group_advantages(
     del process_group
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
-    n, k = rewards.shape
     dtype = compute_dtype(rewards)
-    r = rewards.to(dtype)
-    if n == 0:
-        return torch.zeros_like(r)
-    inv, pos, n_groups, max_size = _pad_groups(group.to(rewards.device))
-    # Dense [groups, size, K] layout: reductions over dim 1 have a fixed order (deterministic
-    # on GPU too, unlike scatter-add) and follow the responses' order inside each group.
-    padded = torch.full((n_groups, max_size, k), float("nan"), dtype=dtype, device=r.device)
-    padded[inv, pos] = r
-    present = ~torch.isnan(padded)
-    zero = torch.zeros((), dtype=dtype, device=r.device)
-    vals = torch.where(present, padded, zero)
+    if rewards.shape[0] == 0:
+        return torch.zeros_like(rewards, dtype=dtype)
+    padded, present, differ, inv, pos = _grouped(rewards, group, dtype)
+    vals = torch.where(present, padded, 0.0)
     count = present.sum(1, keepdim=True)
     mean = vals.sum(1, keepdim=True) / count.clamp(min=1)
-    centred = torch.where(present, padded - mean, zero)
+    centred = torch.where(present, padded - mean, 0.0)
     var = centred.square().sum(1, keepdim=True) / (count - 1).clamp(min=1)
-    hi = torch.where(present, padded, torch.full_like(padded, -float("inf"))).amax(1, True)
-    lo = torch.where(present, padded, torch.full_like(padded, float("inf"))).amin(1, True)
-    varies = (count >= 2) & (hi > lo)
+    varies = (count >= 2) & differ
     adv = centred / (var.sqrt() + eps)
-    adv = torch.where(present & varies, adv, zero)
+    adv = torch.where(present & varies, adv, 0.0)
     return adv[inv, pos]
 
 
@@ -186,14 +172,11 @@ def saw_weights(
     process_group: Any = None,
     lower_bounds: Tensor | Sequence[float] | None = None,
 ) -> Tensor:
-    """SAW reward weights ``[K]`` from each reward's coefficient of variation over the batch.
-
-    ``CV_k = std_k / (|mean_k| + 1e-8)`` over the global batch's present values; fewer than two
-    present values: weight 0. The others get ``K' * CV_k / sum CV``, or 1 each if every CV is 0.
+    """SAW reward weights ``[K]``: ``K' CV_k / sum CV`` (1 each if every CV is 0; 0 below two
+    present values), ``CV_k = std_k / (|mean_k| + 1e-8)`` over the global batch (docs/method.md).
     A reward whose ``lower_bounds`` (``Task.reward_ranges``) is below 0 is shifted by ``-lower``
-    first, as the official SAW code adds 3 to ToolRL's correctness (-3..3): else ``|mean|`` near 0
-    blows the CV up.
-    """
+    first, as the official SAW code adds 3 to ToolRL's correctness: else ``|mean|`` near 0 blows
+    the CV up."""
     dtype = compute_dtype(rewards)
     present = ~torch.isnan(rewards)
     count, mean, std = batch_moments(rewards, present, process_group)
@@ -219,20 +202,11 @@ def saw_weights(
 def replay_mask(rewards: Tensor, group: Tensor, has_block: Tensor | None = None) -> Tensor:
     """bool ``[N, K]``: pairs that are present, not all equal within their group and (with
     ``has_block``) have an information block; any other pair keeps weight 1 anyway."""
-    n, k = rewards.shape
     present = ~torch.isnan(rewards)
-    if n == 0:
+    if rewards.shape[0] == 0:
         return present
-    inv, pos, n_groups, max_size = _pad_groups(group.to(rewards.device))
-    padded = torch.full(
-        (n_groups, max_size, k), float("nan"), dtype=rewards.dtype, device=rewards.device
-    )
-    padded[inv, pos] = rewards
-    ok = ~torch.isnan(padded)
-    hi = torch.where(ok, padded, torch.full_like(padded, -float("inf"))).amax(1)
-    lo = torch.where(ok, padded, torch.full_like(padded, float("inf"))).amin(1)
-    varies = (hi > lo)[inv]
-    out = present & varies
+    differ, inv = _grouped(rewards, group, rewards.dtype)[2:4]
+    out = present & differ[inv, 0]
     if has_block is not None:
         out = out & has_block.to(device=out.device, dtype=torch.bool)
     return out

@@ -1,14 +1,6 @@
-"""CoRT, reconstructed from its abstract (Zhang et al., arXiv 2607.25659; no code released).
-
-The response is scored again under a prompt with the rubric removed; the contrast
-``d_t = log p(y_t | P_all) - log p(y_t | P_none)`` becomes weights averaging 1 that spread
-GRPO's advantage: ``A_t = A w_t`` (at β = 0 exactly GRPO). Reconstruction decisions
-(docs/method.md, "CoRT"):
-
-* ``u_t = min(|d_t|, contrast_clip) / contrast_clip``: magnitude, so a token the rubric
-  made *less* likely also draws credit;
-* ``v_t = 1 + (max_weight - 1) u_t``, ``w~_t = v_t / mean(v)`` in ``[1 / max_weight, max_weight]``;
-* ``w_t = (1 - β) + β w~_t`` with ``β = beta · smoothstep(step / beta_warmup_steps)``.
+"""CoRT, reconstructed from its abstract (Zhang et al., arXiv 2607.25659; no code released):
+rubric-contrast weights spread GRPO's advantage, ``A_t = A w_t`` (at β = 0 exactly GRPO). The
+formulas and reconstruction decisions: docs/method.md, "CoRT".
 """
 
 from __future__ import annotations
@@ -28,11 +20,11 @@ from mrtpo.core.credit.methods import (
     _adv_stats,
     _BetaRamp,
     _broadcast,
+    _check_q,
+    _replayed_share,
     _RewardWeighted,
     checked_beta,
 )
-
-__all__ = ["CoRT", "cort_weights"]
 
 #: CoRT's replay: one criteria-free context per response, the sampled token's log-likelihood.
 JOINT_LOGP_DIFF = RelevanceRequest("joint", "logp_diff")
@@ -48,21 +40,17 @@ def cort_weights(
 ) -> Tensor:
     """Token weights ``[N, T]`` from contrasts ``d`` (``[N, 1, T]`` or ``[N, T]``): ``(1 - β) + β
     v_t / mean(v)`` on replayed valid tokens (module docstring), averaging 1 per response, in
-    ``[(1 - β) + β / max_weight, (1 - β) + β max_weight]``; exactly 1 elsewhere and at β = 0."""
+    ``[(1 - β) + β / max_weight, (1 - β) + β max_weight]``; exactly 1 elsewhere and at β = 0.
+    ``contrast_clip > 0`` and ``max_weight >= 1`` are the caller's to check (``CoRT`` does)."""
     if d.dim() == 3:
         if d.shape[1] != 1:
             raise ValueError(f"CoRT contrasts must be [N, 1, T] (joint), got {tuple(d.shape)}")
         d = d[:, 0, :]
-    if contrast_clip <= 0:
-        raise ValueError(f"method.contrast_clip must be > 0, got {contrast_clip}")
-    if max_weight < 1:
-        raise ValueError(f"method.max_weight must be >= 1, got {max_weight}")
     dtype = compute_dtype(d)
     dd = d.to(dtype)
     valid = mask.to(device=dd.device, dtype=torch.bool)
-    zero = torch.zeros((), dtype=dtype, device=dd.device)
-    u = torch.where(valid, dd.abs().clamp(max=contrast_clip) / contrast_clip, zero)
-    v = torch.where(valid, 1.0 + (max_weight - 1.0) * u, zero)
+    u = torch.where(valid, dd.abs().clamp(max=contrast_clip) / contrast_clip, 0.0)
+    v = torch.where(valid, 1.0 + (max_weight - 1.0) * u, 0.0)
     n_tok = valid.sum(-1, keepdim=True)
     vbar = v.sum(-1, keepdim=True) / n_tok.clamp(min=1).to(dtype)
     # v >= 1 on valid tokens, so vbar >= 1 wherever a response has a token: no division by ~0
@@ -100,9 +88,6 @@ class CoRT(_BetaRamp, _RewardWeighted):
 
     def setup(self, task, services: MethodServices | None = None) -> None:
         super().setup(task, services)
-        # CoRT rescores the response under the prompt it was sampled from (the rubric in it)
-        # and under the same prompt without the rubric. Information that arrives as
-        # per-response verifier blocks (an SQLite error) is not in the sampling prompt.
         if not getattr(task, "info_in_prompt", False):
             name = getattr(task, "name", type(task).__name__)
             raise ValueError(
@@ -112,11 +97,6 @@ class CoRT(_BetaRamp, _RewardWeighted):
                 f"blocks (info_in_prompt=False); use task=ifeval or task=synthetic with "
                 f"method=cort, or method=mrtpo / method=grpo with task={name}"
             )
-
-    def _c_vector(self, k: int, dtype: torch.dtype, device) -> Tensor:
-        if self._c is not None and len(self._c) == k:
-            return torch.tensor(self._c, dtype=dtype, device=device)
-        return torch.ones(k, dtype=dtype, device=device)
 
     def replay_pairs(self, rewards: Tensor, group: Tensor, has_block: Tensor) -> Tensor:
         """``[N, 1]``: responses whose GRPO advantage can be non-zero (their group's summed
@@ -137,11 +117,7 @@ class CoRT(_BetaRamp, _RewardWeighted):
         adv = grpo_advantages(inputs.rewards, inputs.group, c, self.eps)
         n = inputs.rewards.shape[0]
         q, replayed = inputs.q, inputs.replayed
-        if q is not None and (q.dim() != 3 or q.shape[:2] != (n, 1)):
-            raise ValueError(
-                f"cort expects log-likelihood contrasts q of shape [N={n}, 1, T], got "
-                f"{tuple(q.shape)}"
-            )
+        _check_q(q, n, 1, "cort expects log-likelihood contrasts q")
         weights = None
         if q is None or beta == 0.0:
             # GRPO's own path: nothing to reweight, so the output is GRPO's to the last bit.
@@ -150,13 +126,11 @@ class CoRT(_BetaRamp, _RewardWeighted):
             weights = self.token_weights(q, inputs.mask, replayed, inputs.step)
             w = weights[:, 0, :]
             valid = inputs.mask.to(device=adv.device, dtype=torch.bool)
-            zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
-            tok = torch.where(valid, adv[:, None] * w.to(device=adv.device, dtype=adv.dtype), zero)
+            tok = torch.where(valid, adv[:, None] * w.to(device=adv.device, dtype=adv.dtype), 0.0)
             stats.update(self._weight_stats(q, w, valid, replayed))
         stats.update(_adv_stats(tok, inputs.mask))
         stats["beta"] = beta
-        done = 0.0 if replayed is None or q is None else float(replayed.to(torch.bool).sum())
-        stats["replayed_share"] = done / n if n else 0.0
+        stats["replayed_share"] = _replayed_share(inputs, joint=True)
         return CreditOutput(tok, stats, weights=weights)
 
     @staticmethod

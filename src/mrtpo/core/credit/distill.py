@@ -1,12 +1,7 @@
 """Distillation math for on-policy self-distillation (OPSD): pure tensor functions.
 
-* ``generalized_jsd``: as the OPSD authors' code (after TRL's GKD loss): ``β = 0`` is
-  ``KL(teacher ‖ student)``, ``β = 1`` ``KL(student ‖ teacher)``, between them
-  ``β KL(teacher ‖ m) + (1 − β) KL(student ‖ m)``, ``m = (1 − β) student + β teacher`` (the
-  mixed form tends to 0, not a KL, at the ends: hence the special cases);
-* ``generalized_jsd_chunked``: the same from ``[n, T, V]`` logits a chunk at a time (float32
-  working set ``chunk x V``; chunks are recomputed in the backward);
-* ``sampled_token_scores``: the sampled-token variant's teacher/student log-probs and argmax.
+``generalized_jsd`` follows the OPSD authors' code (after TRL's GKD loss): the mixed form
+tends to 0, not a KL, at ``β = 0`` and ``1``, hence the special cases there.
 """
 
 from __future__ import annotations
@@ -22,13 +17,6 @@ from torch.utils.checkpoint import checkpoint
 
 from mrtpo.core.credit.advantages import compute_dtype
 
-__all__ = [
-    "TeacherScores",
-    "generalized_jsd",
-    "generalized_jsd_chunked",
-    "sampled_token_scores",
-]
-
 
 @dataclass
 class TeacherScores:
@@ -43,8 +31,7 @@ class TeacherScores:
 def _xlogy_ratio(logp: Tensor, logq: Tensor) -> Tensor:
     """``p (log p - log q)`` elementwise, 0 where ``p`` is 0 (``-inf`` log-probs allowed)."""
     p = logp.exp()
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    return torch.where(p > 0, p * (logp - logq), zero)
+    return torch.where(p > 0, p * (logp - logq), 0.0)
 
 
 def _log_mixture_ratio(d: Tensor, w_other: float) -> Tensor:
@@ -71,40 +58,48 @@ def generalized_jsd(logp_student: Tensor, logp_teacher: Tensor, beta: float = 0.
         return _xlogy_ratio(t, s).sum(-1)
     if beta == 1.0:
         return _xlogy_ratio(s, t).sum(-1)
-    zero = torch.zeros((), dtype=dtype, device=s.device)
     ps, pt = s.exp(), t.exp()
     # KL(p || m) = -sum p log(m / p); the student's mixture share is 1 - beta
-    kl_t = -torch.where(pt > 0, pt * _log_mixture_ratio(s - t, 1.0 - beta), zero).sum(-1)
-    kl_s = -torch.where(ps > 0, ps * _log_mixture_ratio(t - s, beta), zero).sum(-1)
+    kl_t = -torch.where(pt > 0, pt * _log_mixture_ratio(s - t, 1.0 - beta), 0.0).sum(-1)
+    kl_s = -torch.where(ps > 0, ps * _log_mixture_ratio(t - s, beta), 0.0).sum(-1)
     return beta * kl_t + (1.0 - beta) * kl_s
 
 
 TeacherLogits = Tensor | Callable[[int, int], Tensor]
 
 
-def _teacher_chunk(teacher: TeacherLogits, s: int, e: int) -> Tensor:
-    return teacher[:, s:e] if isinstance(teacher, Tensor) else teacher(s, e)
+def _log_softmax(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / temperature)`` in float32 (no division at temperature 1)."""
+    x = logits.float()
+    return torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+
+
+def _teacher_piece(teacher: TeacherLogits, s: int, e: int, ids, temperature, device=None):
+    """The teacher's log-probs at positions ``[s, e)`` (no grad, on ``device`` if given), its
+    log-prob of each ``y_t`` and whether ``y_t`` is its argmax."""
+    with torch.no_grad():
+        x = teacher[:, s:e] if isinstance(teacher, Tensor) else teacher(s, e)
+        lt = _log_softmax(x if device is None else x.to(device), temperature)
+        y = ids[:, s:e].to(lt.device)
+        return lt, lt.gather(-1, y[..., None]).squeeze(-1), lt.argmax(-1) == y
 
 
 def _jsd_piece(
     s_logits: Tensor, s: int, e: int, *, teacher_logits, ids: Tensor, beta, temperature
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``generalized_jsd_chunked`` on positions ``[s, e)`` (a unit of checkpointing)."""
-    with torch.no_grad():
-        tl = _teacher_chunk(teacher_logits, s, e).to(s_logits.device).float()
-        if temperature != 1.0:
-            tl = tl / temperature
-        lt = torch.log_softmax(tl, dim=-1)
-    x = s_logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    ls = torch.log_softmax(x, dim=-1)
-    y = ids[:, s:e, None]
-    div = generalized_jsd(ls, lt, beta)
-    t_y = lt.gather(-1, y).squeeze(-1)
-    s_y = ls.detach().gather(-1, y).squeeze(-1)
-    top1 = lt.argmax(-1) == y.squeeze(-1)
-    return div, t_y, s_y, top1
+    lt, t_y, top1 = _teacher_piece(teacher_logits, s, e, ids, temperature, s_logits.device)
+    ls = _log_softmax(s_logits, temperature)
+    s_y = ls.detach().gather(-1, ids[:, s:e, None]).squeeze(-1)
+    return generalized_jsd(ls, lt, beta), t_y, s_y, top1
+
+
+def _masked_cat(parts, valid: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Per-chunk ``[n, c]`` pieces joined along positions, 0 (False) off ``valid``."""
+    x = torch.cat(parts, dim=1) if parts else torch.zeros_like(valid, dtype=dtype)
+    if x.dtype == torch.bool:
+        return x & valid
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=valid.device))
 
 
 def generalized_jsd_chunked(
@@ -134,27 +129,14 @@ def generalized_jsd_chunked(
         _jsd_piece, teacher_logits=teacher_logits, ids=ids, beta=beta, temperature=temperature
     )
 
-    divs, t_ys, s_ys, tops = [], [], [], []
+    pieces = []
     for s in range(0, t, step):
         e = min(t, s + step)
-        x = student_logits[:, s:e]
-        if grad:
-            out = checkpoint(piece, x, s, e, use_reentrant=False)
-        else:
-            out = piece(x, s, e)
-        for acc, v in zip((divs, t_ys, s_ys, tops), out, strict=True):
-            acc.append(v)
-    div = torch.cat(divs, dim=1) if divs else torch.zeros((n, t), device=dev)
-    t_y = torch.cat(t_ys, dim=1) if t_ys else torch.zeros((n, t), device=dev)
-    s_y = torch.cat(s_ys, dim=1) if s_ys else torch.zeros((n, t), device=dev)
-    top1 = torch.cat(tops, dim=1) if tops else torch.zeros((n, t), dtype=torch.bool, device=dev)
-    zero = torch.zeros((), dtype=div.dtype, device=dev)
-    return (
-        torch.where(valid, div, zero),
-        torch.where(valid, t_y, zero),
-        torch.where(valid, s_y, zero),
-        top1 & valid,
-    )
+        args = (student_logits[:, s:e], s, e)
+        pieces.append(checkpoint(piece, *args, use_reentrant=False) if grad else piece(*args))
+    div, t_y, s_y, top1 = list(zip(*pieces, strict=True)) or [()] * 4
+    parts = (_masked_cat(div, valid), _masked_cat(t_y, valid), _masked_cat(s_y, valid))
+    return (*parts, _masked_cat(top1, valid, torch.bool))
 
 
 def sampled_token_scores(
@@ -168,19 +150,10 @@ def sampled_token_scores(
     the teacher's logits (tensor or ``f(s, e)``), chunk by chunk, 0/False off ``mask``."""
     n, t = response_ids.shape
     step = max(1, int(chunk) // max(n, 1))
-    lps, tops = [], []
-    with torch.no_grad():
-        for s in range(0, t, step):
-            e = min(t, s + step)
-            x = _teacher_chunk(teacher_logits, s, e).float()
-            if temperature != 1.0:
-                x = x / temperature
-            lt = torch.log_softmax(x, dim=-1)
-            y = response_ids[:, s:e, None].to(lt.device)
-            lps.append(lt.gather(-1, y).squeeze(-1))
-            tops.append(lt.argmax(-1) == y.squeeze(-1))
-    dev = lps[0].device if lps else torch.device("cpu")
-    valid = mask.to(device=dev, dtype=torch.bool)
-    lp = torch.cat(lps, dim=1) if lps else torch.zeros((n, t), device=dev)
-    top1 = torch.cat(tops, dim=1) if tops else torch.zeros((n, t), dtype=torch.bool, device=dev)
-    return torch.where(valid, lp, torch.zeros((), device=dev)), top1 & valid
+    pieces = [
+        _teacher_piece(teacher_logits, s, min(t, s + step), response_ids, temperature)[1:]
+        for s in range(0, t, step)
+    ]
+    lps, tops = list(zip(*pieces, strict=True)) or [(), ()]
+    valid = mask.to(device=lps[0].device if lps else "cpu", dtype=torch.bool)
+    return _masked_cat(lps, valid), _masked_cat(tops, valid, torch.bool)

@@ -117,10 +117,6 @@ class StepView:
     device: Any = None
 
 
-PER_REWARD_JSD = RelevanceRequest("per_reward", "jsd")
-JOINT_JSD = RelevanceRequest("joint", "jsd")
-
-
 @dataclass
 class CreditOutput:
     advantages: Tensor  # [N, T] token advantages, 0 on pads
@@ -147,14 +143,8 @@ class RewardSet:
 
 
 class AdvantageMethod(ABC):
-    """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``.
-
-    ``setup(task, services)`` validates against the task (first before the model loads, without
-    services, so a bad combination fails cheaply) and later takes what the hooks need. Optional
-    hooks bring a method's own signal without the step knowing it: ``score_inputs`` (no-grad,
-    once per step, as ``CreditInputs.extra``), ``token_loss`` (added in every update micro-batch),
-    ``schedule`` (logged as ``train/<key>``) and ``replays`` (whether this step needs replay).
-    """
+    """Base class. Subclasses implement ``__call__``; relevance methods set ``relevance``. The
+    optional hooks below bring a method's own signal without the step knowing it."""
 
     #: What replay must compute for this method (None: no replay).
     relevance: ClassVar[RelevanceRequest | None] = None
@@ -165,7 +155,8 @@ class AdvantageMethod(ABC):
 
     def setup(self, task, services: MethodServices | None = None) -> None:
         """Validate against ``task`` (a ``Task`` or a ``RewardSet``), raising a config error naming
-        the method and the task; with ``services``, also bind to the step. Subclasses extend it."""
+        the method and the task: first before the model loads, without ``services`` (a bad
+        combination fails cheaply), then with them, to bind to the step. Subclasses extend it."""
         self.reward_names = tuple(task.reward_names)
         ranges = getattr(task, "reward_ranges", None)
         self.reward_lower_bounds = _lower_bounds(self.reward_names, ranges)
@@ -204,9 +195,7 @@ class AdvantageMethod(ABC):
     def __call__(self, inputs: CreditInputs) -> CreditOutput: ...
 
 
-# --------------------------------------------------------------------------------------------
-# Concrete methods. Each is selected by ``method=<config_name>`` (configs/method/<name>.yaml).
-# --------------------------------------------------------------------------------------------
+# ---- concrete methods, each selected by ``method=<config_name>`` (configs/method/<name>.yaml)
 
 
 def checked_beta(
@@ -246,12 +235,7 @@ def _lower_bounds(
 ) -> tuple[float, ...]:
     """Each reward's lowest value, in ``reward_names`` order (0 for names not listed)."""
     ranges = dict(reward_ranges or {})
-    unknown = sorted(set(ranges) - set(reward_names))
-    if unknown:
-        raise ValueError(
-            f"the task's reward_ranges name unknown reward(s) {unknown}; its rewards are "
-            f"{list(reward_names)}"
-        )
+    _refuse_unknown(ranges, reward_names, "the task's reward_ranges name", "its")
     out = []
     for name in reward_names:
         lo, hi = ranges.get(name, (0.0, 1.0))
@@ -261,12 +245,18 @@ def _lower_bounds(
     return tuple(out)
 
 
+def _refuse_unknown(given, reward_names, what: str, whose: str) -> None:
+    unknown = sorted(set(given) - set(reward_names))
+    if unknown:
+        raise ValueError(
+            f"{what} unknown reward(s) {unknown}; {whose} rewards are {list(reward_names)}"
+        )
+
+
 def _broadcast(adv: Tensor, mask: Tensor) -> Tensor:
     """Response advantages ``[N]`` -> token advantages ``[N, T]`` (0 on pads)."""
     valid = mask.to(device=adv.device, dtype=torch.bool)
-    return torch.where(
-        valid, adv[:, None].expand(valid.shape), torch.zeros((), dtype=adv.dtype, device=adv.device)
-    )
+    return torch.where(valid, adv[:, None], torch.zeros((), dtype=adv.dtype, device=adv.device))
 
 
 def _adv_stats(tok: Tensor, mask: Tensor) -> dict[str, float]:
@@ -280,6 +270,21 @@ def _adv_stats(tok: Tensor, mask: Tensor) -> dict[str, float]:
         "min": float(vals.min()),
         "max": float(vals.max()),
     }
+
+
+def _check_q(q: Tensor | None, n: int, width: int, what: str) -> None:
+    """Refuse relevance ``q`` (if given) that is not ``[n, width, T]``."""
+    if q is not None and (q.dim() != 3 or q.shape[:2] != (n, width)):
+        raise ValueError(f"{what} of shape [N={n}, {width}, T], got {tuple(q.shape)}")
+
+
+def _replayed_share(inputs: CreditInputs, joint: bool) -> float:
+    """Share of candidate pairs replayed: present (response, reward) pairs, or responses."""
+    if inputs.replayed is None or inputs.q is None:
+        return 0.0
+    done = float(inputs.replayed.to(torch.bool).sum())
+    total = inputs.rewards.shape[0] if joint else int((~torch.isnan(inputs.rewards)).sum())
+    return done / total if total else 0.0
 
 
 class _RewardWeighted(AdvantageMethod):
@@ -311,13 +316,16 @@ class _RewardWeighted(AdvantageMethod):
                 + " instead"
             )
         if self.reward_weights:
-            unknown = sorted(set(self.reward_weights) - set(self.reward_names))
-            if unknown:
-                raise ValueError(
-                    f"method.reward_weights names unknown reward(s) {unknown}; this task's "
-                    f"rewards are {list(self.reward_names)}"
-                )
+            _refuse_unknown(
+                self.reward_weights, self.reward_names, "method.reward_weights names", "this task's"
+            )
             self._c = [float(self.reward_weights.get(n, 1.0)) for n in self.reward_names]
+
+    def _c_vector(self, k: int, dtype: torch.dtype, device) -> Tensor:
+        """The configured ``c_k`` as a ``[K]`` tensor (ones when none are, or for another K)."""
+        if self._c is not None and len(self._c) == k:
+            return torch.tensor(self._c, dtype=dtype, device=device)
+        return torch.ones(k, dtype=dtype, device=device)
 
     def _coefficients(self, inputs: CreditInputs) -> tuple[Tensor, dict[str, float]]:
         """``c_k [K]``: configured weights, times SAW's batch weights for ``*_saw`` methods."""
@@ -328,9 +336,7 @@ class _RewardWeighted(AdvantageMethod):
             raise RuntimeError("method.reward_weights is set but setup() was never called")
         if self._c is not None and len(self._c) != k:
             raise ValueError(f"setup() saw {len(self._c)} rewards but the batch has {k}")
-        c = torch.ones(k, dtype=dtype, device=rewards.device)
-        if self._c is not None:
-            c = torch.tensor(self._c, dtype=dtype, device=rewards.device)
+        c = self._c_vector(k, dtype, rewards.device)
         stats: dict[str, float] = {}
         if self.saw:
             lower = self.reward_lower_bounds
@@ -378,17 +384,11 @@ class GDPOSAW(GDPO):
 
 
 class MRTPO(_BetaRamp, _RewardWeighted):
-    """MRTPO: GDPO's response credit, each reward's share placed on the tokens relevant to it.
-
-    ``c_k A_k`` is spread with weights ``(1 - β) + β q_kt / mean q_k`` (``q``: self-replay's
-    relevance), under a cap, with GDPO's batch normalization; β = 0 *is* GDPO. Knobs: ``beta``
-    (0.5 in the paper), ``beta_warmup_steps``, ``eps``, ``reward_weights``, ``cap`` (``batch``,
-    ``token``, ``response``, ``none``; docs/method.md). Ablations: ``mrtpo_saw``,
-    ``mrtpo_shuffle``, ``mrtpo_joint``.
-    """
+    """MRTPO: GDPO's response credit, each reward's share placed on the tokens relevant to it
+    (``mrtpo.core.credit.relevance``; β = 0 *is* GDPO). Knobs and the cap: docs/method.md."""
 
     config_name = "mrtpo"
-    relevance: ClassVar[RelevanceRequest | None] = PER_REWARD_JSD
+    relevance: ClassVar[RelevanceRequest | None] = RelevanceRequest("per_reward", "jsd")
     #: Permute each pair's weights over its valid tokens (the shuffle ablation).
     shuffle: ClassVar[bool] = False
 
@@ -402,8 +402,7 @@ class MRTPO(_BetaRamp, _RewardWeighted):
         context: str = "delete",
     ):
         super().__init__(eps=eps, reward_weights=reward_weights)
-        # method.context: P_\k deletes the information's text (delete) or hides its tokens
-        # from attention, every position kept (mask)
+        # method.context is RelevanceRequest.form
         self.relevance = replace(type(self).relevance, form=str(context))
         self.cap = check_cap(cap, "method.cap")
         self.beta_max, self.beta_warmup_steps = checked_beta(
@@ -430,15 +429,8 @@ class MRTPO(_BetaRamp, _RewardWeighted):
         c, stats = self._coefficients(inputs)
         n, k = inputs.rewards.shape
         q, replayed = inputs.q, inputs.replayed
-        w = None
-        if q is not None:
-            width = 1 if joint else k
-            if q.dim() != 3 or q.shape[:2] != (n, width):
-                raise ValueError(
-                    f"{self.config_name} expects relevance q of shape [N={n}, {width}, T], "
-                    f"got {tuple(q.shape)}"
-                )
-            w = self.token_weights(q, inputs.mask, replayed, inputs.step)
+        _check_q(q, n, 1 if joint else k, f"{self.config_name} expects relevance q")
+        w = None if q is None else self.token_weights(q, inputs.mask, replayed, inputs.step)
         used = w
         if w is not None and self.shuffle:
             rows = global_row_index(n, inputs.process_group, inputs.rewards.device)
@@ -457,24 +449,14 @@ class MRTPO(_BetaRamp, _RewardWeighted):
         )
         stats.update(_adv_stats(tok, inputs.mask))
         stats["beta"] = beta
-        for key in ("cap_s", "cap_bound_share", "sign_flip_share", "credit_change"):
-            if key in cap_stats:
-                stats[key] = cap_stats[key]
-        stats["replayed_share"] = self._replayed_share(inputs, joint)
+        keys = ("cap_s", "cap_bound_share", "sign_flip_share", "credit_change")
+        stats.update({key: cap_stats[key] for key in keys if key in cap_stats})
+        stats["replayed_share"] = _replayed_share(inputs, joint)
         if q is not None and replayed is not None:
             sel = inputs.mask.to(torch.bool)[:, None, :] & replayed.to(torch.bool)[:, :, None]
             if bool(sel.any()):
                 stats["relevance_mean"] = float(q.to(torch.float32)[sel].mean())
         return CreditOutput(tok, stats, cap_stats["realloc"], weights=w)
-
-    @staticmethod
-    def _replayed_share(inputs: CreditInputs, joint: bool) -> float:
-        """Share of candidate pairs replayed: present (response, reward) pairs, or responses."""
-        if inputs.replayed is None or inputs.q is None:
-            return 0.0
-        done = float(inputs.replayed.to(torch.bool).sum())
-        total = inputs.rewards.shape[0] if joint else int((~torch.isnan(inputs.rewards)).sum())
-        return done / total if total else 0.0
 
 
 class MRTPOSAW(MRTPO):
@@ -497,4 +479,4 @@ class MRTPOJoint(MRTPO):
     GDPO's summed credit; a response is replayed when any of its rewards would be."""
 
     config_name = "mrtpo_joint"
-    relevance: ClassVar[RelevanceRequest | None] = JOINT_JSD
+    relevance: ClassVar[RelevanceRequest | None] = RelevanceRequest("joint", "jsd")

@@ -1,17 +1,8 @@
 """OPSD: on-policy self-distillation (Zhao et al., arXiv 2601.18734; github.com/siyan-zhao/OPSD).
 
-No reward credit: rewards are logged, but the policy only learns to match a teacher, the
-frozen *initial* model reading each response after a context that shows the reference
-solution as an earlier answer (``Task.teacher_messages``). Variants (``method.variant``):
-
-* ``full`` (their default): per-token generalized JSD over the vocabulary, weight ``beta``
-  (0: ``KL(teacher ‖ student)``, 1: ``KL(student ‖ teacher)``), aggregated by ``rl.loss_agg``
-  through the ``token_loss`` hook (token advantages are 0);
-* ``sampled`` (their ``--use_tinker_loss``): advantage ``log p_teacher(y_t) − log
-  p_student(y_t)`` without gradient, in the clipped surrogate.
-
-Knobs: ``variant``, ``beta``, ``coef``. ``bind`` builds the teacher from the lent initial
-policy, ``score_inputs`` scores under it, ``token_loss`` adds the divergence.
+No reward credit: ``method.variant`` ``full`` adds a generalized JSD to the frozen teacher
+(the ``token_loss`` hook), ``sampled`` uses ``log p_teacher(y_t) − log p_student(y_t)`` as the
+advantage; docs/method.md, "OPSD", has the details.
 """
 
 from __future__ import annotations
@@ -37,11 +28,6 @@ from mrtpo.core.loss import aggregate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPSD"]
-
-FULL = TeacherRequest(sampled=False, full=True)
-SAMPLED = TeacherRequest(sampled=True, full=False)
-
 
 class OPSD(AdvantageMethod):
     """On-policy self-distillation from the frozen initial model with the reference in view."""
@@ -66,10 +52,9 @@ class OPSD(AdvantageMethod):
         self.jsd_beta = float(beta)
         self.coef = float(coef)
         self.chunk = int(chunk)
-        # Instance attributes: the variant decides what runs.
-        self.teacher = FULL if variant == "full" else SAMPLED
+        self.teacher = TeacherRequest(sampled=variant == "sampled", full=variant == "full")
         self.wants_logits = self.teacher.full
-        self.frozen: Teacher | None = None  # built by bind
+        self.frozen: Teacher | None = None  # built by setup, given services
         self._task = None
 
     # ---- start-up --------------------------------------------------------------------
@@ -78,7 +63,15 @@ class OPSD(AdvantageMethod):
         if hasattr(task, "examples"):  # a task, not only its reward set (``RewardSet``)
             self._check_references(task)
         if services is not None:
-            self._bind(services)
+            model, adapters_off = services.frozen_policy()
+            self.frozen = Teacher(
+                model,
+                services.tokenizer,
+                adapters_off=adapters_off,
+                token_budget=services.token_budget,
+                shared_prompt=services.shared_prompt,
+            )
+            self._task, self._chunk = services.task, services.chunk
 
     def _check_references(self, task) -> None:
         name = getattr(task, "name", type(task).__name__)
@@ -95,23 +88,10 @@ class OPSD(AdvantageMethod):
             )
         if have < len(examples):
             log.warning(
-                "method=opsd: %d of %d training examples of task=%s have no reference; their "
-                "responses get no distillation signal (train/adv/teacher_share counts them)",
-                len(examples) - have,
-                len(examples),
-                name,
+                f"method=opsd: {len(examples) - have} of {len(examples)} training examples of "
+                f"task={name} have no reference; their responses get no distillation signal "
+                "(train/adv/teacher_share counts them)"
             )
-
-    def _bind(self, services: MethodServices) -> None:
-        model, adapters_off = services.frozen_policy()
-        self.frozen = Teacher(
-            model,
-            services.tokenizer,
-            adapters_off=adapters_off,
-            token_budget=services.token_budget,
-            shared_prompt=services.shared_prompt,
-        )
-        self._task, self._chunk = services.task, services.chunk
 
     def _bound(self) -> Teacher:
         if self.frozen is None:

@@ -1,15 +1,6 @@
-"""MRTPO's token-level credit: relevance scores, token weights, the cap and the β schedule.
-
-Replay gives each position's next-token distribution with all verifier blocks and with block
-``k`` left out; their Jensen–Shannon *distance* (in [0, 1]) is the token's relevance to reward
-``k``. Each reward's GDPO advantage is spread by it, keeping the per-response total:
-
-* ``w_kt = (1 - β) + β q_kt / mean_t q_kt`` averages 1 and never drops below ``1 - β``;
-* ``R_t = Σ_k c_k A_k (w_kt - 1)`` sums to zero per response and is capped (``cap``): per
-  token at the response advantage's magnitude (``token``, the paper's wording: no sign
-  change), per response (``response``), by one global ``s ≤ 1`` so it never outweighs the
-  uniform part (``batch``, the configs' default), or not at all (``none``);
-* GDPO's mean and std normalize the result, so at β = 0 the output *is* GDPO's, bit for bit.
+"""MRTPO's token-level credit: relevance scores, token weights, the cap and the β schedule
+(docs/method.md, "MRTPO", steps 3–5: the weights, the four forms of the cap and their
+statistics). GDPO's mean and std normalize the result, so at β = 0 it *is* GDPO's, bit for bit.
 """
 
 from __future__ import annotations
@@ -28,18 +19,6 @@ from mrtpo.core.credit.advantages import (
     gdpo_parts,
     reward_weight_vector,
 )
-
-__all__ = [
-    "CAPS",
-    "beta_schedule",
-    "check_cap",
-    "js_distance",
-    "js_distance_chunked",
-    "mrtpo_advantages",
-    "mrtpo_advantages_from_weights",
-    "relevance_weights",
-    "shuffle_weights",
-]
 
 LN2 = math.log(2.0)
 
@@ -71,11 +50,10 @@ def js_distance(logp_a: Tensor, logp_b: Tensor) -> Tensor:
     p_hi = hi.exp()
     p_lo = lo.exp()
     log_hi_m = _log_ratio_to_mixture(-gap)
-    zero = torch.zeros((), dtype=dtype, device=a.device)
     # p * log(p/m) + q * log(q/m), each term dropped where its probability is 0 (where both
     # are 0, gap is NaN and both terms are dropped).
-    terms = torch.where(p_hi > 0, p_hi * log_hi_m, zero)
-    terms = terms + torch.where(p_lo > 0, p_lo * (log_hi_m - gap), zero)
+    terms = torch.where(p_hi > 0, p_hi * log_hi_m, 0.0)
+    terms = terms + torch.where(p_lo > 0, p_lo * (log_hi_m - gap), 0.0)
     jsd = 0.5 * terms.sum(-1)
     return (jsd / LN2).clamp(0.0, 1.0).sqrt()
 
@@ -108,8 +86,7 @@ def relevance_weights(q: Tensor, mask: Tensor, replayed: Tensor | None, beta: fl
     dtype = compute_dtype(q)
     qd = q.to(dtype)
     valid = mask.to(torch.bool)[:, None, :].expand_as(qd)
-    zero = torch.zeros((), dtype=dtype, device=qd.device)
-    qv = torch.where(valid, qd, zero)
+    qv = torch.where(valid, qd, 0.0)
     n_tok = valid.sum(-1, keepdim=True).clamp(min=1).to(dtype)
     qbar = qv.sum(-1, keepdim=True) / n_tok
     ok = valid & (qbar > 1e-8)
@@ -192,14 +169,10 @@ def _reallocation(a_k: Tensor, s_resp: Tensor, w: Tensor | None, weights, joint)
 
 def _batch_factor(s_resp: Tensor, realloc: Tensor, valid: Tensor, process_group) -> dict:
     """cap=batch: ``s = min(1, sqrt(sum S^2 / sum R^2))`` over the global batch's tokens."""
-    n_tok = valid.sum(-1).to(torch.float64)
-    sums = torch.stack(
-        [
-            (s_resp.to(torch.float64).square() * n_tok).sum(),
-            realloc.to(torch.float64).square().sum(),
-        ]
+    s2 = (s_resp.to(torch.float64).square() * valid.sum(-1).to(torch.float64)).sum()
+    sums = all_reduce_sum(
+        torch.stack([s2, realloc.to(torch.float64).square().sum()]), process_group
     )
-    sums = all_reduce_sum(sums, process_group)
     sum_s2, sum_r2 = float(sums[0]), float(sums[1])
     cap = min(1.0, math.sqrt(sum_s2 / sum_r2)) if sum_r2 > 0 else 1.0
     return {"cap_s": cap, "sum_S2": sum_s2, "sum_R2": sum_r2}
@@ -224,10 +197,8 @@ def _capped(adv: Tensor, realloc: Tensor, denom: Tensor, valid: Tensor, cap: str
 
 
 def _cap_stats(tok, adv, x, moved, valid, process_group) -> dict[str, float]:
-    """Global shares of valid tokens where the cap changed the reallocation (by more than
-    1e-6 of ``|x_t| + |A(j)|``: rounding does not count) and where the
-    token's sign is opposite to its response's, and the mean relative change of a response's
-    total credit (over responses with |A| > 1e-6)."""
+    """``cap_bound_share`` (changed by more than 1e-6 of ``|x_t| + |A(j)|``: rounding does not
+    count), ``sign_flip_share`` and ``credit_change``, over the global batch (docs/method.md)."""
     dt = torch.float64
     a = adv[:, None].expand_as(tok)
     n_tok = valid.sum(-1).to(dt)
@@ -268,29 +239,25 @@ def mrtpo_advantages_from_weights(
 ) -> Tensor | tuple[Tensor, dict[str, Any]]:
     """Token advantages ``[N, T]`` from token weights ``w`` (``[N, K, T]`` or joint ``[N, 1, T]``;
     ``None``: uniform, i.e. GDPO), 0 on pads. ``joint`` (default: ``w.shape[1] == 1`` while K > 1)
-    weights the summed ``S``. ``cap`` bounds ``x_t = R_t / (sigma + eps)`` added to ``A(j)``:
-    ``batch`` scales all by ``s = min(1, sqrt(sum S^2 / sum R^2))``, ``token`` clips each to
-    ``|A(j)|``, ``response`` scales each response to keep its tokens within ``|A(j)|``, ``none``
-    not at all. ``return_stats`` adds ``realloc`` (``x_t`` before any cap) to the statistics.
-    """
+    weights the summed ``S``. ``cap`` bounds ``x_t = R_t / (sigma + eps)`` (module docstring);
+    ``return_stats`` adds ``realloc`` (``x_t`` before any cap) to the statistics."""
     check_cap(cap)
     a_k, s_resp, _, denom, adv = gdpo_parts(rewards, group, weights, eps, process_group)
     valid = mask.to(device=adv.device, dtype=torch.bool)
-    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
     realloc = _reallocation(a_k, s_resp, w, weights, joint)
     if realloc is None:
         realloc = torch.zeros(valid.shape, dtype=adv.dtype, device=adv.device)
-    realloc = torch.where(valid, realloc, zero)
+    realloc = torch.where(valid, realloc, 0.0)
     stats: dict[str, Any] = {"norm_denom": float(denom)}
     if cap == "batch":
         stats.update(_batch_factor(s_resp, realloc, valid, process_group))
     moved = _capped(adv, realloc, denom, valid, cap, stats.get("cap_s", 1.0))
     # GDPO's A plus the capped reallocation, so that R = 0 (beta = 0, no replay) leaves
     # GDPO's advantages untouched to the last bit
-    tok = torch.where(valid, adv[:, None] + moved, zero)
+    tok = torch.where(valid, adv[:, None] + moved, 0.0)
     if not return_stats:
         return tok
-    x = torch.where(valid, realloc / denom, zero)
+    x = torch.where(valid, realloc / denom, 0.0)
     stats.update(_cap_stats(tok, adv, x, moved, valid, process_group))
     stats["realloc"] = x
     return tok, stats
@@ -310,12 +277,9 @@ def mrtpo_advantages(
     joint: bool | None = None,
     cap: str = "batch",
 ) -> Tensor | tuple[Tensor, dict[str, Any]]:
-    """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``None``: GDPO broadcast). With
-    ``return_stats`` also the cap's statistics: ``norm_denom`` (``sigma + eps``),
-    ``cap_bound_share``, ``sign_flip_share``, ``credit_change``, ``realloc`` and for ``batch``
-    ``cap_s``, ``sum_S2``, ``sum_R2``.
-    """
-    check_cap(cap)
+    """MRTPO token advantages ``[N, T]`` from relevance ``q`` (``None``: GDPO broadcast); with
+    ``return_stats`` also the cap's statistics (``mrtpo_advantages_from_weights``), ``norm_denom``
+    (``sigma + eps``) and for ``batch`` ``cap_s``, ``sum_S2``, ``sum_R2``."""
     w = None if q is None else relevance_weights(q, mask, replayed, beta)
     return mrtpo_advantages_from_weights(
         rewards, group, w, mask, weights, eps, process_group, joint, return_stats, cap

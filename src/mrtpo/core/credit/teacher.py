@@ -1,12 +1,7 @@
-"""The frozen teacher of self-distillation: the initial model reading each sampled response
-after the task's teacher context (``Task.teacher_messages``), under no_grad.
-
-``TeacherRequest`` picks the pass: ``score`` (once per step, each sampled token's teacher
-log-prob and whether it is the teacher's argmax) or ``logits`` (per update micro-batch,
-``f(s, e)`` giving logits at positions ``[s, e)`` from hidden states kept once, the head
-applied per chunk by the caller; non-plain heads fall back to logits, as in replay).
-The weights are a frozen copy of the initial ones, or under LoRA the policy with its
-adapters off.
+"""The frozen teacher of self-distillation: the initial model (a frozen copy, or under LoRA
+the policy with its adapters off) reading each sampled response after the task's teacher
+context (``Task.teacher_messages``), under no_grad. ``TeacherRequest`` picks the pass:
+``score`` (once per step) or ``logits`` (per update micro-batch, the head applied per chunk).
 """
 
 from __future__ import annotations
@@ -74,12 +69,9 @@ class Teacher:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
-                if self.adapters_off:
-                    with model.disable_adapter():
-                        yield model
-                else:
-                    yield model
+            adapters = model.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+            with torch.no_grad(), adapters:
+                yield model
         finally:
             model.train(was_training)
 
@@ -107,19 +99,14 @@ class Teacher:
         logp = torch.zeros((n, t), dtype=torch.float32)
         top1 = torch.zeros((n, t), dtype=torch.bool)
         lengths = roll.response_mask.sum(-1)
-        todo = sorted((j for j in range(n) if ctx[j] is not None), key=lambda j: len(ctx[j]))
-        packs: list[list[int]] = []
-        cur: list[int] = []
-        for j in todo:
-            width = max([len(ctx[i]) + int(lengths[i]) for i in [*cur, j]])
-            if cur and (len(cur) + 1) * width > self.token_budget:
-                packs.append(cur)
-                cur = []
-            cur.append(j)
-        if cur:
-            packs.append(cur)
+        packs: list[list[int]] = [[]]  # by context length, each within the token budget
+        for j in sorted((j for j in range(n) if ctx[j] is not None), key=lambda j: len(ctx[j])):
+            width = max(len(ctx[i]) + int(lengths[i]) for i in [*packs[-1], j])
+            if packs[-1] and (len(packs[-1]) + 1) * width > self.token_budget:
+                packs.append([])
+            packs[-1].append(j)
         with self._frozen(device) as model:
-            for pack in packs:
+            for pack in filter(None, packs):
                 idx = torch.tensor(pack)
                 tt = max(1, int(lengths[idx].max()))
                 r_ids, r_mask = roll.response_ids[idx, :tt], roll.response_mask[idx, :tt]

@@ -6,6 +6,7 @@ replication's definitions): one step's value, a mean over a few responses, is to
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -37,17 +38,13 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+")
 
 
-def is_plumbing(key: str) -> bool:
-    return key in PLUMBING_KEYS or key.startswith(PLUMBING_PREFIXES)
-
-
 def experiment_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
     """The overrides that define what a run learns, minus the seed: a group's key. The last
     of a key wins (as in Hydra); sorted, so typing order does not split a group."""
     by_key: dict[str, str] = {}
     for o in overrides:
         k = override_key(o)
-        if k != SEED and not is_plumbing(k):
+        if k != SEED and k not in PLUMBING_KEYS and not k.startswith(PLUMBING_PREFIXES):
             by_key[k] = f"{k}={o.split('=', 1)[1]}" if "=" in o else o
     return tuple(sorted(by_key.values()))
 
@@ -137,46 +134,14 @@ def read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _saved_overrides(run: Path) -> list[str] | None:
-    p = run / ".hydra" / "overrides.yaml"
-    if not p.is_file():
-        return None
-    try:
-        return [str(o) for o in OmegaConf.load(p)]
-    except Exception:
-        return None
-
-
-def _saved_seed(run: Path) -> str | None:
-    p = run / ".hydra" / "config.yaml"
-    if not p.is_file():
-        return None
-    try:
-        seed = OmegaConf.load(p).get(SEED)
-    except Exception:
-        return None
-    return None if seed is None else str(seed)
-
-
 def _saved_setting(run: Path, key: str) -> Any:
     """``key`` of the run's newest start (``.hydra/resumes/<time>-<pid>/``, else its own)."""
     hydra = run / ".hydra"
     resumes = sorted((hydra / "resumes").glob("*/config.yaml"), key=lambda p: p.parent.name)
     for p in [*reversed(resumes), hydra / "config.yaml"]:
-        if not p.is_file():
-            continue
-        try:
+        with contextlib.suppress(Exception):  # absent or unreadable: the next one
             return OmegaConf.select(OmegaConf.load(p), key, default=None)
-        except Exception:
-            continue
     return None
-
-
-def _saved_max_steps(run: Path) -> int | None:
-    """``trainer.max_steps`` of the run's newest start; None when unknown or not positive."""
-    value = _saved_setting(run, "trainer.max_steps")
-    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    return value if ok else None
 
 
 def beta_short(run: Path) -> str | None:
@@ -242,7 +207,7 @@ def read_job(folder: Path) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(info, dict):
         return {}, [f"{path}: not a JSON object ({kind_of(info)}); ignored"]
     kept: dict[str, Any] = {}
-    warnings = []
+    warnings: list[str] = []
     for key, ok, what in JOB_KEYS:
         value = info.get(key)
         if value is None or ok(value):
@@ -256,18 +221,21 @@ def load_run(folder: str | Path) -> Run:
     """A run folder: its ``job.json``, else Hydra's saved overrides and config, and curves."""
     folder = Path(folder)
     info, warnings = read_job(folder)
-    overrides = info.get("overrides")
-    if overrides is None:
-        overrides = _saved_overrides(folder)
+    overrides, hydra = info.get("overrides"), folder / ".hydra"
+    with contextlib.suppress(Exception):  # Hydra's records, absent or unreadable: None
+        if overrides is None:
+            overrides = [str(o) for o in OmegaConf.load(hydra / "overrides.yaml")]
     seed = next((o.split("=", 1)[1] for o in overrides or [] if override_key(o) == SEED), None)
-    if seed is None:
-        seed = str(info[SEED]) if info.get(SEED) is not None else _saved_seed(folder)
-    wall = info.get("wall_s")
-    if wall is None:  # a run from before job.json: from its first to its last file write
-        cfg, metrics = folder / ".hydra" / "config.yaml", folder / METRICS
-        if cfg.is_file() and metrics.is_file():
-            wall = max(0.0, metrics.stat().st_mtime - cfg.stat().st_mtime)
-    metrics = folder / METRICS
+    if seed is None and info.get(SEED) is not None:
+        seed = str(info[SEED])
+    with contextlib.suppress(Exception):
+        if seed is None and (saved := OmegaConf.load(hydra / "config.yaml").get(SEED)) is not None:
+            seed = str(saved)
+    wall, cfg, metrics = info.get("wall_s"), folder / ".hydra" / "config.yaml", folder / METRICS
+    if wall is None and cfg.is_file() and metrics.is_file():
+        # a run from before job.json: from its first to its last file write
+        wall = max(0.0, metrics.stat().st_mtime - cfg.stat().st_mtime)
+    max_steps = _saved_setting(folder, "trainer.max_steps")  # of its newest start
     curves: dict[str, list[float]] = {}
     if metrics.is_file():
         try:
@@ -277,7 +245,8 @@ def load_run(folder: str | Path) -> Run:
     return Run(path=folder, overrides=overrides, seed=seed, status=info.get("status"),
                wall_s=None if wall is None else float(wall), run_name=info.get("run_name"),
                curves=curves, job_num=info.get("job_num"), error=info.get("error"),
-               max_steps=_saved_max_steps(folder), warnings=warnings)  # fmt: skip
+               max_steps=max_steps if _is_int(max_steps) and max_steps > 0 else None,
+               warnings=warnings)  # fmt: skip
 
 
 def _natural(path: Path) -> list:
@@ -336,9 +305,7 @@ def headline(names: Iterable[str]) -> str | None:
 
 def metric_names(runs: Iterable[Run], metrics: Sequence[str] = ()) -> list[str]:
     """The ``--metric`` names, else the headline first, then each reward in logged order."""
-    names: list[str] = []
-    for r in runs:
-        names += [m for m in r.curves if m not in names]
+    names = list(dict.fromkeys(m for r in runs for m in r.curves))
     if metrics:
         unknown = [m for m in metrics if m not in names]
         if unknown:

@@ -26,11 +26,6 @@ def _now() -> str:
     return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-def _is_worker() -> bool:
-    """DDP workers re-run the entry point; only the launching process records the run."""
-    return any(os.environ.get(v, "0") != "0" for v in ("LOCAL_RANK", "RANK"))
-
-
 def _sweep_dir(config: DictConfig) -> Path | None:
     """The sweep folder of a multirun job: its output folder minus ``hydra.sweep.subdir``
     (which may hold slashes when an override value is a path)."""
@@ -65,8 +60,8 @@ class RunRecorder(Callback):
         self._started[str(_run_dir(config))] = (time.monotonic(), _now())
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if _is_worker():
-            return
+        if any(os.environ.get(v, "0") != "0" for v in ("LOCAL_RANK", "RANK")):
+            return  # a DDP worker re-ran the entry point: the launching process records the run
         out = _run_dir(config)
         failed = getattr(getattr(job_return, "status", None), "name", "") == "FAILED"
         # the property re-raises a failed job's exception; the field holds it
@@ -97,9 +92,7 @@ class RunRecorder(Callback):
         first = invocations[0]
         record = {
             "run_name": run_name,
-            "task": choices.get("task"),
-            "method": choices.get("method"),
-            "model": choices.get("model"),
+            **{group: choices.get(group) for group in ("task", "method", "model")},
             SEED: OmegaConf.select(config, SEED, default=None),
             "job_num": OmegaConf.select(config, "hydra.job.num", default=None),
             # the overrides the run was created with; a resume's own are in its invocation
@@ -114,10 +107,8 @@ class RunRecorder(Callback):
         write_file(out / RUN_JSON, json.dumps(record, indent=2) + "\n")
         mode = OmegaConf.select(config, "hydra.mode", default=None)
         multirun = getattr(mode, "name", str(mode)).endswith("MULTIRUN")
-        if self.summary and multirun:
-            sweep = _sweep_dir(config)
-            if sweep is not None:
-                write_summary(sweep)
+        if self.summary and multirun and (sweep := _sweep_dir(config)) is not None:
+            write_summary(sweep)
         if multirun and status == "interrupted":  # the signal was for the sweep: no next job
             raise SystemExit(getattr(error, "exit_status", 1))
 
@@ -128,8 +119,3 @@ class RunRecorder(Callback):
         written = write_summary(root) if root.is_dir() else None
         if written:
             print(f"sweep summary: {written[1]}  (compare: python src/report.py {root})")
-
-
-# ---------------------------------------------------------------------------------------------
-# The report over seeds
-# ---------------------------------------------------------------------------------------------

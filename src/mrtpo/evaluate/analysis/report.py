@@ -120,9 +120,7 @@ FEWER = (
 
 def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
     """Paired differences (by seed) of each group's final values against its baseline."""
-    keys = list(groups)
-    lines: list[str] = []
-    rows = []
+    keys, rows = list(groups), []
     for k, rs in groups.items():
         b = baseline_of(k, baseline, keys)
         if b is None or b == k:
@@ -132,7 +130,7 @@ def _paired_section(groups, names, metrics, baseline, level) -> list[str]:
         pairs = max(d.n for d in diffs)
         rows.append([names[k], names[b], pairs, *[_counted(d, pairs) for d in diffs]])
     spec = " ".join(baseline)
-    lines += ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
+    lines = ["", f"## Paired differences of the final value against `{spec}` (by seed)", ""]
     if rows:
         lines.append(markdown_table(["group", "baseline", "seed pairs", *map(shown, metrics)],
                                     rows))  # fmt: skip
@@ -153,9 +151,7 @@ def _tables(groups, names, metrics, level) -> list[str]:
         head = ["group", "seeds", "steps", *map(shown, metrics)]
         rows = []
         for k, rs in groups.items():
-            ivs = intervals(
-                {m: list(_by_seed(rs, m, which).values()) for m in metrics}, level=level
-            )
+            ivs = {m: mean_ci(_by_seed(rs, m, which).values(), level) for m in metrics}
             seeds = len({r.seed_key for r in rs})
             steps = "/".join(map(str, sorted({r.steps for r in rs})))
             steps += "*" * any(r.incomplete for r in rs)  # partial: PARTIAL says so
@@ -170,10 +166,9 @@ def _tables(groups, names, metrics, level) -> list[str]:
 
 def _preamble(groups, names, common, skipped, used, level) -> list[str]:
     """What the report counts and leaves out (and why), and what of the records it ignored."""
-    pct = f"{100 * level:g}%"
     lines = [
-        f"{plural(len(used), 'run')} in {plural(len(groups), 'group')}; mean ± {pct} t interval over "
-        "seeds."
+        f"{plural(len(used), 'run')} in {plural(len(groups), 'group')}; mean ± {100 * level:g}% t "
+        "interval over seeds."
     ]
     if common:
         lines.append(f"Every run: `{' '.join(common)}`.")

@@ -8,10 +8,10 @@ import json
 import math
 import os
 import re
-import stat
 import subprocess
-import tempfile
 from pathlib import Path
+
+from mrtpo.safe_files import UnsafePath, kind, refusal, write_atomic
 
 #: the project root of a source checkout (src/mrtpo/evaluate/analysis/runs.py -> <root>)
 ROOT = Path(__file__).resolve().parents[4]
@@ -55,16 +55,15 @@ def read_metrics(path: str | Path, warnings: list[str] | None = None) -> list[di
     cut = _cut_last_line(path, head, lines)
     rows, bad, long = _numbers(head, lines)
     if warnings is not None:
-        warnings += (
-            [f"{path}: line {cut} is incomplete (a killed writer?); left out"] if cut else []
-        )
+        if cut:
+            warnings.append(f"{path}: line {cut} is incomplete (a killed writer?); left out")
         warnings += [f"{path}: column {_quoted(head[i])} holds a cell that is no number "
                      f"(line {n}: {what}); the column is left out" for i, (n, what) in bad.items()]  # fmt: skip
         if long:
             more = f" (and {len(long) - 3} more rows)" if len(long) > 3 else ""
             warnings.append(
                 f"{path}: line {long[0][0]} has {long[0][1]} cells for the header's {len(head)} "
-                f"columns{more}; {_n_rows(len(long))} left out"
+                f"columns{more}; {'the row is' if len(long) == 1 else 'these rows are'} left out"
             )
     return rows
 
@@ -123,10 +122,6 @@ def _quoted(name: str, most: int = 80) -> str:
     return text if len(text) <= most else f"{text[: most - 12]}...' ({len(name):,} characters)"
 
 
-def _n_rows(k: int) -> str:
-    return "the row is" if k == 1 else "these rows are"
-
-
 @contextlib.contextmanager
 def _field_limit(size: int):
     """csv's cell size limit raised to ``size`` (a file's size bounds its cells) while a file
@@ -169,10 +164,9 @@ def rl_curves(path: str | Path, warnings: list[str] | None = None) -> dict[str, 
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a JSON-lines file (``samples.jsonl``, ``relevance.jsonl``); [] if absent. Lines
-    end at ``\n`` only: the trainer writes text as it is (``ensure_ascii=False``), so a prompt may
-    hold U+2028 or U+0085, which ``str.splitlines`` would take for line ends. A leading BOM is
-    skipped."""
+    """Records of a JSON-lines file ([] if absent; a leading BOM skipped). Lines end at ``\n``
+    only: the trainer writes text as it is (``ensure_ascii=False``), so a prompt may hold U+2028
+    or U+0085, which ``str.splitlines`` would take for line ends."""
     path = Path(path)
     if not path.exists():
         return []
@@ -180,55 +174,28 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
-class UnsafeOutput(ValueError):
+class UnsafeOutput(UnsafePath):
     """An output path holds a link, folder, FIFO or device: nothing was written there."""
 
 
 def check_output(path: str | Path) -> None:
     """Raise ``UnsafeOutput`` (naming it) when something other than a regular file stands at
     ``path``: a link (which may point to a user's file), a folder, a FIFO, a device."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(st.st_mode):
-        return
-    if stat.S_ISLNK(st.st_mode):
-        what = f"a symbolic link (to {os.readlink(path)})"
-    else:
-        what = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-    raise UnsafeOutput(
-        f"refusing to write {path}: it is {what}; the project writes only files it makes "
-        "itself, never through a link. Move it away (what it points to is left as it is) and "
-        "run again, or write elsewhere (--out)"
-    )
+    what = kind(path)
+    if what is not None:
+        raise UnsafeOutput(f"{refusal(path, what)}, or write elsewhere (--out)")
 
 
 def write_file(path: str | Path, data: bytes | str) -> Path:
-    """Write ``path`` whole: a new file in the same folder, renamed over ``path``. A reader never
-    sees half a file. A link (or a folder, FIFO, device) at ``path`` is refused with
-    ``UnsafeOutput`` naming it, so a file a link points to is never written; were a link put there
-    after that check, the rename replaces the link itself, never its target. The temporary file has
-    a random name and is created exclusively, so it cannot be a planted link either. A failed write
-    removes it and raises an ``OSError`` naming ``path``."""
-    path = Path(path)
+    """Write ``path`` whole (``safe_files.write_atomic``: a reader never sees half a file, and a
+    link put there after the check is replaced, never followed). ``UnsafeOutput`` for what
+    ``check_output`` refuses; a failed write raises an ``OSError`` naming ``path``."""
     check_output(path)
-    data = data.encode("utf-8") if isinstance(data, str) else data
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            mask = os.umask(0o022)  # reading the mask means setting it: put it straight back
-            os.umask(mask)
-            os.fchmod(f.fileno(), 0o666 & ~mask)  # what a plain open() would have given it
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError as exc:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-    return path
+    return Path(path)
 
 
 #: Per-step replay metrics of a run, by the name ``run_series`` gives them.

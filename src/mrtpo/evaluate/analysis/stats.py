@@ -38,65 +38,30 @@ class Interval(NamedTuple):
 
     @property
     def sign(self) -> int:
-        """+1 / -1 when the interval lies wholly above / below zero, else 0 (also without
-        an interval)."""
+        """+1 / -1 when the interval lies wholly above / below zero, else 0 (or no interval)."""
         if math.isnan(self.mean) or math.isnan(self.half):
             return 0
         return 1 if self.lo > 0 else -1 if self.hi < 0 else 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Student's t quantile
-# ---------------------------------------------------------------------------------------------
+# ---- Student's t quantile ------------------------------------------------------------------------
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
-    tiny, eps = 1e-300, 1e-15
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-
-    def off_zero(v: float) -> float:
-        return v if abs(v) > tiny else tiny
-
-    c, d = 1.0, 1.0 / off_zero(1.0 - qab * x / qap)
-    h = d
-    for m in range(1, 500):
-        m2 = 2 * m
-        even = m * (b - m) * x / ((qam + m2) * (a + m2))
-        odd = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        for aa in (even, odd):
-            d = 1.0 / off_zero(1.0 + aa * d)
-            c = off_zero(1.0 + aa / c)
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with a whole number ``df`` of degrees of freedom (a count of
+    seeds): Abramowitz & Stegun 26.7.3-4, a finite sum of powers of cos θ, θ = atan(|t|/√df)."""
+    if df <= 0 or df != int(df):
+        raise ValueError(f"degrees of freedom must be positive and whole, got {df}")
+    theta, odd = math.atan(abs(t) / math.sqrt(df)), int(df) % 2
+    c2, term, total = math.cos(theta) ** 2, math.cos(theta) if odd else 1.0, 0.0
+    for k in range(int(df) // 2):
+        term *= (2 * k - 1 + odd) / (2 * k + odd) * c2 if k else 1.0
+        total += term
+    a = 2 / math.pi * (theta + math.sin(theta) * total) if odd else math.sin(theta) * total
+    return 0.5 + 0.5 * a if t >= 0 else 0.5 - 0.5 * a
 
 
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    ln_front = (
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    front = math.exp(ln_front)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
-    if df <= 0:
-        raise ValueError(f"degrees of freedom must be positive, got {df}")
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
-def t_quantile(p: float, df: float) -> float:
+def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile of Student's t with ``df`` degrees of freedom (exact to ~1e-12). Bisection
     on the CDF: slow by numerical standards, instant for a report's few calls."""
     if not 0.0 < p < 1.0:
@@ -110,18 +75,13 @@ def t_quantile(p: float, df: float) -> float:
         lo, hi = hi, hi * 2.0
     for _ in range(200):
         mid = 0.5 * (lo + hi)
-        if t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
         if hi - lo <= 1e-13 * max(1.0, hi):
             break
     return 0.5 * (lo + hi)
 
 
-# ---------------------------------------------------------------------------------------------
-# Intervals
-# ---------------------------------------------------------------------------------------------
+# ---- Intervals -----------------------------------------------------------------------------------
 
 
 def finite(values: Iterable[float | None]) -> list[float]:
@@ -165,9 +125,7 @@ def paired_interval(
     return mean_ci(paired_differences(a, b).values(), level)
 
 
-# ---------------------------------------------------------------------------------------------
-# Trend in K
-# ---------------------------------------------------------------------------------------------
+# ---- Trend in K ----------------------------------------------------------------------------------
 
 
 class Trend(NamedTuple):
@@ -192,8 +150,7 @@ def trend(points: Mapping[float, Sequence[float | None]], level: float = 0.95) -
     means) lets the seed-to-seed spread set the interval."""
     xy = [(float(x), y) for x, ys in points.items() for y in finite(ys)]
     n = len(xy)
-    xs = {x for x, _ in xy}
-    if n < 2 or len(xs) < 2:
+    if n < 2 or len({x for x, _ in xy}) < 2:
         return Trend(math.nan, math.nan, math.nan, n, max(0, n - 2))
     mx = sum(x for x, _ in xy) / n
     my = sum(y for _, y in xy) / n
@@ -208,25 +165,16 @@ def trend(points: Mapping[float, Sequence[float | None]], level: float = 0.95) -
     return Trend(slope, t_quantile(0.5 + level / 2.0, n - 2) * se, intercept, n, n - 2)
 
 
-# ---------------------------------------------------------------------------------------------
-# Learning curves
-# ---------------------------------------------------------------------------------------------
+# ---- Learning curves -----------------------------------------------------------------------------
 
 
 def smooth(x: Sequence[float], w: int = SMOOTH) -> list[float]:
     """Trailing moving average (the first points average what exists)."""
-    out, acc = [], []
-    for v in x:
-        acc.append(v)
-        if len(acc) > w:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
-    return out
+    return [sum(x[max(0, i - w + 1) : i + 1]) / min(i + 1, w) for i in range(len(x))]
 
 
 def steps_to_threshold(curve: Sequence[float], threshold: float, w: int = SMOOTH) -> float:
-    """First step (1-based) at which the ``w``-step trailing average reaches ``threshold``;
-    NaN when it never does."""
+    """First 1-based step where the ``w``-step trailing mean reaches ``threshold`` (NaN: never)."""
     hit = next((i for i, v in enumerate(smooth(curve, w)) if v >= threshold), None)
     return float(hit + 1) if hit is not None else math.nan
 
@@ -262,12 +210,10 @@ def censored_steps(stats: Mapping[str, float]) -> float:
 
 
 def value_at(curve: Sequence[float], step: int, w: int = SMOOTH) -> float:
-    """The ``w``-step trailing average at ``step`` (1-based): the mean of steps
-    ``step - w + 1 .. step`` that exist and are finite; NaN when the curve is shorter."""
+    """The ``w``-step trailing mean of the finite values at ``step`` (1-based); NaN past the end."""
     if step < 1 or len(curve) < step:
         return math.nan
-    v = finite(curve[max(0, step - w) : step])
-    return sum(v) / len(v) if v else math.nan
+    return mean_finite(curve[max(0, step - w) : step])
 
 
 def mean_finite(curve: Iterable[float | None]) -> float:

@@ -10,10 +10,12 @@ import hashlib
 import io
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from omegaconf import OmegaConf
 
 from mrtpo.evaluate.analysis.jobs import (
@@ -28,6 +30,14 @@ from mrtpo.evaluate.analysis.jobs import (
 )
 from mrtpo.evaluate.analysis.runs import write_file
 from mrtpo.evaluate.analysis.stats import FINAL_WINDOW, SMOOTH, Interval
+
+#: The markdown templates (``mrtpo/evaluate/templates/*.md.j2``): text, so nothing is escaped.
+MARKDOWN = jinja2.Environment(
+    loader=jinja2.PackageLoader("mrtpo.evaluate", "templates"),
+    trim_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+)
 
 
 def plural(k: int, noun: str) -> str:
@@ -51,10 +61,7 @@ def fmt_ci(iv: Interval, digits: int = 3) -> str:
 def one_line(text: Any) -> str:
     """``text`` with line breaks and other unprintable characters written as escapes
     (``\\n``), so that a name from a run's files cannot end a markdown line or table row."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _digest(name: str, n: int = 8) -> str:
@@ -78,9 +85,7 @@ def figure_names(metrics: Sequence[str]) -> dict[str, str]:
     for a short name of letters, digits and ``_.-/`` that no other metric cleans to; any
     other name is cleaned, cut and given a short hash of itself (``-<hash>``)."""
     clean = {m: re.sub(r"[^A-Za-z0-9_.-]+", "_", m) for m in metrics}
-    count: dict[str, int] = {}
-    for c in clean.values():
-        count[c.casefold()] = count.get(c.casefold(), 0) + 1
+    count = Counter(c.casefold() for c in clean.values())
     out: dict[str, str] = {}
     taken: set[str] = set()
     for m, c in clean.items():
@@ -97,18 +102,15 @@ def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     def cell(c: Any) -> str:
         return one_line(c).replace("|", r"\|")
 
-    lines = ["| " + " | ".join(map(cell, head)) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        lines.append("| " + " | ".join(map(cell, r)) + " |")
+    lines = ["| " + " | ".join(map(cell, r)) + " |" for r in [head, *rows]]
+    lines.insert(1, "|" + "---|" * len(head))
     return "\n".join(lines)
 
 
 def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Columns and one row per run (overrides also one column per experiment key)."""
     metrics = metric_names(runs)
-    keys: list[str] = []
-    for r in runs:
-        keys += [override_key(o) for o in r.group if override_key(o) not in keys]
+    keys = list(dict.fromkeys(override_key(o) for r in runs for o in r.group))
     head = ["job", "run", "status", SEED, "overrides", *keys, "steps", "wall_s"]
     head += [f"{m}/{kind}" for m in metrics for kind in ("final", "best")]
     rows = []
@@ -132,21 +134,15 @@ def summary_rows(runs: Sequence[Run], root: Path) -> tuple[list[str], list[dict[
 
 def sweep_command(root: Path) -> str | None:
     """``python src/<train|eval>.py -m <the sweep's overrides>``, from Hydra's ``multirun.yaml``."""
-    p = root / "multirun.yaml"
-    if not p.is_file():
-        return None
     try:
-        saved = OmegaConf.load(p).hydra
-        ov = saved.overrides.task
+        saved = OmegaConf.load(root / "multirun.yaml").hydra
         script = str(saved.job.get("name") or "train")
-    except Exception:
+        return f"python src/{script}.py -m " + " ".join(str(o) for o in saved.overrides.task)
+    except Exception:  # none, or not Hydra's
         return None
-    return f"python src/{script}.py -m " + " ".join(str(o) for o in ov)
 
 
-# ---------------------------------------------------------------------------------------------
-# An evaluation sweep's summary (src/eval.py -m): one row per job, its eval metrics
-# ---------------------------------------------------------------------------------------------
+# ---- An evaluation sweep's summary (src/eval.py -m): one row per job, its eval metrics -----------
 
 #: The metrics an evaluation summary shows, where a job wrote them: each benchmark's headline.
 EVAL_HEADLINES = ("exec_acc", "prompt_level_strict_acc", "inst_level_strict_acc",
@@ -184,8 +180,7 @@ def write_eval_summary(root: Path, runs: Sequence[Run]) -> tuple[Path, Path]:
 
 def _write_md(root: Path, title: str, runs: Sequence[Run], common: list[str], table: str,
               intro: Sequence[str] = (), end: Sequence[str] = ()) -> Path:  # fmt: skip
-    """``<root>/summary.md``: the title, the sweep's command, ``intro``, the overrides every job
-    shares, the table, a line per failed job, then ``end``."""
+    """``<root>/summary.md``: title, command, ``intro``, common overrides, table, failed, end."""
     cmd = sweep_command(root)
     lines = [f"# {title}: {one_line(root.name)}", "", *([f"`{one_line(cmd)}`", ""] if cmd else [])]
     lines += [*intro, *([f"Every job: `{one_line(' '.join(common))}`."] if common else [])]
@@ -219,13 +214,11 @@ def write_summary(root: str | Path) -> tuple[Path, Path] | None:
     names, common = labels([r.group for r in runs])
     md_head = ["job", "overrides", SEED, "status", "steps", "wall (s)"]
     md_head += [f"{shown(m)} final / best" for m in metrics]
-    md_rows = []
-    for r, row in zip(runs, rows, strict=True):
-        cells = [row["job"], names[r.group], row[SEED], row["status"] or "?", r.steps]
-        cells.append(fmt(r.wall_s, 1))
-        for m in metrics:
-            cells.append(f"{fmt(row[f'{m}/final'])} / {fmt(row[f'{m}/best'])}")
-        md_rows.append(cells)
+    md_rows = [
+        [row["job"], names[r.group], row[SEED], row["status"] or "?", r.steps, fmt(r.wall_s, 1),
+         *[f"{fmt(row[f'{m}/final'])} / {fmt(row[f'{m}/best'])}" for m in metrics]]
+        for r, row in zip(runs, rows, strict=True)
+    ]  # fmt: skip
     intro = [f"{plural(len(runs), 'job')}. final: mean of the last {FINAL_WINDOW} steps; best: "
              f"highest {SMOOTH}-step moving average."]  # fmt: skip
     end = [f"- warning: {one_line(w)}" for r in runs for w in r.warnings]

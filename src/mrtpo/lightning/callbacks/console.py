@@ -1,8 +1,6 @@
-"""A console a person can read: one line per step while training, a summary table at the end.
-
-``StepLine``: a line per step with the time left, a live bar under them on a terminal, plain
-text in a log file or CI. ``RunSummary``: at the end, the means of the rewards and success over
-blocks of steps (the table ``make train`` shows) and a PNG of the curves in the run folder.
+"""A console a person can read: a line per step with the time left (``StepLine``; a live bar
+under them on a terminal, plain text in a log file or CI), and at the end the means of the
+rewards and success over blocks of steps with a PNG of their curves (``RunSummary``).
 """
 
 from __future__ import annotations
@@ -41,12 +39,9 @@ def quiet_libraries() -> None:
     deprecation notes from inside Lightning; warnings and errors still show."""
     for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-    except Exception:  # an older transformers: the bars are only cosmetic
-        pass
+    hf_logging.disable_progress_bar()
     for pattern in (
         r".*isinstance\(treespec, LeafSpec\).*",
         r"You have overridden `transfer_batch_to_device`",
@@ -113,8 +108,7 @@ def _sft_parts(target, step: int) -> list[str]:
         first = -(-first // target.every) * target.every  # the first multiple of eval_every
         return [f"held-out {target.metric}: first check at step {first}{goal}"]
     last = target.history[-1]
-    value = last[target.metric]
-    return [f"held-out {target.metric} {value:.3f} (step {int(last['step'])}{goal})"]
+    return [f"held-out {target.metric} {last[target.metric]:.3f} (step {int(last['step'])}{goal})"]
 
 
 class StepLine(L.Callback):
@@ -127,9 +121,7 @@ class StepLine(L.Callback):
             raise ValueError(f"callbacks.progress.bar={bar!r} is not allowed: auto, true or false")
         self.min_interval_s = float(min_interval_s)
         self.bar = bar
-        self._t_start = 0.0
-        self._t_last = -math.inf
-        self._step0 = 0
+        self._t_start, self._t_last, self._step0 = 0.0, -math.inf, 0
         self._live = None  # rich's Progress while a live bar runs
         self._handlers: list[tuple[logging.StreamHandler, object]] = []
 
@@ -180,12 +172,11 @@ class StepLine(L.Callback):
         if now - self._t_last < self.min_interval_s and not last:
             return
         self._t_last = now
-        text = "  ".join(
-            p for p in (parts["head"], parts["info"], parts["rate"], parts["eta"]) if p
-        )
-        print(text, flush=True)  # with a live bar, rich's stdout puts it above the bar
+        # head, info, rate, eta; with a live bar, rich's stdout puts it above the bar
+        print("  ".join(p for p in parts.values() if p), flush=True)
 
-    def _stop(self) -> None:
+    def _stop(self, *hook_args, **hook_kwargs) -> None:
+        """Stop the live bar (at train end: before the summary table prints)."""
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -193,14 +184,7 @@ class StepLine(L.Callback):
             handler.setStream(stream)
         self._handlers = []
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._stop()  # before the summary table prints
-
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        self._stop()
-
-    def teardown(self, trainer, pl_module, stage) -> None:
-        self._stop()
+    on_train_end = on_exception = teardown = _stop
 
 
 def _live_bar(stage: str, start: int, total: int):
@@ -297,17 +281,14 @@ class RunSummary(L.Callback):
             self.steps.append(int(trainer.global_step))
 
     def table(self) -> tuple[list[str], list[list[str]]]:
-        names = []
-        for r in self.rows:
-            names += [k for k in r if k not in names]
+        names = list(dict.fromkeys(k for r in self.rows for k in r))
         # success, total, then the rewards with numbers in order (c2 before c10)
         names.sort(key=lambda k: (k != "success", k != "reward/total", _natural(k)))
         body = []
         for a in range(0, len(self.rows), self.block):
             chunk = self.rows[a : a + self.block]
-            steps = self.steps[a : a + len(chunk)] if len(self.steps) == len(self.rows) else []
-            first, last = (steps[0], steps[-1]) if steps else (a + 1, a + len(chunk))
-            cells = [f"{first}-{last}"]
+            steps = self.steps[a : a + len(chunk)]  # appended with the rows
+            cells = [f"{steps[0]}-{steps[-1]}"]
             for k in names:
                 vals = [r[k] for r in chunk if k in r]
                 cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "")
@@ -354,16 +335,15 @@ class RunSummary(L.Callback):
         import matplotlib.pyplot as plt
 
         names = sorted({k for r in self.rows for k in r} - {TOTAL})
-        steps = self.steps if len(self.steps) == len(self.rows) else range(1, len(self.rows) + 1)
         fig, ax = plt.subplots(figsize=(7, 4.6), layout="constrained")
         for k in names:
-            xs = [x for x, r in zip(steps, self.rows, strict=True) if k in r]
+            xs = [x for x, r in zip(self.steps, self.rows, strict=True) if k in r]
             ax.plot(xs, [r[k] for r in self.rows if k in r], label=self.shown(k), lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("mean over the step's responses")
         if any(TOTAL in r for r in self.rows):  # 0..K: its own axis, not the rewards' 0..1
             right = ax.twinx()
-            xs = [x for x, r in zip(steps, self.rows, strict=True) if TOTAL in r]
+            xs = [x for x, r in zip(self.steps, self.rows, strict=True) if TOTAL in r]
             right.plot(xs, [r[TOTAL] for r in self.rows if TOTAL in r], "k--", lw=1.0,
                        label="total (right axis)")  # fmt: skip
             right.set_ylabel("summed reward (total)")

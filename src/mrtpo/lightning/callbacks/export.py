@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from mrtpo.evaluate.export import hf_model, save_policy
 from mrtpo.lightning.module import PolicyModule
 from mrtpo.lightning.sharding import full_state_dict, is_sharded
+from mrtpo.run.resume import _flatten
 from mrtpo.run.trained_run import MARKER, exported_step
 from mrtpo.safe_files import pid_alive as _alive
 
@@ -51,16 +52,6 @@ def _hydra_value(value: Any) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value of every leaf (a list or an empty mapping is one leaf)."""
-    if isinstance(node, Mapping) and node:
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: node}
-
-
 def _group_file(group: str, choice: str) -> Any:
     from mrtpo.run.config import CONFIG_DIR
 
@@ -76,7 +67,8 @@ def eval_overrides(saved: Any, task: str) -> list[str]:
     from mrtpo.run.trained_run import SMOKE_LIMITS
 
     raw = OmegaConf.to_container(saved.task, resolve=False)
-    run, default = _leaves(raw), _leaves(_group_file("task", task))
+    # dotted key -> value of every leaf (a list or an empty mapping is one leaf)
+    run, default = _flatten(raw, "", {}), _flatten(_group_file("task", task), "", {})
     out = [f"task={task}"]
     for key, value in run.items():
         if key in SMOKE_LIMITS or (key in default and default[key] == value):

@@ -1,10 +1,6 @@
-"""Resume in place: a resumed run continues its run folder's ``metrics.csv``, without duplicates.
-
-A run killed after its last checkpoint logged steps the resumed run computes again. This
-callback tells ``RunCSVLogger`` the restored step; its first save replaces the file in one
-atomic rename by the earlier rows, then the new: every step once, history on disk throughout.
-It also saves into every checkpoint the run's settings (so ``+resume`` can refuse changes) and
-the metric names logged so far (a resumed step writes NaN where the uninterrupted run did).
+"""Resume in place: a resumed run continues its run folder's ``metrics.csv`` from the restored
+step, without duplicates (``RunCSVLogger``; docs/reliability.md), and every checkpoint keeps the
+run's settings (so ``+resume`` can refuse changes) and the metric names logged so far.
 """
 
 from __future__ import annotations
@@ -30,20 +26,11 @@ def _logged(pl_module):
 
 
 class ResumeMetrics(L.Callback):
-    """Starts a resumed run's ``metrics.csv`` at the restored step; records the settings.
+    """Starts a resumed run's ``metrics.csv`` at the restored step; saves ``settings``, the
+    run's settings record, into each checkpoint (None: nothing saved)."""
 
-    ``settings``: the run's settings record, saved into each checkpoint (None: nothing saved).
-    """
-
-    def __init__(
-        self,
-        loggers: list | None = None,
-        resuming: bool = False,
-        settings: str | None = None,
-    ) -> None:
-        self.resuming = resuming
+    def __init__(self, settings: str | None = None) -> None:
         self.settings = settings
-        self.kept = self.dropped = 0
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self.settings is not None:
@@ -77,9 +64,3 @@ class ResumeMetrics(L.Callback):
                 start,
                 start,
             )
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        for lg in trainer.loggers:
-            writer = lg.experiment if isinstance(lg, RunCSVLogger) else None
-            if isinstance(writer, KeepingWriter):
-                self.kept, self.dropped = writer.kept, writer.dropped

@@ -92,19 +92,18 @@ def drop_records_after(path: str | Path, last: int) -> int:
     fd = _open_records(path)
     if fd is None:
         return 0
-    with open(fd, "rb") as src:
-        dropped = sum(_keep(line, last) is None for line in src)
-        fixed = dropped or not _ends_with_newline(src)
-        if not fixed:
+    with open(fd, "rb") as src:  # read twice, never whole: the file can hold gigabytes
+        dropped, whole = 0, True
+        for line in src:
+            dropped += _keep(line, last) is None
+            whole = line.endswith(b"\n")
+        if not dropped and whole:
             return 0
         src.seek(0)
         out, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with open(out, "wb") as dst:
-                for line in src:
-                    kept = _keep(line, last)
-                    if kept is not None:
-                        dst.write(kept)
+                dst.writelines(k for k in (_keep(line, last) for line in src) if k is not None)
                 dst.flush()
                 os.fchmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))
                 os.fsync(dst.fileno())
@@ -113,14 +112,6 @@ def drop_records_after(path: str | Path, last: int) -> int:
             Path(tmp).unlink(missing_ok=True)
             raise
     return dropped
-
-
-def _ends_with_newline(f) -> bool:
-    size = os.fstat(f.fileno()).st_size
-    if size == 0:
-        return True
-    f.seek(size - 1)
-    return f.read(1) == b"\n"
 
 
 def _drop_rerun_records(trainer, pl_module, name: str) -> None:
@@ -218,26 +209,23 @@ class SampleTable(L.Callback):
         _drop_rerun_records(trainer, pl_module, "samples.jsonl")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        scored = pl_module.last
-        step = pl_module.iteration
+        scored, step = pl_module.last, pl_module.iteration
         if scored is None or not trainer.is_global_zero or self.every <= 0:
             return
         if (step - 1) % self.every != 0:
             return
         roll = scored.rollout
-        rows = []
-        for i in range(min(self.num, roll.n)):
-            s = scored.scores[i]
-            rows.append(
-                {
-                    "step": step,
-                    "id": roll.examples[i].id,
-                    "prompt": roll.examples[i].messages[-1]["content"],
-                    "response": roll.texts[i],
-                    "rewards": s.rewards,
-                    "reasons": s.reasons,
-                }
-            )
+        rows = [
+            {
+                "step": step,
+                "id": roll.examples[i].id,
+                "prompt": roll.examples[i].messages[-1]["content"],
+                "response": roll.texts[i],
+                "rewards": scored.scores[i].rewards,
+                "reasons": scored.scores[i].reasons,
+            }
+            for i in range(min(self.num, roll.n))
+        ]
         with open(
             _run_dir(trainer) / "samples.jsonl", "a", encoding="utf-8", opener=no_follow
         ) as f:
