@@ -308,6 +308,15 @@ def _chain_first(jobs: list[Job]) -> list[Job]:
     return sorted(jobs, key=lambda j: -below[j.key])
 
 
+def cell_jobs(opts: LongOptions) -> tuple[list[Job], list[Job]]:
+    """The cells' warm-start passes (longest chain first) and their RL runs."""
+    passes = [p for wave in sft_waves(list(opts.cells)) for p in wave]
+    sft = _chain_first([sft_job(c, phase, opts) for c, phase in passes])
+    rl = [rl_job(c, m, s, opts) for c in opts.cells for s in range(opts.seeds)
+          for m in methods_of(c, opts)]  # fmt: skip
+    return sft, rl
+
+
 def run_cells(opts: LongOptions, console) -> bool:
     """Every warm start and every RL run, in one pool: a job starts once the pass it starts
     from is done, the longest warm-start chain first (finished jobs are skipped: a rerun
@@ -319,10 +328,7 @@ def run_cells(opts: LongOptions, console) -> bool:
             console.print(f"[red]{exc}")
             return False
         console.print(f"warm starts reused from {opts.warm_from} (made at commit {made})")
-    passes = [p for wave in sft_waves(list(opts.cells)) for p in wave]
-    sft = _chain_first([sft_job(c, phase, opts) for c, phase in passes])
-    rl = [rl_job(c, m, s, opts) for c in opts.cells for s in range(opts.seeds)
-          for m in methods_of(c, opts)]  # fmt: skip
+    sft, rl = cell_jobs(opts)
     res = run_all([*sft, *rl], opts.workers, opts.threads, console, "Warm starts and RL runs")
     failed = [j.key for j in sft if res.get(j.key, {}).get("error")]
     if failed:

@@ -54,6 +54,7 @@ from replication.long import (
     CellRuns,
     LongOptions,
     cell_dir,
+    cell_jobs,
     read_cells,
     run_cells,
     sft_waves,
@@ -61,6 +62,8 @@ from replication.long import (
     warm_start,
 )
 from replication.plots import plot_long_curves, plot_relevance_wrapped
+from replication.recheck import recheck
+from replication.recheck import summary as recheck_summary
 from replication.relevance import checker_tokens, relevance_stats
 
 FEW_TOKEN = "mark"
@@ -827,6 +830,7 @@ def write_report(cells: list[CellRuns], opts: LongOptions, wall_s: float, out: P
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {_provenance(opts)}; do "
         "not edit by hand._")  # fmt: skip
     add("")
+    lines += recheck_summary(opts.logdir, opts.commit)
     add("The toy replication ([replication.md](replication.md)) finds MRTPO within noise of "
         "GDPO, but its responses are 4–9 tokens long: there is little to place credit on. Here "
         "every response opens with a free part the checkers never read, as the paper's "
@@ -899,6 +903,9 @@ def main(opts: LongOptions) -> int:
             console.print(f"[red]{run_file} not found: is --logdir a long-toy run folder?")
             return 1
         _restore(opts, run_file)
+        if opts.recheck:
+            sft, rl = cell_jobs(opts)
+            recheck([*sft, *rl], opts.logdir, opts.workers, opts.threads, console)
     else:
         opts.logdir.mkdir(parents=True, exist_ok=True)
         opts.commit = opts.commit or source_commit()

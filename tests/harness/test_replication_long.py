@@ -279,6 +279,16 @@ def test_long_replication_miniature_end_to_end(tmp_path, cache_dir):
     assert strip((again / "replication_long.md").read_text()).replace(str(again), "") == strip(
         report
     ).replace(str(docs), "")
+    # --recheck runs seed 0 and the short warm starts again at this code and says what it found
+    # (it was ignored for the plain long toy: only the credit report read it)
+    assert (
+        rep.main(["--long", "--report-only", "--recheck", f"--logdir={logs}", f"--docs={again}"])
+        == 0
+    )
+    checked = json.loads((logs / "recheck.json").read_text())["jobs"]
+    assert {"k2_f0/gdpo/s0", "k2_f3/mrtpo/s0", "k2_f0/sft"} <= {j["key"] for j in checked}
+    assert all(j["max_abs_diff"] == 0 and j["rows"] == j["rows_again"] for j in checked), checked
+    assert "**Rechecked at commit" in (again / "replication_long.md").read_text()
 
 
 def test_credit_stats_reading_and_picture_of_a_made_up_dump(tmp_path):
