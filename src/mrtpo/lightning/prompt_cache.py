@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mrtpo.safe_files import UnsafePath, write_atomic
+from mrtpo.safe_files import UnsafePath, no_follow, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,12 @@ def prompt_key(messages: Any) -> str:
 
 
 def _read(path: Path) -> dict[str, int]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+    try:  # never through a link, and a FIFO is refused instead of waited on for ever
+        with open(path, encoding="utf-8", opener=no_follow) as f:
+            data = json.loads(f.read())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # UnsafePath is a ValueError
         log.warning("data: prompt-length cache %s unreadable (%s); counting again", path, exc)
         return {}
     counts = data.get("lengths") if isinstance(data, dict) else None
