@@ -266,9 +266,10 @@ def compare_q(a, b, replayed, mask) -> dict[str, Any]:
 
 
 def _scored_batch(sizes: Sizes, state: dict[str, Any]):
-    """The pairs stage 3 replayed, or (when it did not run) a rollout built the same way."""
+    """The batch and pairs stage 3 replayed, or (when it did not run) a rollout built the same
+    way with the pairs MRTPO would replay: (task, batch, pairs)."""
     if state.get("scored") is not None:
-        return state["task"], state["scored"]
+        return state["task"], state["scored"], state["scored"].replayed
     import torch
 
     from benchmarks.common import controlled_task
@@ -299,8 +300,7 @@ def _scored_batch(sizes: Sizes, state: dict[str, Any]):
     for p in g.unique():
         rows = (g == p).nonzero().flatten()
         vary[rows] = (rewards[rows].max(0).values != rewards[rows].min(0).values)[None, :]
-    batch.replayed = vary
-    return task, batch
+    return task, batch, vary
 
 
 def stage_numerics(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
@@ -313,8 +313,7 @@ def stage_numerics(sizes: Sizes, state: dict[str, Any]) -> dict[str, Any]:
     require("numerics", sizes)
     if "model" not in state:
         raise Skipped("the model stage failed")
-    task, batch = _scored_batch(sizes, state)
-    pairs = batch.replayed
+    task, batch, pairs = _scored_batch(sizes, state)
     if pairs is None or not pairs.any():
         raise RuntimeError("no replayed pairs to compare")
     tok, model = state["tok"], state["model"]

@@ -75,6 +75,16 @@ def test_missing_feature_skips_its_stage(tmp_path, monkeypatch):
     assert "| jsd_memory | skipped |" in (tmp_path / gpu.SUMMARY_NAME).read_text()
 
 
+@pytest.mark.harness
+def test_numerics_without_the_steps_stage_builds_its_own_pairs(tmp_path):
+    # with no steps stage before it (or a failed one), numerics builds the rollout itself; it
+    # set the pairs on the frozen ScoredBatch and failed with FrozenInstanceError
+    data = gpu.run(tmp_path, dry_run=True, stages=("numerics",), vllm="off")
+    assert "steps" not in data["stages"]
+    assert data["stages"]["numerics"]["status"] == "ok", data["stages"]["numerics"]
+    assert data["numerics"]["pairs"] > 0 and data["numerics"]["bf16_vs_fp32"]["tokens"] > 0
+
+
 def test_failing_stage_does_not_stop_the_others(tmp_path, monkeypatch):
     def boom(sizes):
         raise RuntimeError("simulated failure")

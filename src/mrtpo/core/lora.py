@@ -123,6 +123,12 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings):
     return peft_model
 
 
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (its ``save_pretrained`` knows tied weights)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a PEFT model (adapters that can be switched off)."""
     return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")

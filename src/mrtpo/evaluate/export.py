@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mrtpo.core.lora import is_lora
+from mrtpo.core.lora import hf_model, is_lora
 from mrtpo.core.models import eos_token_ids, load_policy, resolve_dtype
 from mrtpo.evaluate.analysis.runs import read_metrics
 from mrtpo.evaluate.analysis.summary import MARKDOWN
@@ -56,12 +56,6 @@ def merged_state_dict(
         if name is not None:
             out[name] = (merged[key].materialize() if key in merged else tensor).detach()
     return out
-
-
-def hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (its ``save_pretrained`` knows tied weights)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
 
 
 def generation_config(model, tokenizer, sampling: Mapping[str, Any] | None):

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from mrtpo.core.lora import hf_model  # the wrapping rules name its modules
 from mrtpo.core.models import DTYPES as _DTYPES
 from mrtpo.distributed import dummy_batch, is_sharded  # noqa: F401  (re-exported)
-from mrtpo.evaluate.export import hf_model  # the wrapping rules name its modules
 
 # model_type -> its transformer blocks, each its own FSDP unit (one layer's full weights are
 # resident at a time); embeddings, final norm and LM head stay in the root unit.

@@ -16,7 +16,8 @@ from typing import Any
 import lightning as L
 from omegaconf import OmegaConf
 
-from mrtpo.evaluate.export import hf_model, save_policy
+from mrtpo.core.lora import hf_model
+from mrtpo.evaluate.export import save_policy
 from mrtpo.lightning.module import PolicyModule
 from mrtpo.lightning.sharding import full_state_dict, is_sharded
 from mrtpo.run.resume import _flatten
