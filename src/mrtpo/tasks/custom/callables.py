@@ -34,7 +34,10 @@ def on_import_path(folder: str | Path, *, first: bool) -> Path:
     by spawn (which copy ``sys.path``) import the same module by name."""
     folder = Path(folder).expanduser().resolve()
     if str(folder) not in sys.path:
-        sys.path.insert(0 if first else len(sys.path), str(folder))
+        if first:
+            sys.path.insert(0, str(folder))
+        else:
+            sys.path.append(str(folder))
     return folder
 
 
@@ -42,7 +45,8 @@ def _module_from_file(text: str, key: str) -> tuple[str, str]:
     """``path/to/mod.py:attr`` -> (``mod``, ``attr``), with the file's folder on ``sys.path``
     (a relative path is taken from the launch folder)."""
     file_part, _, attr_path = text.rpartition(":")
-    path = (launch_dir() / Path(file_part).expanduser()).resolve()  # an absolute one stays
+    path = Path(file_part).expanduser()
+    path = (path if path.is_absolute() else launch_dir() / path).resolve()
     if not path.is_file():
         raise ImportError(f"{key}={text!r}: no such file {path}")
     if not attr_path:
@@ -76,9 +80,11 @@ def short_name(fn: Callable) -> str | None:
 
 def _candidates(text: str, key: str) -> list[tuple[str, list[str]]]:
     """The (module, attribute path) readings of an import string, the likeliest first."""
-    if ":" in text:  # module:attr.path, or path/to/module.py:attr
-        py = text.rpartition(":")[0].endswith(".py")
-        module_name, attr_path = _module_from_file(text, key) if py else text.partition(":")[::2]
+    if text.rpartition(":")[0].endswith(".py"):
+        module_name, attr_path = _module_from_file(text, key)
+        return [(module_name, attr_path.split("."))]
+    if ":" in text:
+        module_name, _, attr_path = text.partition(":")
         return [(module_name, attr_path.split("."))]
     parts = text.split(".")
     if len(parts) < 2:
@@ -96,10 +102,13 @@ def _import(module_name: str, text: str, key: str) -> Any:
     module included, is an ImportError naming the key."""
     try:
         return importlib.import_module(module_name)
-    except Exception as exc:
-        gone = exc.name if isinstance(exc, ModuleNotFoundError) else None
-        if gone and (module_name == gone or module_name.startswith(gone + ".")):
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise
+        raise ImportError(
+            f"{key}={text!r}: importing module {module_name!r} failed: {exc}"
+        ) from exc
+    except Exception as exc:
         raise ImportError(
             f"{key}={text!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
