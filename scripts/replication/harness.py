@@ -335,8 +335,8 @@ def rl_jobs(opts: Options) -> list[Job]:
     ]
 
 
-#: Columns of metrics.csv that measure time, not the computation: left out of the rerun check.
-#: Columns that measure time, not the run's numbers (never compared).
+#: Columns of metrics.csv that measure time, not the run's numbers: never compared (the rerun
+#: check, --recheck).
 TIMING = re.compile(r"(^|/)time(/|$)|_s$|tokens_per_s")
 
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mrtpo.evaluate.analysis.runs import read_metrics, source_commit
+from mrtpo.evaluate.analysis.runs import read_metrics, source_commit, write_file
 from replication.harness import largest_difference
 from replication.jobs import Job, run_all
 
@@ -81,7 +81,7 @@ def recheck(jobs: list[Job], logdir: Path, workers: int, threads: int, console) 
         else:
             rows.append({"key": job.key, **compare(first, got["csv"])})
     out = {"commit": source_commit(), "jobs": rows}
-    (logdir / "recheck.json").write_text(json.dumps(out, indent=2))
+    write_file(logdir / "recheck.json", json.dumps(out, indent=2))  # never through a link
     return out
 
 

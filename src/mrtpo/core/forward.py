@@ -369,7 +369,11 @@ def _token_cost(model) -> float:
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:
-    return next((i for i, col in enumerate(zip(*seqs)) if len(set(col)) > 1), min(map(len, seqs)))
+    """How many leading tokens every sequence in ``seqs`` shares."""
+    for i, column in enumerate(zip(*seqs)):
+        if len(set(column)) > 1:
+            return i
+    return min(len(s) for s in seqs)
 
 
 def prefix_layout(

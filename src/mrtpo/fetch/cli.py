@@ -159,8 +159,11 @@ def _archive_problems(a: Archive, to: Path, rec: dict) -> list[tuple[str, str]]:
     "wrong") of each whose size changed."""
     out = [(e, "missing") for e in a.expect if not (to / e).exists()]
     for target, size in rec["archives"].get(a.name, {}).get("members", {}).items():
-        if not (p := to / target).is_file() or p.stat().st_size != size:
-            out.append((target, "wrong" if p.is_file() else "missing"))
+        p = to / target
+        if not p.is_file():
+            out.append((target, "missing"))
+        elif p.stat().st_size != size:
+            out.append((target, "wrong"))
     return out
 
 

@@ -120,14 +120,19 @@ def reward_value(value: Any) -> tuple[float | None, str | None]:
         return None, f"{_kind(value)}, not a number or None"
     if math.isnan(f):
         return None, None
-    if abs(f) > F32_MAX:  # beyond float32, or a Decimal or longdouble beyond float (then inf)
-        try:  # only a value that is itself infinite stays inf
-            infinite = math.isinf(f) and bool(value == f)
-        except Exception:
-            infinite = False
-        if not infinite:
-            return None, _too_large(value)
+    # beyond float32, or a Decimal or longdouble beyond float (then inf): only a value that is
+    # itself infinite stays inf
+    if abs(f) > F32_MAX and not (math.isinf(f) and _is_infinite(value, f)):
+        return None, _too_large(value)
     return f, None
+
+
+def _is_infinite(value: Any, f: float) -> bool:
+    """Whether ``value`` itself is infinite (not a finite number that overflowed to ``f``)."""
+    try:
+        return bool(value == f)
+    except Exception:
+        return False
 
 
 def _is_complex(value: Any) -> bool:

@@ -55,7 +55,8 @@ def t_cdf(t: float, df: int) -> float:
     theta, odd = math.atan(abs(t) / math.sqrt(df)), int(df) % 2
     c2, term, total = math.cos(theta) ** 2, math.cos(theta) if odd else 1.0, 0.0
     for k in range(int(df) // 2):
-        term *= (2 * k - 1 + odd) / (2 * k + odd) * c2 if k else 1.0
+        if k:
+            term *= (2 * k - 1 + odd) / (2 * k + odd) * c2
         total += term
     a = 2 / math.pi * (theta + math.sin(theta) * total) if odd else math.sin(theta) * total
     return 0.5 + 0.5 * a if t >= 0 else 0.5 - 0.5 * a

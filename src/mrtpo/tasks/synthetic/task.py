@@ -95,7 +95,8 @@ def with_mark(kinds: tuple[str, ...]) -> tuple[str, ...]:
     """The layout with its last ``include`` constraint (or, with none, its last constraint)
     replaced by ``mark``, in the same slot: K stays K, and the word count (which tells the
     policy where to stop, hence where the last word goes) is kept where the layout has it."""
-    i = ([j for j, k in enumerate(kinds) if k.startswith("include")] or [len(kinds) - 1])[-1]
+    slots = [j for j, k in enumerate(kinds) if k.startswith("include")] or [len(kinds) - 1]
+    i = slots[-1]
     return (*kinds[:i], "mark", *kinds[i + 1 :])
 
 

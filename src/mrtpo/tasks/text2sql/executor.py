@@ -612,7 +612,9 @@ class _PoolRound:
         q, pending = self.queue[w.fd], self.pending
         while pending and len(q) < self.ex.PIPELINE:
             i, attempt = pending[0]
-            frame = self.frames.get(i) or self.frames.setdefault(i, _frame(asdict(self.work[i])))
+            if i not in self.frames:  # pickled once, however often the job is sent
+                self.frames[i] = _frame(asdict(self.work[i]))
+            frame = self.frames[i]
             if q and len(frame) > self.ex.PIPELINE_MAX_BYTES:
                 # A busy worker does not read its pipe: a large write would block
                 # the parent (and its deadlines) until the running query ends.

@@ -135,13 +135,13 @@ def _mismatch_reason(gold: list[dict[str, Any]], pred: list[Any]) -> str:
 
 # ---- verifier blocks ----------------------------------------------------------------------
 _CALL_LINE = '{"name": ..., "parameters": {...}}'
-#: The format block's last sentence, by (has a tool call, has a response) (``True == 1``).
+#: The format block's last sentence, by (has a tool call, has a response).
 _FORMAT_TAILS = {
-    (1, 1): "Use each tag exactly once and write nothing after </response>.",
-    (1, 0): "Use each tag exactly once, add no <response>, and write nothing after </tool_call>.",
-    (0, 1): "Make no tool call, use each tag exactly once, and write nothing after </response>.",
-    (0, 0): "Write nothing outside the <think> </think> pair.",
-}
+    (True, True): "Use each tag exactly once and write nothing after </response>.",
+    (True, False): "Use each tag exactly once, add no <response>, and write nothing after </tool_call>.",
+    (False, True): "Make no tool call, use each tag exactly once, and write nothing after </response>.",
+    (False, False): "Write nothing outside the <think> </think> pair.",
+}  # fmt: skip
 
 
 def correctness_block(calls: list[dict[str, Any]] | None) -> str | None:
@@ -162,6 +162,11 @@ def format_block(tags: Sequence[str]) -> str:
     )
     reply = "then, on a new line, your reply inside <response> </response>"
     has_call, has_reply = "tool_call" in tags, "response" in tags
-    body = ", ".join([think, *[calls] * has_call, *[reply] * has_reply])
+    parts = [think]
+    if has_call:
+        parts.append(calls)
+    if has_reply:
+        parts.append(reply)
+    body = ", ".join(parts)
     tail = _FORMAT_TAILS[has_call, has_reply]
     return f"Required answer format: {body}. {tail}"
