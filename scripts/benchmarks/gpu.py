@@ -484,11 +484,12 @@ def run(
     """Run ``stages`` and write ``gpu_report.json`` and ``gpu_report.md`` into ``out_dir``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with muted_libraries():
-        return _run(out_dir, dry_run=dry_run, stages=stages, vllm=vllm, sizes=sizes)
+    # the steps stage's trainer writes under a scratch folder, removed when the run ends
+    with muted_libraries(), tempfile.TemporaryDirectory(prefix="mrtpo-gpu-") as work:
+        return _run(out_dir, Path(work), dry_run=dry_run, stages=stages, vllm=vllm, sizes=sizes)
 
 
-def _run(out_dir, *, dry_run, stages, vllm, sizes) -> dict[str, Any]:
+def _run(out_dir, workdir: Path, *, dry_run, stages, vllm, sizes) -> dict[str, Any]:
     sizes = sizes or (DRY if dry_run else FULL)
     bad = sorted(set(stages) - set(STAGES))
     if bad:
@@ -500,7 +501,6 @@ def _run(out_dir, *, dry_run, stages, vllm, sizes) -> dict[str, Any]:
     )
     data = report.data
     state: dict[str, Any] = {}
-    workdir = Path(tempfile.mkdtemp(prefix="mrtpo-gpu-"))
     t0 = time.perf_counter()
     want = set(stages)
     if "steps" in want or "numerics" in want or "generation" in want:

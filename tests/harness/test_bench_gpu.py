@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,10 +77,14 @@ def test_missing_feature_skips_its_stage(tmp_path, monkeypatch):
 
 
 @pytest.mark.harness
-def test_numerics_without_the_steps_stage_builds_its_own_pairs(tmp_path):
+def test_numerics_without_the_steps_stage_builds_its_own_pairs(tmp_path, monkeypatch):
     # with no steps stage before it (or a failed one), numerics builds the rollout itself; it
     # set the pairs on the frozen ScoredBatch and failed with FrozenInstanceError
-    data = gpu.run(tmp_path, dry_run=True, stages=("numerics",), vllm="off")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    data = gpu.run(tmp_path / "out", dry_run=True, stages=("numerics",), vllm="off")
+    assert not list(scratch.glob("mrtpo-gpu-*"))  # its scratch folder went with it (it stayed)
     assert "steps" not in data["stages"]
     assert data["stages"]["numerics"]["status"] == "ok", data["stages"]["numerics"]
     assert data["numerics"]["pairs"] > 0 and data["numerics"]["bf16_vs_fp32"]["tokens"] > 0
