@@ -25,10 +25,12 @@ with a ``ValueError`` (their callers catch it); any other exception is a bug.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import math
 import pkgutil
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -106,14 +108,22 @@ def data_dir() -> Path:
     if SHARED_DATA.is_dir():
         return SHARED_DATA
     if not _DATA_DIR:
-        _DATA_DIR.append(make_public_data(Path(tempfile.mkdtemp(prefix="fuzz-data-"))))
+        _DATA_DIR.append(make_public_data(_scratch("fuzz-data-")))
     return _DATA_DIR[0]
+
+
+def _scratch(prefix: str) -> Path:
+    """A temporary folder removed when the test process exits (these helpers run outside
+    fixtures, cached per session; mkdtemp alone left one behind per task)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _load(name: str) -> tuple[Task, list]:
     from hydra.utils import instantiate
 
-    cache = tempfile.mkdtemp(prefix="fuzz-cache-")
+    cache = _scratch("fuzz-cache-")
     cfg = compose_config(
         "train.yaml",
         [
